@@ -1,0 +1,92 @@
+"""Element-level codecs, all exact (no approximations), all in jnp so they run under jit.
+
+Formats (``shared/spec/attention.md`` top, §2.3; ``model.md`` §10.4):
+
+* ``e8m0`` (``ue8m0``): one byte ``b``, value ``2**(b - 127)``. Stored as ``jnp.float8_e8m0fnu``.
+* ``e4m3`` (OCP ``float8_e4m3fn``): max ±448, no infinities; rounding is round-to-nearest-even.
+  XLA's f32 -> e4m3fn conversion is RNE but turns out-of-range values into NaN, so
+  :func:`e4m3_round` clamps to ±448 first (saturating, like ``cvt.rn.satfinite``).
+* ``e2m1`` (OCP FP4): codes 0..7 = {0, .5, 1, 1.5, 2, 3, 4, 6}, bit 3 = sign. Rounding is RNE with
+  ties to the *even code*: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4 (the reference
+  and the hardware; DeepGEMM's test quantizer rounds ties down and is not followed).
+* Packed FP4: two codes per byte, element ``2k`` in the **low** nibble, ``2k+1`` in the high one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
+# Decision points between magnitude codes k and k+1.
+_E2M1_BOUNDS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
+_E2M1_LUT16 = np.concatenate([E2M1_VALUES, -E2M1_VALUES]).astype(np.float32)
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+
+
+def e8m0_decode(scale: jax.Array) -> jax.Array:
+    """e8m0 scales (float8_e8m0fnu or raw uint8 bytes) -> float32 powers of two."""
+    if scale.dtype == jnp.float8_e8m0fnu:
+        scale = jax.lax.bitcast_convert_type(scale, jnp.uint8)
+    exp = scale.astype(jnp.int32) - 127
+    return jnp.ldexp(jnp.ones(exp.shape, jnp.float32), exp)
+
+
+def e8m0_encode_exponent(exponent: jax.Array) -> jax.Array:
+    """Unbiased integer exponent e (scale = 2**e) -> float8_e8m0fnu byte ``e + 127``."""
+    b = jnp.clip(exponent + 127, 0, 254).astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(b, jnp.float8_e8m0fnu)
+
+
+def ceil_pow2_exponent(a: jax.Array) -> jax.Array:
+    """Exponent e with 2**e = 2**ceil(log2(a)) for positive normal float32 ``a``, read from the bit
+    pattern as the reference kernel does: the exponent field, plus one if the mantissa is non-zero
+    (an exact power of two stays exact)."""
+    bits = jax.lax.bitcast_convert_type(a.astype(jnp.float32), jnp.uint32)
+    exp = ((bits >> 23) & 0xFF).astype(jnp.int32) - 127
+    mant = bits & 0x7FFFFF
+    return exp + (mant != 0).astype(jnp.int32)
+
+
+def e4m3_round(x: jax.Array) -> jax.Array:
+    """Round float32 values to the nearest e4m3fn value (RNE, saturating at ±448); float32 out."""
+    x = jnp.clip(x.astype(jnp.float32), -E4M3_MAX, E4M3_MAX)
+    return x.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+def e2m1_encode(x: jax.Array) -> jax.Array:
+    """float32 values (already divided by the scale) -> e2m1 codes (uint8 0..15), RNE, saturating."""
+    x = x.astype(jnp.float32)
+    a = jnp.abs(x)
+    code = jnp.zeros(x.shape, jnp.uint8)
+    for k, bound in enumerate(_E2M1_BOUNDS):
+        # between code k and k+1: round up above the bound, and on the bound when k+1 is even
+        up = (a > bound) | ((a == bound) & ((k + 1) % 2 == 0))
+        code = code + up.astype(jnp.uint8)
+    sign = (jnp.signbit(x) & (code > 0)).astype(jnp.uint8)
+    return code | (sign << 3)
+
+
+def e2m1_decode(codes: jax.Array) -> jax.Array:
+    """e2m1 codes (uint8 0..15) -> float32 values."""
+    return jnp.asarray(_E2M1_LUT16)[codes.astype(jnp.int32) & 0xF]
+
+
+def pack_nibbles(codes: jax.Array) -> jax.Array:
+    """[..., 2n] codes -> [..., n] uint8 bytes, element 2k in the low nibble."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"packing FP4 needs an even last dimension, got shape {codes.shape}")
+    c = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return (c[..., 0] & 0xF) | ((c[..., 1] & 0xF) << 4)
+
+
+def unpack_nibbles(packed: jax.Array) -> jax.Array:
+    """[..., n] bytes (uint8 or int8) -> [..., 2n] uint8 codes, low nibble first."""
+    if packed.dtype == jnp.int8:
+        packed = jax.lax.bitcast_convert_type(packed, jnp.uint8)
+    lo = packed & 0xF
+    hi = (packed >> 4) & 0xF
+    return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)

@@ -1,0 +1,137 @@
+"""Pytree types that keep quantized data and scales together, so weights and caches stay packed
+in memory and are only dequantized (a block at a time) where they are used.
+
+* :class:`Fp8Tensor` – e4m3 ``data`` with one e8m0 ``scale`` per ``block = (rows, cols)`` block of
+  the last two dims. Linear weights use (32, 32) in V4.1 (128x128 in V4) and map onto the
+  checkpoint's ``X.weight`` / ``X.scale``; row-wise data (the window KV cache, Engram table rows)
+  use (1, 32).
+* :class:`Fp4Tensor` – e2m1 codes packed two per byte in ``data`` (uint8, low nibble first) with one
+  scale per ``block`` elements of the last dim: e8m0 for MXFP4 (experts, indexer keys; block 32),
+  e4m3 for V4.1's compressed KV (block 16).
+
+Leading dims (experts, batch, ...) are free. Both are ``flax.struct`` dataclasses: ``data`` and
+``scale`` are leaves; ``block`` is static metadata.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from .codecs import E2M1_MAX, E4M3_MAX, e2m1_decode, e2m1_encode, e4m3_round, e8m0_decode, e8m0_encode_exponent
+from .codecs import pack_nibbles, unpack_nibbles
+from .fake_quant import fp4_e4m3_block_scale, fp8_block_scale, mxfp4_block_scale
+
+
+@struct.dataclass
+class Fp8Tensor:
+    data: jax.Array  # float8_e4m3fn [..., R, C]
+    scale: jax.Array  # float8_e8m0fnu [..., ceil(R/br), ceil(C/bc)]
+    block: tuple[int, int] = struct.field(pytree_node=False, default=(32, 32))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    def scale_f32(self) -> jax.Array:
+        """Scales expanded to the data's shape, float32."""
+        br, bc = self.block
+        s = e8m0_decode(self.scale)
+        r, c = self.data.shape[-2:]
+        s = jnp.repeat(jnp.repeat(s, br, axis=-2)[..., :r, :], bc, axis=-1)[..., :c]
+        return s
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return (self.data.astype(jnp.float32) * self.scale_f32()).astype(dtype)
+
+
+@struct.dataclass
+class Fp4Tensor:
+    data: jax.Array  # uint8 [..., C/2]
+    scale: jax.Array  # float8_e8m0fnu or float8_e4m3fn [..., C/block]
+    block: int = struct.field(pytree_node=False, default=32)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical (unpacked) shape."""
+        return (*self.data.shape[:-1], self.data.shape[-1] * 2)
+
+    def scale_f32(self) -> jax.Array:
+        if self.scale.dtype == jnp.float8_e4m3fn:
+            return self.scale.astype(jnp.float32)
+        return e8m0_decode(self.scale)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        vals = e2m1_decode(unpack_nibbles(self.data))
+        vals = vals.reshape(*vals.shape[:-1], vals.shape[-1] // self.block, self.block)
+        out = vals * self.scale_f32()[..., None]
+        return out.reshape(self.shape).astype(dtype)
+
+
+def is_quantized(x) -> bool:
+    return isinstance(x, (Fp8Tensor, Fp4Tensor))
+
+
+def dequantize(x, dtype=jnp.float32) -> jax.Array:
+    """Dequantize a quantized tensor, or cast a plain array."""
+    if is_quantized(x):
+        return x.dequantize(dtype)
+    return jnp.asarray(x).astype(dtype)
+
+
+def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+    n = x.shape[axis]
+    pad = -n % multiple
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def quantize_fp8(x: jax.Array, block: tuple[int, int] = (32, 32)) -> Fp8Tensor:
+    """Quantize to FP8 e4m3 with ue8m0 block scales exactly as DeepSeek's weight format: per block,
+    ``s = 2**ceil(log2(max(amax, 1e-4) / 448))``, ``q = e4m3(clip(x / s, ±448))``. Edge blocks may be
+    partial (scale shape ``ceil``)."""
+    br, bc = block
+    x = jnp.asarray(x, jnp.float32)
+    if x.ndim < 2:
+        raise ValueError(f"quantize_fp8 needs at least 2 dims, got shape {x.shape}")
+    r, c = x.shape[-2:]
+    xp = _pad_to(_pad_to(x, -2, br), -1, bc)
+    nr, nc = xp.shape[-2] // br, xp.shape[-1] // bc
+    xb = xp.reshape(*x.shape[:-2], nr, br, nc, bc)
+    amax = jnp.max(jnp.abs(xb), axis=(-3, -1))  # [..., nr, nc]
+    e = fp8_block_scale(amax)
+    ef = jnp.repeat(jnp.repeat(e, br, axis=-2), bc, axis=-1)[..., :r, :c]
+    q = e4m3_round(jnp.clip(jnp.ldexp(x, -ef), -E4M3_MAX, E4M3_MAX)).astype(jnp.float8_e4m3fn)
+    return Fp8Tensor(data=q, scale=e8m0_encode_exponent(e), block=(br, bc))
+
+
+def quantize_mxfp4(x: jax.Array, block: int = 32) -> Fp4Tensor:
+    """MXFP4: e2m1 codes (RNE) with a ue8m0 scale per ``block`` elements of the last dim."""
+    x = jnp.asarray(x, jnp.float32)
+    if x.shape[-1] % block:
+        raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the MXFP4 block {block}")
+    xb = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    e = mxfp4_block_scale(jnp.max(jnp.abs(xb), axis=-1))
+    codes = e2m1_encode(jnp.clip(jnp.ldexp(xb, -e[..., None]), -E2M1_MAX, E2M1_MAX))
+    return Fp4Tensor(data=pack_nibbles(codes.reshape(x.shape)), scale=e8m0_encode_exponent(e), block=block)
+
+
+def quantize_fp4_e4m3(x: jax.Array, block: int = 16) -> Fp4Tensor:
+    """FP4 e2m1 with an e4m3 scale per ``block`` elements (V4.1 compressed KV)."""
+    x = jnp.asarray(x, jnp.float32)
+    if x.shape[-1] % block:
+        raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the FP4 block {block}")
+    xb = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    s = fp4_e4m3_block_scale(jnp.max(jnp.abs(xb), axis=-1))
+    codes = e2m1_encode(jnp.clip(xb / s[..., None], -E2M1_MAX, E2M1_MAX))
+    return Fp4Tensor(data=pack_nibbles(codes.reshape(x.shape)), scale=s.astype(jnp.float8_e4m3fn), block=block)
+
+
+def fp8_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    return (*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
