@@ -1,0 +1,85 @@
+"""Pure-jnp definition of the V4.1 lightning indexer (``shared/spec/attention.md`` §6, §9.4).
+
+``score[b,s,j] = sum_h w[b,s,h] * relu(q[b,s,h] . k[b,j])`` in fp32 on exactly dequantized MXFP4 q
+and k; ``-inf`` where ``j >= visible[b,s]`` (causal: only complete compressed blocks) or where the
+candidate-block mask (level two of the hierarchical indexer) excludes j. The top-k positions are
+returned in ascending position order, -1 padded (a pick with a ``-inf`` score is no pick).
+
+Decision (spec unsure): the reference computes the einsum in the activation dtype (bf16 on GPU);
+we score in fp32 — tighter, and identical to the fp32 fixture. Ties are broken toward the lower
+position (``lax.top_k``); torch's order is unspecified (attention.md §12).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax.quant import dequantize
+
+
+class IndexerResult(NamedTuple):
+    topk: jax.Array  # [B,S,top_k] int32, ascending, -1 padded
+    block_scores: jax.Array | None  # [B,S,NB] f32 block maxima of the masked scores
+
+
+def index_scores(q, weights, keys, visible, *, candidate_blocks=None, block_size=8):
+    qf = dequantize(q, jnp.float32)
+    kf = dequantize(keys, jnp.float32)
+    s = jnp.einsum("bshd,bnd->bshn", qf, kf)
+    s = jnp.sum(jax.nn.relu(s) * weights.astype(jnp.float32)[..., None], axis=2)  # [B,S,Nc]
+    n = s.shape[-1]
+    pos = jnp.arange(n, dtype=jnp.int32)
+    s = jnp.where(pos[None, None, :] < visible[..., None], s, -jnp.inf)
+    if candidate_blocks is not None:
+        s = jnp.where(expand_blocks(candidate_blocks, block_size, n), s, -jnp.inf)
+    return s
+
+
+def expand_blocks(block_mask, block_size: int, n: int):
+    """[..., NB] block mask -> [..., n] position mask."""
+    return jnp.repeat(block_mask, block_size, axis=-1)[..., :n]
+
+
+def block_max(scores, block_size: int):
+    n = scores.shape[-1]
+    pad = -n % block_size
+    s = jnp.pad(scores, [(0, 0)] * (scores.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
+    return jnp.max(s.reshape(*s.shape[:-1], -1, block_size), axis=-1)
+
+
+def topk_ascending(scores, top_k: int):
+    """Positions of the ``top_k`` largest finite scores, ascending, -1 padded."""
+    n = scores.shape[-1]
+    k = min(top_k, n)
+    vals, idx = jax.lax.top_k(scores, k)
+    idx = jnp.where(jnp.isfinite(vals), idx, jnp.iinfo(jnp.int32).max)
+    idx = jnp.sort(idx, axis=-1)
+    idx = jnp.where(idx == jnp.iinfo(jnp.int32).max, -1, idx).astype(jnp.int32)
+    if k < top_k:
+        idx = jnp.pad(idx, [(0, 0)] * (idx.ndim - 1) + [(0, top_k - k)], constant_values=-1)
+    return idx
+
+
+def lightning_indexer(q, weights, keys, visible, *, top_k, candidate_blocks=None, block_size=8,
+                      want_block_scores=False):
+    s = index_scores(q, weights, keys, visible, candidate_blocks=candidate_blocks, block_size=block_size)
+    return IndexerResult(topk_ascending(s, top_k), block_max(s, block_size) if want_block_scores else None)
+
+
+def select_candidate_blocks(block_scores, visible, topk_blocks: int, block_size: int):
+    """Level one of the hierarchical indexer: keep the ``topk_blocks`` best blocks per query (block
+    score = max of its masked position scores), always keeping the block that holds the newest
+    visible position, and dropping picks whose score is -inf. Returns a [B,S,NB] bool mask."""
+    nb = block_scores.shape[-1]
+    last = (visible - 1) // block_size  # -1 when nothing is visible (then no block is forced)
+    forced = jnp.arange(nb, dtype=jnp.int32)[None, None, :] == last[..., None]
+    s = jnp.where(forced, jnp.inf, block_scores)
+    k = min(topk_blocks, nb)
+    vals, idx = jax.lax.top_k(s, k)
+    keep = vals > -jnp.inf
+    mask = jnp.zeros(s.shape, jnp.bool_)
+    b, q = jnp.meshgrid(jnp.arange(s.shape[0]), jnp.arange(s.shape[1]), indexing="ij")
+    return mask.at[b[..., None], q[..., None], idx].set(keep)

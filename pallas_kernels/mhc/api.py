@@ -1,0 +1,41 @@
+"""Dispatch for mHC. The model calls these functions only."""
+
+from __future__ import annotations
+
+from pallas_kernels import dispatch
+
+from . import reference
+
+
+def _pallas(implementation):
+    impl = dispatch.resolve(implementation)
+    if impl == "reference":
+        return None, impl
+    try:
+        from . import pallas_triton
+    except ImportError:
+        if implementation is not None:
+            raise ValueError("mhc: no Pallas implementation is available") from None
+        return None, impl
+    return pallas_triton, impl
+
+
+def hc_mixes(x, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters, implementation=None):
+    """x [..., hc, D] -> (pre [..., hc], post [..., hc], comb [..., hc, hc]) all f32."""
+    kernel, impl = _pallas(implementation)
+    if kernel is not None:
+        reason = kernel.unsupported_reason(x, fn)
+        if reason is None:
+            return kernel.hc_mixes(x, fn, scale, base, norm_eps=norm_eps, hc_eps=hc_eps,
+                                   sinkhorn_iters=sinkhorn_iters, interpret=impl == "interpret")
+        if implementation is not None:
+            raise ValueError(f"hc_mixes: Pallas kernel cannot run this shape: {reason}")
+    return reference.hc_mixes(x, fn, scale, base, norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters)
+
+
+def hc_collapse(x, pre, *, implementation=None):
+    return reference.hc_collapse(x, pre)
+
+
+def hc_expand(f, residual, post, comb, *, implementation=None):
+    return reference.hc_expand(f, residual, post, comb)

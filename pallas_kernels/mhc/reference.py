@@ -1,0 +1,45 @@
+"""Pure-jnp definition of mHC (``shared/spec/model.md`` §4.1-4.3), all in fp32.
+
+``hc_mixes``: one RMS statistic over the flattened ``hc*D`` stream (no weight), the 24-wide
+projection, then the split of DeepSeek's ``hc_split_sinkhorn`` kernel: ``pre = sigmoid + eps``,
+``post = 2 sigmoid``, ``comb`` = row softmax + eps, a column normalisation, then ``iters - 1``
+rounds of (row, column) normalisation, each dividing by ``sum + eps``. Exactly this truncated
+schedule, not "to convergence".
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def hc_mixes(x, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters):
+    hc = x.shape[-2]
+    xf = x.reshape(*x.shape[:-2], -1).astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + norm_eps)
+    m = jnp.einsum("...k,mk->...m", xf, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST) * r
+    scale = scale.astype(jnp.float32)
+    base = base.astype(jnp.float32)
+    pre = jax.nn.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2.0 * jax.nn.sigmoid(m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    logits = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).reshape(*m.shape[:-1], hc, hc)
+    c = jax.nn.softmax(logits, axis=-1) + hc_eps
+    c = c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + hc_eps)
+        c = c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
+    return pre, post, c
+
+
+def hc_collapse(x, pre):
+    """[..., hc, D] x [..., hc] -> [..., D] in x.dtype (fp32 multiply-add)."""
+    y = jnp.sum(pre.astype(jnp.float32)[..., None] * x.astype(jnp.float32), axis=-2)
+    return y.astype(x.dtype)
+
+
+def hc_expand(f, residual, post, comb):
+    """out[k] = post[k] * f + sum_j comb[j, k] * residual[j], fp32, -> f.dtype. comb rows = source."""
+    y = post[..., :, None] * f.astype(jnp.float32)[..., None, :] + jnp.einsum(
+        "...jk,...jd->...kd", comb, residual.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+    )
+    return y.astype(f.dtype)

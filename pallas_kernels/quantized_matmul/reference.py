@@ -1,0 +1,32 @@
+"""Pure-jnp definition of DeepSeek's ``linear()`` (``shared/spec/model.md`` §2, §10.5).
+
+* Quantized weight (FP8 or FP4): the activation is quantized to FP8 e4m3 with a ue8m0 scale per
+  ``act_block`` elements along K (real FP8 activations in the reference kernels); the GEMM
+  accumulates ``sum s_a s_w q_a q_w`` in fp32. Here: fake-quantize x, dequantize W (both exact in
+  bf16), one dot with fp32 accumulation — equal up to summation order.
+* Plain weight: an ordinary matmul with fp32 accumulation.
+The result is cast to ``out_dtype`` (default: x.dtype), as the reference's bf16 GEMM output.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from dsv41_jax.quant import act_quant, is_quantized
+
+
+def _operand_dtype(x):
+    return jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32
+
+
+def quantized_matmul(x, w, *, act_block=32, out_dtype=None):
+    out_dtype = out_dtype or x.dtype
+    op = _operand_dtype(x)
+    if is_quantized(w):
+        xq = act_quant(x, act_block).astype(op)
+        wf = w.dequantize(op)
+    else:
+        xq = x.astype(op)
+        wf = jnp.asarray(w).astype(op)
+    y = jnp.einsum("...k,nk->...n", xq, wf, preferred_element_type=jnp.float32)
+    return y.astype(out_dtype)

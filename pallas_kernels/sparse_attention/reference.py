@@ -1,0 +1,48 @@
+"""Pure-jnp definition of sparse attention with a sink (``shared/spec/attention.md`` §2.5, §9.5).
+
+One shared K=V vector per slot (MQA). Keys come from two stores: the window (``kv``) and the
+compressed cache (``comp_kv``), each addressed by an index list with -1 padding. Logits are fp32;
+the sink is one extra logit with a zero value vector (in the denominator, not in the max); the
+probabilities are cast to ``q.dtype`` before P·V (bf16 in the real model, as the reference kernel
+does), which accumulates in fp32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax.quant import Fp4Tensor, Fp8Tensor
+
+
+def gather_rows(store, idx: jax.Array, dtype) -> jax.Array:
+    """Rows of ``store`` ([B, N, D] plain, Fp8Tensor or Fp4Tensor) at ``idx`` [B, S, K] (-1 allowed,
+    read as row 0) -> [B, S, K, D] in ``dtype``; quantized stores are dequantized after the gather."""
+    safe = jnp.maximum(idx, 0)
+
+    def take(a):
+        return jax.vmap(lambda rows, i: rows[i])(a, safe)
+
+    if isinstance(store, (Fp8Tensor, Fp4Tensor)):
+        g = type(store)(data=take(store.data), scale=take(store.scale), block=store.block)
+        return g.dequantize(dtype)
+    return take(store).astype(dtype)
+
+
+def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None):
+    dtype = q.dtype
+    rows = gather_rows(kv, kv_idx, jnp.float32)
+    idx = kv_idx
+    if comp_kv is not None and comp_idx is not None and comp_idx.shape[-1] > 0:
+        rows = jnp.concatenate([rows, gather_rows(comp_kv, comp_idx, jnp.float32)], axis=2)
+        idx = jnp.concatenate([kv_idx, comp_idx], axis=-1)
+    valid = idx >= 0  # [B,S,K]
+    logits = jnp.einsum("bshd,bskd->bshk", q.astype(jnp.float32), rows) * scale
+    logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(logits - m)
+    den = jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink.astype(jnp.float32)[None, None, :, None] - m)
+    p = (e / den).astype(dtype)
+    out = jnp.einsum("bshk,bskd->bshd", p, rows.astype(dtype), preferred_element_type=jnp.float32)
+    return out.astype(dtype)
