@@ -1,0 +1,305 @@
+"""Pallas-Triton kernels for ``y = x @ W.T`` with FP8 (e4m3 + e8m0 32x32), MXFP4 or plain weights.
+
+Same numerics as :mod:`.reference`: x is fake-quantized per ``act_block`` along K (DeepSeek's
+``act_quant``; the values are exact in bf16), the weight tile is decoded in registers to bf16
+(exact: e4m3 or e2m1 times a power of two), and the product accumulates in fp32. Only the fp32
+summation order differs from the reference.
+
+Two configurations of one kernel (``shared/spec/pallas_triton.md`` §3: power-of-two blocks, 2-D
+dots, no scratch, e4m3fn, packed FP4 decoded with integer ops):
+
+* **weight-streaming GEMV** (1-64 rows): rows padded to 16/32/64 (the smallest MMA tile), a
+  64-row weight block per program, K split across programs when there are too few output blocks
+  to fill the GPU (partial sums in fp32, added by one small XLA fusion);
+* **tiled GEMM** (prefill): 128x128 (or 64) output tiles, K stepped 64 at a time.
+
+Weight tiles:
+
+* FP8: ``data`` [N, K] e4m3 and ``scale`` [N/32, K/32] e8m0 (read as uint8). The scale tile
+  [BN/32, BK/32] is expanded to [BN, BK] by broadcast + reshape and multiplied in fp32.
+* MXFP4: ``data`` [N, K/2] uint8 (element 2k in the low nibble) and ``scale`` [N, K/32] e8m0.
+  Each nibble is turned into the bits of an fp16 number equal to ``e2m1 * 2**-14`` (sign to bit 15,
+  the 3 magnitude bits to bits 11..9: exact, subnormals included), then scaled by
+  ``2**(s - 127 + 14)``. Even and odd elements give two [BN, BK/2] tiles; the activation tile is
+  split the same way (reshape [BM, BK/2, 2] + unstack) and the product is two dots.
+
+The e8m0 scale ``s`` is decoded as the fp32 with exponent field ``s`` (``s << 23``), i.e. ``2**(s-127)``
+exactly for s >= 1 (s = 0 would be 2**-127, a subnormal, read as 0; DeepSeek's weights never use it).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, act_quant, is_quantized
+
+warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*", category=DeprecationWarning)
+
+GEMV_MAX_ROWS = 64
+N_SM = 132  # H200; only used to choose the split-K factor (a heuristic, any value is correct)
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers shared with the MoE kernels
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def weight_format(w) -> str:
+    if isinstance(w, Fp8Tensor):
+        return "fp8"
+    if isinstance(w, Fp4Tensor):
+        return "fp4"
+    return "plain"
+
+
+def operand_dtype(x_dtype, w) -> jnp.dtype:
+    """Dot operand dtype, as the reference: bf16 for quantized weights (exact) and for bf16 x."""
+    if is_quantized(w) or x_dtype == jnp.bfloat16:
+        return jnp.bfloat16
+    return jnp.float32
+
+
+def weight_operands(w):
+    """(data, scale-as-uint8 or None) arrays the kernels read."""
+    if isinstance(w, Fp8Tensor):
+        return w.data, jax.lax.bitcast_convert_type(w.scale, jnp.uint8)
+    if isinstance(w, Fp4Tensor):
+        data = w.data if w.data.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(w.data, jnp.uint8)
+        return data, jax.lax.bitcast_convert_type(w.scale, jnp.uint8)
+    return jnp.asarray(w), None
+
+
+def weight_logical_shape(w) -> tuple[int, ...]:
+    return tuple(w.shape) if is_quantized(w) else tuple(jnp.shape(w))
+
+
+def weight_reason(w, *, rows_block: int = 32, k_block: int = 64) -> str | None:
+    """Shape/format checks common to every weight the kernels stream ([..., N, K] logical)."""
+    shape = weight_logical_shape(w)
+    if len(shape) < 2:
+        return f"weight must be at least 2-D, got shape {shape}"
+    n, k = shape[-2:]
+    if isinstance(w, Fp8Tensor):
+        if tuple(w.block) != (32, 32):
+            return f"FP8 weight blocks must be (32, 32), got {w.block}"
+        if w.data.dtype != jnp.float8_e4m3fn:
+            return f"FP8 weight data must be float8_e4m3fn, got {w.data.dtype}"
+        if w.scale.dtype != jnp.float8_e8m0fnu:
+            return f"FP8 weight scale must be float8_e8m0fnu, got {w.scale.dtype}"
+    elif isinstance(w, Fp4Tensor):
+        if w.block != 32:
+            return f"MXFP4 weight block must be 32, got {w.block}"
+        if w.scale.dtype != jnp.float8_e8m0fnu:
+            return f"FP4 weight scale must be e8m0 (MXFP4), got {w.scale.dtype} (the e4m3-scaled FP4 is a cache format)"
+    else:
+        dt = jnp.asarray(w).dtype if not hasattr(w, "dtype") else w.dtype
+        if dt not in (jnp.bfloat16, jnp.float32, jnp.float16):
+            return f"plain weight dtype must be bf16/f16/f32, got {dt}"
+    if n % rows_block:
+        return f"weight rows N={n} must be a multiple of {rows_block}"
+    if k % k_block:
+        return f"reduction dim K={k} must be a multiple of {k_block}"
+    return None
+
+
+def pick_block(total: int, cap: int) -> int:
+    """Largest power of two <= cap dividing total."""
+    b = cap
+    while b > 1 and total % b:
+        b //= 2
+    return b
+
+
+def _e8m0_to_f32(s_u8, bias_shift: int = 0):
+    """uint8 e8m0 bytes -> float32 2**(s - 127 + bias_shift), by writing the exponent field."""
+    e = s_u8.astype(jnp.int32) + bias_shift
+    return jax.lax.bitcast_convert_type(e << 23, jnp.float32)
+
+
+def _expand_cols(t, rep: int):
+    """[R, C] -> [R, C*rep], each column repeated ``rep`` times (broadcast + reshape)."""
+    r, c = t.shape
+    return jnp.broadcast_to(t[:, :, None], (r, c, rep)).reshape(r, c * rep)
+
+
+def _expand_rows_cols(t, rep_r: int, rep_c: int):
+    """[R, C] -> [R*rep_r, C*rep_c] block expansion."""
+    r, c = t.shape
+    return jnp.broadcast_to(t[:, None, :, None], (r, rep_r, c, rep_c)).reshape(r * rep_r, c * rep_c)
+
+
+def _fp4_decode(nib):
+    """int32 e2m1 codes (0..15) -> float32 value * 2**-14 (exact), via fp16 bit patterns."""
+    bits = ((nib & 7) << 9) | ((nib & 8) << 12)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+
+
+def load_weight_tiles(fmt, w_ref, s_ref, lead, rows, row0, bn, k0, bk, op_dtype):
+    """Decode one weight tile to ``op_dtype``.
+
+    ``lead``: tuple of leading (expert) indices; ``rows``: a ``pl.ds`` over N of size ``bn`` starting
+    at ``row0`` (a multiple of 32 for FP8). Returns [bn, bk] (one tile) for FP8/plain and the
+    (even, odd) pair of [bn, bk/2] tiles for MXFP4.
+    """
+    if fmt == "fp8":
+        w = w_ref[(*lead, rows, pl.ds(k0, bk))]
+        srows = pl.ds(row0 // 32, max(bn // 32, 1))
+        s = s_ref[(*lead, srows, pl.ds(k0 // 32, bk // 32))]
+        sf = _e8m0_to_f32(s)
+        if bn >= 32:
+            sf = _expand_rows_cols(sf, 32, 32)
+        else:  # fewer than 32 rows in the tile: one scale row
+            sf = jnp.broadcast_to(_expand_cols(sf, 32), (bn, bk))
+        return ((w.astype(jnp.float32) * sf).astype(op_dtype),)
+    if fmt == "fp4":
+        b = w_ref[(*lead, rows, pl.ds(k0 // 2, bk // 2))].astype(jnp.int32)
+        s = s_ref[(*lead, rows, pl.ds(k0 // 32, bk // 32))]
+        sf = _expand_cols(_e8m0_to_f32(s, 14), 16)
+        lo = (_fp4_decode(b & 15) * sf).astype(op_dtype)
+        hi = (_fp4_decode(b >> 4) * sf).astype(op_dtype)
+        return lo, hi
+    return (w_ref[(*lead, rows, pl.ds(k0, bk))].astype(op_dtype),)
+
+
+def split_even_odd(x):
+    """[M, K] -> (x[:, 0::2], x[:, 1::2]) inside a kernel (reshape + 2-way unstack)."""
+    m, k = x.shape
+    pairs = x.reshape(m, k // 2, 2)
+    ev, od = jnp.split(pairs, 2, axis=-1)
+    return ev.reshape(m, k // 2), od.reshape(m, k // 2)
+
+
+def tile_dot(fmt, xt, wts, op_dtype):
+    """sum_k x[m, k] w[n, k] for decoded weight tiles, fp32 accumulation."""
+    prec = jax.lax.Precision.HIGHEST if op_dtype == jnp.float32 else None
+    if fmt == "fp4":
+        xe, xo = split_even_odd(xt)
+        return (jax.lax.dot_general(xe, wts[0], (((1,), (1,)), ((), ())), precision=prec,
+                                    preferred_element_type=jnp.float32)
+                + jax.lax.dot_general(xo, wts[1], (((1,), (1,)), ((), ())), precision=prec,
+                                      preferred_element_type=jnp.float32))
+    return jax.lax.dot_general(xt, wts[0], (((1,), (1,)), ((), ())), precision=prec,
+                               preferred_element_type=jnp.float32)
+
+
+def act_fake_quant_tile(h, block: int = 32):
+    """DeepSeek's act_quant on an in-kernel f32 tile [M, C] (C a multiple of ``block``): per row and
+    ``block`` columns, s = 2**ceil(log2(max(amax, 1e-4)/448)), q = e4m3(clip(h/s, +-448)) * s.
+    Bit-exact with :func:`dsv41_jax.quant.act_quant` (float32 out)."""
+    m, c = h.shape
+    hb = h.reshape(m, c // block, block)
+    amax = jnp.max(jnp.abs(hb), axis=-1)
+    a = jnp.maximum(amax, 1e-4) / 448.0
+    bits = jax.lax.bitcast_convert_type(a, jnp.int32)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
+    inv = jax.lax.bitcast_convert_type((127 - e) << 23, jnp.float32)  # 2**-e
+    fwd = jax.lax.bitcast_convert_type((127 + e) << 23, jnp.float32)  # 2**e
+    q = jnp.clip(hb * inv[:, :, None], -448.0, 448.0).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    return (q * fwd[:, :, None]).reshape(m, c)
+
+
+# --------------------------------------------------------------------------------------------------
+# the matmul kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _config(m: int, n: int, k: int, fmt: str):
+    """(bm, bn, bk, splits, num_warps, num_stages) for an [m, k] x [n, k]^T product."""
+    if m <= GEMV_MAX_ROWS:
+        bm = max(16, next_pow2(m))
+        bn = pick_block(n, 64)
+        bk = pick_block(k, 256 if bm <= 32 else 128)
+        n_blocks = n // bn
+        k_steps = k // bk
+        splits = 1
+        # split K until the grid has about two waves of programs, keeping >= 2 K steps each
+        while n_blocks * splits < 2 * N_SM and k_steps % (splits * 2) == 0 and k_steps // (splits * 2) >= 2:
+            splits *= 2
+        return bm, bn, bk, splits, 4, 3
+    bm = 128
+    bn = pick_block(n, 128)
+    bk = pick_block(k, 64)
+    return bm, bn, bk, 1, 8 if bn >= 128 else 4, 3
+
+
+def _mm_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt, bm, bn, bk, steps, op_dtype, split):
+    i_n = pl.program_id(0)
+    i_m = pl.program_id(1)
+    i_s = pl.program_id(2)
+    row0 = pl.multiple_of(i_n * bn, bn)
+    rows = pl.ds(row0, bn)
+    mrows = pl.ds(pl.multiple_of(i_m * bm, bm), bm)
+    kbase = i_s * (steps * bk)
+
+    def body(i, acc):
+        k0 = pl.multiple_of(kbase + i * bk, bk)
+        xt = x_ref[mrows, pl.ds(k0, bk)]
+        wts = load_weight_tiles(fmt, w_ref, s_ref, (), rows, row0, bn, k0, bk, op_dtype)
+        return acc + tile_dot(fmt, xt, wts, op_dtype)
+
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
+    if split:
+        o_ref[i_s, mrows, rows] = acc
+    else:
+        o_ref[mrows, rows] = acc.astype(o_ref.dtype)
+
+
+def unsupported_reason(x, w, *, act_block=32):
+    """None if the Pallas kernel supports this call, else a readable reason."""
+    if is_quantized(w) and act_block != 32:
+        return f"act_block must be 32 (V4.1), got {act_block}"
+    shape = weight_logical_shape(w)
+    if len(shape) != 2:
+        return f"weight must be 2-D [N, K], got shape {shape}"
+    if x.shape[-1] != shape[-1]:
+        return f"x has K={x.shape[-1]} but the weight has K={shape[-1]}"
+    if x.dtype not in (jnp.bfloat16, jnp.float32):
+        return f"x dtype must be bf16 or f32, got {x.dtype}"
+    return weight_reason(w)
+
+
+def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, config=None):
+    reason = unsupported_reason(x, w, act_block=act_block)
+    if reason is not None:
+        raise ValueError(f"quantized_matmul (pallas): {reason}")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    fmt = weight_format(w)
+    n, k = weight_logical_shape(w)
+    lead = x.shape[:-1]
+    m = math.prod(lead)
+    op = operand_dtype(x.dtype, w)
+    x2 = x.reshape(m, k)
+    xq = (act_quant(x2, act_block) if is_quantized(w) else x2).astype(op)
+    bm, bn, bk, splits, warps, stages = config or _config(m, n, k, fmt)
+    mp = -(-m // bm) * bm
+    if mp != m:
+        xq = jnp.pad(xq, ((0, mp - m), (0, 0)))
+    data, scale = weight_operands(w)
+    if scale is None:
+        scale = jnp.zeros((1, 1), jnp.uint8)  # unused
+    steps = k // bk // splits
+    kernel = functools.partial(_mm_kernel, fmt=fmt, bm=bm, bn=bn, bk=bk, steps=steps, op_dtype=op,
+                               split=splits > 1)
+    out_shape = (jax.ShapeDtypeStruct((splits, mp, n), jnp.float32) if splits > 1
+                 else jax.ShapeDtypeStruct((mp, n), out_dtype))
+    y = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(n // bn, mp // bm, splits),
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret,
+        name=f"qmm_{fmt}",
+    )(xq, data, scale)
+    if splits > 1:
+        y = jnp.sum(y, axis=0)
+    return y[:m].astype(out_dtype).reshape(*lead, n)
