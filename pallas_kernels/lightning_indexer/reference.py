@@ -28,7 +28,7 @@ class IndexerResult(NamedTuple):
 def index_scores(q, weights, keys, visible, *, candidate_blocks=None, block_size=8):
     qf = dequantize(q, jnp.float32)
     kf = dequantize(keys, jnp.float32)
-    s = jnp.einsum("bshd,bnd->bshn", qf, kf)
+    s = jnp.einsum("bshd,bnd->bshn", qf, kf, precision=jax.lax.Precision.HIGHEST)
     s = jnp.sum(jax.nn.relu(s) * weights.astype(jnp.float32)[..., None], axis=2)  # [B,S,Nc]
     n = s.shape[-1]
     pos = jnp.arange(n, dtype=jnp.int32)

@@ -37,7 +37,8 @@ def _one_expert(x, coef, w1, w2, w3, limit, act_block):
     g = quantized_matmul(x, w1, act_block=act_block)
     u = quantized_matmul(x, w3, act_block=act_block)
     h = _swiglu(g, u, limit) * coef[:, None]
-    return quantized_matmul(h.astype(x.dtype), w2, act_block=act_block, out_dtype=jnp.float32)
+    # each expert's down projection is a GEMM with output in x.dtype, accumulated in f32 by the caller
+    return quantized_matmul(h.astype(x.dtype), w2, act_block=act_block).astype(jnp.float32)
 
 
 def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, path=None):

@@ -10,6 +10,7 @@ The result is cast to ``out_dtype`` (default: x.dtype), as the reference's bf16 
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from dsv41_jax.quant import act_quant, is_quantized
@@ -28,5 +29,6 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None):
     else:
         xq = x.astype(op)
         wf = jnp.asarray(w).astype(op)
-    y = jnp.einsum("...k,nk->...n", xq, wf, preferred_element_type=jnp.float32)
+    y = jnp.einsum("...k,nk->...n", xq, wf, preferred_element_type=jnp.float32,
+                   precision=jax.lax.Precision.HIGHEST)
     return y.astype(out_dtype)

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 
 from dsv41_jax.quant import Fp4Tensor, Fp8Tensor
 
+_HI = jax.lax.Precision.HIGHEST
+
 
 def gather_rows(store, idx: jax.Array, dtype) -> jax.Array:
     """Rows of ``store`` ([B, N, D] plain, Fp8Tensor or Fp4Tensor) at ``idx`` [B, S, K] (-1 allowed,
@@ -37,12 +39,12 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None)
         rows = jnp.concatenate([rows, gather_rows(comp_kv, comp_idx, jnp.float32)], axis=2)
         idx = jnp.concatenate([kv_idx, comp_idx], axis=-1)
     valid = idx >= 0  # [B,S,K]
-    logits = jnp.einsum("bshd,bskd->bshk", q.astype(jnp.float32), rows) * scale
+    logits = jnp.einsum("bshd,bskd->bshk", q.astype(jnp.float32), rows, precision=_HI) * scale
     logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     e = jnp.exp(logits - m)
     den = jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink.astype(jnp.float32)[None, None, :, None] - m)
     p = (e / den).astype(dtype)
-    out = jnp.einsum("bshk,bskd->bshd", p, rows.astype(dtype), preferred_element_type=jnp.float32)
+    out = jnp.einsum("bshk,bskd->bshd", p, rows.astype(dtype), preferred_element_type=jnp.float32, precision=_HI)
     return out.astype(dtype)

@@ -1,0 +1,218 @@
+"""V4.1 attention for a chunk of tokens at per-sequence positions (``shared/spec/attention.md`` §3,
+§5, §9), written once for prefill (any chunk size, from any position), decode (S = 1) and
+multi-token verification.
+
+Per layer: low-rank query (no q-norm in V4.1), one shared 512-wide K=V head with RoPE on its last
+dims, a sliding window of ``window_size`` tokens, and for ratio > 0 layers the shared compressed
+cache of the layer's KV source, addressed by the lightning indexer's top-k (reused or re-indexed by
+the layers in between, ``attention.md`` §9.1). Sparse attention with a sink, inverse RoPE on the
+output, grouped ``wo_a`` then ``wo_b``.
+
+Chunk semantics (the references implement only prefill from 0 and single-token decode; this is the
+general form they are both cases of, ``attention.md`` §12.5): sequence b holds ``cache["pos"][b]``
+tokens and this call adds ``lengths[b] <= S`` of them; tokens past ``lengths[b]`` are padding and
+never reach a cache. A query at position t sees window positions ``t-W+1..t`` and compressed
+entries ``j < (t+1)//m`` (complete blocks only); a block's entry is made when its last token
+arrives, RoPE'd at its first position ``j*m``.
+
+Decisions where the reference is silent or inconsistent:
+* the index keys of a ratio-2 source are always its own (``fixtures/v41_tiny_a/README.md`` §9: the
+  reference's decode path reads a stale slot; the fixture and we follow the consistent semantics);
+* a top-k pick whose score is -inf (masked) is no pick (-1), also at re-index layers with fewer
+  candidates than k (``attention.md`` §14.2).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.lightning_indexer import lightning_indexer, select_candidate_blocks
+from pallas_kernels.sparse_attention import sparse_attention
+
+from .config import ModelConfig
+from .layers import linear, norm, weight_of
+from .options import RunOptions
+from .quant import Fp4Tensor, Fp8Tensor, dequantize, quantize_fp4_e4m3, quantize_fp8, quantize_mxfp4
+from .rope import apply_rope, layer_frequencies, rope_angles
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def _store(x, kind: str, opts: RunOptions):
+    """Cache-storage form of ``x``: quantized in reference mode, plain otherwise."""
+    if not opts.quantized_kv:
+        return x.astype(opts.kv_dtype)
+    if kind == "window":
+        return quantize_fp8(x, (1, 32))
+    if kind == "comp":
+        return quantize_fp4_e4m3(x, 16)
+    return quantize_mxfp4(x, 32)  # index keys / queries
+
+
+def _concat_rows(a, b):
+    """Concatenate two stores along the row axis (1)."""
+    if isinstance(a, (Fp8Tensor, Fp4Tensor)):
+        return type(a)(data=jnp.concatenate([a.data, b.data], 1), scale=jnp.concatenate([a.scale, b.scale], 1),
+                       block=a.block)
+    return jnp.concatenate([a, b.astype(a.dtype)], 1)
+
+
+def _take_rows(store, idx):
+    """store rows at idx [B, K] (clipped into range) -> [B, K, ...]."""
+    def take(a):
+        i = jnp.clip(idx, 0, a.shape[1] - 1)
+        return jnp.take_along_axis(a, i.reshape(*i.shape, *([1] * (a.ndim - 2))), axis=1)
+    return jax.tree.map(take, store)
+
+
+def _select_rows(mask, new, old):
+    """where(mask [B,K], new, old) for stores."""
+    def sel(n, o):
+        return jnp.where(mask.reshape(*mask.shape, *([1] * (n.ndim - 2))), n, o)
+    return jax.tree.map(sel, new, old)
+
+
+def _scatter_rows(store, idx, rows):
+    """store[b, idx[b, k]] = rows[b, k]; out-of-range idx are dropped."""
+    b = jnp.arange(idx.shape[0])[:, None]
+
+    def put(a, r):
+        return a.at[b, idx].set(r.astype(a.dtype), mode="drop")
+    return jax.tree.map(put, store, rows)
+
+
+def window_indices(positions, pos0, window: int):
+    """[B,S,W] indices into concat(ring[W], chunk[S]) of the window keys of each query."""
+    a = positions[..., None] - window + 1 + jnp.arange(window, dtype=jnp.int32)  # key positions
+    slot = jnp.where(a >= pos0[:, None, None], window + a - pos0[:, None, None], jnp.mod(a, window))
+    return jnp.where(a >= 0, slot, -1).astype(jnp.int32)
+
+
+def update_ring(ring, chunk, pos0, lengths, window: int):
+    """Write the valid chunk tokens into the ring (slot = position % W; the last token wins)."""
+    end = pos0 + lengths  # [B]
+    r = jnp.arange(window, dtype=jnp.int32)
+    a = end[:, None] - 1 - jnp.mod(end[:, None] - 1 - r[None, :], window)  # newest position in slot r
+    from_chunk = a >= pos0[:, None]
+    rows = _take_rows(chunk, a - pos0[:, None])
+    return _select_rows(from_chunk, rows, ring)
+
+
+def compress(p, x, lc, pos0, lengths, m: int, cfg: ModelConfig, opts: RunOptions):
+    """The KV source's compressor over the chunk. Returns (latent [B,nb,Dh] pre-RoPE in x.dtype,
+    entry index [B,nb], entry valid [B,nb], new state dict)."""
+    B, S, _ = x.shape
+    if m == 1:
+        latent = norm(linear(x, p["wkv"]), p["norm"], cfg.norm_eps)
+        j = jnp.arange(S, dtype=jnp.int32)[None, :]
+        return latent, pos0[:, None] + j, j < lengths[:, None], {}
+    # ratio > 1: softmax-gated pooling per channel, in fp32 (weights promoted to fp32)
+    xf = x.astype(jnp.float32)
+    kv = jnp.einsum("bsd,od->bso", xf, weight_of(p["wkv"]).astype(jnp.float32), precision=_HI)
+    sc = jnp.einsum("bsd,od->bso", xf, weight_of(p["wgate"]).astype(jnp.float32), precision=_HI)
+    nb = -(-(S + m - 1) // m)
+    b0 = pos0 // m
+    r0 = pos0 - b0 * m  # tokens of the open block already in the state
+    i = jnp.arange(nb * m, dtype=jnp.int32)[None, :]
+    c = i - r0[:, None]
+    from_state = i < r0[:, None]
+    from_chunk = (c >= 0) & (c < lengths[:, None])
+    si = jnp.clip(i, 0, m - 1)
+    ci = jnp.clip(c, 0, S - 1)
+    g = lambda a, idx: jnp.take_along_axis(a, idx[..., None], axis=1)  # noqa: E731
+    buf_kv = jnp.where(from_state[..., None], g(lc["state_kv"], si), jnp.where(from_chunk[..., None], g(kv, ci), 0.0))
+    buf_sc = jnp.where(from_state[..., None], g(lc["state_score"], si),
+                       jnp.where(from_chunk[..., None], g(sc, ci), -jnp.inf))
+    j = jnp.arange(nb, dtype=jnp.int32)[None, :]
+    complete = (j + 1) * m <= (r0 + lengths)[:, None]  # [B, nb]
+    bk = buf_kv.reshape(B, nb, m, -1)
+    bs = jnp.where(complete[..., None, None], buf_sc.reshape(B, nb, m, -1), 0.0)
+    pooled = jnp.sum(bk * jax.nn.softmax(bs, axis=2), axis=2)
+    latent = norm(pooled.astype(x.dtype), p["norm"], cfg.norm_eps)
+    # the new open block: local positions full .. e-1
+    e = r0 + lengths
+    full = (e // m) * m
+    s = jnp.arange(m, dtype=jnp.int32)[None, :]
+    li = full[:, None] + s
+    keep = li < e[:, None]
+    li = jnp.clip(li, 0, nb * m - 1)
+    state = {
+        "state_kv": jnp.where(keep[..., None], g(buf_kv, li), 0.0),
+        "state_score": jnp.where(keep[..., None], g(buf_sc, li), -jnp.inf),
+    }
+    return latent, b0[:, None] + j, complete, state
+
+
+def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: dict, pos0, lengths, shared: dict):
+    """One attention sub-layer. ``x`` [B,S,D] (after attn_norm). Returns (out [B,S,D], cache_layers
+    with this layer's updates, shared runtime slots)."""
+    B, S, _ = x.shape
+    dtype = x.dtype
+    H, Dh, W = cfg.n_heads, cfg.head_dim, cfg.window_size
+    m = cfg.ratio(l)
+    positions = pos0[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :]
+    freqs = layer_frequencies(cfg, l)
+    ang = rope_angles(positions, freqs)
+    act = cfg.fp8_block_size
+
+    qr = norm(linear(x, p["wq_a"], act_block=act), p["q_norm"], cfg.norm_eps)
+    q = linear(qr, p["wq_b"], act_block=act).reshape(B, S, H, Dh)
+    q = apply_rope(q, ang)
+
+    kv = norm(linear(x, p["wkv"], act_block=act), p["kv_norm"], cfg.norm_eps)
+    kv = apply_rope(kv, ang)
+    kv_chunk = _store(kv, "window", opts)
+    lc = dict(cache_layers[str(l)])
+    window_kv = _concat_rows(lc["window"], kv_chunk)
+    win_idx = window_indices(positions, pos0, W)
+    lc["window"] = update_ring(lc["window"], kv_chunk, pos0, lengths, W)
+    cache_layers = {**cache_layers, str(l): lc}
+
+    comp_kv, comp_idx = None, None
+    if m > 0:
+        src = cfg.kv_source_of(l)
+        if src == l:
+            latent, ent_idx, ent_valid, state = compress(p["compressor"], x, lc, pos0, lengths, m, cfg, opts)
+            ent_pos = ent_idx * m
+            eang = rope_angles(ent_pos, freqs)
+            ix = p["indexer"]
+            k = norm(linear(latent, ix["wk"]), ix["k_norm"], cfg.norm_eps)
+            k = apply_rope(k, eang)
+            latent = apply_rope(latent, eang)
+            n_cap = jax.tree.leaves(lc["comp"])[0].shape[1]
+            dst = jnp.where(ent_valid, ent_idx, n_cap)  # out of range -> dropped
+            lc["index_k"] = _scatter_rows(lc["index_k"], dst, _store(k, "index", opts))
+            lc["comp"] = _scatter_rows(lc["comp"], dst, _store(latent, "comp", opts))
+            lc.update(state)
+            cache_layers = {**cache_layers, str(l): lc}
+        src_cache = cache_layers[str(src)]
+        comp_kv = src_cache["comp"]
+        if l in cfg.index_source_layers:
+            ix = p["indexer"]
+            qi = linear(qr, ix["wq_b"], act_block=act).reshape(B, S, cfg.index_n_heads, cfg.index_head_dim)
+            qi = apply_rope(qi, ang)
+            qi = _store(qi, "index", opts) if opts.quantized_kv else qi
+            wscale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
+            weights = (linear(x, ix["weights_proj"]) * wscale).astype(dtype).astype(jnp.float32)
+            visible = (positions + 1) // m
+            is_cand_src = l == cfg.candidate_source_layer
+            res = lightning_indexer(
+                qi, weights, src_cache["index_k"], visible, top_k=cfg.index_topk,
+                candidate_blocks=shared.get("candidates") if cfg.uses_candidates(l) else None,
+                block_size=max(cfg.candidate_block_size, 1), want_block_scores=is_cand_src,
+            )
+            if is_cand_src:
+                shared = {**shared, "candidates": select_candidate_blocks(
+                    res.block_scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)}
+            shared = {**shared, "topk": res.topk, f"topk_{l}": res.topk}
+        comp_idx = shared["topk"]
+
+    o = sparse_attention(q, window_kv, win_idx, p["attn_sink"], scale=Dh ** -0.5, comp_kv=comp_kv, comp_idx=comp_idx)
+    o = apply_rope(o, ang, inverse=True)
+    G, Lo = cfg.o_groups, cfg.o_lora_rank
+    wo_a = dequantize(weight_of(p["wo_a"]), dtype).reshape(G, Lo, -1)
+    o = o.reshape(B, S, G, -1)
+    o = jnp.einsum("bsgd,grd->bsgr", o, wo_a, preferred_element_type=jnp.float32, precision=_HI).astype(dtype)
+    out = linear(o.reshape(B, S, G * Lo), p["wo_b"], act_block=act)
+    return out, cache_layers, shared

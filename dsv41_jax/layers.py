@@ -1,0 +1,32 @@
+"""Small shared building blocks: RMSNorm and the linear layer (dispatching on the weight format)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.quantized_matmul import quantized_matmul
+
+from .quant import is_quantized
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """``w * x * rsqrt(mean(x²) + eps)`` with fp32 statistics, cast back to x.dtype (eps 1e-20 in V4.1)."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * y).astype(x.dtype)
+
+
+def weight_of(node):
+    """A linear's weight node: an Fp8Tensor / Fp4Tensor, or the array of ``{"weight": array}``."""
+    return node if is_quantized(node) else node["weight"]
+
+
+def linear(x: jax.Array, node, *, act_block: int = 32, out_dtype=None) -> jax.Array:
+    """DeepSeek's ``linear()``: FP8/FP4 weights get the FP8 activation fake-quant per ``act_block``;
+    plain weights are a plain matmul. fp32 accumulation, output in ``out_dtype`` (default x.dtype)."""
+    return quantized_matmul(x, weight_of(node), act_block=act_block, out_dtype=out_dtype)
+
+
+def norm(x, node, eps):
+    return rms_norm(x, node["weight"], eps)

@@ -1,0 +1,60 @@
+"""The MoE feed-forward of V4.1 (``shared/spec/model.md`` §5): sqrt-softplus router with gate
+temperature, the correction bias used for selection only, normalised top-k weights times
+``route_scale``, routed SwiGLU experts with the clamp (``pallas_kernels.moe``) and one shared
+expert (clamped too, as DeepSeek's V4.1 code does)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.moe import moe_experts
+
+from .config import ModelConfig
+from .layers import linear, weight_of
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def route(p_gate, x, cfg: ModelConfig, topk: int):
+    """x [N, D] -> (weights [N, k] f32, indices [N, k] int32)."""
+    z = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), p_gate["weight"].astype(jnp.float32), precision=_HI)
+    z = z / cfg.gate_temp
+    if cfg.score_func == "softmax":
+        s = jax.nn.softmax(z, axis=-1)
+    elif cfg.score_func == "sigmoid":
+        s = jax.nn.sigmoid(z)
+    else:
+        s = jnp.sqrt(jax.nn.softplus(z))
+    _, idx = jax.lax.top_k(s + p_gate["bias"].astype(jnp.float32), topk)  # the bias only selects
+    w = jnp.take_along_axis(s, idx, axis=-1)
+    if cfg.norm_topk_prob and topk > 1:
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+    return w * cfg.route_scale, idx.astype(jnp.int32)
+
+
+def shared_expert(p, x, cfg: ModelConfig):
+    act = cfg.fp8_block_size
+    g = linear(x, p["w1"], act_block=act).astype(jnp.float32)
+    u = linear(x, p["w3"], act_block=act).astype(jnp.float32)
+    if cfg.swiglu_limit > 0:
+        u = jnp.clip(u, -cfg.swiglu_limit, cfg.swiglu_limit)
+        g = jnp.minimum(g, cfg.swiglu_limit)
+    h = (jax.nn.silu(g) * u).astype(x.dtype)
+    return linear(h, p["w2"], act_block=act)
+
+
+def moe(p, x, layer: int, cfg: ModelConfig, *, return_routing: bool = False):
+    """x [B, S, D] (after ffn_norm) -> [B, S, D] in x.dtype."""
+    shape = x.shape
+    xf = x.reshape(-1, shape[-1])
+    _, topk = cfg.moe_experts(layer)
+    w, idx = route(p["gate"], xf, cfg, topk)
+    e = p["experts"]
+    y = moe_experts(xf, w, idx, weight_of(e["w1"]), weight_of(e["w2"]), weight_of(e["w3"]),
+                    swiglu_limit=cfg.swiglu_limit, act_block=cfg.fp8_block_size)
+    y = y + shared_expert(p["shared_experts"], xf, cfg).astype(jnp.float32)
+    out = y.astype(x.dtype).reshape(shape)
+    if return_routing:
+        return out, (w.reshape(*shape[:-1], -1), idx.reshape(*shape[:-1], -1))
+    return out

@@ -1,0 +1,113 @@
+"""The V4.1-Flash backbone as pure functions (``shared/spec/model.md`` §3.2, §4).
+
+``forward_step(params, cache, tokens, lengths, engram_rows, cfg=, opts=)`` runs a chunk of tokens
+for every sequence of a batch from that sequence's cache position: prefill (from 0 or any later
+position, any chunk size), decode (S = 1) and multi-token verification are all this one function.
+
+Delayed ("single-pass") mHC: each sub-layer computes its (pre, post, comb) from the stream it sees,
+but collapses with the ``pre`` of the sub-layer before it (layer 0's attention: one-hot stream 0);
+the final collapse uses the last FFN's ``pre``; there is no ``hc_head``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.mhc import hc_collapse, hc_expand, hc_mixes
+
+from .attention import attention
+from .config import ModelConfig
+from .engram import engram, gather_rows
+from .layers import norm
+from .moe import moe
+from .options import RunOptions
+from .quant import Fp8Tensor
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def _mixes(p, site, h, cfg):
+    return hc_mixes(h, p[f"hc_{site}_fn"], p[f"hc_{site}_scale"], p[f"hc_{site}_base"], norm_eps=cfg.norm_eps,
+                    hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
+
+
+def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None):
+    """One layer. h [B,S,hc,D]; pre [B,S,hc] (the previous site's). Returns (h, ffn_pre, ...)."""
+    residual = h
+    attn_pre, attn_post, attn_comb = _mixes(p, "attn", h, cfg)
+    x = norm(hc_collapse(h, pre), p["attn_norm"], cfg.norm_eps)
+    x, cache_layers, shared = attention(p["attn"], x, l, cfg, opts, cache_layers, pos0, lengths, shared)
+    h = hc_expand(x, residual, attn_post, attn_comb)
+    residual = h
+    ffn_pre, ffn_post, ffn_comb = _mixes(p, "ffn", h, cfg)
+    x = norm(hc_collapse(h, attn_pre), p["ffn_norm"], cfg.norm_eps)
+    if aux is not None:
+        x, routing = moe(p["ffn"], x, l, cfg, return_routing=True)
+        aux.setdefault("routing", {})[l] = routing
+        aux.setdefault("comb", {})[l] = (attn_comb, ffn_comb)
+    else:
+        x = moe(p["ffn"], x, l, cfg)
+    h = hc_expand(x, residual, ffn_post, ffn_comb)
+    return h, ffn_pre, cache_layers, shared
+
+
+def forward_step(params, cache, tokens, lengths, engram_ids=None, engram_rows=None, *, cfg: ModelConfig,
+                 opts: RunOptions, logits_mode: str = "all", return_aux: bool = False):
+    """Run ``tokens`` [B,S] (the first ``lengths[b]`` of row b are real) from ``cache["pos"]``.
+
+    Engram rows come either from ``engram_ids`` {str(layer): int32 [B,S,n_cols]} gathered here from
+    the device tables in ``params``, or pre-gathered in ``engram_rows`` {str(layer): Fp8Tensor}.
+    ``logits_mode``: "all" -> [B,S,V]; "last" -> [B,V] at each row's last real token.
+    Returns (logits f32, new cache[, aux]).
+    """
+    dtype = opts.compute_dtype
+    B, S = tokens.shape
+    pos0 = cache["pos"]
+    lengths = lengths.astype(jnp.int32)
+    e = jnp.take(params["embed"]["weight"], tokens, axis=0).astype(dtype)
+    h = jnp.broadcast_to(e[:, :, None, :], (B, S, cfg.hc_mult, cfg.dim))
+    pre = jnp.zeros((B, S, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
+    cache_layers = dict(cache["layers"])
+    shared: dict = {}
+    aux: dict | None = {"features": [], "engram_gate": {}} if return_aux else None
+    for l in range(cfg.n_layers):
+        p = params["layers"][str(l)]
+        if l in cfg.engram_layer_ids:
+            if engram_rows is not None:
+                rows = engram_rows[str(l)]
+            else:
+                rows = gather_rows(p["engram"]["embed"], engram_ids[str(l)])
+            if aux is not None:
+                h, gate = engram(p["engram"], h, rows, cfg, return_gate=True)
+                aux["engram_gate"][l] = gate
+            else:
+                h = engram(p["engram"], h, rows, cfg)
+        if aux is not None:
+            if l in cfg.dspark_target_layer_ids:
+                aux["features"].append(jnp.mean(h, axis=2))
+            aux.setdefault("pre", {})[l] = pre
+        h, pre, cache_layers, shared = block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux)
+        if aux is not None:
+            aux.setdefault("resid", []).append(h)
+    y = hc_collapse(h, pre)
+    if logits_mode == "last":
+        last = jnp.clip(lengths - 1, 0, S - 1)
+        y = jnp.take_along_axis(y, last[:, None, None], axis=1)[:, 0]
+    y = norm(y, params["norm"], cfg.norm_eps)
+    logits = jnp.einsum("...d,vd->...v", y.astype(jnp.float32), params["head"]["weight"].astype(jnp.float32),
+                        precision=_HI)
+    new_cache = {"pos": pos0 + lengths, "layers": cache_layers}
+    if return_aux:
+        aux["shared"] = shared
+        return logits, new_cache, aux
+    return logits, new_cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "logits_mode", "return_aux"), donate_argnames=("cache",))
+def forward_step_jit(params, cache, tokens, lengths, engram_ids=None, engram_rows=None, *, cfg, opts,
+                     logits_mode="all", return_aux=False):
+    return forward_step(params, cache, tokens, lengths, engram_ids, engram_rows, cfg=cfg, opts=opts,
+                        logits_mode=logits_mode, return_aux=return_aux)
