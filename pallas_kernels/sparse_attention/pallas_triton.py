@@ -1,0 +1,379 @@
+"""Pallas-Triton kernel: sparse MQA with an attention sink, FP8 window + FP4 compressed KV.
+
+One kernel covers decode (S = 1), speculative verify (S = 6) and prefill: every query row (b, s)
+has its own index lists, so the grid is ``(B*S, H // block_h, num_splits)``:
+
+* axis 0 — one query row (token);
+* axis 1 — a block of ``block_h`` heads (the dot's M dimension; 16..64);
+* axis 2 — flash-decoding split of the key lists: split ``p`` handles the ``p``-th slice of the
+  window list *and* the ``p``-th slice of the compressed list, so work stays balanced. With more
+  than one split the kernel writes unnormalised partials (acc, running max, running sum) and a
+  small jnp epilogue merges them together with the sink. Splits are used only when the first two
+  axes give too few programs to fill the GPU (small batch decode).
+
+Inside a program the keys are gathered by index vector (``ref[ids[:, None], cols[None, :]]``,
+pallas_triton.md §3 rule 5) ``block_k`` at a time, dequantized in registers and fed to two 2-D dots
+per block (rule 8). The head dim is processed in an **even/odd split basis** (D = 2·D/2): the FP4
+cache stores element 2i in the low nibble and 2i+1 in the high nibble of byte i, so the low nibbles
+are exactly the even columns and no interleave is needed (§3.1). q is loaded as its even and odd
+columns, the logits are ``q_e·k_eᵀ + q_o·k_oᵀ``, and the output is accumulated (and stored) as its
+even and odd columns, all with strided index vectors — no reshape, no transpose.
+
+Dequantization (all exact in bf16, attention.md §2.3):
+* window FP8: ``e4m3fn`` data (rule 9: fn, not fnuz) times ``2^(s-127)`` from the ue8m0 scale byte,
+  built with integer ops as the float bit pattern ``s << 23``;
+* compressed FP4: nibble codes decoded with integer ops (§3.1) times an ``e4m3fn`` scale per 16.
+
+Numerics: logits fp32 (bf16 × bf16 products are exact in fp32; f32 inputs use an IEEE f32 dot),
+online softmax in fp32, the probabilities cast to ``q.dtype`` before P·V, fp32 accumulation, the
+sink added to the denominator at the end (not to the max). The reference normalises before the
+cast (``P = exp(l - m)/den``); the kernel casts ``exp(l - m_running)`` and divides at the end, so
+bf16 results agree to bf16 rounding, f32 results to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from dsv41_jax.quant import Fp4Tensor, Fp8Tensor
+
+__all__ = ["sparse_attention", "unsupported_reason", "default_config"]
+
+_NEG_INF = float("-inf")
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def _gpu_vendor() -> str:
+    try:
+        dev = jax.devices()[0]
+    except Exception:  # pragma: no cover
+        return "cuda"
+    if dev.platform == "gpu":
+        kind = getattr(dev, "device_kind", "") or ""
+        return "rocm" if "gfx" in kind.lower() or "amd" in kind.lower() else "cuda"
+    return dev.platform
+
+
+# Per-vendor launch parameters (pallas_triton.md §3 rule 13). ROCm: wave64, 1 stage by default.
+_VENDOR_CONFIG = {
+    "cuda": dict(num_warps=4, num_stages=2),
+    "rocm": dict(num_warps=4, num_stages=1),
+}
+
+
+def default_config(batch_rows: int, heads: int, kw: int, kc: int, vendor: str | None = None) -> dict:
+    """Block sizes and splits for ``batch_rows`` = B*S query rows (decode or prefill)."""
+    vendor = vendor or _gpu_vendor()
+    block_h = min(heads, 32) if heads >= 16 else 16
+    block_k = 32
+    programs = batch_rows * max(1, heads // block_h)
+    longest = max(kw, kc)
+    num_splits = 1
+    # Flash-decoding split only while the grid is well below one wave of ~128 SMs.
+    while programs * num_splits * 2 <= 128 and longest // (num_splits * 2) >= block_k:
+        num_splits *= 2
+    cfg = dict(block_h=block_h, block_k=block_k, num_splits=num_splits)
+    cfg.update(_VENDOR_CONFIG.get(vendor, _VENDOR_CONFIG["cuda"]))
+    return cfg
+
+
+def unsupported_reason(q, kv, kv_idx, comp_kv=None, comp_idx=None) -> str | None:
+    """None when the kernel supports these inputs, else a readable reason."""
+    if q.ndim != 4:
+        return f"q must be [B,S,H,D], got shape {tuple(q.shape)}"
+    b, s, h, d = q.shape
+    if q.dtype not in (jnp.bfloat16, jnp.float32):
+        return f"q dtype {q.dtype} is not bf16 or f32"
+    if not _is_pow2(d) or d < 64:
+        return f"head dim D={d} must be a power of two >= 64 (Triton blocks are powers of two; D/2 >= 32)"
+    if not _is_pow2(h) and h % 32:
+        return f"H={h} heads must be a power of two or a multiple of 32"
+    if isinstance(kv, Fp8Tensor):
+        if kv.data.dtype != jnp.float8_e4m3fn:
+            return f"window FP8 data must be float8_e4m3fn (OCP), got {kv.data.dtype}"
+        if tuple(kv.block) != (1, 32):
+            return f"window FP8 block must be (1, 32), got {kv.block}"
+        if kv.data.shape[-1] != d or kv.data.ndim != 3 or kv.data.shape[0] != b:
+            return f"window FP8 data shape {tuple(kv.data.shape)} does not match q (B={b}, D={d})"
+    elif isinstance(kv, Fp4Tensor):
+        return "an FP4 window cache is not supported (the window is FP8 or plain)"
+    else:
+        if kv.ndim != 3 or kv.shape[0] != b or kv.shape[-1] != d:
+            return f"window kv shape {tuple(kv.shape)} does not match q (B={b}, D={d})"
+        if kv.dtype != q.dtype:
+            return f"plain window kv dtype {kv.dtype} differs from q dtype {q.dtype}"
+    if kv_idx.shape[:2] != (b, s):
+        return f"kv_idx shape {tuple(kv_idx.shape)} does not match q [B={b}, S={s}]"
+    if comp_kv is not None and comp_idx is not None:
+        if comp_idx.shape[:2] != (b, s):
+            return f"comp_idx shape {tuple(comp_idx.shape)} does not match q [B={b}, S={s}]"
+        if isinstance(comp_kv, Fp4Tensor):
+            if comp_kv.block != 16 or comp_kv.scale.dtype != jnp.float8_e4m3fn:
+                return (f"compressed FP4 cache must have block 16 with e4m3 scales, got block {comp_kv.block}, "
+                        f"scale {comp_kv.scale.dtype}")
+            if comp_kv.data.shape[-1] * 2 != d or comp_kv.data.shape[0] != b:
+                return f"compressed FP4 data shape {tuple(comp_kv.data.shape)} does not match q (B={b}, D={d})"
+        elif isinstance(comp_kv, Fp8Tensor):
+            return "an FP8 compressed cache is not supported (the compressed cache is FP4 or plain)"
+        else:
+            if comp_kv.ndim != 3 or comp_kv.shape[0] != b or comp_kv.shape[-1] != d:
+                return f"compressed kv shape {tuple(comp_kv.shape)} does not match q (B={b}, D={d})"
+            if comp_kv.dtype != q.dtype:
+                return f"plain compressed kv dtype {comp_kv.dtype} differs from q dtype {q.dtype}"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# in-kernel decoders (integer ops only)
+
+
+def _e8m0_to_f32(s):
+    """ue8m0 byte (uint8/int32 array) -> 2^(s-127) as f32, built as the bit pattern s << 23."""
+    return jax.lax.bitcast_convert_type(s.astype(jnp.int32) << 23, jnp.float32)
+
+
+def _e2m1_to_f32(c):
+    """4-bit e2m1 codes (int32 0..15) -> f32 values (pallas_triton.md §3.1)."""
+    m = c & 7
+    e = m >> 1
+    f = (m & 1).astype(jnp.float32)
+    p = ((jnp.int32(1) << e) >> 1).astype(jnp.float32)  # 2^(e-1) for e >= 1, 0 for e = 0
+    mag = jnp.where(e == 0, 0.5 * f, (1.0 + 0.5 * f) * p)
+    return jnp.where(c >= 8, -mag, mag)
+
+
+# ------------------------------------------------------------------------------------------------
+# kernel
+
+
+def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d2, nw_blocks, nc_blocks, split_out, cdt):
+    it = iter(refs)
+    q_ref = next(it)
+    widx_ref = next(it)
+    if w_fp8:
+        wdata_ref, wscale_ref = next(it), next(it)
+    else:
+        wkv_ref = next(it)
+    if has_comp:
+        cidx_ref = next(it)
+        if c_fp4:
+            cdata_ref, cscale_ref = next(it), next(it)
+        else:
+            ckv_ref = next(it)
+    sink_ref = next(it)
+    if split_out:
+        acc_ref, m_ref, l_ref = next(it), next(it), next(it)
+    else:
+        o_ref = next(it)
+
+    split = pl.program_id(2)
+    half = jnp.arange(d2, dtype=jnp.int32)
+    ecol = 2 * half
+    ocol = ecol + 1
+    bh = q_ref.shape[0]
+    hrow = jnp.arange(bh, dtype=jnp.int32)
+
+    def grid2(ids, cols):  # explicit 2-D index arrays (the Triton lowering does not broadcast [K,1] x [1,C])
+        shape = (ids.shape[0], cols.shape[0])
+        return jnp.broadcast_to(ids[:, None], shape), jnp.broadcast_to(cols[None, :], shape)
+
+    q_e = q_ref[grid2(hrow, ecol)].astype(cdt)  # [BH, D/2]
+    q_o = q_ref[grid2(hrow, ocol)].astype(cdt)
+
+    def softmax_step(carry, k_e, k_o, valid):
+        m, l, acc_e, acc_o = carry
+        s = jnp.dot(q_e, k_e.T, preferred_element_type=jnp.float32)
+        s = s + jnp.dot(q_o, k_o.T, preferred_element_type=jnp.float32)
+        s = jnp.where(valid[None, :], s * scale, _NEG_INF)  # [BH, BK]
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(s - m_safe[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        pc = p.astype(cdt)
+        acc_e = acc_e * alpha[:, None] + jnp.dot(pc, k_e, preferred_element_type=jnp.float32)
+        acc_o = acc_o * alpha[:, None] + jnp.dot(pc, k_o, preferred_element_type=jnp.float32)
+        return m_new, l, acc_e, acc_o
+
+    def window_body(i, carry):
+        start = (split * nw_blocks + i) * block_k
+        ids = widx_ref[pl.ds(start, block_k)]
+        valid = ids >= 0
+        ids = jnp.where(valid, ids, 0)
+        if w_fp8:
+            sc = _e8m0_to_f32(wscale_ref[grid2(ids, half // 16)])  # [BK, D/2]
+            k_e = (wdata_ref[grid2(ids, ecol)].astype(jnp.float32) * sc).astype(cdt)
+            k_o = (wdata_ref[grid2(ids, ocol)].astype(jnp.float32) * sc).astype(cdt)
+        else:
+            k_e = wkv_ref[grid2(ids, ecol)].astype(cdt)
+            k_o = wkv_ref[grid2(ids, ocol)].astype(cdt)
+        return softmax_step(carry, k_e, k_o, valid)
+
+    def comp_body(i, carry):
+        start = (split * nc_blocks + i) * block_k
+        ids = cidx_ref[pl.ds(start, block_k)]
+        valid = ids >= 0
+        ids = jnp.where(valid, ids, 0)
+        if c_fp4:
+            b = cdata_ref[grid2(ids, half)].astype(jnp.int32)  # [BK, D/2] bytes
+            sc = cscale_ref[grid2(ids, half // 8)].astype(jnp.float32)  # e4m3 per 16
+            k_e = (_e2m1_to_f32(b & 15) * sc).astype(cdt)
+            k_o = (_e2m1_to_f32((b >> 4) & 15) * sc).astype(cdt)
+        else:
+            k_e = ckv_ref[grid2(ids, ecol)].astype(cdt)
+            k_o = ckv_ref[grid2(ids, ocol)].astype(cdt)
+        return softmax_step(carry, k_e, k_o, valid)
+
+    carry = (
+        jnp.full((bh,), _NEG_INF, jnp.float32),
+        jnp.zeros((bh,), jnp.float32),
+        jnp.zeros((bh, d2), jnp.float32),
+        jnp.zeros((bh, d2), jnp.float32),
+    )
+    if nw_blocks:
+        carry = jax.lax.fori_loop(0, nw_blocks, window_body, carry)
+    if has_comp and nc_blocks:
+        carry = jax.lax.fori_loop(0, nc_blocks, comp_body, carry)
+    m, l, acc_e, acc_o = carry
+
+    if split_out:
+        acc_ref[grid2(hrow, ecol)] = acc_e
+        acc_ref[grid2(hrow, ocol)] = acc_o
+        m_ref[...] = m
+        l_ref[...] = l
+    else:
+        sink = sink_ref[...]
+        m_safe = jnp.where(m == _NEG_INF, 0.0, m)
+        den = l + jnp.exp(sink - m_safe)
+        inv = jnp.where(m == _NEG_INF, 0.0, 1.0 / den)
+        o_ref[grid2(hrow, ecol)] = (acc_e * inv[:, None]).astype(o_ref.dtype)
+        o_ref[grid2(hrow, ocol)] = (acc_o * inv[:, None]).astype(o_ref.dtype)
+
+
+def _pad_idx(idx, multiple):
+    k = idx.shape[-1]
+    kp = max(multiple, -(-k // multiple) * multiple)
+    if kp != k:
+        idx = jnp.pad(idx, [(0, 0)] * (idx.ndim - 1) + [(0, kp - k)], constant_values=-1)
+    return idx
+
+
+def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None, interpret=False,
+                     block_h=None, block_k=None, num_splits=None, num_warps=None, num_stages=None):
+    reason = unsupported_reason(q, kv, kv_idx, comp_kv, comp_idx)
+    if reason is not None:
+        raise ValueError(f"sparse_attention (pallas): {reason}")
+    b, s, h, d = q.shape
+    d2 = d // 2
+    rows = b * s
+    has_comp = comp_kv is not None and comp_idx is not None and comp_idx.shape[-1] > 0
+    kw = kv_idx.shape[-1]
+    kc = comp_idx.shape[-1] if has_comp else 0
+    cfg = default_config(rows, h, kw, kc, "cuda" if interpret else None)
+    block_h = block_h or cfg["block_h"]
+    block_k = block_k or cfg["block_k"]
+    num_splits = num_splits or cfg["num_splits"]
+    num_warps = num_warps or cfg["num_warps"]
+    num_stages = num_stages or cfg["num_stages"]
+
+    # heads: pad to a multiple of block_h (only tiny test configs; real H=64)
+    hp = -(-h // block_h) * block_h
+    qf = q.reshape(rows, h, d)
+    sinkf = sink.astype(jnp.float32)
+    if hp != h:
+        qf = jnp.pad(qf, ((0, 0), (0, hp - h), (0, 0)))
+        sinkf = jnp.pad(sinkf, (0, hp - h), constant_values=_NEG_INF)
+    nhb = hp // block_h
+
+    gran = num_splits * block_k
+    widx = _pad_idx(kv_idx.astype(jnp.int32).reshape(rows, kw), gran) if kw else None
+    nw_blocks = (widx.shape[-1] // gran) if kw else 0
+    if widx is None:
+        widx = jnp.full((rows, gran), -1, jnp.int32)
+    cdt = q.dtype
+
+    def per_batch(arr):  # whole per-batch cache, gathered inside the kernel
+        n, c = arr.shape[1], arr.shape[2]
+        return arr, pl.BlockSpec((None, n, c), lambda r, j, p: (r // s, 0, 0))
+
+    row_spec = lambda width: pl.BlockSpec((None, width), lambda r, j, p: (r, 0))
+    args, specs = [qf, widx], [
+        pl.BlockSpec((None, block_h, d), lambda r, j, p: (r, j, 0)),
+        row_spec(widx.shape[-1]),
+    ]
+    w_fp8 = isinstance(kv, Fp8Tensor)
+    if w_fp8:
+        wscale = jax.lax.bitcast_convert_type(kv.scale, jnp.uint8) if kv.scale.dtype != jnp.uint8 else kv.scale
+        for a in (kv.data, wscale):
+            x, sp = per_batch(a)
+            args.append(x)
+            specs.append(sp)
+    else:
+        x, sp = per_batch(kv)
+        args.append(x)
+        specs.append(sp)
+    c_fp4 = False
+    nc_blocks = 0
+    if has_comp:
+        cidx = _pad_idx(comp_idx.astype(jnp.int32).reshape(rows, kc), gran)
+        nc_blocks = cidx.shape[-1] // gran
+        args.append(cidx)
+        specs.append(row_spec(cidx.shape[-1]))
+        c_fp4 = isinstance(comp_kv, Fp4Tensor)
+        for a in ((comp_kv.data, comp_kv.scale) if c_fp4 else (comp_kv,)):
+            x, sp = per_batch(a)
+            args.append(x)
+            specs.append(sp)
+    args.append(sinkf)
+    specs.append(pl.BlockSpec((block_h,), lambda r, j, p: (j,)))
+
+    split_out = num_splits > 1
+    if split_out:
+        out_shape = (
+            jax.ShapeDtypeStruct((rows, num_splits, hp, d), jnp.float32),
+            jax.ShapeDtypeStruct((rows, num_splits, hp), jnp.float32),
+            jax.ShapeDtypeStruct((rows, num_splits, hp), jnp.float32),
+        )
+        out_specs = (
+            pl.BlockSpec((None, None, block_h, d), lambda r, j, p: (r, p, j, 0)),
+            pl.BlockSpec((None, None, block_h), lambda r, j, p: (r, p, j)),
+            pl.BlockSpec((None, None, block_h), lambda r, j, p: (r, p, j)),
+        )
+    else:
+        out_shape = jax.ShapeDtypeStruct((rows, hp, d), q.dtype)
+        out_specs = pl.BlockSpec((None, block_h, d), lambda r, j, p: (r, j, 0))
+
+    kernel = functools.partial(
+        _kernel, has_comp=has_comp, w_fp8=w_fp8, c_fp4=c_fp4, scale=float(scale), block_k=block_k, d2=d2,
+        nw_blocks=nw_blocks, nc_blocks=nc_blocks, split_out=split_out, cdt=cdt,
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid=(rows, nhb, num_splits),
+        in_specs=specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="sparse_attention_sink",
+    )(*args)
+
+    if split_out:
+        acc, m, l = out
+        mx = jnp.max(m, axis=1)  # [rows, hp]
+        mxs = jnp.where(mx == _NEG_INF, 0.0, mx)
+        w = jnp.exp(m - mxs[:, None, :])  # exp(-inf) = 0 for empty splits
+        den = jnp.sum(w * l, axis=1) + jnp.exp(sinkf[None, :] - mxs)
+        inv = jnp.where(mx == _NEG_INF, 0.0, 1.0 / den)
+        o = jnp.einsum("rph,rphd->rhd", w, acc, precision=jax.lax.Precision.HIGHEST) * inv[..., None]
+        out = o.astype(q.dtype)
+    return out[:, :h].reshape(b, s, h, d)
