@@ -1,0 +1,215 @@
+"""Fused routed-expert MoE in Pallas-Triton: grouped gate/up GEMM + clamped SwiGLU + routing weight
++ FP8 act-quant of h, then the grouped down GEMM; two kernel launches plus a few small XLA ops for
+the grouping and the final sum over slots.
+
+Grouping (XLA, tiny): the N*k (token, slot) pairs are sorted by expert and laid out in blocks of
+``bt`` rows; every block belongs to one expert (``block_expert``, -1 for an unused block) and
+lists the pairs in it (``block_pair``; padding points at a dummy pair). The number of blocks is
+static: ``min(E, N*k) + ceil(N*k / bt)``. For one or two tokens the sort is skipped and every pair
+is its own block (each of a token's experts is distinct).
+
+Kernel A, grid (blocks, I / bi): gathers the block's token rows of the act-quantized x by an index
+vector, streams W1[e] and W3[e] rows [bi, D] (MXFP4/FP8/plain, decoded in registers as in
+:mod:`pallas_kernels.quantized_matmul.pallas_triton`), then in registers: g, u rounded to x.dtype,
+``u = clip(u, -L, L)``, ``g = min(g, L)``, ``h = silu(g) * u * w_route``, h rounded to x.dtype and
+fake-quantized per 32 (``act_quant``), stored as bf16 rows of H [blocks * bt, I].
+
+Kernel B, grid (blocks, D / bd): H rows x W2[e] rows [bd, I], rounded to x.dtype (the reference's
+GEMM output) and stored to the pair's row of Y [N*k + 1, D]. XLA then sums the k slots in fp32.
+
+Unused blocks skip all loads (``pl.when``). Numerics equal the reference up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from dsv41_jax.quant import act_quant, is_quantized
+from pallas_kernels.quantized_matmul.pallas_triton import (
+    act_fake_quant_tile,
+    load_weight_tiles,
+    operand_dtype,
+    pick_block,
+    tile_dot,
+    weight_format,
+    weight_logical_shape,
+    weight_operands,
+    weight_reason,
+)
+
+
+def unsupported_reason(x, weights, indices, w1, w2, w3, act_block=32):
+    if x.ndim != 2:
+        return f"x must be [N, D], got shape {x.shape}"
+    if x.dtype not in (jnp.bfloat16, jnp.float32):
+        return f"x dtype must be bf16 or f32, got {x.dtype}"
+    if indices.ndim != 2 or weights.shape != indices.shape or indices.shape[0] != x.shape[0]:
+        return f"weights {weights.shape} / indices {indices.shape} must both be [N, k] with N = {x.shape[0]}"
+    fmts = {weight_format(w) for w in (w1, w2, w3)}
+    if len(fmts) != 1:
+        return f"w1, w2, w3 must share one format, got {sorted(fmts)}"
+    if any(is_quantized(w) for w in (w1, w2, w3)) and act_block != 32:
+        return f"act_block must be 32, got {act_block}"
+    s1, s2, s3 = (weight_logical_shape(w) for w in (w1, w2, w3))
+    if len(s1) != 3 or s1 != s3:
+        return f"w1 and w3 must both be [E, I, D], got {s1} and {s3}"
+    e, i, d = s1
+    if s2 != (e, d, i):
+        return f"w2 must be [E, D, I] = {(e, d, i)}, got {s2}"
+    if d != x.shape[1]:
+        return f"x has D={x.shape[1]} but the experts have D={d}"
+    for name, w in (("w1", w1), ("w2", w2), ("w3", w3)):
+        r = weight_reason(w)
+        if r is not None:
+            return f"{name}: {r}"
+    return None
+
+
+def _config(n_pairs: int, n_exp: int, i: int, d: int):
+    """(bt, bi, bk_a, bd, bk_b, warps)."""
+    rows_per_expert = n_pairs / max(1, min(n_exp, n_pairs))
+    bt = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64
+    bi = pick_block(i, 64 if bt <= 32 else 128)
+    bd = pick_block(d, 64 if bt <= 32 else 128)
+    bk_a = pick_block(d, 256 if bt <= 32 else 64)
+    bk_b = pick_block(i, 256 if bt <= 32 else 64)
+    return bt, bi, bk_a, bd, bk_b, 4
+
+
+def group_pairs(indices, weights, n_exp: int, bt: int):
+    """Blocks of ``bt`` (token, slot) pairs sharing an expert.
+
+    Returns (block_expert [nb] int32, -1 = unused; block_pair [nb*bt] int32, P = padding;
+    block_token [nb*bt] int32 (0 for padding); block_weight [nb*bt] f32 (0 for padding)).
+    """
+    n, k = indices.shape
+    p = n * k
+    flat_e = indices.reshape(p).astype(jnp.int32)
+    flat_w = weights.reshape(p).astype(jnp.float32)
+    if n <= 2:  # each pair its own block, no sort (a token's experts are distinct)
+        nb = p
+        block_expert = flat_e
+        slot0 = (jnp.arange(nb * bt) % bt) == 0
+        block_pair = jnp.where(slot0, jnp.arange(nb * bt) // bt, p).astype(jnp.int32)
+    else:
+        nb = min(n_exp, p) + -(-p // bt)
+        counts = jnp.zeros((n_exp,), jnp.int32).at[flat_e].add(1)
+        nblk = (counts + bt - 1) // bt
+        blk_start = jnp.cumsum(nblk) - nblk
+        pos_start = jnp.cumsum(counts) - counts
+        order = jnp.argsort(flat_e, stable=True).astype(jnp.int32)
+        se = flat_e[order]
+        rank = jnp.arange(p, dtype=jnp.int32) - pos_start[se]
+        blk = blk_start[se] + rank // bt
+        row = blk * bt + rank % bt
+        block_pair = jnp.full((nb * bt,), p, jnp.int32).at[row].set(order)
+        block_expert = jnp.full((nb,), -1, jnp.int32).at[blk].set(se)
+    valid = block_pair < p
+    safe = jnp.minimum(block_pair, p - 1)
+    block_token = jnp.where(valid, safe // k, 0).astype(jnp.int32)
+    block_weight = jnp.where(valid, flat_w[safe], 0.0)
+    return block_expert, block_pair, block_token, block_weight
+
+
+def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
+                    fmt, bt, bi, bk, steps, op_dtype, x_dtype, limit, quant):
+    b = pl.program_id(0)
+    j = pl.program_id(1)
+    e = be_ref[b]
+    row0 = pl.multiple_of(j * bi, bi)
+    rows = pl.ds(row0, bi)
+    hrows = pl.ds(pl.multiple_of(b * bt, bt), bt)
+
+    @pl.when(e >= 0)
+    def _():
+        tok = tok_ref[hrows]
+
+        def body(i, carry):
+            g, u = carry
+            k0 = pl.multiple_of(i * bk, bk)
+            xt = x_ref[tok, pl.ds(k0, bk)]
+            w1t = load_weight_tiles(fmt, w1_ref, s1_ref, (e,), rows, row0, bi, k0, bk, op_dtype)
+            w3t = load_weight_tiles(fmt, w3_ref, s3_ref, (e,), rows, row0, bi, k0, bk, op_dtype)
+            return g + tile_dot(fmt, xt, w1t, op_dtype), u + tile_dot(fmt, xt, w3t, op_dtype)
+
+        z = jnp.zeros((bt, bi), jnp.float32)
+        g, u = jax.lax.fori_loop(0, steps, body, (z, z))
+        g = g.astype(x_dtype).astype(jnp.float32)
+        u = u.astype(x_dtype).astype(jnp.float32)
+        if limit > 0:
+            u = jnp.clip(u, -limit, limit)
+            g = jnp.minimum(g, limit)
+        h = g * jax.nn.sigmoid(g) * u * wt_ref[hrows][:, None]
+        h = h.astype(x_dtype).astype(jnp.float32)
+        if quant:
+            h = act_fake_quant_tile(h, 32)
+        h_ref[hrows, rows] = h.astype(h_ref.dtype)
+
+
+def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd, bk, steps, op_dtype):
+    b = pl.program_id(0)
+    j = pl.program_id(1)
+    e = be_ref[b]
+    row0 = pl.multiple_of(j * bd, bd)
+    rows = pl.ds(row0, bd)
+    hrows = pl.ds(pl.multiple_of(b * bt, bt), bt)
+
+    @pl.when(e >= 0)
+    def _():
+        def body(i, acc):
+            k0 = pl.multiple_of(i * bk, bk)
+            ht = h_ref[hrows, pl.ds(k0, bk)]
+            wt = load_weight_tiles(fmt, w2_ref, s2_ref, (e,), rows, row0, bd, k0, bk, op_dtype)
+            return acc + tile_dot(fmt, ht, wt, op_dtype)
+
+        acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bt, bd), jnp.float32))
+        y_ref[pair_ref[hrows], rows] = acc.astype(y_ref.dtype)
+
+
+def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, interpret=False, config=None):
+    reason = unsupported_reason(x, weights, indices, w1, w2, w3, act_block)
+    if reason is not None:
+        raise ValueError(f"moe_experts (pallas): {reason}")
+    n, k = indices.shape
+    n_exp, i_dim, d = weight_logical_shape(w1)
+    fmt = weight_format(w1)
+    quant = is_quantized(w1)
+    op = operand_dtype(x.dtype, w1)
+    p = n * k
+    bt, bi, bk_a, bd, bk_b, warps = config or _config(p, n_exp, i_dim, d)
+    block_expert, block_pair, block_token, block_weight = group_pairs(indices, weights, n_exp, bt)
+    nb = block_expert.shape[0]
+    xq = (act_quant(x, act_block) if quant else x).astype(op)
+    d1, s1 = weight_operands(w1)
+    d2, s2 = weight_operands(w2)
+    d3, s3 = weight_operands(w3)
+    if s1 is None:
+        s1 = s2 = s3 = jnp.zeros((1, 1, 1), jnp.uint8)
+    limit = float(swiglu_limit or 0.0)
+    params = pltriton.CompilerParams(num_warps=warps, num_stages=3)
+
+    h = pl.pallas_call(
+        functools.partial(_gate_up_kernel, fmt=fmt, bt=bt, bi=bi, bk=bk_a, steps=d // bk_a, op_dtype=op,
+                          x_dtype=x.dtype, limit=limit, quant=quant),
+        out_shape=jax.ShapeDtypeStruct((nb * bt, i_dim), op),
+        grid=(nb, i_dim // bi),
+        compiler_params=params,
+        interpret=interpret,
+        name=f"moe_gate_up_{fmt}",
+    )(block_expert, block_token, block_weight, xq, d1, s1, d3, s3)
+
+    y = pl.pallas_call(
+        functools.partial(_down_kernel, fmt=fmt, bt=bt, bd=bd, bk=bk_b, steps=i_dim // bk_b, op_dtype=op),
+        out_shape=jax.ShapeDtypeStruct((p + 1, d), x.dtype),
+        grid=(nb, d // bd),
+        compiler_params=params,
+        interpret=interpret,
+        name=f"moe_down_{fmt}",
+    )(block_expert, block_pair, h, d2, s2)
+    return jnp.sum(y[:p].reshape(n, k, d).astype(jnp.float32), axis=1)
