@@ -1,0 +1,184 @@
+"""Quantizers and formats on hand-computed cases (attention.md §2.3, model.md §10.4)."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dsv41_jax.quant import (
+    Fp4Tensor,
+    Fp8Tensor,
+    act_quant,
+    e2m1_decode,
+    e2m1_encode,
+    e4m3_round,
+    e8m0_decode,
+    fake_quant_fp4_e4m3,
+    fake_quant_fp8,
+    fake_quant_mxfp4,
+    pack_nibbles,
+    quantize_fp4_e4m3,
+    quantize_fp8,
+    quantize_mxfp4,
+    unpack_nibbles,
+)
+
+TIES = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+TIES_RNE = np.array([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0], np.float32)
+
+
+def test_e2m1_ties_round_to_even_code():
+    got = np.asarray(e2m1_decode(e2m1_encode(jnp.asarray(TIES))))
+    np.testing.assert_array_equal(got, TIES_RNE)
+    np.testing.assert_array_equal(np.asarray(e2m1_decode(e2m1_encode(-jnp.asarray(TIES)))), -TIES_RNE)
+
+
+def test_e2m1_saturates_and_rounds_near_values():
+    x = jnp.asarray([7.0, 100.0, -9.0, 0.26, 0.74, 2.4, 2.6, 4.9, 5.1, 1e-9])
+    np.testing.assert_array_equal(np.asarray(e2m1_decode(e2m1_encode(x))), [6, 6, -6, 0.5, 0.5, 2, 3, 4, 6, 0])
+
+
+def test_e2m1_every_code_round_trips():
+    codes = jnp.arange(16, dtype=jnp.uint8)
+    vals = e2m1_decode(codes)
+    back = e2m1_encode(vals)
+    # -0 (code 8) encodes as +0 (code 0); every other code is exact
+    np.testing.assert_array_equal(np.asarray(e2m1_decode(back)), np.asarray(vals))
+
+
+def test_packed_mxfp4_byte_0x71():
+    vals = e2m1_decode(unpack_nibbles(jnp.asarray([0x71], jnp.uint8)))
+    np.testing.assert_array_equal(np.asarray(vals), [0.5, 6.0])  # low nibble first
+    scale = jnp.asarray(np.array([[130]], np.uint8).view(ml_dtypes.float8_e8m0fnu))  # 2**3
+    t = Fp4Tensor(data=jnp.full((1, 16), 0x71, jnp.uint8), scale=scale, block=32)
+    np.testing.assert_array_equal(np.asarray(t.dequantize())[0, :2], [4.0, 48.0])
+    # int8 storage (checkpoint I8) decodes the same
+    np.testing.assert_array_equal(np.asarray(unpack_nibbles(jnp.asarray([0x71], jnp.uint8).view(jnp.int8))), [1, 7])
+
+
+def test_pack_unpack_round_trip():
+    codes = jax.random.randint(jax.random.PRNGKey(3), (5, 64), 0, 16).astype(jnp.uint8)
+    np.testing.assert_array_equal(np.asarray(unpack_nibbles(pack_nibbles(codes))), np.asarray(codes))
+
+
+@pytest.mark.parametrize("k", [-3, 0, 4])
+def test_fp8_power_of_two_amax_gives_exact_scale(k):
+    # amax = 448 * 2**k -> scale 2**k, so the max element is exactly 448 in e4m3
+    x = np.linspace(-1, 1, 32, dtype=np.float32) * 448 * 2.0**k
+    q = quantize_fp8(jnp.asarray(x)[None], (1, 32))
+    assert float(e8m0_decode(q.scale)[0, 0]) == 2.0**k
+    np.testing.assert_array_equal(np.asarray(q.dequantize())[0, [0, -1]], [-448 * 2.0**k, 448 * 2.0**k])
+
+
+def test_fp8_scale_rounds_up_and_ties_are_rne():
+    # amax 449 -> 449/448 > 1 -> scale 2; 17 is a tie between 16 and 18 at scale 1 -> 16 (even)
+    x = np.zeros(32, np.float32) + 3.0
+    x[0] = 449.0
+    fq = np.asarray(fake_quant_fp8(jnp.asarray(x)))
+    assert fq[0] == 448.0  # scale 2; 449/2 = 224.5 -> e4m3 224 (step 16 in [128, 256)) -> 448
+    y = np.full(32, 3.0, np.float32)
+    y[0], y[1], y[2] = 448.0, 17.0, 19.0
+    fy = np.asarray(fake_quant_fp8(jnp.asarray(y)))
+    np.testing.assert_array_equal(fy[:3], [448.0, 16.0, 20.0])
+
+
+def test_fp8_tiny_values_use_the_amax_floor():
+    x = jnp.full((32,), 1e-7, jnp.float32)
+    # amax floored at 1e-4 -> scale 2**ceil(log2(1e-4/448)) = 2**-22; 1e-7/2**-22 = 0.419 -> e4m3 0.40625
+    got = float(fake_quant_fp8(x)[0])
+    assert got == pytest.approx(0.40625 * 2.0**-22, rel=0)
+
+
+def test_e4m3_saturates_instead_of_nan():
+    np.testing.assert_array_equal(np.asarray(e4m3_round(jnp.asarray([1000.0, -1e9, 464.0]))), [448, -448, 448])
+
+
+@pytest.mark.parametrize("mult,expect", list(zip(TIES, TIES_RNE)))
+def test_mxfp4_ties_at_multiples_of_the_scale(mult, expect):
+    # block amax 6*2**2 = 24 -> scale exactly 4; x = mult * scale
+    x = np.full(32, 0.1, np.float32)
+    x[0] = 24.0
+    x[1] = mult * 4.0
+    x[2] = -mult * 4.0
+    fq = np.asarray(fake_quant_mxfp4(jnp.asarray(x)))
+    assert fq[0] == 24.0
+    assert fq[1] == expect * 4.0 and fq[2] == -expect * 4.0
+    q = quantize_mxfp4(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(q.dequantize()), fq)
+
+
+def test_mxfp4_scale_rounds_up_and_saturates():
+    x = np.full(32, 1.0, np.float32)
+    x[0] = 6.5  # 6.5/6 > 1 -> scale 2; 6.5/2 = 3.25 -> 3 -> 6
+    fq = np.asarray(fake_quant_mxfp4(jnp.asarray(x)))
+    assert fq[0] == 6.0 and fq[1] == 1.0
+
+
+@pytest.mark.parametrize("mult,expect", list(zip(TIES, TIES_RNE)))
+def test_fp4_e4m3_scale_ties(mult, expect):
+    # amax 12 -> scale e4m3(12/6) = 2 exactly
+    x = np.full(16, 0.3, np.float32)
+    x[0] = 12.0
+    x[1] = mult * 2.0
+    fq = np.asarray(fake_quant_fp4_e4m3(jnp.asarray(x)))
+    assert fq[0] == 12.0 and fq[1] == expect * 2.0
+    q = quantize_fp4_e4m3(jnp.asarray(x))
+    assert q.scale.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(np.asarray(q.dequantize()), fq)
+
+
+def test_fp4_e4m3_scale_is_round_to_nearest_so_values_can_saturate():
+    # amax 6.9 -> 6.9/6 = 1.15 -> e4m3 1.125; 6.9/1.125 = 6.13 -> saturates at 6 -> 6.75
+    x = np.full(16, 0.5, np.float32)
+    x[0] = 6.9
+    q = quantize_fp4_e4m3(jnp.asarray(x))
+    assert float(q.scale_f32()[0]) == 1.125
+    assert float(q.dequantize()[0]) == 6.75
+
+
+def test_fp4_e4m3_tiny_values_use_the_floor():
+    x = jnp.full((16,), 1e-6, jnp.float32)
+    q = quantize_fp4_e4m3(x)
+    assert float(q.scale_f32()[0]) == 2.0**-9  # amax floor 6*2**-9 -> scale 2**-9
+    assert float(q.dequantize()[0]) == 0.0  # 1e-6/2**-9 = 5e-4 -> 0
+
+
+def test_fp8_weight_blocks_32x32_dequantize_and_partial_edge_blocks():
+    key = jax.random.PRNGKey(0)
+    w = jax.random.normal(key, (70, 100)) * jnp.exp(jax.random.normal(jax.random.PRNGKey(1), (70, 1)))
+    q = quantize_fp8(w)
+    assert q.scale.shape == (3, 4) and q.scale.dtype == jnp.float8_e8m0fnu
+    deq = np.asarray(q.dequantize())
+    # each 32x32 block: relative error below the e4m3 half-ulp (2**-4) of its amax
+    for bi in range(3):
+        for bj in range(4):
+            blk = np.asarray(w)[bi * 32 : (bi + 1) * 32, bj * 32 : (bj + 1) * 32]
+            err = np.abs(deq[bi * 32 : (bi + 1) * 32, bj * 32 : (bj + 1) * 32] - blk).max()
+            assert err <= np.abs(blk).max() * 2.0**-4
+    # manual dequantization from the raw bytes
+    s = np.asarray(q.scale).view(np.uint8).astype(np.int32) - 127
+    manual = np.asarray(q.data).astype(np.float32) * np.ldexp(1.0, np.repeat(np.repeat(s, 32, 0), 32, 1)[:70, :100])
+    np.testing.assert_array_equal(manual, deq)
+
+
+def test_quantized_forms_equal_fake_quant_on_random_data():
+    x = jax.random.normal(jax.random.PRNGKey(7), (4, 128)) * 5
+    np.testing.assert_array_equal(np.asarray(quantize_fp8(x, (1, 32)).dequantize()), np.asarray(fake_quant_fp8(x)))
+    np.testing.assert_array_equal(np.asarray(quantize_mxfp4(x).dequantize()), np.asarray(fake_quant_mxfp4(x)))
+    np.testing.assert_array_equal(np.asarray(quantize_fp4_e4m3(x).dequantize()), np.asarray(fake_quant_fp4_e4m3(x)))
+    # bf16 input gives bf16 output with the same values (all representable)
+    xb = x.astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(fake_quant_fp8(xb).astype(jnp.float32)),
+                                  np.asarray(fake_quant_fp8(xb.astype(jnp.float32))))
+
+
+def test_act_quant_is_fp8_per_32_along_k():
+    x = jax.random.normal(jax.random.PRNGKey(5), (3, 64))
+    y = act_quant(x, 32)
+    for b in range(2):
+        blk = np.asarray(x)[:, b * 32 : (b + 1) * 32]
+        e = np.ceil(np.log2(np.maximum(np.abs(blk).max(1), 1e-4) / 448))
+        scaled = np.asarray(y)[:, b * 32 : (b + 1) * 32] / np.ldexp(1.0, e.astype(int))[:, None]
+        # values / scale are e4m3 numbers
+        np.testing.assert_array_equal(scaled.astype(ml_dtypes.float8_e4m3fn).astype(np.float32), scaled)
