@@ -34,8 +34,22 @@ def hc_mixes(x, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters, implementa
 
 
 def hc_collapse(x, pre, *, implementation=None):
+    kernel, impl = _pallas(implementation)
+    if kernel is not None:
+        reason = kernel.collapse_reason(x, pre)
+        if reason is None:
+            return kernel.hc_collapse(x, pre, interpret=impl == "interpret")
+        if implementation is not None:
+            raise ValueError(f"hc_collapse: Pallas kernel cannot run this shape: {reason}")
     return reference.hc_collapse(x, pre)
 
 
 def hc_expand(f, residual, post, comb, *, implementation=None):
+    kernel, impl = _pallas(implementation)
+    if kernel is not None:
+        reason = kernel.expand_reason(f, residual, post, comb)
+        if reason is None:
+            return kernel.hc_expand(f, residual, post, comb, interpret=impl == "interpret")
+        if implementation is not None:
+            raise ValueError(f"hc_expand: Pallas kernel cannot run this shape: {reason}")
     return reference.hc_expand(f, residual, post, comb)
