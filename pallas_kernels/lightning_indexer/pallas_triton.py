@@ -1,0 +1,439 @@
+"""Pallas-Triton lightning indexer: FP4 scores, masks, block maxima and a streaming exact top-k.
+
+``score[b,s,j] = sum_h w[b,s,h] * relu(q[b,s,h] . k[b,j])`` (fp32; q, k MXFP4 decoded exactly in the
+kernel), ``-inf`` where ``j >= visible[b,s]`` or where the candidate-block mask excludes j; the result
+is the top-k positions in ascending order, -1 padded.
+
+The [S, Nc] score matrix is never written to HBM. The pipeline (all rows R = B*S independent):
+
+1. **Score kernel** (grid ``(B, S // rows_per_program, ceil(Nc / tile_n))``): streams the key cache
+   once per block of query rows, decodes packed MXFP4 keys with integer ops in registers, computes
+   the scores ``chunk`` keys at a time (two 2-D dots in the even/odd basis: the low nibbles are the
+   even columns, the high nibbles the odd ones), applies the masks and writes only the **group
+   maxima** over ``g0`` consecutive positions: ``g0 = block_size`` (these are exactly the
+   ``block_scores`` of the hierarchical indexer) for decode-sized row counts, ``g0 = block_size²``
+   for large row counts (prefill), i.e. 1/8 or 1/64 of the score matrix.
+2. **Hierarchical exact selection.** If x is among the top-k scores, the maximum of its group is
+   ≥ x, hence among the top-k group maxima (up to exact ties at the k-th value). So:
+   top-k groups → the k·g0 candidate positions → top-k of those. Above the kernel's level, group
+   maxima of groups (factor ``block_size``) are formed with a jnp max until a row fits one select
+   program (≤ ``select_max`` entries), and the selection descends level by level; every step
+   handles at most ``k · block_size`` candidates (4,096 at k = 512).
+3. **Candidate score kernel** (grid ``(R, k·g0 / cand_tile)``): gathers the candidate keys by
+   index vector and recomputes their exact scores (the same code as 1).
+4. **Select kernel** (grid ``(R,)``): exact k-th largest value by a 32-step bisection on the
+   order-preserving uint32 image of the f32 scores (compare + count over the row held in
+   registers; no sort exists in the Triton lowering), then the selection mask (all > threshold,
+   plus the earliest ties) is compacted with a prefix sum and scattered: the output comes out
+   **sorted by position** for free, -1 padded.
+
+Ties: exactly equal scores at the k-th value are broken toward lower positions within a candidate
+list; a tie at a group level can drop such an exactly-tied element (only then can the result
+differ from ``lax.top_k`` + sort, which the reference uses).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from dsv41_jax.quant import Fp4Tensor
+
+from .reference import IndexerResult
+
+__all__ = ["lightning_indexer", "unsupported_reason", "index_block_maxima", "select_topk", "DEFAULTS"]
+
+_NEG_INF = float("-inf")
+
+DEFAULTS = dict(
+    tile_n=1024,        # keys per score-kernel program
+    chunk=128,          # keys per inner step (dot N dimension)
+    rows_per_program=8,  # query rows sharing one pass over a key tile (prefill)
+    cand_tile=256,      # candidates per candidate-score program
+    select_max=16384,   # entries one select program holds
+    score_warps=4,
+    select_warps=8,
+    num_stages=2,
+    maxima_budget_bytes=64 << 20,  # store g0 = block_size maxima while R * Nc/bs * 4 <= this
+)
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _logical_shape(x):
+    return tuple(x.shape) if not isinstance(x, Fp4Tensor) else tuple(x.shape)
+
+
+def unsupported_reason(q, weights, keys, visible, *, top_k, candidate_blocks=None, block_size=8) -> str | None:
+    qs, ks = _logical_shape(q), _logical_shape(keys)
+    if len(qs) != 4 or len(ks) != 3:
+        return f"q must be [B,S,HI,DI] and keys [B,Nc,DI], got {qs} and {ks}"
+    b, s, hi, di = qs
+    if ks[0] != b or ks[2] != di:
+        return f"keys shape {ks} does not match q {qs}"
+    if not _is_pow2(hi) or hi < 16:
+        return f"HI={hi} indexer heads must be a power of two >= 16 (dot M dimension)"
+    if not _is_pow2(di) or di < 64:
+        return f"DI={di} must be a power of two >= 64 (DI/2 is a dot K dimension)"
+    for name, x in (("q", q), ("keys", keys)):
+        if isinstance(x, Fp4Tensor):
+            if x.block != 32 or x.scale.dtype == jnp.float8_e4m3fn:
+                return f"{name} must be MXFP4 (block 32, e8m0 scales), got block {x.block}, scale {x.scale.dtype}"
+        elif x.dtype not in (jnp.float32, jnp.bfloat16):
+            return f"{name} dtype {x.dtype} is not f32, bf16 or MXFP4"
+    if tuple(weights.shape) != (b, s, hi):
+        return f"weights shape {tuple(weights.shape)} is not {(b, s, hi)}"
+    if tuple(visible.shape) != (b, s):
+        return f"visible shape {tuple(visible.shape)} is not {(b, s)}"
+    if not _is_pow2(block_size) or not 2 <= block_size <= 64:
+        return f"block_size={block_size} must be a power of two in [2, 64]"
+    if top_k < 1:
+        return f"top_k={top_k} must be >= 1"
+    if _next_pow2(top_k) * block_size > DEFAULTS["select_max"]:
+        return f"top_k={top_k} x block_size={block_size} candidates exceed one select program ({DEFAULTS['select_max']})"
+    if candidate_blocks is not None:
+        nb = -(-ks[1] // block_size)
+        if tuple(candidate_blocks.shape) != (b, s, nb):
+            return f"candidate_blocks shape {tuple(candidate_blocks.shape)} is not {(b, s, nb)}"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# in-kernel helpers
+
+
+def _grid2(rows, cols):
+    shape = (rows.shape[0], cols.shape[0])
+    return jnp.broadcast_to(rows[:, None], shape), jnp.broadcast_to(cols[None, :], shape)
+
+
+def _e8m0_to_f32(s):
+    return jax.lax.bitcast_convert_type(s.astype(jnp.int32) << 23, jnp.float32)
+
+
+def _e2m1_to_f32(c):
+    m = c & 7
+    e = m >> 1
+    f = (m & 1).astype(jnp.float32)
+    p = ((jnp.int32(1) << e) >> 1).astype(jnp.float32)
+    mag = jnp.where(e == 0, 0.5 * f, (1.0 + 0.5 * f) * p)
+    return jnp.where(c >= 8, -mag, mag)
+
+
+def _load_rows(data_ref, scale_ref, rows, d2, fp4, cdt):
+    """Rows ``rows`` ([N] int32, in range) of an MXFP4 ([N, d2] bytes + [N, d2/16] e8m0) or plain
+    ([N, 2*d2]) store -> (even columns, odd columns), each [N, d2] in ``cdt``."""
+    half = jnp.arange(d2, dtype=jnp.int32)
+    if fp4:
+        b = data_ref[_grid2(rows, half)].astype(jnp.int32)
+        sc = _e8m0_to_f32(scale_ref[_grid2(rows, half // 16)])
+        return (_e2m1_to_f32(b & 15) * sc).astype(cdt), (_e2m1_to_f32((b >> 4) & 15) * sc).astype(cdt)
+    return data_ref[_grid2(rows, 2 * half)].astype(cdt), data_ref[_grid2(rows, 2 * half + 1)].astype(cdt)
+
+
+def _scores(q_e, q_o, k_e, k_o, w):
+    """sum_h w_h relu(q_h . k_j) for a [HI, d2] x [N, d2] pair -> [N] f32."""
+    l = jnp.dot(q_e, k_e.T, preferred_element_type=jnp.float32)
+    l = l + jnp.dot(q_o, k_o.T, preferred_element_type=jnp.float32)
+    return jnp.sum(jnp.maximum(l, 0.0) * w[:, None], axis=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. score kernel -> group maxima
+
+
+def _score_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, s_rows, tile_n, chunk, g0, bs, cdt):
+    it = iter(refs)
+    qd_ref = next(it)
+    qs_ref = next(it) if q_fp4 else None
+    w_ref, vis_ref = next(it), next(it)
+    kd_ref = next(it)
+    ks_ref = next(it) if k_fp4 else None
+    cb_ref = next(it) if has_cb else None
+    o_ref = next(it)
+
+    t = pl.program_id(2)
+    heads = jnp.arange(hi, dtype=jnp.int32)
+    local = jnp.arange(chunk, dtype=jnp.int32)
+
+    def chunk_body(c, _):
+        pos = t * tile_n + c * chunk + local
+        inb = pos < nc
+        k_e, k_o = _load_rows(kd_ref, ks_ref, jnp.where(inb, pos, 0), d2, k_fp4, cdt)
+
+        def row_body(r, _):
+            q_e, q_o = _load_rows(qd_ref, qs_ref, r * hi + heads, d2, q_fp4, cdt)
+            w = w_ref[pl.ds(r * hi, hi)]
+            sc = _scores(q_e, q_o, k_e, k_o, w)
+            ok = inb & (pos < vis_ref[pl.ds(r, 1)])
+            if has_cb:
+                ok = ok & (cb_ref[jnp.full((chunk,), r, jnp.int32), pos // bs] != 0)
+            sc = jnp.where(ok, sc, _NEG_INF)
+            gm = jnp.max(sc.reshape(chunk // g0, g0), axis=1)
+            o_ref[pl.ds(r, 1), pl.ds(c * (chunk // g0), chunk // g0)] = gm[None, :]
+            return 0
+
+        jax.lax.fori_loop(0, s_rows, row_body, 0)
+        return 0
+
+    jax.lax.fori_loop(0, tile_n // chunk, chunk_body, 0)
+
+
+def _prep(q, keys, weights, visible, candidate_blocks, block_size):
+    b, s, hi, di = _logical_shape(q)
+    nc = _logical_shape(keys)[1]
+    q_fp4, k_fp4 = isinstance(q, Fp4Tensor), isinstance(keys, Fp4Tensor)
+    if q_fp4 and k_fp4:
+        cdt = jnp.bfloat16
+    else:
+        dts = [x.dtype for x in (q, keys) if not isinstance(x, Fp4Tensor)]
+        cdt = jnp.float32 if any(d == jnp.float32 for d in dts) else jnp.bfloat16
+
+    def bytes_(x):
+        return jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype != jnp.uint8 else x
+
+    if q_fp4:
+        qa = (q.data.reshape(b * s * hi, di // 2), bytes_(q.scale).reshape(b * s * hi, di // 32))
+    else:
+        qa = (q.reshape(b * s * hi, di),)
+    ka = (keys.data, bytes_(keys.scale)) if k_fp4 else (keys,)
+    w = weights.astype(jnp.float32).reshape(b * s * hi)
+    vis = visible.astype(jnp.int32).reshape(b * s)
+    cb = None
+    if candidate_blocks is not None:
+        cb = candidate_blocks.astype(jnp.int8).reshape(b * s, -1)
+    return dict(b=b, s=s, hi=hi, di=di, nc=nc, q_fp4=q_fp4, k_fp4=k_fp4, cdt=cdt, qa=qa, ka=ka, w=w, vis=vis, cb=cb)
+
+
+def index_block_maxima(p, *, g0, interpret, cfg):
+    """Score kernel: masked group maxima over g0 positions, [B*S, NT*tile_n/g0] f32 (-inf padded)."""
+    b, s, hi, di, nc = p["b"], p["s"], p["hi"], p["di"], p["nc"]
+    d2 = di // 2
+    tile_n = min(cfg["tile_n"], max(cfg["chunk"], _next_pow2(nc)))
+    chunk = min(cfg["chunk"], tile_n)
+    chunk = max(chunk, g0)
+    tile_n = max(tile_n, chunk)
+    nt = -(-nc // tile_n)
+    sq = min(cfg["rows_per_program"], s)
+    while s % sq:
+        sq -= 1
+    ns = s // sq
+    rows = b * s
+
+    args, specs = [], []
+    # q: [rows*hi, ...] block of sq*hi rows
+    for a in p["qa"]:
+        args.append(a)
+        specs.append(pl.BlockSpec((sq * hi, a.shape[-1]), lambda i, j, t: (i * ns + j, 0)))
+    args += [p["w"], p["vis"]]
+    specs += [pl.BlockSpec((sq * hi,), lambda i, j, t: (i * ns + j,)), pl.BlockSpec((sq,), lambda i, j, t: (i * ns + j,))]
+    for a in p["ka"]:
+        args.append(a)
+        specs.append(pl.BlockSpec((None, a.shape[1], a.shape[2]), lambda i, j, t: (i, 0, 0)))
+    has_cb = p["cb"] is not None
+    if has_cb:
+        args.append(p["cb"])
+        specs.append(pl.BlockSpec((sq, p["cb"].shape[1]), lambda i, j, t: (i * ns + j, 0)))
+    out_w = tile_n // g0
+    kernel = functools.partial(
+        _score_kernel, q_fp4=p["q_fp4"], k_fp4=p["k_fp4"], has_cb=has_cb, hi=hi, d2=d2, nc=nc, s_rows=sq,
+        tile_n=tile_n, chunk=chunk, g0=g0, bs=cfg["block_size"], cdt=p["cdt"],
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(b, ns, nt),
+        in_specs=specs,
+        out_specs=pl.BlockSpec((sq, out_w), lambda i, j, t: (i * ns + j, t)),
+        out_shape=jax.ShapeDtypeStruct((rows, nt * out_w), jnp.float32),
+        compiler_params=pltriton.CompilerParams(num_warps=cfg["score_warps"], num_stages=cfg["num_stages"]),
+        interpret=interpret,
+        name="indexer_block_maxima",
+    )(*args)
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. candidate score kernel
+
+
+def _cand_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, tile, bs, cdt):
+    it = iter(refs)
+    qd_ref = next(it)
+    qs_ref = next(it) if q_fp4 else None
+    w_ref, vis_ref, pos_ref = next(it), next(it), next(it)
+    kd_ref = next(it)
+    ks_ref = next(it) if k_fp4 else None
+    cb_ref = next(it) if has_cb else None
+    o_ref = next(it)
+
+    c = pl.program_id(1)
+    heads = jnp.arange(hi, dtype=jnp.int32)
+    pos = pos_ref[pl.ds(c * tile, tile)]
+    ok = (pos >= 0) & (pos < nc) & (pos < vis_ref[...])
+    safe = jnp.where(ok, pos, 0)
+    k_e, k_o = _load_rows(kd_ref, ks_ref, safe, d2, k_fp4, cdt)
+    q_e, q_o = _load_rows(qd_ref, qs_ref, heads, d2, q_fp4, cdt)
+    sc = _scores(q_e, q_o, k_e, k_o, w_ref[...])
+    if has_cb:
+        ok = ok & (cb_ref[safe // bs] != 0)
+    o_ref[pl.ds(c * tile, tile)] = jnp.where(ok, sc, _NEG_INF)
+
+
+def candidate_scores(p, pos, *, interpret, cfg):
+    """Exact masked scores at candidate positions ``pos`` [R, C] (-1 = none) -> [R, C] f32."""
+    b, s, hi, di, nc = p["b"], p["s"], p["hi"], p["di"], p["nc"]
+    rows, cn = pos.shape
+    tile = min(cfg["cand_tile"], cn)
+    args, specs = [], []
+    for a in p["qa"]:
+        args.append(a)
+        specs.append(pl.BlockSpec((hi, a.shape[-1]), lambda r, c: (r, 0)))
+    args += [p["w"], p["vis"], pos]
+    specs += [pl.BlockSpec((hi,), lambda r, c: (r,)), pl.BlockSpec((1,), lambda r, c: (r,)),
+              pl.BlockSpec((None, cn), lambda r, c: (r, 0))]
+    for a in p["ka"]:
+        args.append(a)
+        specs.append(pl.BlockSpec((None, a.shape[1], a.shape[2]), lambda r, c: (r // s, 0, 0)))
+    has_cb = p["cb"] is not None
+    if has_cb:
+        args.append(p["cb"])
+        specs.append(pl.BlockSpec((None, p["cb"].shape[1]), lambda r, c: (r, 0)))
+    kernel = functools.partial(_cand_kernel, q_fp4=p["q_fp4"], k_fp4=p["k_fp4"], has_cb=has_cb, hi=hi, d2=di // 2,
+                               nc=nc, tile=tile, bs=cfg["block_size"], cdt=p["cdt"])
+    return pl.pallas_call(
+        kernel,
+        grid=(rows, cn // tile),
+        in_specs=specs,
+        out_specs=pl.BlockSpec((None, cn), lambda r, c: (r, 0)),
+        out_shape=jax.ShapeDtypeStruct((rows, cn), jnp.float32),
+        compiler_params=pltriton.CompilerParams(num_warps=cfg["score_warps"], num_stages=cfg["num_stages"]),
+        interpret=interpret,
+        name="indexer_candidate_scores",
+    )(*args)
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. select kernel: exact top-k by bisection, output compacted in ascending order
+
+
+def _select_kernel(v_ref, o_ref, *, n, np2, k, kp):
+    idx = jnp.arange(np2, dtype=jnp.int32)
+    inr = idx < n
+    v = v_ref[...]
+    valid = inr & (v > _NEG_INF)  # NaN and -inf are never picked
+    bits = jax.lax.bitcast_convert_type(v, jnp.int32)
+    skey = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed int order == float order
+    ukey = jax.lax.bitcast_convert_type(skey, jnp.uint32) ^ jnp.uint32(0x80000000)
+
+    def bisect(i, t):
+        cand = t | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
+        cnt = jnp.sum((valid & (ukey >= cand)).astype(jnp.int32))
+        return jnp.where(cnt >= k, cand, t)
+
+    t = jax.lax.fori_loop(0, 32, bisect, jnp.uint32(0))
+    gt = valid & (ukey > t)
+    n_gt = jnp.sum(gt.astype(jnp.int32))
+    tie = valid & (ukey == t)
+    tie_rank = jnp.cumsum(tie.astype(jnp.int32))
+    sel = gt | (tie & (tie_rank <= k - n_gt))
+    # A permutation: the selected entries first (in position order), then the rest. Every lane has
+    # its own target (no two lanes write one address; interpret mode needs that too); targets
+    # beyond the k padded output slots are masked off, the others get the index or -1.
+    n_sel = jnp.sum(sel.astype(jnp.int32))
+    target = jnp.where(sel, jnp.cumsum(sel.astype(jnp.int32)) - 1, n_sel + jnp.cumsum((~sel).astype(jnp.int32)) - 1)
+    pltriton.store(o_ref.at[target], jnp.where(sel, idx, -1), mask=target < kp)
+
+
+def select_topk(vals, k, *, interpret=False, num_warps=8):
+    """Per row of ``vals`` [R, N] f32: the indices of the k largest finite values, ascending, -1 padded
+    -> [R, k] int32."""
+    rows, n = vals.shape
+    kp = _next_pow2(k)
+    np2 = max(_next_pow2(n), kp)
+    if np2 != n:
+        vals = jnp.pad(vals, ((0, 0), (0, np2 - n)), constant_values=_NEG_INF)
+    kernel = functools.partial(_select_kernel, n=n, np2=np2, k=k, kp=kp)
+    out = pl.pallas_call(
+        kernel,
+        grid=(rows,),
+        in_specs=[pl.BlockSpec((None, np2), lambda r: (r, 0))],
+        out_specs=pl.BlockSpec((None, kp), lambda r: (r, 0)),
+        out_shape=jax.ShapeDtypeStruct((rows, kp), jnp.int32),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="indexer_select_topk",
+    )(vals)
+    return out[:, :k]
+
+
+def _take(a, idx, fill):
+    """take_along_axis on the last axis with -1 -> ``fill``."""
+    got = jnp.take_along_axis(a, jnp.maximum(idx, 0), axis=-1)
+    return jnp.where(idx >= 0, got, fill)
+
+
+def topk_hierarchical(vals, k, *, factor, select_max, interpret, num_warps):
+    """Indices (into the last axis of ``vals`` [R, N]) of the top-k finite values, ascending, -1 padded.
+    Rows longer than ``select_max`` go through group maxima over ``factor`` entries."""
+    rows, n = vals.shape
+    if n <= select_max:
+        return select_topk(vals, k, interpret=interpret, num_warps=num_warps)
+    pad = -n % factor
+    if pad:
+        vals = jnp.pad(vals, ((0, 0), (0, pad)), constant_values=_NEG_INF)
+    parent = jnp.max(vals.reshape(rows, -1, factor), axis=-1)
+    sel_p = topk_hierarchical(parent, k, factor=factor, select_max=select_max, interpret=interpret,
+                              num_warps=num_warps)  # [R, k]
+    child = jnp.where(sel_p[:, :, None] >= 0, sel_p[:, :, None] * factor + jnp.arange(factor, dtype=jnp.int32), -1)
+    child = child.reshape(rows, -1)  # [R, k*factor] ascending
+    cv = _take(vals, child, _NEG_INF)
+    sel = select_topk(cv, k, interpret=interpret, num_warps=num_warps)
+    return _take(child, sel, -1)
+
+
+# ------------------------------------------------------------------------------------------------
+# entry point
+
+
+def lightning_indexer(q, weights, keys, visible, *, top_k, candidate_blocks=None, block_size=8,
+                      want_block_scores=False, interpret=False, config=None) -> IndexerResult:
+    reason = unsupported_reason(q, weights, keys, visible, top_k=top_k, candidate_blocks=candidate_blocks,
+                                block_size=block_size)
+    if reason is not None:
+        raise ValueError(f"lightning_indexer (pallas): {reason}")
+    cfg = dict(DEFAULTS)
+    cfg.update(config or {})
+    cfg["block_size"] = block_size
+    p = _prep(q, keys, weights, visible, candidate_blocks, block_size)
+    b, s, nc = p["b"], p["s"], p["nc"]
+    rows = b * s
+    nb = -(-nc // block_size)
+    small = rows * nb * 4 <= cfg["maxima_budget_bytes"]
+    g0 = block_size if (want_block_scores or small or nc <= block_size * block_size) else block_size * block_size
+    gmax = index_block_maxima(p, g0=g0, interpret=interpret, cfg=cfg)  # [R, >= ceil(nc/g0)]
+    ng = -(-nc // g0)
+    gmax_v = gmax[:, :ng]
+    sel_g = topk_hierarchical(gmax_v, top_k, factor=block_size, select_max=cfg["select_max"], interpret=interpret,
+                              num_warps=cfg["select_warps"])  # [R, k] group ids
+    kp = _next_pow2(top_k)
+    if kp != top_k:
+        sel_g = jnp.pad(sel_g, ((0, 0), (0, kp - top_k)), constant_values=-1)
+    cand = jnp.where(sel_g[:, :, None] >= 0, sel_g[:, :, None] * g0 + jnp.arange(g0, dtype=jnp.int32), -1)
+    cand = cand.reshape(rows, kp * g0)
+    cs = candidate_scores(p, cand, interpret=interpret, cfg=cfg)
+    sel = topk_hierarchical(cs, top_k, factor=block_size, select_max=cfg["select_max"], interpret=interpret,
+                            num_warps=cfg["select_warps"])
+    topk = _take(cand, sel, -1).reshape(b, s, top_k)
+    block_scores = None
+    if want_block_scores:
+        block_scores = gmax[:, :nb].reshape(b, s, nb)
+    return IndexerResult(topk.astype(jnp.int32), block_scores)
