@@ -1,0 +1,94 @@
+"""H200 benchmark of one mHC site (hc_mixes + hc_collapse + hc_expand; V4.1: hc=4, D=5120) vs the
+XLA reference (jit), beside the byte floor.
+
+    PYTHONPATH=. python -m pallas_kernels.mhc.benchmark [--quick] [--out DIR]
+
+Protocol as :mod:`pallas_kernels.quantized_matmul.benchmark`; each rep uses its own x, f and its
+own copy of (fn, scale, base), as the 80 sites of a decode step do. Floor bytes: fn (f32) + x read
+twice (mixes, collapse) + collapse out + f + residual + expand out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import dsv41_jax  # noqa: F401
+from pallas_kernels.mhc import pallas_triton, reference
+from pallas_kernels.quantized_matmul.benchmark import HBM_BYTES_PER_S, fmt_us, log, max_rel_err, time_op
+
+HC, D = 4, 5120
+KW = dict(norm_eps=1e-20, hc_eps=1e-6, sinkhorn_iters=20)
+
+
+def site(mod, x, f, pre_prev, fn, scale, base):
+    pre, post, comb = mod.hc_mixes(x, fn, scale, base, **KW)
+    a = mod.hc_collapse(x, pre_prev)
+    y = mod.hc_expand(f, x, post, comb)
+    return pre, y, a
+
+
+def run(quick=False, out_dir=None):
+    rows = []
+    key = jax.random.PRNGKey(2)
+    mix = (2 + HC) * HC
+    log(f"# mHC site benchmark (hc={HC}, D={D}): {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    log(f"{'T':>6s} {'MB':>7s} {'floor us':>9s} {'pallas us':>9s} {'xla us':>9s} {'pl/xla x':>8s} "
+        f"{'mixes pl us':>11s} {'relerr pre/post/comb/exp/col':>28s}")
+    for t in ([1, 8] if quick else [1, 8, 64, 4096]):
+        reps = 16 if t <= 64 else 4
+        args = []
+        for r in range(reps):
+            ks = jax.random.split(jax.random.fold_in(key, 100 * t + r), 6)
+            x = jax.random.normal(ks[0], (t, HC, D), jnp.bfloat16)
+            f = jax.random.normal(ks[1], (t, D), jnp.bfloat16)
+            pre_prev = jax.nn.sigmoid(jax.random.normal(ks[2], (t, HC), jnp.float32))
+            fn = jax.random.normal(ks[3], (mix, HC * D), jnp.float32) * 0.02
+            scale = jax.random.uniform(ks[4], (3,), jnp.float32, 0.5, 2.0)
+            base = jax.random.normal(ks[5], (mix,), jnp.float32)
+            args.append((x, f, pre_prev, fn, scale, base))
+        nbytes = mix * HC * D * 4 + 2 * t * HC * D * 2 + 2 * t * D * 2 + t * D * 2 + 2 * t * HC * D * 2
+        floor = nbytes / HBM_BYTES_PER_S
+        rec = dict(op="mhc_site", T=t, bytes=nbytes, floor_s=floor)
+        try:
+            fp = lambda *a: site(pallas_triton, *a)
+            fr = lambda *a: site(reference, *a)
+            outp = jax.jit(fp)(*args[0])
+            outr = jax.jit(fr)(*args[0])
+            mp = jax.jit(lambda x, fn, s, b: pallas_triton.hc_mixes(x, fn, s, b, **KW))(*[args[0][i] for i in (0, 3, 4, 5)])
+            mr = jax.jit(lambda x, fn, s, b: reference.hc_mixes(x, fn, s, b, **KW))(*[args[0][i] for i in (0, 3, 4, 5)])
+            errs = [max_rel_err(a, b) for a, b in zip(mp, mr)] + [max_rel_err(outp[1], outr[1]), max_rel_err(outp[2], outr[2])]
+            rec["rel_err"] = errs
+            rec["pallas_s"] = time_op(fp, args, reps=reps)
+            rec["xla_s"] = time_op(fr, args, reps=reps)
+            rec["pallas_mixes_s"] = time_op(lambda x, f, p, fn, s, b: pallas_triton.hc_mixes(x, fn, s, b, **KW),
+                                            args, reps=reps)
+            log(f"{t:6d} {nbytes / 1e6:7.2f} {fmt_us(floor)} {fmt_us(rec['pallas_s'])} {fmt_us(rec['xla_s'])} "
+                f"{rec['xla_s'] / rec['pallas_s']:8.2f} {fmt_us(rec['pallas_mixes_s']):>11s} "
+                f"{'/'.join(f'{e:.1e}' for e in errs):>28s}")
+        except Exception as e:
+            rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            log(f"mhc T={t} FAILED {rec['error']}")
+        rows.append(rec)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "mhc.json"), "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    a = ap.parse_args(argv)
+    run(quick=a.quick, out_dir=a.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

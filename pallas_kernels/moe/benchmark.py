@@ -1,0 +1,94 @@
+"""H200 benchmark of the fused MoE (MXFP4 experts, V4.1 shape: E=384, I=2304, D=5120, top-6) vs the
+XLA reference (jit), beside the byte floor of the experts actually touched.
+
+    PYTHONPATH=. python -m pallas_kernels.moe.benchmark [--quick] [--out DIR]
+
+Protocol as :mod:`pallas_kernels.quantized_matmul.benchmark` (one program, ``reps`` calls with
+distinct tokens and distinct uniformly random routings, median of timed calls / reps). One copy of
+the 6.8 GB expert set: every rep routes anew, so the weights come from HBM. Floor = (distinct
+experts touched in that rep) x 3 x (5120 x 2304 / 2 + scales) bytes / 4.8 TB/s, averaged over reps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import dsv41_jax  # noqa: F401
+from pallas_kernels.moe import pallas_triton, reference
+from pallas_kernels.quantized_matmul.benchmark import HBM_BYTES_PER_S, fmt_us, log, max_rel_err, random_fp4, time_op
+
+E, I, D, TOPK = 384, 2304, 5120, 6
+LIMIT = 10.0
+
+
+def routing(key, n):
+    k1, k2 = jax.random.split(key)
+    idx = jnp.argsort(jax.random.uniform(k1, (n, E)), axis=1)[:, :TOPK].astype(jnp.int32)
+    w = jax.random.uniform(k2, (n, TOPK), jnp.float32, 0.05, 0.5)
+    return w, idx
+
+
+def run(quick=False, out_dir=None):
+    rows = []
+    key = jax.random.PRNGKey(1)
+    k1, k2, k3, key = jax.random.split(key, 4)
+    w1 = random_fp4(k1, (E, I, D))
+    w2 = random_fp4(k2, (E, D, I))
+    w3 = random_fp4(k3, (E, I, D))
+    expert_bytes = sum(int(t.data[0].size + t.scale[0].size) for t in (w1, w2, w3))
+    log(f"# MoE benchmark (MXFP4 experts E={E} I={I} D={D} top-{TOPK}): {jax.devices()[0].device_kind}, "
+        f"jax {jax.__version__}; bytes per expert {expert_bytes / 1e6:.2f} MB")
+    log(f"{'tokens':>6s} {'experts':>8s} {'MB':>8s} {'floor us':>9s} {'pallas us':>9s} {'xla us':>9s} "
+        f"{'%HBM pl':>8s} {'%HBM xla':>8s} {'pl/xla x':>8s} {'relerr':>9s}")
+    sizes = [1, 8] if quick else [1, 8, 64, 2048]
+    for n in sizes:
+        reps = 8 if n <= 64 else 2
+        args = []
+        touched = []
+        for r in range(reps):
+            kr = jax.random.fold_in(key, 1000 * n + r)
+            w, idx = routing(kr, n)
+            x = jax.random.normal(jax.random.fold_in(kr, 7), (n, D), jnp.bfloat16)
+            args.append((x, w, idx))
+            touched.append(len(np.unique(np.asarray(idx))))
+        floor = float(np.mean(touched)) * expert_bytes / HBM_BYTES_PER_S
+        rec = dict(op="moe", tokens=n, experts_touched=float(np.mean(touched)), floor_s=floor)
+        try:
+            fp = lambda x, w, idx, a, b, c: pallas_triton.moe_experts(x, w, idx, a, b, c, swiglu_limit=LIMIT)
+            fr = lambda x, w, idx, a, b, c: reference.moe_experts(x, w, idx, a, b, c, swiglu_limit=LIMIT)
+            y = jax.jit(fp)(*args[0], w1, w2, w3)
+            yr = jax.jit(fr)(*args[0], w1, w2, w3)
+            rec["rel_err"] = max_rel_err(y, yr)
+            rec["pallas_s"] = time_op(fp, args, (w1, w2, w3), reps=reps)
+            rec["xla_s"] = time_op(fr, args, (w1, w2, w3), reps=reps, iters=3)
+            log(f"{n:6d} {rec['experts_touched']:8.1f} {rec['experts_touched'] * expert_bytes / 1e6:8.1f} {fmt_us(floor)} "
+                f"{fmt_us(rec['pallas_s'])} {fmt_us(rec['xla_s'])} {100 * floor / rec['pallas_s']:7.1f}% "
+                f"{100 * floor / rec['xla_s']:7.1f}% {rec['xla_s'] / rec['pallas_s']:8.2f} {rec['rel_err']:9.2e}")
+        except Exception as e:
+            rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            log(f"moe n={n} FAILED {rec['error']}")
+        rows.append(rec)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "moe.json"), "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    a = ap.parse_args(argv)
+    run(quick=a.quick, out_dir=a.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
