@@ -35,7 +35,7 @@ def routing(key, n):
     return w, idx
 
 
-def run(quick=False, out_dir=None):
+def run(quick=False, out_dir=None, tune=False):
     rows = []
     key = jax.random.PRNGKey(1)
     k1, k2, k3, key = jax.random.split(key, 4)
@@ -75,6 +75,25 @@ def run(quick=False, out_dir=None):
             rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             log(f"moe n={n} FAILED {rec['error']}")
         rows.append(rec)
+    if tune:
+        log("\n# MoE config sweep (bt, bi, bk_a, bd, bk_b, warps); Pallas only")
+        cfgs = [(16, 64, 256, 64, 256, 4), (16, 32, 256, 32, 256, 4), (16, 128, 256, 128, 256, 4),
+                (16, 64, 512, 64, 256, 4), (16, 128, 256, 128, 256, 8), (16, 64, 128, 64, 128, 4)]
+        for n in (1, 8):
+            args = []
+            for r in range(8):
+                kr = jax.random.fold_in(key, 777 * n + r)
+                w, idx = routing(kr, n)
+                args.append((jax.random.normal(jax.random.fold_in(kr, 7), (n, D), jnp.bfloat16), w, idx))
+            for cfg in cfgs:
+                try:
+                    t = time_op(lambda x, w, idx, a, b, c: pallas_triton.moe_experts(x, w, idx, a, b, c, swiglu_limit=LIMIT,
+                                                                                    config=cfg),
+                                args, (w1, w2, w3), reps=8)
+                    log(f"  n={n} cfg={cfg}: {fmt_us(t)} us")
+                    rows.append(dict(op="tune_moe", tokens=n, config=cfg, pallas_s=t))
+                except Exception as e:
+                    log(f"  n={n} cfg={cfg} FAILED {type(e).__name__}: {str(e)[:200]}")
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "moe.json"), "w") as f:
@@ -85,9 +104,10 @@ def run(quick=False, out_dir=None):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tune", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
-    run(quick=a.quick, out_dir=a.out)
+    run(quick=a.quick, out_dir=a.out, tune=a.tune)
 
 
 if __name__ == "__main__":

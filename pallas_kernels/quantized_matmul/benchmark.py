@@ -60,6 +60,11 @@ def copies_for(nbytes: int, reps: int) -> int:
     return max(1, min(reps, math.ceil(4 * L2_BYTES / max(nbytes, 1))))
 
 
+def reps_for(nbytes: int, lo: int = 16, hi: int = 96) -> int:
+    """Enough reps that one program streams >= 4x L2 of distinct weights."""
+    return int(min(hi, max(lo, math.ceil(4 * L2_BYTES / max(nbytes, 1)))))
+
+
 def distinct_copy(t):
     return jax.tree.map(lambda a: jnp.copy(a), t)
 
@@ -106,7 +111,7 @@ def fmt_us(t):
     return f"{t * 1e6:9.1f}"
 
 
-def run(quick=False, out_dir=None):
+def run(quick=False, out_dir=None, tune=False):
     rows = []
     key = jax.random.PRNGKey(0)
     ms = [1, 8] if quick else [1, 8, 64]
@@ -118,7 +123,7 @@ def run(quick=False, out_dir=None):
         w0 = random_fp8(kw, n, k)
         wbytes = tree_bytes(w0)
         for m in ms:
-            reps = 16
+            reps = reps_for(wbytes)
             c = copies_for(wbytes, reps)
             ws = [w0] + [distinct_copy(w0) for _ in range(c - 1)]
             xs = [jax.random.normal(jax.random.fold_in(kw, r), (m, k), jnp.bfloat16) for r in range(reps)]
@@ -204,6 +209,8 @@ def run(quick=False, out_dir=None):
         rows.append(rec)
         del wb, xs
 
+    if tune:
+        rows += tune_gemv(key)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "quantized_matmul.json"), "w") as f:
@@ -211,12 +218,48 @@ def run(quick=False, out_dir=None):
     return rows
 
 
+def tune_gemv(key):
+    """Config sweep (bm, bn, bk, splits, warps, stages) on two shapes; Pallas only."""
+    rows = []
+    cases = [("wq_b", 32768, 1280, 1), ("wo_b", 5120, 8192, 8), ("wq_a", 1280, 5120, 1)]
+    cfgs = [(16, 32, 256, 0, 4, 3), (16, 64, 256, 0, 4, 3), (16, 128, 256, 0, 4, 3), (16, 64, 512, 0, 4, 3),
+            (16, 128, 128, 0, 4, 4), (16, 64, 256, 0, 8, 3), (16, 128, 256, 0, 8, 3), (16, 256, 128, 0, 8, 3)]
+    log("\n# GEMV config sweep (bm, bn, bk, splits, warps, stages); splits 0 = auto")
+    for name, n, k, m in cases:
+        w0 = random_fp8(jax.random.fold_in(key, n), n, k)
+        wbytes = tree_bytes(w0)
+        reps = reps_for(wbytes)
+        c = copies_for(wbytes, reps)
+        ws = [w0] + [distinct_copy(w0) for _ in range(c - 1)]
+        xs = [jax.random.normal(jax.random.fold_in(key, r), (m, k), jnp.bfloat16) for r in range(reps)]
+        args = [(xs[r], ws[r % c]) for r in range(reps)]
+        for cfg in cfgs:
+            bm, bn, bk, sp, wp, st = cfg
+            if n % bn or k % bk:
+                continue
+            if sp == 0:  # auto split
+                sp = 1
+                while (n // bn) * sp < 2 * pallas_triton.N_SM and (k // bk) % (sp * 2) == 0 and (k // bk) // (sp * 2) >= 2:
+                    sp *= 2
+            full = (bm, bn, bk, sp, wp, st)
+            try:
+                t = time_op(lambda x, w: pallas_triton.quantized_matmul(x, w, config=full), args, reps=reps)
+                floor = wbytes / HBM_BYTES_PER_S
+                log(f"  {name:10s} M={m:<3d} cfg={full}: {fmt_us(t)} us  {100 * floor / t:5.1f}% HBM")
+                rows.append(dict(op="tune_gemv", case=name, M=m, config=full, pallas_s=t, floor_s=floor))
+            except Exception as e:
+                log(f"  {name} cfg={full} FAILED {type(e).__name__}: {str(e)[:200]}")
+        del ws
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tune", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
-    run(quick=a.quick, out_dir=a.out)
+    run(quick=a.quick, out_dir=a.out, tune=a.tune)
 
 
 if __name__ == "__main__":
