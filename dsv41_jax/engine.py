@@ -1,0 +1,460 @@
+"""Batched inference engine: caches, chunked prefill, decode, continuous batching, sampling.
+
+    from dsv41_jax import Model
+    from dsv41_jax.engine import Engine, Request
+    from dsv41_jax.sampling import SamplingParams
+    eng = Engine(Model.from_preset("tiny"), batch_size=4, max_seq_len=256, prefill_chunk=64)
+    results = eng.generate([Request([0, 5, 6, 7], max_new_tokens=16), ...], SamplingParams())
+
+Design
+------
+* **One step program.** Every device step is ``forward_step(logits_mode="last")`` followed by the
+  sampler, jitted together with the cache donated (:func:`_engine_step`). A step runs a chunk
+  ``tokens [B, S]`` where row ``b`` has ``lengths[b]`` real tokens: a row still in its prompt takes
+  up to ``S`` prompt tokens (chunked prefill), a row in decode takes its one last sampled token, an
+  idle row takes 0 tokens (its cache is untouched). Only two shapes are ever compiled per engine:
+  ``S = prefill_chunk`` (any step with a prompt chunk in it) and ``S = 1`` (pure decode steps).
+  Both are compiled ahead of time (:meth:`Engine.warmup`), so no step pays a Python round trip per
+  layer and no compilation happens inside the timed loop.
+* **Per-sequence positions.** ``cache["pos"][b]`` is each row's own position; padding tokens never
+  reach a cache (``forward_step`` contract), so prompts of any lengths share a batch.
+* **Continuous batching.** When a row finishes (EOS / ``max_new_tokens`` / cache full) its slot takes
+  the next waiting request; the slot's cache row is reset (:func:`reset_slot`: every cache leaf's row
+  back to its initial value, ``pos`` to 0; one small jitted program, cache donated).
+* **Sampling** is fused into the step; a request's random key is ``(seed, request index, step)``
+  (:mod:`dsv41_jax.sampling`), so its tokens do not depend on slot or batch size.
+* **Engram hashing on the host.** The hash ids of a position depend on the token ids at that
+  position and the ``max_ngram_size - 1`` before it (int64 arithmetic, ``engram_hash.py``). The host
+  keeps each slot's compressed-id history and hashes only a ``[B, J-1+S]`` window per step (a few
+  microseconds of numpy). The sampled token of step k is needed to hash step k+1, so decode pays one
+  small device->host copy of ``B`` int32 per token; that copy is the step's only host sync and
+  everything else (progress, text, bookkeeping) happens after the next step is dispatched
+  (dispatch is asynchronous). Prompt chunks need no sampled token, so their ids/rows are built
+  before dispatch with no sync in between.
+* **Engram tables**, two modes with identical numbers: ``device`` (tables in the parameter tree on
+  the device; the step gathers rows with ``jnp.take``) and ``host`` (tables stay host numpy /
+  memmaps, e.g. as :func:`dsv41_jax.checkpoint.load_checkpoint` leaves them; the rows a step needs,
+  ``B * S * n_cols`` of them, are gathered on the host and ``device_put`` asynchronously before the
+  step is dispatched). ``auto`` picks ``host`` when the tables are numpy arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .cache import global_kv_bytes_per_token, init_cache, tree_bytes, window_bytes_per_sequence
+from .config import ModelConfig
+from .engram import gather_rows
+from .engram_hash import ngram_hash_ids
+from .options import RunOptions
+from .quant import Fp8Tensor
+from .sampling import SamplingParams, request_keys, sample
+from .transformer import forward_step
+
+EOS_ID = 1
+
+
+# ---------------------------------------------------------------------------------------------
+# jitted programs
+# ---------------------------------------------------------------------------------------------
+
+def reset_slot(cache, slot, *, cfg: ModelConfig, opts: RunOptions, max_seq_len: int):
+    """Cache with batch row ``slot`` (traced int32) back to its initial state and ``pos[slot] = 0``.
+    Pure; the initial row comes from :func:`init_cache` (zeros, unit scales, -inf scores)."""
+    fresh = init_cache(cfg, 1, max_seq_len, opts)
+
+    def put(a, f):
+        return jax.lax.dynamic_update_index_in_dim(a, f.astype(a.dtype), slot, axis=0)
+
+    return jax.tree.map(put, cache, fresh)
+
+
+_reset_slot_jit = jax.jit(reset_slot, static_argnames=("cfg", "opts", "max_seq_len"), donate_argnames=("cache",))
+
+
+def _engine_step(params, cache, tokens, lengths, engram_ids, engram_rows, seed, request_ids, steps,
+                 temperature, top_k, top_p, *, cfg, opts, sampler):
+    """forward_step (last-token logits) + sampling, one program. Returns (next [B] int32, logits
+    [B, V] f32, new cache)."""
+    logits, cache = forward_step(params, cache, tokens, lengths, engram_ids, engram_rows, cfg=cfg, opts=opts,
+                                 logits_mode="last")
+    greedy, use_k, use_p = sampler
+    keys = None if greedy else request_keys(seed, request_ids, steps)
+    nxt = sample(logits, keys, temperature, top_k, top_p, greedy=greedy, use_top_k=use_k, use_top_p=use_p)
+    return nxt, logits, cache
+
+
+_engine_step_jit = jax.jit(_engine_step, static_argnames=("cfg", "opts", "sampler"), donate_argnames=("cache",))
+
+
+# ---------------------------------------------------------------------------------------------
+# requests and results
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Request:
+    """``prompt_ids``: token ids used exactly as given. ``forced_ids``: optional teacher forcing: the
+    k-th decode step feeds ``forced_ids[k]`` instead of the sampled token (``output_ids`` still
+    holds the sampled ones); used to score a known continuation."""
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int = 64
+    forced_ids: Sequence[int] | None = None
+
+
+@dataclass
+class Result:
+    index: int
+    prompt_len: int
+    output_ids: list[int]
+    finish_reason: str  # "stop" (a stop token), "length" (max_new_tokens), "max_seq_len" (cache full)
+    timings: dict
+    logits: list | None = None  # per generated token, [V] float32 (return_logits=True)
+
+
+@dataclass
+class _Slot:
+    index: int
+    req: Request
+    prompt: np.ndarray
+    cursor: int = 0  # prompt tokens already fed
+    out: list = field(default_factory=list)
+    logits: list = field(default_factory=list)
+    t_admit: float = 0.0
+    t_first: float = 0.0
+
+
+@dataclass
+class EngineStats:
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_s: float = 0.0  # wall time of steps containing prompt tokens
+    decode_s: float = 0.0  # wall time of pure decode steps
+    host_s: float = 0.0  # host work building step inputs (hashing, row gathers)
+    compile_s: float = 0.0
+    steps: int = 0
+
+    def summary(self) -> str:
+        pf = self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+        dc = self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+        return (f"prefill {self.prefill_tokens} tokens {pf:.1f} tok/s, decode {self.decode_tokens} tokens "
+                f"{dc:.1f} tok/s ({self.steps} steps, compile {self.compile_s:.1f} s, host input build "
+                f"{self.host_s:.2f} s)")
+
+
+def cache_report(cfg: ModelConfig, opts: RunOptions, batch: int, max_seq_len: int, cache=None) -> str:
+    """One line: global KV bytes/token, the window per sequence, and the allocated total."""
+    if opts.quantized_kv:
+        g = global_kv_bytes_per_token(cfg)
+        win = window_bytes_per_sequence(cfg)
+    else:
+        item = jnp.dtype(opts.kv_dtype).itemsize
+        g = float(sum((cfg.head_dim + cfg.index_head_dim) * item / cfg.ratio(l) for l in cfg.kv_source_layers))
+        win = cfg.n_layers * cfg.window_size * cfg.head_dim * item
+    total = tree_bytes(cache) if cache is not None else None
+    s = (f"cache ({opts.kv_cache_dtype}): global KV {g:g} B/token + window {win / 1024:.1f} KiB/sequence "
+         f"({cfg.n_layers} layers x {cfg.window_size} tokens)")
+    if total is not None:
+        s += f"; allocated {total / 2**20:.2f} MiB for batch {batch} x max_seq_len {max_seq_len}"
+    return s
+
+
+# ---------------------------------------------------------------------------------------------
+# engine
+# ---------------------------------------------------------------------------------------------
+
+class Engine:
+    """Batch generation over a :class:`dsv41_jax.model.Model` (or anything with ``cfg``, ``params``
+    and ``hasher``).
+
+    ``batch_size``: slots; ``max_seq_len``: cache capacity per slot (prompt + generated);
+    ``prefill_chunk``: tokens per prompt chunk (any size >= 1); ``engram_mode``: ``auto`` | ``host`` |
+    ``device``; ``stop_ids``: tokens that end a sequence (default EOS = 1).
+    """
+
+    def __init__(self, model, *, batch_size: int = 8, max_seq_len: int = 4096, opts: RunOptions | None = None,
+                 prefill_chunk: int = 256, engram_mode: str = "auto", stop_ids: Sequence[int] = (EOS_ID,)):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if engram_mode not in ("auto", "host", "device"):
+            raise ValueError(f"engram_mode must be auto, host or device, got {engram_mode!r}")
+        self.model = model
+        self.cfg: ModelConfig = model.cfg
+        self.opts = opts or RunOptions()
+        self.B = int(batch_size)
+        self.max_seq_len = int(max_seq_len)
+        if self.max_seq_len < 1 or self.max_seq_len > self.cfg.max_position_embeddings:
+            raise ValueError(f"max_seq_len must be in [1, {self.cfg.max_position_embeddings}], got {max_seq_len}")
+        self.chunk = int(min(prefill_chunk, self.max_seq_len))
+        self.stop_ids = frozenset(int(t) for t in stop_ids)
+        self.stats = EngineStats()
+        self._compiled: dict = {}
+        self._setup_params(engram_mode)
+        self.cache = init_cache(self.cfg, self.B, self.max_seq_len, self.opts)
+        # host mirrors: positions and compressed-id histories (for Engram hashing)
+        self.pos = np.zeros(self.B, np.int64)
+        J = self.cfg.engram_max_ngram_size if self.cfg.engram_layer_ids else 1
+        self._J = J
+        self._chist = np.zeros((self.B, self.max_seq_len + 1), np.int64)
+        self._hasher = model.hasher if self.cfg.engram_layer_ids else None
+
+    # ------------------------------------------------------------------ parameters / Engram tables
+    def _setup_params(self, engram_mode: str):
+        cfg = self.cfg
+        params = self.model.params
+        layers = dict(params["layers"])
+        tables = {}
+        for l in cfg.engram_layer_ids:
+            lp = dict(layers[str(l)])
+            ep = dict(lp["engram"])
+            tables[str(l)] = ep["embed"]
+            layers[str(l)] = {**lp, "engram": ep}
+        on_host = any(isinstance(t.data, np.ndarray) for t in tables.values())
+        mode = engram_mode if engram_mode != "auto" else ("host" if on_host else "device")
+        self.engram_mode = mode if tables else "none"
+        self.host_tables = {}
+        for k, t in tables.items():
+            ep = layers[k]["engram"]
+            if mode == "host":
+                self.host_tables[k] = Fp8Tensor(data=np.asarray(t.data), scale=np.asarray(t.scale), block=t.block)
+                ep["embed"] = None  # not an argument of the device program
+            else:
+                ep["embed"] = Fp8Tensor(data=jnp.asarray(t.data), scale=jnp.asarray(t.scale), block=t.block)
+        params = {**params, "layers": layers}
+        # every other leaf as a device array (numpy leaves would be re-transferred at every call)
+        self.params = jax.tree.map(lambda a: jnp.asarray(a) if isinstance(a, np.ndarray) else a, params)
+
+    # ------------------------------------------------------------------ host-side Engram inputs
+    def _engram_inputs(self, tokens: np.ndarray, lengths: np.ndarray):
+        """(engram_ids, engram_rows) for a step; tokens [B,S] were just appended to the histories at
+        self.pos .. self.pos + lengths - 1."""
+        if self._hasher is None:
+            return None, None
+        B, S = tokens.shape
+        J = self._J
+        start = np.maximum(self.pos - (J - 1), 0)  # [B]
+        T = J - 1 + S
+        idx = np.minimum(start[:, None] + np.arange(T)[None, :], self.max_seq_len)
+        win = self._chist[np.arange(B)[:, None], idx]  # [B, T]
+        lpos = (self.pos - start)[:, None] + np.arange(S)[None, :]  # [B, S] local positions
+        lpos = np.minimum(lpos, T - 1)
+        ids = ngram_hash_ids(win, lpos, self._hasher.layout, self._hasher.pad_compressed_id)  # [B,S,L,c]
+        ids = ids.astype(np.int32)
+        out = {}
+        for i, l in enumerate(self.cfg.engram_layer_ids):
+            out[str(l)] = ids[:, :, i]
+        if self.engram_mode == "host":
+            rows = {k: jax.device_put(gather_rows(self.host_tables[k], v)) for k, v in out.items()}
+            return None, rows
+        return {k: jax.device_put(v) for k, v in out.items()}, None
+
+    # ------------------------------------------------------------------ compiled programs
+    def _arg_specs(self, S: int):
+        B = self.B
+        i32 = jnp.int32
+        sds = jax.ShapeDtypeStruct
+        ids = rows = None
+        if self.engram_mode != "none":
+            nc = self.cfg.engram_n_hash_cols
+            if self.engram_mode == "host":
+                rows = {k: Fp8Tensor(data=sds((B, S, nc, t.data.shape[-1]), t.data.dtype),
+                                     scale=sds((B, S, nc, t.scale.shape[-1]), t.scale.dtype), block=t.block)
+                        for k, t in self.host_tables.items()}
+            else:
+                ids = {str(l): sds((B, S, nc), i32) for l in self.cfg.engram_layer_ids}
+        return (sds((B, S), i32), sds((B,), i32), ids, rows, sds((), i32), sds((B,), i32), sds((B,), i32),
+                sds((), jnp.float32), sds((), i32), sds((), jnp.float32))
+
+    def _program(self, S: int, sampler):
+        key = (S, sampler)
+        if key not in self._compiled:
+            t = time.perf_counter()
+            cache_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.cache)
+            low = _engine_step_jit.lower(self.params, cache_spec, *self._arg_specs(S), cfg=self.cfg, opts=self.opts,
+                                         sampler=sampler)
+            self._compiled[key] = low.compile()
+            self.stats.compile_s += time.perf_counter() - t
+        return self._compiled[key]
+
+    def warmup(self, sampling: SamplingParams | None = None, *, decode: bool = True, prefill: bool = True):
+        """Compile the step programs (prefill chunk and decode) before timing anything."""
+        sampler = (sampling or SamplingParams()).static_key(self.cfg.vocab_size)
+        if prefill:
+            self._program(self.chunk, sampler)
+        if decode:
+            self._program(1, sampler)
+        if "reset" not in self._compiled:
+            t = time.perf_counter()
+            self.cache = _reset_slot_jit(self.cache, jnp.int32(0), cfg=self.cfg, opts=self.opts,
+                                         max_seq_len=self.max_seq_len)
+            jax.block_until_ready(self.cache)
+            self._compiled["reset"] = True
+            self.stats.compile_s += time.perf_counter() - t
+
+    # ------------------------------------------------------------------ low-level step
+    def reset(self, slot: int):
+        """Reset one slot's cache row (device) and its host history."""
+        self.cache = _reset_slot_jit(self.cache, jnp.int32(slot), cfg=self.cfg, opts=self.opts,
+                                     max_seq_len=self.max_seq_len)
+        self.pos[slot] = 0
+        self._chist[slot] = 0
+
+    def step(self, tokens, lengths, *, sampling: SamplingParams | None = None, request_ids=None, steps=None):
+        """Dispatch one step: ``tokens`` [B, S'] host ints (S' <= prefill_chunk; padded to a compiled
+        width), ``lengths`` [B]. Appends the real tokens to the slots' histories, advances positions.
+        Returns device arrays (next tokens [B] int32, last-token logits [B, V] f32)."""
+        t0 = time.perf_counter()
+        tokens = np.asarray(tokens, np.int64)
+        lengths = np.asarray(lengths, np.int64)
+        B, S0 = tokens.shape
+        if B != self.B:
+            raise ValueError(f"tokens has batch {B}, the engine has {self.B} slots")
+        if np.any(lengths < 0) or np.any(lengths > S0):
+            raise ValueError("lengths must lie in [0, tokens.shape[1]]")
+        if np.any(self.pos + lengths > self.max_seq_len):
+            raise ValueError(f"a slot would exceed max_seq_len {self.max_seq_len}")
+        S = 1 if S0 == 1 else self.chunk
+        if S0 > S:
+            raise ValueError(f"chunk of {S0} tokens exceeds prefill_chunk {self.chunk}")
+        if S0 < S:
+            tokens = np.concatenate([tokens, np.zeros((B, S - S0), np.int64)], 1)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+        sp = sampling or SamplingParams()
+        # append to the compressed histories
+        if self._hasher is not None:
+            valid = np.arange(S)[None, :] < lengths[:, None]
+            comp = self._hasher.compress(np.where(valid, tokens, 0))
+            cols = np.where(valid, self.pos[:, None] + np.arange(S)[None, :], self.max_seq_len)
+            self._chist[np.arange(B)[:, None], cols] = np.where(valid, comp, 0)
+            self._chist[:, self.max_seq_len] = 0
+        eids, erows = self._engram_inputs(tokens, lengths)
+        rid = np.zeros(B, np.int32) if request_ids is None else np.asarray(request_ids, np.int32)
+        stp = np.zeros(B, np.int32) if steps is None else np.asarray(steps, np.int32)
+        prog = self._program(S, sp.static_key(self.cfg.vocab_size))
+        t1 = time.perf_counter()
+        self.stats.host_s += t1 - t0
+        nxt, logits, self.cache = prog(self.params, self.cache, jnp.asarray(tokens, jnp.int32),
+                                       jnp.asarray(lengths, jnp.int32), eids, erows, jnp.int32(sp.seed),
+                                       jnp.asarray(rid), jnp.asarray(stp), jnp.float32(max(sp.temperature, 1e-30)),
+                                       jnp.int32(sp.top_k), jnp.float32(sp.top_p))
+        self.pos = self.pos + lengths
+        self.stats.steps += 1
+        return nxt, logits
+
+    # ------------------------------------------------------------------ generation loop
+    def generate(self, requests: Sequence[Request], sampling: SamplingParams | None = None, *,
+                 return_logits: bool = False, on_token: Callable[[int, int], None] | None = None,
+                 on_finish: Callable[[Result], None] | None = None) -> list[Result]:
+        """Run every request to completion with continuous batching. Results in request order.
+        ``on_token(request_index, n_new_tokens)`` after each step (progress bars);
+        ``on_finish(result)`` when a request completes."""
+        sp = sampling or SamplingParams()
+        results: list[Result | None] = [None] * len(requests)
+        for i, r in enumerate(requests):
+            n = len(r.prompt_ids)
+            if n == 0:
+                raise ValueError(f"request {i}: empty prompt")
+            if n >= self.max_seq_len:
+                raise ValueError(f"request {i}: prompt of {n} tokens leaves no room in max_seq_len {self.max_seq_len}")
+            if r.max_new_tokens < 1:
+                raise ValueError(f"request {i}: max_new_tokens must be >= 1")
+        self.warmup(sp, prefill=True, decode=True)
+        waiting = deque(range(len(requests)))
+        slots: list[_Slot | None] = [None] * self.B
+        # every slot starts fresh
+        for b in range(self.B):
+            self.reset(b)
+
+        def admit():
+            for b in range(self.B):
+                if slots[b] is None and waiting:
+                    i = waiting.popleft()
+                    if self.pos[b] != 0:
+                        self.reset(b)
+                    r = requests[i]
+                    slots[b] = _Slot(index=i, req=r, prompt=np.asarray(r.prompt_ids, np.int64),
+                                     t_admit=time.perf_counter())
+
+        def finish(b: int, reason: str):
+            s = slots[b]
+            now = time.perf_counter()
+            res = Result(index=s.index, prompt_len=len(s.prompt), output_ids=list(s.out), finish_reason=reason,
+                         timings={"queue_s": s.t_admit - t_start, "prefill_s": s.t_first - s.t_admit,
+                                  "decode_s": now - s.t_first, "total_s": now - t_start},
+                         logits=s.logits if return_logits else None)
+            results[s.index] = res
+            slots[b] = None
+            if on_finish is not None:
+                on_finish(res)
+
+        t_start = time.perf_counter()
+        admit()
+        while any(s is not None for s in slots):
+            in_prompt = [s is not None and s.cursor < len(s.prompt) for s in slots]
+            S = self.chunk if any(in_prompt) else 1
+            tokens = np.zeros((self.B, S), np.int64)
+            lengths = np.zeros(self.B, np.int64)
+            rid = np.zeros(self.B, np.int32)
+            stp = np.zeros(self.B, np.int32)
+            n_prompt = 0
+            for b, s in enumerate(slots):
+                if s is None:
+                    continue
+                rid[b] = s.index
+                stp[b] = len(s.out)
+                if in_prompt[b]:
+                    n = min(S, len(s.prompt) - s.cursor)
+                    tokens[b, :n] = s.prompt[s.cursor:s.cursor + n]
+                    lengths[b] = n
+                    s.cursor += n
+                    n_prompt += n
+                else:
+                    k = len(s.out) - 1
+                    f = s.req.forced_ids
+                    tokens[b, 0] = f[k] if f is not None and k < len(f) else s.out[-1]
+                    lengths[b] = 1
+            t0 = time.perf_counter()
+            nxt_d, logits_d = self.step(tokens, lengths, sampling=sp, request_ids=rid, steps=stp)
+            nxt = np.asarray(nxt_d)  # the step's one sync
+            want_logits = return_logits
+            lg = np.asarray(logits_d) if want_logits else None
+            dt = time.perf_counter() - t0
+            n_new = 0
+            now = time.perf_counter()
+            for b, s in enumerate(slots):
+                if s is None or s.cursor < len(s.prompt):
+                    continue  # idle, or prompt not finished yet
+                if not s.out:
+                    s.t_first = now
+                tok = int(nxt[b])
+                s.out.append(tok)
+                n_new += 1
+                if lg is not None:
+                    s.logits.append(lg[b].copy())
+                if on_token is not None:
+                    on_token(s.index, 1)
+                if tok in self.stop_ids:
+                    finish(b, "stop")
+                elif len(s.out) >= s.req.max_new_tokens:
+                    finish(b, "length")
+                elif self.pos[b] + 1 > self.max_seq_len:
+                    finish(b, "max_seq_len")
+            if n_prompt:
+                self.stats.prefill_tokens += n_prompt
+                self.stats.prefill_s += dt
+            else:
+                self.stats.decode_tokens += n_new
+                self.stats.decode_s += dt
+            admit()
+        return results  # type: ignore[return-value]
