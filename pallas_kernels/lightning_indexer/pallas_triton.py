@@ -55,7 +55,7 @@ DEFAULTS = dict(
     rows_per_program=8,  # query rows sharing one pass over a key tile (prefill)
     cand_tile=256,      # candidates per candidate-score program
     select_max=16384,   # entries one select program holds
-    score_warps=4,
+    score_warps=8,
     select_warps=8,
     num_stages=2,
     maxima_budget_bytes=64 << 20,  # store g0 = block_size maxima while R * Nc/bs * 4 <= this
@@ -135,16 +135,18 @@ def _load_rows(data_ref, scale_ref, rows, d2, fp4, cdt):
     ([N, 2*d2]) store -> (even columns, odd columns), each [N, d2] in ``cdt``."""
     half = jnp.arange(d2, dtype=jnp.int32)
     if fp4:
-        b = data_ref[_grid2(rows, half)].astype(jnp.int32)
-        sc = _e8m0_to_f32(scale_ref[_grid2(rows, half // 16)])
+        b = data_ref[_grid2(rows, half)].astype(jnp.int32)  # whole rows: contiguous along the row
+        sc = _e8m0_to_f32(scale_ref[_grid2(rows, jnp.arange(d2 // 16, dtype=jnp.int32))])  # [N, d2/16]
+        sc = jnp.broadcast_to(sc[:, :, None], (sc.shape[0], d2 // 16, 16)).reshape(sc.shape[0], d2)
         return (_e2m1_to_f32(b & 15) * sc).astype(cdt), (_e2m1_to_f32((b >> 4) & 15) * sc).astype(cdt)
     return data_ref[_grid2(rows, 2 * half)].astype(cdt), data_ref[_grid2(rows, 2 * half + 1)].astype(cdt)
 
 
 def _scores(q_e, q_o, k_e, k_o, w):
     """sum_h w_h relu(q_h . k_j) for a [HI, d2] x [N, d2] pair -> [N] f32."""
-    l = jnp.dot(q_e, k_e.T, preferred_element_type=jnp.float32)
-    l = l + jnp.dot(q_o, k_o.T, preferred_element_type=jnp.float32)
+    prec = jax.lax.Precision.HIGHEST if q_e.dtype == jnp.float32 else None
+    l = jnp.dot(q_e, k_e.T, preferred_element_type=jnp.float32, precision=prec)
+    l = l + jnp.dot(q_o, k_o.T, preferred_element_type=jnp.float32, precision=prec)
     return jnp.sum(jnp.maximum(l, 0.0) * w[:, None], axis=0)
 
 
@@ -220,6 +222,9 @@ def index_block_maxima(p, *, g0, interpret, cfg):
     b, s, hi, di, nc = p["b"], p["s"], p["hi"], p["di"], p["nc"]
     d2 = di // 2
     tile_n = min(cfg["tile_n"], max(cfg["chunk"], _next_pow2(nc)))
+    # enough programs to fill the GPU (~2 waves of 132 SMs) when there are few query rows
+    while tile_n > cfg["chunk"] and b * max(1, s // cfg["rows_per_program"]) * (-(-nc // tile_n)) < 264:
+        tile_n //= 2
     chunk = min(cfg["chunk"], tile_n)
     chunk = max(chunk, g0)
     tile_n = max(tile_n, chunk)

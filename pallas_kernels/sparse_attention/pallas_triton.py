@@ -71,18 +71,23 @@ _VENDOR_CONFIG = {
 
 
 def default_config(batch_rows: int, heads: int, kw: int, kc: int, vendor: str | None = None) -> dict:
-    """Block sizes and splits for ``batch_rows`` = B*S query rows (decode or prefill)."""
+    """Block sizes and splits for ``batch_rows`` = B*S query rows (decode or prefill).
+
+    H200 sweep (BENCHMARKS.md): all 64 heads in one program with 8 warps beat 32-head blocks with 4
+    warps by ~4x at batch 1 (one gather of each key row instead of two)."""
     vendor = vendor or _gpu_vendor()
-    block_h = min(heads, 32) if heads >= 16 else 16
+    block_h = min(heads, 64) if heads >= 16 else 16
     block_k = 32
     programs = batch_rows * max(1, heads // block_h)
     longest = max(kw, kc)
     num_splits = 1
-    # Flash-decoding split only while the grid is well below one wave of ~128 SMs.
-    while programs * num_splits * 2 <= 128 and longest // (num_splits * 2) >= block_k:
+    # Flash-decoding split only while the grid is well below one wave of ~132 SMs.
+    while programs * num_splits * 2 <= 132 and longest // (num_splits * 2) >= block_k:
         num_splits *= 2
     cfg = dict(block_h=block_h, block_k=block_k, num_splits=num_splits)
     cfg.update(_VENDOR_CONFIG.get(vendor, _VENDOR_CONFIG["cuda"]))
+    if block_h >= 64:
+        cfg["num_warps"] = 8
     return cfg
 
 
@@ -155,7 +160,19 @@ def _e2m1_to_f32(c):
 # kernel
 
 
-def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d2, nw_blocks, nc_blocks, split_out, cdt):
+def _expand_cols(x, width):
+    """[N, G] per-group values -> [N, G*width] (each repeated ``width`` times): broadcast + reshape."""
+    n, g = x.shape
+    return jnp.broadcast_to(x[:, :, None], (n, g, width)).reshape(n, g * width)
+
+
+def _grid2(ids, cols):
+    """Explicit 2-D index arrays (the Triton lowering does not broadcast [K,1] x [1,C] itself)."""
+    shape = (ids.shape[0], cols.shape[0])
+    return jnp.broadcast_to(ids[:, None], shape), jnp.broadcast_to(cols[None, :], shape)
+
+
+def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d, nw_blocks, nc_blocks, split_out, cdt, prec):
     it = iter(refs)
     q_ref = next(it)
     widx_ref = next(it)
@@ -176,33 +193,21 @@ def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d2, nw_blocks, nc_blo
         o_ref = next(it)
 
     split = pl.program_id(2)
-    half = jnp.arange(d2, dtype=jnp.int32)
-    ecol = 2 * half
-    ocol = ecol + 1
-    bh = q_ref.shape[0]
-    hrow = jnp.arange(bh, dtype=jnp.int32)
+    col = jnp.arange(d, dtype=jnp.int32)
+    q = q_ref[...].astype(cdt)  # [BH, D], contiguous
+    bh = q.shape[0]
 
-    def grid2(ids, cols):  # explicit 2-D index arrays (the Triton lowering does not broadcast [K,1] x [1,C])
-        shape = (ids.shape[0], cols.shape[0])
-        return jnp.broadcast_to(ids[:, None], shape), jnp.broadcast_to(cols[None, :], shape)
-
-    q_e = q_ref[grid2(hrow, ecol)].astype(cdt)  # [BH, D/2]
-    q_o = q_ref[grid2(hrow, ocol)].astype(cdt)
-
-    def softmax_step(carry, k_e, k_o, valid):
-        m, l, acc_e, acc_o = carry
-        s = jnp.dot(q_e, k_e.T, preferred_element_type=jnp.float32)
-        s = s + jnp.dot(q_o, k_o.T, preferred_element_type=jnp.float32)
+    def softmax_step(carry, k, valid):
+        m, l, acc = carry
+        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=prec)
         s = jnp.where(valid[None, :], s * scale, _NEG_INF)  # [BH, BK]
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
         alpha = jnp.exp(m - m_safe)
         p = jnp.exp(s - m_safe[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
-        pc = p.astype(cdt)
-        acc_e = acc_e * alpha[:, None] + jnp.dot(pc, k_e, preferred_element_type=jnp.float32)
-        acc_o = acc_o * alpha[:, None] + jnp.dot(pc, k_o, preferred_element_type=jnp.float32)
-        return m_new, l, acc_e, acc_o
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(cdt), k, preferred_element_type=jnp.float32, precision=prec)
+        return m_new, l, acc
 
     def window_body(i, carry):
         start = (split * nw_blocks + i) * block_k
@@ -210,13 +215,12 @@ def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d2, nw_blocks, nc_blo
         valid = ids >= 0
         ids = jnp.where(valid, ids, 0)
         if w_fp8:
-            sc = _e8m0_to_f32(wscale_ref[grid2(ids, half // 16)])  # [BK, D/2]
-            k_e = (wdata_ref[grid2(ids, ecol)].astype(jnp.float32) * sc).astype(cdt)
-            k_o = (wdata_ref[grid2(ids, ocol)].astype(jnp.float32) * sc).astype(cdt)
+            # rows gathered whole (contiguous along the row), ue8m0 scale per 32 broadcast in registers
+            sc = _e8m0_to_f32(wscale_ref[_grid2(ids, jnp.arange(d // 32, dtype=jnp.int32))])  # [BK, D/32]
+            k = (wdata_ref[_grid2(ids, col)].astype(jnp.float32) * _expand_cols(sc, 32)).astype(cdt)
         else:
-            k_e = wkv_ref[grid2(ids, ecol)].astype(cdt)
-            k_o = wkv_ref[grid2(ids, ocol)].astype(cdt)
-        return softmax_step(carry, k_e, k_o, valid)
+            k = wkv_ref[_grid2(ids, col)].astype(cdt)
+        return softmax_step(carry, k, valid)
 
     def comp_body(i, carry):
         start = (split * nc_blocks + i) * block_k
@@ -224,30 +228,28 @@ def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d2, nw_blocks, nc_blo
         valid = ids >= 0
         ids = jnp.where(valid, ids, 0)
         if c_fp4:
-            b = cdata_ref[grid2(ids, half)].astype(jnp.int32)  # [BK, D/2] bytes
-            sc = cscale_ref[grid2(ids, half // 8)].astype(jnp.float32)  # e4m3 per 16
-            k_e = (_e2m1_to_f32(b & 15) * sc).astype(cdt)
-            k_o = (_e2m1_to_f32((b >> 4) & 15) * sc).astype(cdt)
+            b = cdata_ref[_grid2(ids, jnp.arange(d // 2, dtype=jnp.int32))].astype(jnp.int32)  # [BK, D/2]
+            # element 2i = low nibble, 2i+1 = high nibble: interleave with a 2-way join (tt.join)
+            codes = jnp.stack([b & 15, (b >> 4) & 15], axis=-1).reshape(b.shape[0], d)
+            sc = cscale_ref[_grid2(ids, jnp.arange(d // 16, dtype=jnp.int32))].astype(jnp.float32)  # e4m3 / 16
+            k = (_e2m1_to_f32(codes) * _expand_cols(sc, 16)).astype(cdt)
         else:
-            k_e = ckv_ref[grid2(ids, ecol)].astype(cdt)
-            k_o = ckv_ref[grid2(ids, ocol)].astype(cdt)
-        return softmax_step(carry, k_e, k_o, valid)
+            k = ckv_ref[_grid2(ids, col)].astype(cdt)
+        return softmax_step(carry, k, valid)
 
     carry = (
         jnp.full((bh,), _NEG_INF, jnp.float32),
         jnp.zeros((bh,), jnp.float32),
-        jnp.zeros((bh, d2), jnp.float32),
-        jnp.zeros((bh, d2), jnp.float32),
+        jnp.zeros((bh, d), jnp.float32),
     )
     if nw_blocks:
         carry = jax.lax.fori_loop(0, nw_blocks, window_body, carry)
     if has_comp and nc_blocks:
         carry = jax.lax.fori_loop(0, nc_blocks, comp_body, carry)
-    m, l, acc_e, acc_o = carry
+    m, l, acc = carry
 
     if split_out:
-        acc_ref[grid2(hrow, ecol)] = acc_e
-        acc_ref[grid2(hrow, ocol)] = acc_o
+        acc_ref[...] = acc
         m_ref[...] = m
         l_ref[...] = l
     else:
@@ -255,8 +257,7 @@ def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d2, nw_blocks, nc_blo
         m_safe = jnp.where(m == _NEG_INF, 0.0, m)
         den = l + jnp.exp(sink - m_safe)
         inv = jnp.where(m == _NEG_INF, 0.0, 1.0 / den)
-        o_ref[grid2(hrow, ecol)] = (acc_e * inv[:, None]).astype(o_ref.dtype)
-        o_ref[grid2(hrow, ocol)] = (acc_o * inv[:, None]).astype(o_ref.dtype)
+        o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
 
 
 def _pad_idx(idx, multiple):
@@ -353,8 +354,9 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
         out_specs = pl.BlockSpec((None, block_h, d), lambda r, j, p: (r, j, 0))
 
     kernel = functools.partial(
-        _kernel, has_comp=has_comp, w_fp8=w_fp8, c_fp4=c_fp4, scale=float(scale), block_k=block_k, d2=d2,
+        _kernel, has_comp=has_comp, w_fp8=w_fp8, c_fp4=c_fp4, scale=float(scale), block_k=block_k, d=d,
         nw_blocks=nw_blocks, nc_blocks=nc_blocks, split_out=split_out, cdt=cdt,
+        prec=jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None,
     )
     out = pl.pallas_call(
         kernel,

@@ -1,0 +1,237 @@
+"""H200 benchmark: sparse attention decode, Pallas-Triton kernel vs the jitted XLA reference.
+
+    PYTHONPATH=. python -m pallas_kernels.sparse_attention.benchmark [--out DIR] [--quick]
+
+Protocol (printed with the table):
+* correctness first: the Pallas output is compared with ``reference.sparse_attention`` (jit) on the
+  GPU on fresh random inputs (FP8 window, FP4 compressed cache, -1 padding, a query with no key);
+* timing: one jitted program runs the op ``N`` times back to back (each call depends on the previous
+  one through a zero-valued perturbation of ``sink``, so nothing is hoisted or merged); the time of
+  an identical program with ``N = 1`` is subtracted and the difference divided by ``N - 1``, which
+  removes the Python dispatch cost; median over ``reps`` repetitions;
+* byte floor: the bytes the op must move once — q (bf16), the 128 window rows (512 B FP8 + 16 B
+  scales), the 512 compressed rows (256 B FP4 + 32 B scales), the int32 index lists and the bf16
+  output — divided by 4.8 TB/s (H200 HBM, ``performance.md`` §4).
+
+Decode shapes: H = 64, D = 512, window 128 (ring, all valid), top-k 512 compressed picks over a cache
+of ``context`` entries (ratio-1 layer: one compressed entry per token), batch 1 / 8 / 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def light_import():
+    """Import ``dsv41_jax.quant`` without running the package ``__init__`` (which pulls in the whole
+    model); the benchmark needs only the quantized tensor types."""
+    import importlib
+    import types
+
+    if "dsv41_jax" not in sys.modules:
+        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        pkg = types.ModuleType("dsv41_jax")
+        pkg.__path__ = [os.path.join(here, "dsv41_jax")]
+        sys.modules["dsv41_jax"] = pkg
+    return importlib.import_module("dsv41_jax.quant")
+
+
+HBM_BPS = 4.8e12  # H200 HBM3e, performance.md §4
+
+
+def timed(make_fn, args, *, n=20, reps=7):
+    """Per-call device time (s) of an op run ``n`` times back to back in one jitted program.
+
+    ``make_fn(args, c)`` runs the op once with the zero scalar ``c`` folded into a small input and
+    returns (output, next c), so the calls form a chain that XLA can neither hoist nor merge. The
+    median time of an empty jitted program over the same arguments (the dispatch cost) is subtracted
+    from the median time of the n-call program, and the rest divided by n."""
+    import jax
+    import jax.numpy as jnp
+
+    def f(*a):
+        c = jnp.float32(0.0)
+        for _ in range(n):
+            _, c = make_fn(a, c)
+        return c
+
+    def empty(*a):
+        return _zero_of(jax.tree_util.tree_leaves(a)[-1])
+
+    pn, p0 = jax.jit(f), jax.jit(empty)
+    for p in (p0, pn):
+        jax.block_until_ready(p(*args))  # compile + warm up
+        jax.block_until_ready(p(*args))
+
+    def med(p):
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(p(*args))
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    t0, tn = med(p0), med(pn)
+    return max(tn - t0, 0.0) / n, tn, t0
+
+
+def _zero_of(x):
+    import jax.numpy as jnp
+
+    return x.reshape(-1)[0].astype(jnp.float32) * 0.0
+
+
+def make_inputs(key, b, s, nc, *, kw=128, kc=512, h=64, d=512, dtype=None, pad_frac=0.0):
+    import jax
+    import jax.numpy as jnp
+
+    quant = light_import()
+    dtype = dtype or jnp.bfloat16
+    ks = jax.random.split(key, 8)
+    q = jax.random.normal(ks[0], (b, s, h, d), jnp.float32).astype(dtype)
+    win = quant.quantize_fp8(jax.random.normal(ks[1], (b, kw, d), jnp.float32), (1, 32))
+
+    @jax.jit
+    def comp(k1, k2):
+        data = jax.random.bits(k1, (b, nc, d // 2), jnp.uint8)
+        sc = (jax.random.uniform(k2, (b, nc, d // 16), jnp.float32, 0.05, 0.5)).astype(jnp.float8_e4m3fn)
+        return data, sc
+
+    data, sc = comp(ks[2], ks[3])
+    ck = quant.Fp4Tensor(data=data, scale=sc, block=16)
+    widx = jnp.broadcast_to(jnp.arange(kw, dtype=jnp.int32), (b, s, kw))
+    # distinct random picks per query, sorted (as the indexer returns them)
+    r = jax.random.uniform(ks[4], (b, s, nc))
+    cidx = jnp.sort(jax.lax.top_k(r, kc)[1], axis=-1).astype(jnp.int32) if nc <= (1 << 16) else jnp.sort(
+        jax.random.randint(ks[4], (b, s, kc), 0, nc), axis=-1).astype(jnp.int32)
+    if pad_frac:
+        drop = jax.random.bernoulli(ks[5], pad_frac, cidx.shape)
+        cidx = jnp.where(drop, -1, cidx)
+    sink = jax.random.normal(ks[6], (h,), jnp.float32)
+    return q, win, widx, sink, ck, cidx
+
+
+def floor_bytes(b, s, *, h=64, d=512, kw=128, kc=512, qbytes=2):
+    per_row = h * d * qbytes * 2 + kw * (d + d // 32) + kc * (d // 2 + d // 16) + (kw + kc) * 4
+    return b * s * per_row
+
+
+def check(out_dir, log):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.sparse_attention import pallas_triton as pt
+    from pallas_kernels.sparse_attention import reference as ref
+
+    ok = True
+    for (b, s, nc, dt) in [(8, 1, 65536, jnp.bfloat16), (2, 6, 4096, jnp.bfloat16), (2, 1, 4096, jnp.float32)]:
+        q, win, widx, sink, ck, cidx = make_inputs(jax.random.PRNGKey(b * 7 + s), b, s, nc, dtype=dt, pad_frac=0.2)
+        widx = widx.at[0, 0].set(-1)
+        cidx = cidx.at[0, 0].set(-1)  # a query with no valid key at all
+        if dt == jnp.float32:
+            win = win.dequantize(jnp.float32)
+        f_ref = jax.jit(lambda *a: ref.sparse_attention(*a[:4], scale=512 ** -0.5, comp_kv=a[4], comp_idx=a[5]))
+        f_pal = jax.jit(lambda *a: pt.sparse_attention(*a[:4], scale=512 ** -0.5, comp_kv=a[4], comp_idx=a[5]))
+        r = np.asarray(f_ref(q, win, widx, sink, ck, cidx).astype(jnp.float32))
+        o = np.asarray(f_pal(q, win, widx, sink, ck, cidx).astype(jnp.float32))
+        err = float(np.abs(o - r).max())
+        rel = float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30))
+        tol = 2e-2 if dt == jnp.bfloat16 else 1e-4
+        good = bool(np.isfinite(o).all() and rel < tol and np.abs(o[0, 0]).max() == 0.0)
+        ok &= good
+        log(f"check B={b} S={s} Nc={nc} {jnp.dtype(dt).name}: max|err|={err:.3e} rel={rel:.3e} "
+            f"empty-row-zero={np.abs(o[0, 0]).max() == 0.0} -> {'OK' if good else 'FAIL'}")
+    return ok
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--n", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--sweep", action="store_true", help="also time a few block configurations")
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    light_import()
+    from pallas_kernels.sparse_attention import pallas_triton as pt
+    from pallas_kernels.sparse_attention import reference as ref
+
+    os.makedirs(args.out, exist_ok=True)
+    lines = []
+
+    def log(msg):
+        print(msg, flush=True)
+        lines.append(msg)
+
+    dev = jax.devices()[0]
+    log(f"# sparse attention decode | device {dev.device_kind} | jax {jax.__version__} | n={args.n} reps={args.reps}")
+    ok = check(args.out, log)
+
+    contexts = [4096, 65536] if args.quick else [4096, 65536, 1 << 20]
+    batches = [1, 8, 64]
+    rows = []
+    scale = 512 ** -0.5
+
+    def run_pallas(cfg):
+        def f(a, c):
+            q, win, widx, sink, ck, cidx = a
+            o = pt.sparse_attention(q, win, widx, sink + c, scale=scale, comp_kv=ck, comp_idx=cidx, **cfg)
+            return o, _zero_of(o)
+        return f
+
+    def run_ref(a, c):
+        q, win, widx, sink, ck, cidx = a
+        o = ref.sparse_attention(q, win, widx, sink + c, scale=scale, comp_kv=ck, comp_idx=cidx)
+        return o, _zero_of(o)
+
+    for nc in contexts:
+        for b in batches:
+            a = make_inputs(jax.random.PRNGKey(nc + b), b, 1, nc)
+            fb = floor_bytes(b, 1)
+            t_floor = fb / HBM_BPS
+            t_p, _, _ = timed(run_pallas({}), a, n=args.n, reps=args.reps)
+            t_r, _, _ = timed(run_ref, a, n=args.n, reps=args.reps)
+            cfg = pt.default_config(b, 64, 128, 512)
+            row = dict(context=nc, batch=b, pallas_us=t_p * 1e6, xla_us=t_r * 1e6, floor_us=t_floor * 1e6,
+                       bytes=fb, speedup=t_r / t_p if t_p else float("nan"),
+                       hbm_frac=t_floor / t_p if t_p else float("nan"), cfg=cfg)
+            rows.append(row)
+            log(f"ctx={nc:>8} B={b:>3}: pallas {t_p*1e6:8.1f} us  xla {t_r*1e6:8.1f} us  floor {t_floor*1e6:6.2f} us "
+                f"({fb/1e6:.2f} MB)  xla/pallas {row['speedup']:.2f}x  floor/pallas {row['hbm_frac']*100:.1f}%  cfg {cfg}")
+            if args.sweep and nc == 65536 and b in (1, 64):
+                for var in ([dict(block_h=64, num_warps=8), dict(block_k=64), dict(block_k=16),
+                             dict(num_warps=8), dict(num_stages=3)]
+                            + ([dict(num_splits=1), dict(num_splits=16)] if b == 1 else [])):
+                    try:
+                        t_v, _, _ = timed(run_pallas(var), a, n=args.n, reps=args.reps)
+                        log(f"    sweep {var}: {t_v*1e6:8.1f} us  floor/pallas {t_floor/t_v*100:.1f}%")
+                    except Exception as e:  # noqa: BLE001
+                        log(f"    sweep {var}: FAILED {type(e).__name__}: {str(e)[:200]}")
+            del a
+
+    log("")
+    log("| context | batch | Pallas (us) | XLA ref (us) | byte floor (us) | XLA/Pallas | floor/Pallas (% of HBM BW) |")
+    log("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        log(f"| {r['context']} | {r['batch']} | {r['pallas_us']:.1f} | {r['xla_us']:.1f} | {r['floor_us']:.2f} | "
+            f"{r['speedup']:.2f}x | {r['hbm_frac']*100:.1f}% |")
+    log(f"correctness: {'OK' if ok else 'FAIL'}")
+    with open(os.path.join(args.out, "sparse_attention_bench.json"), "w") as fh:
+        json.dump(dict(device=dev.device_kind, jax=jax.__version__, rows=rows, ok=ok), fh, indent=1)
+    with open(os.path.join(args.out, "sparse_attention_bench.log"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
