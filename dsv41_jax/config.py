@@ -264,6 +264,8 @@ class ModelConfig:
             elif k.startswith("vision_") or k in runtime or k == "image_token_id":
                 continue  # runtime sizes and the (out of scope) vision tower
         kw.setdefault("name", name)
+        # the reference builds Gate.bias_vl only when the vision tower is on
+        kw.setdefault("gate_bias_vl", int(d.get("vision_n_layers", 0) or 0) > 0)
         try:
             return cls(**kw)
         except TypeError as e:  # pragma: no cover - defensive

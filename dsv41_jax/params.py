@@ -21,6 +21,8 @@ Functions: :func:`param_specs` (shapes/dtypes, no memory; ``jax.eval_shape`` fri
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import re
 from typing import Any, Callable
@@ -41,14 +43,17 @@ _INIT_KINDS = ("linear", "norm", "sink", "hc_fn", "hc_base", "hc_scale", "gate_b
                "weights_proj", "engram_qk", "engram_table")
 
 
+@dataclasses.dataclass(frozen=True)
 class Leaf:
     """A parameter's description before it exists: shape, storage format, init recipe."""
 
-    def __init__(self, shape, fmt: str, init: str, block=None):
-        self.shape = tuple(int(s) for s in shape)
-        self.fmt = fmt  # "bf16" | "f32" | "fp8" | "fp4"
-        self.init = init
-        self.block = block
+    shape: tuple
+    fmt: str  # "bf16" | "f32" | "fp8" | "fp4"
+    init: str
+    block: object = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
 
     def spec(self):
         if self.fmt == "fp8":
@@ -200,8 +205,8 @@ def param_specs(cfg: ModelConfig) -> dict:
 # random initialisation
 
 
-def _init_f32(kind: str, shape, key, fan_in: int, hc_dim: int) -> jax.Array:
-    n = jax.random.normal(key, shape, F32)
+def _scale_draft(kind: str, n, fan_in: int, hc_dim: int):
+    """Turn a standard-normal draft ``n`` (uniform [0, 1) for ``hc_scale``) into the recipe's values."""
     if kind == "linear":
         return n / math.sqrt(fan_in)
     if kind == "norm":
@@ -211,7 +216,7 @@ def _init_f32(kind: str, shape, key, fan_in: int, hc_dim: int) -> jax.Array:
     if kind == "hc_fn":
         return n / math.sqrt(hc_dim)
     if kind == "hc_scale":
-        return jax.random.uniform(key, shape, F32, 0.5, 1.5)
+        return 0.5 + n
     if kind == "gate_weight":
         return 4.0 * n / math.sqrt(fan_in)
     if kind == "weights_proj":
@@ -223,29 +228,65 @@ def _init_f32(kind: str, shape, key, fan_in: int, hc_dim: int) -> jax.Array:
     raise ValueError(kind)
 
 
-def _materialize(leaf: Leaf, key, hc_dim: int):
-    fan_in = leaf.shape[-1]
+def _finish(leaf: "Leaf", draft, hc_dim: int):
+    x = _scale_draft(leaf.init, draft, leaf.shape[-1], hc_dim)
+    if leaf.fmt == "fp8":
+        return quantize_fp8(x, leaf.block)
+    if leaf.fmt == "fp4":
+        return quantize_mxfp4(x, leaf.block)
+    return x.astype(BF16 if leaf.fmt == "bf16" else F32)
 
-    def make(key):
-        x = _init_f32(leaf.init, leaf.shape, key, fan_in, hc_dim)
-        if leaf.fmt == "fp8":
-            return quantize_fp8(x, leaf.block)
-        if leaf.fmt == "fp4":
-            return quantize_mxfp4(x, leaf.block)
-        return x.astype(BF16 if leaf.fmt == "bf16" else F32)
 
-    return jax.jit(make)(key)
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _finish_group(leaves: tuple, drafts, hc_dim: int):
+    return [_finish(l, d, hc_dim) for l, d in zip(leaves, drafts)]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _make_on_device(leaf: "Leaf", key, hc_dim: int):
+    draft = (jax.random.uniform(key, leaf.shape, F32) if leaf.init == "hc_scale"
+             else jax.random.normal(key, leaf.shape, F32))
+    return _finish(leaf, draft, hc_dim)
+
+
+_BIG = 1 << 24  # elements: a leaf this large is drawn on the device, one compiled call per signature
+_GROUP = 1 << 26  # smaller leaves are drawn on the host and quantized together, this many per call
 
 
 def init_params(cfg: ModelConfig, seed: int = 0) -> dict:
     """Random weights at the config's shapes, in the checkpoint's formats (FP8 e4m3 + e8m0 32x32,
-    MXFP4 experts, bf16/fp32 elsewhere). Leaves are made one at a time, so peak memory is one
-    leaf's float32 draft beyond the result."""
+    MXFP4 experts, bf16/fp32 elsewhere), with the fixture's init recipes. Deterministic in
+    ``seed``. Small leaves are drawn with numpy and quantized together in one compiled call; large
+    ones are drawn on the device one at a time (peak memory: one leaf's float32 draft)."""
     layout = param_layout(cfg)
     leaves, treedef = jax.tree.flatten(layout, is_leaf=_is_leaf)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
     hc_dim = cfg.hc_mult * cfg.dim
-    out = [_materialize(l, k, hc_dim) for l, k in zip(leaves, keys)]
+    out: list = [None] * len(leaves)
+    group: list[int] = []
+    drafts: list = []
+    size = 0
+
+    def flush():
+        nonlocal group, drafts, size
+        if group:
+            made = _finish_group(tuple(leaves[i] for i in group), drafts, hc_dim)
+            for i, v in zip(group, made):
+                out[i] = v
+        group, drafts, size = [], [], 0
+
+    for i, leaf in enumerate(leaves):
+        n = int(np.prod(leaf.shape))
+        if n >= _BIG:
+            out[i] = _make_on_device(leaf, jax.random.fold_in(jax.random.PRNGKey(seed), i), hc_dim)
+            continue
+        if size + n > _GROUP:
+            flush()
+        rng = np.random.default_rng([seed, i])
+        drafts.append(rng.random(leaf.shape, np.float32) if leaf.init == "hc_scale"
+                      else rng.standard_normal(leaf.shape, np.float32))
+        group.append(i)
+        size += n
+    flush()
     return jax.tree.unflatten(treedef, out)
 
 
