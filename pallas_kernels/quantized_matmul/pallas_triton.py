@@ -43,6 +43,39 @@ from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, act_quant, is_quantized
 warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*", category=DeprecationWarning)
 
 GEMV_MAX_ROWS = 64
+N_SM_DEFAULT = 132
+
+
+def _patch_triton_offsets() -> bool:
+    """Work around a Pallas-Triton lowering bug: ``_compute_offsets_from_indices`` uses 32-bit element
+    offsets whenever the array has at most 2**32 *bytes*, but Triton's ``addptr`` sign-extends i32
+    offsets, so an element offset >= 2**31 wraps negative (illegal address). This hits uint8 arrays
+    of 2-4 GB, e.g. the stacked MXFP4 experts [384, 2304, 2560] (2.26 GB). Re-define the function
+    with the 64-bit threshold at 2**31 bytes. Returns whether the patch was applied."""
+    import inspect
+    import textwrap
+
+    from jax._src.pallas.triton import lowering as tl
+
+    fn = tl._compute_offsets_from_indices
+    if getattr(fn, "_dsv41_patched", False):
+        return True
+    try:
+        src = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return False
+    old = "64 if full_size > 2**32 else 32"
+    if old not in src:
+        return False
+    ns: dict = {}
+    exec(compile(src.replace(old, "64 if full_size > 2**31 else 32"), tl.__file__, "exec"), tl.__dict__, ns)
+    new = ns["_compute_offsets_from_indices"]
+    new._dsv41_patched = True
+    tl._compute_offsets_from_indices = new
+    return True
+
+
+TRITON_OFFSETS_PATCHED = _patch_triton_offsets()
 N_SM = 132  # H200; only used to choose the split-K factor (a heuristic, any value is correct)
 
 
@@ -233,25 +266,23 @@ def _config(m: int, n: int, k: int, fmt: str):
 
 
 def _mm_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt, bm, bn, bk, steps, op_dtype, split):
+    # x_ref: the [bm, K] row block (rows past M are masked by the lowering); o_ref: the [bm, bn]
+    # output block; w_ref / s_ref: whole arrays.
+    del bm, split
     i_n = pl.program_id(0)
-    i_m = pl.program_id(1)
     i_s = pl.program_id(2)
     row0 = pl.multiple_of(i_n * bn, bn)
     rows = pl.ds(row0, bn)
-    mrows = pl.ds(pl.multiple_of(i_m * bm, bm), bm)
     kbase = i_s * (steps * bk)
 
     def body(i, acc):
         k0 = pl.multiple_of(kbase + i * bk, bk)
-        xt = x_ref[mrows, pl.ds(k0, bk)]
+        xt = x_ref[:, pl.ds(k0, bk)]
         wts = load_weight_tiles(fmt, w_ref, s_ref, (), rows, row0, bn, k0, bk, op_dtype)
         return acc + tile_dot(fmt, xt, wts, op_dtype)
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
-    if split:
-        o_ref[i_s, mrows, rows] = acc
-    else:
-        o_ref[mrows, rows] = acc.astype(o_ref.dtype)
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
 
 
 def unsupported_reason(x, w, *, act_block=32):
@@ -281,25 +312,30 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, con
     x2 = x.reshape(m, k)
     xq = (act_quant(x2, act_block) if is_quantized(w) else x2).astype(op)
     bm, bn, bk, splits, warps, stages = config or _config(m, n, k, fmt)
-    mp = -(-m // bm) * bm
-    if mp != m:
-        xq = jnp.pad(xq, ((0, mp - m), (0, 0)))
     data, scale = weight_operands(w)
     if scale is None:
         scale = jnp.zeros((1, 1), jnp.uint8)  # unused
     steps = k // bk // splits
     kernel = functools.partial(_mm_kernel, fmt=fmt, bm=bm, bn=bn, bk=bk, steps=steps, op_dtype=op,
                                split=splits > 1)
-    out_shape = (jax.ShapeDtypeStruct((splits, mp, n), jnp.float32) if splits > 1
-                 else jax.ShapeDtypeStruct((mp, n), out_dtype))
+    whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+    in_specs = [pl.BlockSpec((bm, k), lambda i, j, s: (j, 0)), whole(data), whole(scale)]
+    if splits > 1:
+        out_shape = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
+        out_spec = pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, j, i))
+    else:
+        out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
+        out_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (j, i))
     y = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(n // bn, mp // bm, splits),
+        grid=(n // bn, -(-m // bm), splits),
+        in_specs=in_specs,
+        out_specs=out_spec,
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
         name=f"qmm_{fmt}",
     )(xq, data, scale)
     if splits > 1:
-        y = jnp.sum(y, axis=0)
-    return y[:m].astype(out_dtype).reshape(*lead, n)
+        y = jnp.sum(y, axis=0).astype(out_dtype)
+    return y.reshape(*lead, n)
