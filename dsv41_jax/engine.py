@@ -259,44 +259,24 @@ class Engine:
         return {k: jax.device_put(v) for k, v in out.items()}, None
 
     # ------------------------------------------------------------------ compiled programs
-    def _arg_specs(self, S: int):
-        B = self.B
-        i32 = jnp.int32
-        sds = jax.ShapeDtypeStruct
-        ids = rows = None
-        if self.engram_mode != "none":
-            nc = self.cfg.engram_n_hash_cols
-            if self.engram_mode == "host":
-                rows = {k: Fp8Tensor(data=sds((B, S, nc, t.data.shape[-1]), t.data.dtype),
-                                     scale=sds((B, S, nc, t.scale.shape[-1]), t.scale.dtype), block=t.block)
-                        for k, t in self.host_tables.items()}
-            else:
-                ids = {str(l): sds((B, S, nc), i32) for l in self.cfg.engram_layer_ids}
-        return (sds((B, S), i32), sds((B,), i32), ids, rows, sds((), i32), sds((B,), i32), sds((B,), i32),
-                sds((), jnp.float32), sds((), i32), sds((), jnp.float32))
-
-    def _program(self, S: int, sampler):
-        key = (S, sampler)
-        if key not in self._compiled:
-            t = time.perf_counter()
-            cache_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.cache)
-            low = _engine_step_jit.lower(self.params, cache_spec, *self._arg_specs(S), cfg=self.cfg, opts=self.opts,
-                                         sampler=sampler)
-            self._compiled[key] = low.compile()
-            self.stats.compile_s += time.perf_counter() - t
-        return self._compiled[key]
-
     def warmup(self, sampling: SamplingParams | None = None, *, decode: bool = True, prefill: bool = True):
-        """Compile the step programs (prefill chunk and decode) before timing anything."""
+        """Compile the step programs (prefill chunk width and decode) and the slot reset before timing
+        anything: each is run once on an all-idle batch (every length 0: caches unchanged). Compiled
+        programs live in jit's cache, shared by every engine of the same shapes in the process."""
         sampler = (sampling or SamplingParams()).static_key(self.cfg.vocab_size)
-        if prefill:
-            self._program(self.chunk, sampler)
-        if decode:
-            self._program(1, sampler)
+        widths = ([self.chunk] if prefill else []) + ([1] if decode and self.chunk != 1 else [])
+        for S in widths:
+            if (S, sampler) in self._compiled:
+                continue
+            t = time.perf_counter()
+            nxt, _ = self.step(np.zeros((self.B, S), np.int64), np.zeros(self.B, np.int64), sampling=sampling)
+            jax.block_until_ready(nxt)
+            self._compiled[(S, sampler)] = True
+            self.stats.compile_s += time.perf_counter() - t
+            self.stats.steps -= 1
         if "reset" not in self._compiled:
             t = time.perf_counter()
-            self.cache = _reset_slot_jit(self.cache, jnp.int32(0), cfg=self.cfg, opts=self.opts,
-                                         max_seq_len=self.max_seq_len)
+            self.reset(0)
             jax.block_until_ready(self.cache)
             self._compiled["reset"] = True
             self.stats.compile_s += time.perf_counter() - t
@@ -341,13 +321,13 @@ class Engine:
         eids, erows = self._engram_inputs(tokens, lengths)
         rid = np.zeros(B, np.int32) if request_ids is None else np.asarray(request_ids, np.int32)
         stp = np.zeros(B, np.int32) if steps is None else np.asarray(steps, np.int32)
-        prog = self._program(S, sp.static_key(self.cfg.vocab_size))
         t1 = time.perf_counter()
         self.stats.host_s += t1 - t0
-        nxt, logits, self.cache = prog(self.params, self.cache, jnp.asarray(tokens, jnp.int32),
-                                       jnp.asarray(lengths, jnp.int32), eids, erows, jnp.int32(sp.seed),
-                                       jnp.asarray(rid), jnp.asarray(stp), jnp.float32(max(sp.temperature, 1e-30)),
-                                       jnp.int32(sp.top_k), jnp.float32(sp.top_p))
+        nxt, logits, self.cache = _engine_step_jit(
+            self.params, self.cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32), eids, erows,
+            jnp.int32(sp.seed), jnp.asarray(rid), jnp.asarray(stp), jnp.float32(max(sp.temperature, 1e-30)),
+            jnp.int32(sp.top_k), jnp.float32(sp.top_p), cfg=self.cfg, opts=self.opts,
+            sampler=sp.static_key(self.cfg.vocab_size))
         self.pos = self.pos + lengths
         self.stats.steps += 1
         return nxt, logits
