@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moe import moe_experts
+from sharding.expert_parallel import routed_experts  # moe_experts, expert-parallel under a mesh
 
 from .config import ModelConfig
 from .layers import linear, weight_of
@@ -51,7 +51,7 @@ def moe(p, x, layer: int, cfg: ModelConfig, *, return_routing: bool = False):
     _, topk = cfg.moe_experts(layer)
     w, idx = route(p["gate"], xf, cfg, topk)
     e = p["experts"]
-    y = moe_experts(xf, w, idx, weight_of(e["w1"]), weight_of(e["w2"]), weight_of(e["w3"]),
+    y = routed_experts(xf, w, idx, weight_of(e["w1"]), weight_of(e["w2"]), weight_of(e["w3"]),
                     swiglu_limit=cfg.swiglu_limit, act_block=cfg.fp8_block_size)
     y = y + shared_expert(p["shared_experts"], xf, cfg).astype(jnp.float32)
     out = y.astype(x.dtype).reshape(shape)
