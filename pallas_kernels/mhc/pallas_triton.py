@@ -26,6 +26,8 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.quantized_matmul.pallas_triton import next_pow2, pick_block
 
 N_SM = 132
+# Sinkhorn layout: "3d" ([BT, G, hc] view, axis reductions) or "2d" (0/1-matrix dots); read at trace time
+SPLIT_MODE = "3d"
 
 
 def _layout(hc: int):
@@ -68,15 +70,19 @@ def _proj(xt, fnt):
     return acc
 
 
-def _partial(x_ref, fn_ref, *, bk, steps, mix, mp):
-    """Projection + sum of squares over this program's K range -> [BT, MP] (ssq in column mix)."""
+def _partial(x_ref, fn_ref, *, bk, steps, mix, mp, t):
+    """Projection + sum of squares over this program's K range -> [BT, MP] (ssq in column mix).
+    Padded rows of x (past T) and of fn (past mix) are loaded as zeros."""
     bt = x_ref.shape[0]
+    xrow = pl.program_id(0) * bt + jax.lax.broadcasted_iota(jnp.int32, (bt, bk), 0)
+    xmask = xrow < t
+    fmask = jax.lax.broadcasted_iota(jnp.int32, (mp, bk), 0) < mix
 
     def body(i, carry):
         acc, ssq = carry
         k0 = pl.multiple_of(i * bk, bk)
-        xt = x_ref[:, pl.ds(k0, bk)]
-        fnt = fn_ref[:, pl.ds(k0, bk)]
+        xt = pltriton.load(x_ref.at[:, pl.ds(k0, bk)], mask=xmask, other=0)
+        fnt = pltriton.load(fn_ref.at[:, pl.ds(k0, bk)], mask=fmask, other=0)
         xf = xt.astype(jnp.float32)
         return acc + _proj(xt, fnt), ssq + jnp.sum(xf * xf, axis=1)
 
@@ -85,8 +91,54 @@ def _partial(x_ref, fn_ref, *, bk, steps, mix, mp):
     return jnp.where(col == mix, ssq[:, None], jnp.where(col < mix, acc, 0.0))
 
 
-def _split(mraw, scale_ref, base_ref, *, hc, g, mp, mix, width, norm_eps, hc_eps, iters):
-    """[BT, MP] raw projection (+ssq) -> [BT, G, hc] (group 0 pre, 1 post, 2.. comb rows)."""
+def _split2d(mraw, scale_ref, base_ref, *, hc, g, mp, mix, width, norm_eps, hc_eps, iters):
+    """[BT, MP] raw projection (+ssq in column ``mix``) -> [BT, MP]: columns [0, hc) pre,
+    [hc, 2hc) post, [2hc, mix) comb (row-major hc x hc), the rest 0.
+
+    2-D ops only: the per-row (group of hc columns) and per-column (same column of every group)
+    sums of the Sinkhorn are products with 0/1 [MP, MP] matrices in fp32 (IEEE dots)."""
+    del g
+    bt = mraw.shape[0]
+    col = jax.lax.broadcasted_iota(jnp.int32, (bt, mp), 1)
+    ssq = jnp.sum(jnp.where(col == mix, mraw, 0.0), axis=1)
+    r = jax.lax.rsqrt(ssq / width + norm_eps)
+    m = jnp.where(col < mix, mraw, 0.0) * r[:, None]
+    s0, s1, s2 = scale_ref[0], scale_ref[1], scale_ref[2]
+    base = base_ref[...]
+    bcol = jax.lax.broadcasted_iota(jnp.int32, base.shape, 0)
+    base = jnp.where(bcol < mix, base, 0.0)
+    sv = jnp.where(col < hc, s0, jnp.where(col < 2 * hc, s1, s2))
+    z = m * sv + base[None, :]
+    sig = jax.nn.sigmoid(z)
+    is_c = (col >= 2 * hc) & (col < mix)
+    ii = jax.lax.broadcasted_iota(jnp.int32, (mp, mp), 0)
+    jj = jax.lax.broadcasted_iota(jnp.int32, (mp, mp), 1)
+    in_c = (ii >= 2 * hc) & (ii < mix) & (jj >= 2 * hc) & (jj < mix)
+    same_row = jnp.where(in_c & (ii // hc == jj // hc), 1.0, 0.0).astype(jnp.float32)
+    same_col = jnp.where(in_c & (ii % hc == jj % hc), 1.0, 0.0).astype(jnp.float32)
+    hi = jax.lax.Precision.HIGHEST
+
+    def rows(c):
+        return jnp.dot(c, same_row, precision=hi, preferred_element_type=jnp.float32)
+
+    def cols(c):
+        return jnp.dot(c, same_col, precision=hi, preferred_element_type=jnp.float32)
+
+    zc = jnp.where(is_c, z, -jnp.inf)
+    ex = jnp.where(is_c, jnp.exp(zc - jnp.max(zc, axis=1, keepdims=True)), 0.0)
+    c = jnp.where(is_c, ex / jnp.where(is_c, rows(ex), 1.0) + hc_eps, 0.0)
+    c = jnp.where(is_c, c / (cols(c) + hc_eps), 0.0)
+
+    def sink(_, c):
+        c = jnp.where(is_c, c / (rows(c) + hc_eps), 0.0)
+        return jnp.where(is_c, c / (cols(c) + hc_eps), 0.0)
+
+    c = jax.lax.fori_loop(0, iters - 1, sink, c)
+    return jnp.where(col < hc, sig + hc_eps, jnp.where(col < 2 * hc, 2.0 * sig, c))
+
+
+def _split3d(mraw, scale_ref, base_ref, *, hc, g, mp, mix, width, norm_eps, hc_eps, iters):
+    """3-D variant: [BT, MP] -> [BT, G, hc] view (group 0 pre, 1 post, 2.. comb rows), returned as [BT, MP]."""
     bt = mraw.shape[0]
     col = jax.lax.broadcasted_iota(jnp.int32, (bt, mp), 1)
     ssq = jnp.sum(jnp.where(col == mix, mraw, 0.0), axis=1)
@@ -114,21 +166,28 @@ def _split(mraw, scale_ref, base_ref, *, hc, g, mp, mix, width, norm_eps, hc_eps
 
     c = jax.lax.fori_loop(0, iters - 1, sink, c)
     sig3 = sig.reshape(bt, g, hc)
-    return jnp.where(grp == 0, sig3 + hc_eps, jnp.where(grp == 1, 2.0 * sig3, c))
+    return jnp.where(grp == 0, sig3 + hc_eps, jnp.where(grp == 1, 2.0 * sig3, c)).reshape(bt, mp)
 
 
-def _mix_fused_kernel(x_ref, fn_ref, scale_ref, base_ref, o_ref, *, bk, steps, split_kw):
-    mraw = _partial(x_ref, fn_ref, bk=bk, steps=steps, mix=split_kw["mix"], mp=split_kw["mp"])
+def _split(mraw, scale_ref, base_ref, **kw):
+    return (_split3d if SPLIT_MODE == "3d" else _split2d)(mraw, scale_ref, base_ref, **kw)
+
+
+def _mix_fused_kernel(x_ref, fn_ref, scale_ref, base_ref, o_ref, *, bk, steps, split_kw, t):
+    mraw = _partial(x_ref, fn_ref, bk=bk, steps=steps, mix=split_kw["mix"], mp=split_kw["mp"], t=t)
     o_ref[...] = _split(mraw, scale_ref, base_ref, **split_kw)
 
 
-def _mix_partial_kernel(x_ref, fn_ref, o_ref, *, bk, steps, mix, mp):
-    o_ref[...] = _partial(x_ref, fn_ref, bk=bk, steps=steps, mix=mix, mp=mp)
+def _mix_partial_kernel(x_ref, fn_ref, o_ref, *, bk, steps, mix, mp, t):
+    o_ref[...] = _partial(x_ref, fn_ref, bk=bk, steps=steps, mix=mix, mp=mp, t=t)
 
 
 def _mix_split_kernel(p_ref, scale_ref, base_ref, o_ref, *, n_split, split_kw):
     bt, mp = o_ref.shape[0], split_kw["mp"]
-    mraw = jax.lax.fori_loop(0, n_split, lambda s, a: a + p_ref[s], jnp.zeros((bt, mp), jnp.float32))
+    if n_split & (n_split - 1) == 0 and n_split * bt * mp <= 16384:
+        mraw = jnp.sum(p_ref[...], axis=0)
+    else:
+        mraw = jax.lax.fori_loop(0, n_split, lambda s, a: a + p_ref[s], jnp.zeros((bt, mp), jnp.float32))
     o_ref[...] = _split(mraw, scale_ref, base_ref, **split_kw)
 
 
@@ -151,13 +210,10 @@ def hc_mixes(x, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters, interpret=
         bk = pick_block(width, 256)
         chunks = width // bk
         n_split = 1
-        while n_t * n_split < N_SM and chunks % (n_split * 2) == 0 and n_split * 2 <= chunks:
+        # split K (power of two) until the grid has ~N_SM/8 programs: the projection is small, the
+        # split kernel then sums all partials with one load
+        while n_t * n_split * 8 < N_SM and chunks % (n_split * 2) == 0 and n_split < 16:
             n_split *= 2
-        if n_t * n_split < N_SM // 2:  # odd factors too (20480 = 5 * 2**12)
-            for f in range(chunks, 0, -1):
-                if chunks % f == 0 and n_t * f <= 2 * N_SM:
-                    n_split = max(n_split, f)
-                    break
     else:
         bt, bk, n_split = config
     n_t = -(-t // bt)
@@ -166,13 +222,13 @@ def hc_mixes(x, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters, interpret=
     split_kw = dict(hc=hc, g=g, mp=mp, mix=mix, width=width, norm_eps=float(norm_eps), hc_eps=float(hc_eps),
                     iters=int(sinkhorn_iters))
     params = pltriton.CompilerParams(num_warps=4, num_stages=3)
-    out_spec = pl.BlockSpec((bt, g, hc), lambda i, *_: (i, 0, 0))
-    out_shape = jax.ShapeDtypeStruct((t, g, hc), jnp.float32)
+    out_spec = pl.BlockSpec((bt, mp), lambda i, *_: (i, 0))
+    out_shape = jax.ShapeDtypeStruct((t, mp), jnp.float32)
     scale_spec = pl.BlockSpec((3,), lambda *_: (0,))
     base_spec = pl.BlockSpec((mp,), lambda *_: (0,))
     if n_split == 1:
         out = pl.pallas_call(
-            functools.partial(_mix_fused_kernel, bk=bk, steps=steps, split_kw=split_kw),
+            functools.partial(_mix_fused_kernel, bk=bk, steps=steps, split_kw=split_kw, t=t),
             out_shape=out_shape,
             grid=(n_t,),
             in_specs=[pl.BlockSpec((bt, width), lambda i: (i, 0)), pl.BlockSpec((mp, width), lambda i: (0, 0)),
@@ -184,7 +240,7 @@ def hc_mixes(x, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters, interpret=
         )(xf, fn, scale, base)
     else:
         part = pl.pallas_call(
-            functools.partial(_mix_partial_kernel, bk=bk, steps=steps, mix=mix, mp=mp),
+            functools.partial(_mix_partial_kernel, bk=bk, steps=steps, mix=mix, mp=mp, t=t),
             out_shape=jax.ShapeDtypeStruct((n_split, t, mp), jnp.float32),
             grid=(n_t, n_split),
             in_specs=[pl.BlockSpec((bt, chunk), lambda i, s: (i, s)), pl.BlockSpec((mp, chunk), lambda i, s: (0, s))],
@@ -203,9 +259,9 @@ def hc_mixes(x, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters, interpret=
             interpret=interpret,
             name="hc_mixes_split",
         )(part, scale, base)
-    pre = out[:, 0, :].reshape(*lead, hc)
-    post = out[:, 1, :].reshape(*lead, hc)
-    comb = out[:, 2 : 2 + hc, :].reshape(*lead, hc, hc)
+    pre = out[:, :hc].reshape(*lead, hc)
+    post = out[:, hc : 2 * hc].reshape(*lead, hc)
+    comb = out[:, 2 * hc : mix].reshape(*lead, hc, hc)
     return pre, post, comb
 
 
