@@ -2,7 +2,7 @@
 
 Layout of a converted directory ``DST``::
 
-    DST/params/          Orbax (StandardCheckpointer, OCDBT/zarr3) checkpoint of the tree without
+    DST/params/          Orbax (PyTreeCheckpointHandler, OCDBT, uncompressed) checkpoint of the tree without
                          the Engram tables. float8_e4m3fn / float8_e8m0fnu / uint8 are stored
                          natively and come back bit-exact (the tests check the bits).
     DST/host_tables/     the Engram tables (layers.L.engram.embed.{weight,scale}) as raw uint8
@@ -101,9 +101,9 @@ def save_params(params: dict, path: str | os.PathLike, cfg: ModelConfig, *, over
     os.makedirs(os.path.join(tmp, "host_tables"))
     tree, host = _split_host(params)
     ocp = _orbax()
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save(os.path.abspath(os.path.join(tmp, "params")), tree)
-    ckptr.wait_until_finished()
+    # uncompressed: FP8/FP4 codes barely compress and zstd costs restore time (see BENCHMARKS.md)
+    ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
+    ckptr.save(os.path.abspath(os.path.join(tmp, "params")), args=ocp.args.PyTreeSave(tree))  # synchronous
     tables = {}
     for name, node in host.items():
         for part, field in (("weight", "data"), ("scale", "scale")):

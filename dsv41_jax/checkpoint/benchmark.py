@@ -1,0 +1,212 @@
+"""Checkpoint I/O benchmark: write a multi-GB random official-format checkpoint, convert it to
+Orbax, then measure load time and peak host RSS of (a) the safetensors loader and (b) the Orbax
+restore, each in a fresh subprocess (``resource.getrusage(RUSAGE_SELF).ru_maxrss``).
+
+    python -m dsv41_jax.checkpoint.benchmark --dir /tmp/ckbench [--experts 32] [--layers 4] [--keep]
+
+The model has the real V4.1-Flash widths (dim 5120, 64 heads x 512, q_lora 1280, o_lora 8x1024,
+MoE inter 2304, FP8 32x32 weights, MXFP4 experts) with fewer layers / experts, a 16k vocab and
+small Engram tables. "cold" runs evict the files from the page cache first (posix_fadvise
+DONTNEED); "warm" runs read from the page cache.
+
+On a CPU-only host the loaded parameters themselves live in host memory, so the figure that says
+whether the loader streams is ``overhead = peak RSS - RSS before loading - bytes of the loaded
+device arrays``; on an accelerator the peak RSS itself is that figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+
+
+def bench_config(layers: int = 4, experts: int = 32, vocab: int = 16384, engram_rows: int = 500_000):
+    from ..config import get_preset
+
+    if layers != 4:
+        raise ValueError("the benchmark layer pattern is fixed at 4 backbone layers")
+    return get_preset("v41-flash").replace(
+        name="bench",
+        vocab_size=vocab,
+        n_layers=4,
+        n_mtp_layers=1,
+        compress_ratios=(0, 2, 1, 1, 0),
+        kv_source_layers=(1, 2),
+        index_source_layers=(1, 2, 3),
+        candidate_source_layer=2,
+        n_routed_experts=experts,
+        engram_layer_ids=(1, 3),
+        engram_num_embeddings=(engram_rows, engram_rows),
+        dspark_target_layer_ids=(1, 2, 3),
+        dspark_n_routed_experts=max(8, experts // 4),
+        dspark_noise_token_id=vocab - 1,
+    )
+
+
+def _maxrss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _curr_rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _evict(path: str) -> None:
+    for root, _, files in os.walk(path):
+        for fn in files:
+            fd = os.open(os.path.join(root, fn), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+
+
+# ------------------------------------------------------------------------------------------------
+# subprocess entry points
+
+
+def _child_write(d: str, layers: int, experts: int) -> dict:
+    from .synthetic import random_params
+    from .writer import save_checkpoint
+
+    cfg = bench_config(layers, experts)
+    t = time.time()
+    params = random_params(cfg, seed=0)
+    t_gen = time.time() - t
+    t = time.time()
+    save_checkpoint(params, cfg, os.path.join(d, "official"), max_shard_bytes=1 << 30, overwrite=True)
+    return {"gen_s": t_gen, "write_s": time.time() - t}
+
+
+def _child_convert(d: str) -> dict:
+    from ..convert import main
+
+    t = time.time()
+    rc = main([os.path.join(d, "official"), os.path.join(d, "orbax"), "--overwrite", "-q"])
+    assert rc == 0
+    return {"convert_s": time.time() - t, "convert_peak_rss": _maxrss()}
+
+
+def _child_load(d: str, kind: str, cold: bool) -> dict:
+    import jax
+    import numpy as np
+
+    from . import load_checkpoint, restore_params
+
+    jax.devices()  # backend up before the baseline
+    src = os.path.join(d, "official" if kind == "safetensors" else "orbax")
+    if cold:
+        _evict(src)
+    base_rss = _curr_rss()
+    base_peak = _maxrss()
+    t = time.time()
+    if kind == "safetensors":
+        _, params = load_checkpoint(src)
+    else:
+        params = restore_params(src)
+    leaves = jax.tree.leaves(params)
+    dev = [x for x in leaves if isinstance(x, jax.Array)]
+    jax.block_until_ready(dev)
+    dt = time.time() - t
+    on_device = sum(x.nbytes for x in dev)
+    host = sum(x.nbytes for x in leaves if isinstance(x, np.ndarray))
+    peak = _maxrss()
+    return {
+        "kind": kind,
+        "cold": cold,
+        "load_s": dt,
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0].device_kind),
+        "rss_before": base_rss,
+        "peak_before": base_peak,
+        "peak_rss": peak,
+        "device_bytes": on_device,
+        "host_memmap_bytes": host,
+        "overhead": peak - base_rss - (on_device if jax.default_backend() == "cpu" else 0),
+    }
+
+
+def _run_child(args: list[str]) -> dict:
+    env = dict(os.environ)
+    r = subprocess.run([sys.executable, "-m", "dsv41_jax.checkpoint.benchmark", "--child", *args],
+                       capture_output=True, text=True, env=env)
+    if r.returncode:
+        raise RuntimeError(f"child {args} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", default="/tmp/dsv41_ckbench")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--keep", action="store_true", help="keep the files afterwards")
+    ap.add_argument("--reuse", action="store_true", help="reuse files already in --dir")
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help="write the JSON results here")
+    a = ap.parse_args(argv)
+    if a.child:
+        what = a.child[0]
+        if what == "write":
+            res = _child_write(a.dir, a.layers, a.experts)
+        elif what == "convert":
+            res = _child_convert(a.dir)
+        else:
+            res = _child_load(a.dir, what, a.child[1] == "cold")
+        print(json.dumps(res))
+        return 0
+
+    import jax, orbax.checkpoint, safetensors, numpy  # noqa: E401  (versions only)
+
+    from ..params import official_shapes
+
+    cfg = bench_config(a.layers, a.experts)
+    ck_bytes = sum(math.prod(s.shape) * s.dtype.itemsize for s in official_shapes(cfg).values())
+    res: dict = {
+        "config": {"dim": cfg.dim, "layers": cfg.n_layers, "mtp": cfg.n_mtp_layers, "experts": cfg.n_routed_experts,
+                   "vocab": cfg.vocab_size, "engram_rows": list(cfg.engram_num_embeddings)},
+        "tensor_bytes": ck_bytes,
+        "versions": {"python": sys.version.split()[0], "jax": jax.__version__, "numpy": numpy.__version__,
+                     "orbax": getattr(orbax.checkpoint, "__version__", "?"), "safetensors": safetensors.__version__},
+        "cpus": os.cpu_count(),
+    }
+    os.makedirs(a.dir, exist_ok=True)
+    try:
+        if not (a.reuse and os.path.exists(os.path.join(a.dir, "official"))):
+            res["write"] = _run_child(["write"])
+        res["official_bytes"] = _dir_bytes(os.path.join(a.dir, "official"))
+        if not (a.reuse and os.path.exists(os.path.join(a.dir, "orbax"))):
+            res["convert"] = _run_child(["convert"])
+        res["orbax_bytes"] = _dir_bytes(os.path.join(a.dir, "orbax"))
+        res["loads"] = []
+        for kind in ("safetensors", "orbax"):
+            for cold in ("cold", "warm"):
+                r = _run_child([kind, cold])
+                r["peak_frac_of_ckpt"] = r["peak_rss"] / res["official_bytes"]
+                r["overhead_frac_of_ckpt"] = r["overhead"] / res["official_bytes"]
+                res["loads"].append(r)
+                print(json.dumps(r), flush=True)
+    finally:
+        if not a.keep:
+            shutil.rmtree(a.dir, ignore_errors=True)
+    print(json.dumps(res, indent=1))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
