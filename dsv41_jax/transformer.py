@@ -92,6 +92,7 @@ def forward_step(params, cache, tokens, lengths, engram_ids=None, engram_rows=No
         h, pre, cache_layers, shared = block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux)
         if aux is not None:
             aux.setdefault("resid", []).append(h)
+            aux.setdefault("pre_out", []).append(pre)
     y = hc_collapse(h, pre)
     if logits_mode == "last":
         last = jnp.clip(lengths - 1, 0, S - 1)
