@@ -6,7 +6,10 @@ Every op's ``api.py`` calls :func:`resolve` with the caller's ``implementation``
 1. an explicit ``implementation=`` argument;
 2. the innermost :func:`use_implementation` context;
 3. the ``DSV41_KERNELS`` environment variable;
-4. ``"auto"``: ``"pallas"`` when JAX's default backend is a GPU, ``"reference"`` otherwise.
+4. ``"auto"``: ``"pallas"`` when JAX's default backend is a GPU and the op's kernel is enabled for
+   auto-selection (``auto_pallas``: an op whose kernel measures slower than the XLA reference on
+   the H200 keeps the reference until it is faster; BENCHMARKS.md has the numbers), else
+   ``"reference"``.
 
 Names:
 * ``"reference"`` – the pure-jnp definition (runs anywhere, the numerical ground truth);
@@ -43,11 +46,12 @@ def default_implementation() -> str:
     return _check(os.environ.get("DSV41_KERNELS", "auto"))
 
 
-def resolve(implementation: str | None = None) -> str:
+def resolve(implementation: str | None = None, *, auto_pallas: bool = True) -> str:
     """Return the concrete implementation name ('reference', 'pallas' or 'interpret')."""
     name = _check(implementation) if implementation is not None else default_implementation()
     if name == "auto":
-        return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "reference"
+        gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+        return "pallas" if gpu and auto_pallas else "reference"
     return name
 
 

@@ -25,9 +25,11 @@ def hc_mixes(x, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters):
     logits = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).reshape(*m.shape[:-1], hc, hc)
     c = jax.nn.softmax(logits, axis=-1) + hc_eps
     c = c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
+    def round_(_, c):
         c = c / (jnp.sum(c, axis=-1, keepdims=True) + hc_eps)
-        c = c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
+        return c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
+
+    c = jax.lax.fori_loop(0, sinkhorn_iters - 1, round_, c)  # a loop, not 19 unrolled copies in the HLO
     return pre, post, c
 
 

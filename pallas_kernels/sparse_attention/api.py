@@ -6,6 +6,10 @@ from pallas_kernels import dispatch
 
 from . import reference
 
+# The Pallas kernel is correct on the H200 but measured slower than the XLA reference
+# (BENCHMARKS.md, "Pallas kernels I"), so "auto" keeps the reference until it is faster.
+AUTO_PALLAS = False
+
 
 def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None, implementation=None):
     """q [B,S,H,D] (bf16 or f32); kv: window keys (=values) [B,Nw,D] in q.dtype or an Fp8Tensor
@@ -13,7 +17,7 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     comp_kv: compressed cache [B,Nc,D] plain or Fp4Tensor (packed [B,Nc,D//2], e4m3 scale per 16);
     comp_idx [B,S,Kc] int32 into comp_kv, -1 = empty; sink [H] f32. Returns [B,S,H,D] in q.dtype.
     A query with no valid key returns 0."""
-    impl = dispatch.resolve(implementation)
+    impl = dispatch.resolve(implementation, auto_pallas=AUTO_PALLAS)
     if impl != "reference":
         try:
             from . import pallas_triton
