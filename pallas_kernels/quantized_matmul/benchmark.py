@@ -45,7 +45,7 @@ PROJECTIONS = [
     ("dspark_main_proj", 5120, 15360),
 ]
 PREFILL_M = 4096
-PREFILL = ["wq_b", "wo_b", "shared_w1/w3", "shared_w2", "dspark_main_proj"]
+PREFILL = ["wq_b", "wo_b", "shared_w2"]
 
 
 def log(*a):
@@ -69,19 +69,41 @@ def distinct_copy(t):
     return jax.tree.map(lambda a: jnp.copy(a), t)
 
 
-def time_op(fn, per_rep_args, shared_args=(), *, reps, iters=5):
-    """Median seconds per op. ``per_rep_args``: list (len reps) of argument tuples; ``fn(*args, *shared)``."""
-    prog = jax.jit(lambda reps_args, shared: [fn(*a, *shared) for a in reps_args])
-    out = prog(per_rep_args, shared_args)
-    jax.block_until_ready(out)
-    out = prog(per_rep_args, shared_args)
-    jax.block_until_ready(out)
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(prog(per_rep_args, shared_args))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)) / len(per_rep_args)
+_FLUSH = {}
+
+
+def flush_l2():
+    """Stream 256 MB through the GPU (4x the L2) so the next call starts with a cold cache."""
+    if "buf" not in _FLUSH:
+        _FLUSH["buf"] = jnp.zeros((64 * 1024 * 1024,), jnp.float32)
+        _FLUSH["fn"] = jax.jit(lambda a: a + 1.0)
+    jax.block_until_ready(_FLUSH["fn"](_FLUSH["buf"]))
+
+
+def time_op(fn, per_rep_args, shared_args=(), *, reps=(3, 9), iters=5):
+    """Seconds per op by the two-point method: programs applying ``fn`` r1 and r2 times (to distinct
+    argument sets, which should use distinct weight buffers), L2 flushed before every timed call,
+    median of ``iters`` calls each; per-op = (t(r2) - t(r1)) / (r2 - r1), which removes the fixed
+    dispatch + sync cost of a call (~70 us) exactly. Returns (per_op_s, raw_s = t(r2) / r2)."""
+    r1, r2 = reps
+    assert len(per_rep_args) >= r2, (len(per_rep_args), r2)
+
+    def measure(r):
+        args = per_rep_args[:r]
+        prog = jax.jit(lambda reps_args, shared: [fn(*a, *shared) for a in reps_args])
+        for _ in range(2):
+            jax.block_until_ready(prog(args, shared_args))
+        ts = []
+        for _ in range(iters):
+            flush_l2()
+            t0 = time.perf_counter()
+            jax.block_until_ready(prog(args, shared_args))
+            ts.append(time.perf_counter() - t0)
+        return float(np.median(ts))
+
+    t1 = measure(r1)
+    t2 = measure(r2)
+    return max((t2 - t1) / (r2 - r1), 1e-9), t2 / r2
 
 
 def max_rel_err(a, b) -> float:
@@ -111,70 +133,57 @@ def fmt_us(t):
     return f"{t * 1e6:9.1f}"
 
 
+def gemv_case(rows, label, w0, m, key, *, reps=(3, 9), config=None, extra=None):
+    """Check (every element vs the reference) and time one GEMV case; append a record; log a line."""
+    wbytes = tree_bytes(w0)
+    n, k = w0.shape
+    ws = [w0] + [distinct_copy(w0) for _ in range(reps[1] - 1)]
+    xs = [jax.random.normal(jax.random.fold_in(key, r), (m, k), jnp.bfloat16) for r in range(reps[1])]
+    args = [(xs[r], ws[r]) for r in range(reps[1])]
+    rec = dict(op="gemv", case=label, M=m, N=n, K=k, weight_bytes=wbytes, config=config, **(extra or {}))
+    fp = lambda x, w: pallas_triton.quantized_matmul(x, w, config=config)
+    fr = lambda x, w: reference.quantized_matmul(x, w)
+    try:
+        rec["rel_err"] = max_rel_err(jax.jit(fp)(xs[0], w0), jax.jit(fr)(xs[0], w0))
+        rec["pallas_s"], rec["pallas_raw_s"] = time_op(fp, args, reps=reps)
+        if config is None:
+            rec["xla_s"], rec["xla_raw_s"] = time_op(fr, args, reps=reps)
+    except Exception as e:  # keep going; report the failure
+        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        log(f"{label} M={m} FAILED {rec['error']}")
+        rows.append(rec)
+        return rec
+    floor = wbytes / HBM_BYTES_PER_S
+    rec["floor_s"] = floor
+    rows.append(rec)
+    xla = rec.get("xla_s")
+    pl_s = rec["pallas_s"]
+    xla_txt = fmt_us(xla) if xla else "        -"
+    xla_pct = f"{100 * floor / xla:7.1f}%" if xla else "       -"
+    ratio = f"{xla / pl_s:8.2f}" if xla else "       -"
+    log(f"{label:34s} {m:5d} {wbytes / 1e6:8.1f} {fmt_us(floor)} {fmt_us(pl_s)} {xla_txt} "
+        f"{100 * floor / pl_s:7.1f}% {xla_pct} {ratio} {rec['rel_err']:9.2e} {fmt_us(rec['pallas_raw_s'])}")
+    return rec
+
+
 def run(quick=False, out_dir=None, tune=False):
     rows = []
     key = jax.random.PRNGKey(0)
     ms = [1, 8] if quick else [1, 8, 64]
-    log(f"# quantized_matmul benchmark: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    log(f"# quantized_matmul benchmark: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+        f"offset patch {pallas_triton.TRITON_OFFSETS_PATCHED}, scale modes {pallas_triton.SCALE_MODE}")
     log(f"{'case':34s} {'M':>5s} {'MB':>8s} {'floor us':>9s} {'pallas us':>9s} {'xla us':>9s} "
-        f"{'%HBM pl':>8s} {'%HBM xla':>8s} {'pl/xla x':>8s} {'relerr':>9s}")
+        f"{'%HBM pl':>8s} {'%HBM xla':>8s} {'pl/xla x':>8s} {'relerr':>9s} {'raw pl us':>9s}")
     for name, n, k in PROJECTIONS:
         key, kw = jax.random.split(key)
         w0 = random_fp8(kw, n, k)
-        wbytes = tree_bytes(w0)
         for m in ms:
-            reps = reps_for(wbytes)
-            c = copies_for(wbytes, reps)
-            ws = [w0] + [distinct_copy(w0) for _ in range(c - 1)]
-            xs = [jax.random.normal(jax.random.fold_in(kw, r), (m, k), jnp.bfloat16) for r in range(reps)]
-            rec = dict(op="fp8_gemv", case=name, M=m, N=n, K=k, weight_bytes=wbytes)
-            try:
-                y = jax.jit(lambda x, w: pallas_triton.quantized_matmul(x, w))(xs[0], w0)
-                yr = jax.jit(lambda x, w: reference.quantized_matmul(x, w))(xs[0], w0)
-                rec["rel_err"] = max_rel_err(y, yr)
-                args = [(xs[r], ws[r % c]) for r in range(reps)]
-                rec["pallas_s"] = time_op(lambda x, w: pallas_triton.quantized_matmul(x, w), args, reps=reps)
-                rec["xla_s"] = time_op(lambda x, w: reference.quantized_matmul(x, w), args, reps=reps)
-            except Exception as e:  # keep going; report the failure
-                rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                log(f"{name} M={m} FAILED {rec['error']}")
-                rows.append(rec)
+            if m == 64 and name not in ("wq_b", "wo_b", "shared_w1/w3"):
                 continue
-            floor = wbytes / HBM_BYTES_PER_S
-            rec["floor_s"] = floor
-            rows.append(rec)
-            log(f"{'fp8 ' + name:34s} {m:5d} {wbytes / 1e6:8.1f} {fmt_us(floor)} {fmt_us(rec['pallas_s'])} "
-                f"{fmt_us(rec['xla_s'])} {100 * floor / rec['pallas_s']:7.1f}% {100 * floor / rec['xla_s']:7.1f}% "
-                f"{rec['xla_s'] / rec['pallas_s']:8.2f} {rec['rel_err']:9.2e}")
-            del ws, xs
-
-    # MXFP4 GEMV on one expert-shaped matrix (the MoE kernels share this decode path)
+            gemv_case(rows, "fp8 " + name, w0, m, kw)
     for name, n, k in [("mxfp4 expert w1 2304x5120", 2304, 5120), ("mxfp4 expert w2 5120x2304", 5120, 2304)]:
         key, kw = jax.random.split(key)
-        w0 = random_fp4(kw, (n, k))
-        wbytes = tree_bytes(w0)
-        m = 1
-        reps = 16
-        c = copies_for(wbytes, reps)
-        ws = [w0] + [distinct_copy(w0) for _ in range(c - 1)]
-        xs = [jax.random.normal(jax.random.fold_in(kw, r), (m, k), jnp.bfloat16) for r in range(reps)]
-        rec = dict(op="fp4_gemv", case=name, M=m, N=n, K=k, weight_bytes=wbytes)
-        try:
-            y = jax.jit(lambda x, w: pallas_triton.quantized_matmul(x, w))(xs[0], w0)
-            yr = jax.jit(lambda x, w: reference.quantized_matmul(x, w))(xs[0], w0)
-            rec["rel_err"] = max_rel_err(y, yr)
-            args = [(xs[r], ws[r % c]) for r in range(reps)]
-            rec["pallas_s"] = time_op(lambda x, w: pallas_triton.quantized_matmul(x, w), args, reps=reps)
-            rec["xla_s"] = time_op(lambda x, w: reference.quantized_matmul(x, w), args, reps=reps)
-            floor = wbytes / HBM_BYTES_PER_S
-            rec["floor_s"] = floor
-            log(f"{name:34s} {m:5d} {wbytes / 1e6:8.1f} {fmt_us(floor)} {fmt_us(rec['pallas_s'])} "
-                f"{fmt_us(rec['xla_s'])} {100 * floor / rec['pallas_s']:7.1f}% {100 * floor / rec['xla_s']:7.1f}% "
-                f"{rec['xla_s'] / rec['pallas_s']:8.2f} {rec['rel_err']:9.2e}")
-        except Exception as e:
-            rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            log(f"{name} FAILED {rec['error']}")
-        rows.append(rec)
+        gemv_case(rows, name, random_fp4(kw, (n, k)), 1, kw)
 
     # prefill: tiled kernel vs XLA reference vs a plain bf16 jnp.dot ceiling
     mp = PREFILL_M
@@ -186,18 +195,18 @@ def run(quick=False, out_dir=None, tune=False):
         key, kw = jax.random.split(key)
         w0 = random_fp8(kw, n, k)
         wb = w0.dequantize(jnp.bfloat16)
-        reps = 4
-        xs = [jax.random.normal(jax.random.fold_in(kw, r), (mp, k), jnp.bfloat16) for r in range(reps)]
+        xs = [jax.random.normal(jax.random.fold_in(kw, r), (mp, k), jnp.bfloat16) for r in range(5)]
         rec = dict(op="fp8_prefill", case=name, M=mp, N=n, K=k)
         try:
             y = jax.jit(lambda x, w: pallas_triton.quantized_matmul(x, w))(xs[0], w0)
             yr = jax.jit(lambda x, w: reference.quantized_matmul(x, w))(xs[0], w0)
             rec["rel_err"] = max_rel_err(y, yr)
-            args = [(xs[r],) for r in range(reps)]
-            rec["pallas_s"] = time_op(lambda x, w: pallas_triton.quantized_matmul(x, w), args, (w0,), reps=reps)
-            rec["xla_s"] = time_op(lambda x, w: reference.quantized_matmul(x, w), args, (w0,), reps=reps)
-            rec["bf16_dot_s"] = time_op(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16),
-                                        args, (wb,), reps=reps)
+            args = [(x,) for x in xs]
+            rp = (2, 5)
+            rec["pallas_s"], _ = time_op(lambda x, w: pallas_triton.quantized_matmul(x, w), args, (w0,), reps=rp)
+            rec["xla_s"], _ = time_op(lambda x, w: reference.quantized_matmul(x, w), args, (w0,), reps=rp)
+            rec["bf16_dot_s"], _ = time_op(
+                lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16), args, (wb,), reps=rp)
             flop = 2.0 * mp * n * k
             rec["flop"] = flop
             log(f"{name:34s} {flop / 1e12:6.3f} {fmt_us(rec['pallas_s'])} {fmt_us(rec['xla_s'])} {fmt_us(rec['bf16_dot_s']):>10s} "
@@ -219,37 +228,24 @@ def run(quick=False, out_dir=None, tune=False):
 
 
 def tune_gemv(key):
-    """Config sweep (bm, bn, bk, splits, warps, stages) on two shapes; Pallas only."""
+    """Config / scale-mode sweep on three shapes; Pallas only (same protocol)."""
     rows = []
-    cases = [("wq_b", 32768, 1280, 1), ("wo_b", 5120, 8192, 8), ("wq_a", 1280, 5120, 1)]
-    cfgs = [(16, 32, 256, 0, 4, 3), (16, 64, 256, 0, 4, 3), (16, 128, 256, 0, 4, 3), (16, 64, 512, 0, 4, 3),
-            (16, 128, 128, 0, 4, 4), (16, 64, 256, 0, 8, 3), (16, 128, 256, 0, 8, 3), (16, 256, 128, 0, 8, 3)]
-    log("\n# GEMV config sweep (bm, bn, bk, splits, warps, stages); splits 0 = auto")
-    for name, n, k, m in cases:
-        w0 = random_fp8(jax.random.fold_in(key, n), n, k)
-        wbytes = tree_bytes(w0)
-        reps = reps_for(wbytes)
-        c = copies_for(wbytes, reps)
-        ws = [w0] + [distinct_copy(w0) for _ in range(c - 1)]
-        xs = [jax.random.normal(jax.random.fold_in(key, r), (m, k), jnp.bfloat16) for r in range(reps)]
-        args = [(xs[r], ws[r % c]) for r in range(reps)]
-        for cfg in cfgs:
-            bm, bn, bk, sp, wp, st = cfg
-            if n % bn or k % bk:
-                continue
-            if sp == 0:  # auto split
-                sp = 1
-                while (n // bn) * sp < 2 * pallas_triton.N_SM and (k // bk) % (sp * 2) == 0 and (k // bk) // (sp * 2) >= 2:
-                    sp *= 2
-            full = (bm, bn, bk, sp, wp, st)
-            try:
-                t = time_op(lambda x, w: pallas_triton.quantized_matmul(x, w, config=full), args, reps=reps)
-                floor = wbytes / HBM_BYTES_PER_S
-                log(f"  {name:10s} M={m:<3d} cfg={full}: {fmt_us(t)} us  {100 * floor / t:5.1f}% HBM")
-                rows.append(dict(op="tune_gemv", case=name, M=m, config=full, pallas_s=t, floor_s=floor))
-            except Exception as e:
-                log(f"  {name} cfg={full} FAILED {type(e).__name__}: {str(e)[:200]}")
-        del ws
+    log("\n# GEMV sweep: config (bm, bn, bk, splits, warps, stages), scale mode")
+    cases = [("fp8 wq_b", random_fp8(jax.random.fold_in(key, 1), 32768, 1280), 1),
+             ("fp8 wo_b", random_fp8(jax.random.fold_in(key, 2), 5120, 8192), 8),
+             ("mxfp4 w1", random_fp4(jax.random.fold_in(key, 3), (2304, 5120)), 1)]
+    cfgs = [(16, 128, 256, 1, 4, 3), (16, 64, 512, 1, 4, 3), (16, 128, 256, 1, 8, 4)]
+    for label, w0, m in cases:
+        fmt = "fp4" if "mxfp4" in label else "fp8"
+        modes = ["expand", "view3d"] if fmt == "fp4" else ["expand", "gather"]
+        for mode in modes:
+            pallas_triton.SCALE_MODE[fmt] = mode
+            for cfg in [None] + cfgs:
+                n, k = w0.shape
+                if cfg is not None and (n % cfg[1] or k % cfg[2]):
+                    continue
+                gemv_case(rows, f"{label} {mode} {cfg}", w0, m, key, config=cfg, extra=dict(mode=mode))
+        pallas_triton.SCALE_MODE[fmt] = "expand"
     return rows
 
 
