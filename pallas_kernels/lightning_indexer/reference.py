@@ -28,8 +28,16 @@ class IndexerResult(NamedTuple):
 def index_scores(q, weights, keys, visible, *, candidate_blocks=None, block_size=8):
     qf = dequantize(q, jnp.float32)
     kf = dequantize(keys, jnp.float32)
-    s = jnp.einsum("bshd,bnd->bshn", qf, kf, precision=jax.lax.Precision.HIGHEST)
-    s = jnp.sum(jax.nn.relu(s) * weights.astype(jnp.float32)[..., None], axis=2)  # [B,S,Nc]
+    w = weights.astype(jnp.float32)
+
+    def head(acc, h):  # one head at a time: never an [B,S,HI,Nc] intermediate
+        qh = jax.lax.dynamic_index_in_dim(qf, h, axis=2, keepdims=False)
+        wh = jax.lax.dynamic_index_in_dim(w, h, axis=2, keepdims=True)
+        sh = jnp.einsum("bsd,bnd->bsn", qh, kf, precision=jax.lax.Precision.HIGHEST)
+        return acc + jax.nn.relu(sh) * wh, None
+
+    b, sq, nh, _ = qf.shape
+    s, _ = jax.lax.scan(head, jnp.zeros((b, sq, kf.shape[1]), jnp.float32), jnp.arange(nh))  # [B,S,Nc]
     n = s.shape[-1]
     pos = jnp.arange(n, dtype=jnp.int32)
     s = jnp.where(pos[None, None, :] < visible[..., None], s, -jnp.inf)
