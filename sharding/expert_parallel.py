@@ -32,7 +32,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.moe import moe_experts
+
+def moe_experts(*args, **kw):
+    """``pallas_kernels.moe.moe_experts`` (imported on first use: dsv41_jax.moe imports this module)."""
+    from pallas_kernels.moe import moe_experts as f
+
+    return f(*args, **kw)
 
 from .mesh import mesh_sizes
 from .rules import PARAM_RULES, _manual, context_mesh, node_specs, rule_for

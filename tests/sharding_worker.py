@@ -20,6 +20,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CHUNK = 4
 
+# the tiny preset's layer pattern (9 layers, every V4.1 feature) at V4.1-Flash's real widths,
+# 16 experts, no DSpark stages: a "real-width model with fewer layers and experts"
+WIDE = dict(dim=5120, n_heads=64, head_dim=512, rope_head_dim=64, q_lora_rank=1280, o_groups=8, o_lora_rank=1024,
+            window_size=128, moe_inter_dim=2304, n_routed_experts=16, n_activated_experts=6, index_n_heads=32,
+            index_head_dim=128, index_topk=64, engram_n_heads=8, engram_head_dim=256, n_mtp_layers=0)
+
+
+def get_config(preset: str):
+    import dataclasses
+
+    from dsv41_jax.config import get_preset
+
+    if preset == "tiny-wide":
+        c = get_preset("tiny")
+        return dataclasses.replace(c, name="tiny-wide", compress_ratios=c.compress_ratios[:c.n_layers], **WIDE)
+    return get_preset(preset)
+
 
 def fast_init_params(cfg, seed=0):
     """Random parameters in the real formats, made in numpy (init_params compiles one program per
@@ -67,7 +84,8 @@ def fast_init_params(cfg, seed=0):
             spec = leaf.spec()
             g = 0.5 if leaf.init == "engram_table" else 1.0 / np.sqrt(fan)
             exp = int(np.round(np.log2(g)))
-            data = rng.standard_normal(leaf.shape, np.float32).astype(ml_dtypes.float8_e4m3fn)
+            # random e4m3 codes with the top exponent bit clear: |v| <= 1.875, never NaN
+            data = (rng.integers(0, 256, leaf.shape, dtype=np.uint8) & 0xBF).view(ml_dtypes.float8_e4m3fn)
             return Fp8Tensor(data=jnp.asarray(data), scale=jnp.asarray(e8m0(spec.scale.shape, exp)), block=spec.block)
         if leaf.fmt == "fp4":
             spec = leaf.spec()
@@ -143,6 +161,38 @@ def run_generation(step, params, cache, prompt, n_new, ids_fn, sync):
     return logits_all, np.stack(gen, 1), times
 
 
+def moe_unit(meshes):
+    """expert_parallel_moe (psum and all_to_all) vs moe_experts on random MXFP4 / fp32 experts with a
+    hidden dim that splits over tp (I=128)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dsv41_jax.quant import quantize_mxfp4
+    from pallas_kernels.moe import moe_experts
+    from sharding.expert_parallel import expert_parallel_moe
+    from sharding.mesh import make_mesh
+
+    E, I, D, N, k = 8, 128, 64, 16, 2
+    r = np.random.default_rng(0)
+    x = jnp.asarray(r.standard_normal((N, D)), jnp.float32)
+    w = jnp.asarray(r.uniform(0.1, 1.0, (N, k)), jnp.float32)
+    idx = jnp.asarray(np.stack([r.choice(E, k, replace=False) for _ in range(N)]), jnp.int32)
+    raw = [r.standard_normal(s).astype(np.float32) / np.sqrt(s[-1]) for s in ((E, I, D), (E, D, I), (E, I, D))]
+    for fmt in ("fp4", "f32"):
+        ws = [quantize_mxfp4(jnp.asarray(a)) for a in raw] if fmt == "fp4" else [jnp.asarray(a) for a in raw]
+        ref = moe_experts(x, w, idx, *ws, swiglu_limit=10.0, act_block=32)
+        for spec in meshes:
+            mesh = make_mesh(spec)
+            for path in ("psum", "all_to_all"):
+                f = jax.jit(lambda x, w, i, a, b, c: expert_parallel_moe(x, w, i, a, b, c, mesh=mesh, swiglu_limit=10.0,
+                                                                         act_block=32, path=path))
+                out = f(x, w, idx, *ws)
+                err = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
+                print(json.dumps({"event": "moe_unit", "fmt": fmt, "mesh": spec, "path": path, "rel_err": err}),
+                      flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--meshes", default="tp=2;ep=2;dp=2,tp=2,ep=2")
@@ -155,7 +205,10 @@ def main(argv=None):
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--override", default="", help="config overrides k=v,k=v (ints)")
     ap.add_argument("--ep-path", default=None)
+    ap.add_argument("--moe-unit", action="store_true")
     a = ap.parse_args(argv)
+    if a.moe_unit:
+        return moe_unit([s for s in a.meshes.split(";") if s.strip()])
     if a.ep_path:
         os.environ["DSV41_EP_PATH"] = a.ep_path
 
@@ -166,14 +219,13 @@ def main(argv=None):
     import numpy as np
 
     from dsv41_jax.cache import init_cache
-    from dsv41_jax.config import get_preset
     from dsv41_jax.options import RunOptions
     from dsv41_jax.transformer import forward_step
     from sharding.mesh import describe, make_mesh
     from sharding.rules import explain, init_cache_sharded, param_partition_specs, shard_params
     from sharding.step import sharded_forward_step
 
-    cfg = get_preset(a.preset)
+    cfg = get_config(a.preset)
     if a.override:
         kw = {}
         for item in a.override.split(","):

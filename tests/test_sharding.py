@@ -1,0 +1,194 @@
+"""Sharding: mesh specs, the partition-rule table, expert parallelism, and sharded forward +
+greedy generation equal to one device on several meshes (tp, ep, dp x tp x ep).
+
+Multi-device checks run tests/sharding_worker.py in subprocesses with
+``--xla_force_host_platform_device_count=8`` (it must be set before JAX is imported, and must not
+leak into the other tests). The subprocesses are started together, once per module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from dsv41_jax.config import get_preset
+from dsv41_jax.options import RunOptions
+from dsv41_jax.params import param_specs
+from dsv41_jax.quant import Fp4Tensor, Fp8Tensor
+from sharding import distributed
+from sharding.mesh import MeshSpecError, make_mesh, parse_mesh_spec
+from sharding.rules import cache_partition_specs, explain, param_partition_specs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "sharding_worker.py")
+
+F32_MESHES = "tp=4;ep=4;dp=2,tp=2,ep=2"  # tp=2 is inside dp x tp x ep
+QUANT_MESHES = "dp=2,tp=2,ep=2"
+MOE_MESHES = "ep=2,tp=2;dp=2,ep=2,tp=2;ep=8;tp=4"
+
+JOBS = {
+    "f32": ["--meshes", F32_MESHES, "--dtype", "float32", "--kv", "float32"],
+    "quant": ["--meshes", QUANT_MESHES, "--dtype", "float32", "--kv", "reference"],
+    "moe": ["--moe-unit", "--meshes", MOE_MESHES],
+}
+
+
+def fake_mesh(**sizes):
+    return types.SimpleNamespace(shape={"dp": 1, "ep": 1, "tp": 1, **sizes})
+
+
+# ------------------------------------------------------------------------------------------------
+# mesh specs
+
+
+def test_parse_mesh_spec():
+    assert parse_mesh_spec("dp=1,tp=2,ep=2") == {"dp": 1, "ep": 2, "tp": 2}
+    assert parse_mesh_spec("tp=4") == {"dp": 1, "ep": 1, "tp": 4}
+    assert parse_mesh_spec("") == {"dp": 1, "ep": 1, "tp": 1}
+    assert parse_mesh_spec({"ep": 8}) == {"dp": 1, "ep": 8, "tp": 1}
+    assert parse_mesh_spec("dp=-1 tp=2")["dp"] == -1
+    for bad, msg in (("tp=2,xx=2", "unknown axis"), ("tp=0", ">= 1"), ("tp=two", "integer"), ("tp", "AXIS=SIZE"),
+                     ("tp=2,tp=4", "twice"), ("dp=-1,tp=-1", "at most one")):
+        with pytest.raises(MeshSpecError, match=msg):
+            parse_mesh_spec(bad)
+
+
+def test_make_mesh_device_count():
+    n = jax.device_count()
+    with pytest.raises(MeshSpecError, match="needs .* devices"):
+        make_mesh(f"tp={n + 1}")
+    m = make_mesh("dp=-1")
+    assert m.axis_names == ("dp", "ep", "tp") and m.shape["dp"] == n
+
+
+# ------------------------------------------------------------------------------------------------
+# the rule table
+
+
+def _assert_scales_follow(specs, shapes):
+    """Every quantized node's scale spec equals its data spec, and every split dim divides."""
+    def check(spec, shp):
+        if isinstance(shp, (Fp8Tensor, Fp4Tensor)):
+            assert spec.data == spec.scale
+            for arr, sp in ((shp.data, spec.data), (shp.scale, spec.scale)):
+                check(sp, arr)
+            return
+        assert isinstance(spec, P)
+        assert len(spec) <= len(shp.shape)
+    jax.tree.map(check, specs, shapes, is_leaf=lambda x: isinstance(x, (P, Fp8Tensor, Fp4Tensor)))
+
+
+def test_param_rules_real_model():
+    cfg = get_preset("v41-flash")
+    shapes = param_specs(cfg)
+    specs = param_partition_specs(cfg, fake_mesh(ep=8, tp=8))
+    assert jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, P)) == jax.tree.structure(
+        jax.tree.map(lambda _: P(), shapes))
+    _assert_scales_follow(specs, shapes)
+    L = specs["layers"]["3"]
+    assert L["ffn"]["experts"]["w1"].data == P("ep", "tp")  # 384 experts / 8, 2304 hidden / (8 x 32)
+    assert L["ffn"]["experts"]["w2"].data == P("ep", None, "tp")
+    assert L["attn"]["wq_b"].data == P("tp")  # 64 heads / 8
+    assert L["attn"]["wo_a"].data == P("tp") and L["attn"]["wo_b"].data == P(None, "tp")
+    assert L["attn"]["wq_a"].data == P() and L["attn"]["attn_sink"] == P()
+    assert L["ffn"]["shared_experts"]["w1"].data == P("tp")
+    assert specs["embed"]["weight"] == P("tp") and specs["head"]["weight"] == P("tp")
+    assert L["ffn"]["gate"]["weight"] == P() and L["hc_attn_fn"] == P()
+    # Engram tables: rows over (ep, tp) where they divide, else the largest axis that does
+    e1 = specs["layers"]["1"]["engram"]["embed"]
+    assert e1.data == e1.scale and e1.data[0] is not None
+
+
+def test_param_rules_tiny_fall_back_to_replication():
+    cfg = get_preset("tiny")  # dim 64, 4 heads, 8 experts, hidden 32: most tp splits do not divide
+    shapes = param_specs(cfg)
+    specs = param_partition_specs(cfg, fake_mesh(dp=2, ep=4, tp=8))
+    _assert_scales_follow(specs, shapes)
+    notes = explain()
+    assert notes and all(isinstance(n, tuple) for n in notes)
+    L = specs["layers"]["0"]
+    assert L["ffn"]["experts"]["w1"].data == P("ep")  # 8 experts / 4; hidden 32 < 8 x 32 -> replicated
+    assert L["attn"]["wq_b"].data == P()  # 4 heads cannot split 8 ways
+    assert specs["embed"]["weight"] == P("tp")  # vocab 129280 / 8
+    specs4 = param_partition_specs(cfg, fake_mesh(tp=4))
+    assert specs4["layers"]["0"]["attn"]["wq_b"].data == P("tp")  # 4 heads of 64 rows, 32-row blocks
+
+
+def test_cache_rules():
+    cfg = get_preset("tiny")
+    for kv in ("float32", "reference"):
+        opts = RunOptions(dtype="float32", kv_cache_dtype=kv)
+        s = cache_partition_specs(cfg, fake_mesh(dp=2, tp=2), 4, 32, opts)
+        assert s["pos"] == P("dp")
+        leaves = jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, P))
+        assert all(x == P("dp") for x in leaves)
+        s3 = cache_partition_specs(cfg, fake_mesh(dp=2), 3, 32, opts)  # 3 rows: replicated
+        assert all(x == P() for x in jax.tree.leaves(s3, is_leaf=lambda x: isinstance(x, P)))
+
+
+def test_distributed_env():
+    env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1",
+           "JAX_LOCAL_DEVICE_IDS": "0,1"}
+    assert distributed.env_config(env) == {"coordinator_address": "10.0.0.1:1234", "num_processes": 2,
+                                          "process_id": 1, "local_device_ids": [0, 1]}
+    assert distributed.env_config({"DSV41_PROCESS_ID": "3"}) == {"process_id": 3}
+    assert distributed.env_config({}) == {}
+    assert not distributed.in_cluster({})
+
+
+# ------------------------------------------------------------------------------------------------
+# 8 virtual CPU devices (subprocesses)
+
+
+@pytest.fixture(scope="module")
+def worker_results():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    procs = {k: subprocess.Popen([sys.executable, WORKER, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for k, args in JOBS.items()}
+    out = {}
+    for k, p in procs.items():
+        so, se = p.communicate(timeout=1200)
+        if p.returncode:
+            raise AssertionError(f"sharding worker {k} failed ({p.returncode}):\n{se[-4000:]}")
+        out[k] = [json.loads(line) for line in so.splitlines() if line.startswith("{")]
+    return out
+
+
+def test_expert_parallel_matches_single_device(worker_results):
+    rows = worker_results["moe"]
+    assert len(rows) == 2 * 2 * len(MOE_MESHES.split(";"))
+    for r in rows:
+        assert r["rel_err"] < 2e-6, r
+
+
+def _by_mesh(rows):
+    return {r["mesh"]: r for r in rows if r["event"] == "mesh"}
+
+
+def test_sharded_generation_float32(worker_results):
+    rows = worker_results["f32"]
+    assert rows[0]["devices"] == 8
+    single = next(r for r in rows if r["event"] == "single")
+    meshes = _by_mesh(rows)
+    assert set(meshes) == set(F32_MESHES.split(";"))
+    for spec, r in meshes.items():
+        assert r["tokens"] == single["tokens"], spec
+        assert r["max_abs_diff"] <= 1e-5 * max(1.0, r["max_abs_ref"]), (spec, r["max_abs_diff"])
+
+
+def test_sharded_generation_reference_quant(worker_results):
+    rows = worker_results["quant"]
+    single = next(r for r in rows if r["event"] == "single")
+    for spec, r in _by_mesh(rows).items():
+        assert r["tokens"] == single["tokens"], spec
+        assert r["max_abs_diff"] <= 1e-3 * max(1.0, r["max_abs_ref"]), (spec, r["max_abs_diff"])
