@@ -85,6 +85,7 @@ def test_official_roundtrip_bit_exact(tiny, tiny_ckpt):
     cfg2, loaded = load_checkpoint(tiny_ckpt)
     assert cfg2 == cfg
     assert_trees_bit_equal(params, loaded)
+    assert_trees_bit_equal(params, load_checkpoint(tiny_ckpt, host_budget_bytes=1 << 16)[1])
     assert isinstance(loaded["layers"]["0"]["attn"]["wq_b"], Fp8Tensor)
     assert isinstance(loaded["layers"]["0"]["ffn"]["experts"]["w1"], Fp4Tensor)
     # Engram tables stay on the host, memory-mapped
@@ -149,6 +150,8 @@ def test_orbax_roundtrip_and_atomicity(tiny, tmp_path, monkeypatch):
     assert not os.path.exists(dst + ".partial")
     restored = restore_params(dst, cfg)
     assert_trees_bit_equal(params, restored)
+    # restored in many partial-restore groups of <= 1 MB
+    assert_trees_bit_equal(params, restore_params(dst, cfg, host_budget_bytes=1 << 20))
     assert isinstance(restored["layers"]["4"]["engram"]["embed"].data, np.memmap)
     with pytest.raises(CheckpointError, match="already exists"):
         save_params(params, dst, cfg)

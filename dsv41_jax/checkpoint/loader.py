@@ -22,13 +22,16 @@ gather for the next step / layer 14 with compute (row ids depend on token ids on
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 import re
 from collections import defaultdict
 from typing import Any, Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ..config import ConfigError, ModelConfig
@@ -48,6 +51,7 @@ IGNORED = re.compile(
 _ALIASES = ((".weight_scale_inv", ".scale"), (".e_score_correction_bias", ".bias"))
 
 _MAX_LIST = 20
+DEFAULT_HOST_BUDGET = 1 << 30  # bytes of host buffers in flight to devices before waiting
 
 
 def _canonical(name: str) -> str:
@@ -264,6 +268,33 @@ def _read_block(files: CheckpointFiles, e: LeafEntry, index: tuple) -> np.ndarra
     return first
 
 
+@functools.lru_cache(maxsize=None)
+def _concat_fn(sharding):
+    return jax.jit(lambda *xs: jnp.concatenate(xs, axis=0), out_shardings=sharding)
+
+
+def _chunked_leaf(files: CheckpointFiles, e: LeafEntry, sh, chunk: int) -> jax.Array:
+    """A large leaf on one device (or replicated) built from row blocks of about ``chunk`` bytes,
+    each transferred and finished before the next is read, then joined on the device; host memory
+    holds one block at a time (device memory twice the leaf, briefly)."""
+    row = math.prod(e.shape[1:]) * e.dtype.itemsize
+    step = max(1, chunk // max(1, row))
+    pieces = []
+    for r0 in range(0, e.shape[0], step):
+        r1 = min(e.shape[0], r0 + step)
+
+        def cb(idx, r0=r0, r1=r1):
+            return _read_block(files, e, (slice(r0, r1),) + tuple(idx)[1:])
+
+        pieces.append(jax.make_array_from_callback((r1 - r0, *e.shape[1:]), sh, cb))
+        jax.block_until_ready(pieces[-1])
+    if len(pieces) == 1:
+        return pieces[0]
+    out = _concat_fn(sh)(*pieces)
+    jax.block_until_ready(out)
+    return out
+
+
 def _sharding_for(e: LeafEntry, shardings, mesh, flat_sh):
     if flat_sh is not None:
         return flat_sh
@@ -295,6 +326,7 @@ def load_checkpoint(
     mesh: jax.sharding.Mesh | None = None,
     shardings: Any = None,
     engram_on_host: bool = True,
+    host_budget_bytes: int = DEFAULT_HOST_BUDGET,
 ) -> tuple[ModelConfig, dict]:
     """Load an official-format checkpoint directory (or one ``.safetensors`` file) as
     ``(cfg, params)``.
@@ -307,18 +339,36 @@ def load_checkpoint(
     replicates every leaf over it. With neither, leaves go to the default device. Each leaf is
     created with ``jax.make_array_from_callback``: every device shard is read from the memmaps
     directly. ``engram_on_host``: keep Engram tables as host memmaps (see the module docstring).
+    ``host_budget_bytes``: transfers to accelerators are asynchronous and each keeps its host
+    buffer alive until done; once this many bytes are in flight the loader waits for them, and
+    leaves over a quarter of it that go to one device (or replicated) are sent in row blocks of
+    that size and joined on the device. This bounds the host memory a load needs.
     """
     cfg, files, entries, treedef = open_and_check(path, cfg)
     flat_sh = flatten_shardings(shardings, treedef, len(entries))
     order = sorted(range(len(entries)), key=lambda i: (min(files.file_rank(s) for s in entries[i].sources), i))
+    chunk = max(1 << 20, host_budget_bytes // 4)
     leaves: list[Any] = [None] * len(entries)
+    pending: list[jax.Array] = []
+    inflight = 0
     for i in order:
         e = entries[i]
         if engram_on_host and is_engram_table(e.name):
             leaves[i] = files.memmap(e.sources[0], e.dtype)
             continue
         sh = _sharding_for(e, shardings, mesh, flat_sh[i])
+        if e.shape and e.shape[0] > 1 and math.prod(e.shape) * e.dtype.itemsize > chunk and sh.is_fully_replicated:
+            jax.block_until_ready(pending)
+            pending, inflight = [], 0
+            leaves[i] = _chunked_leaf(files, e, sh, chunk)
+            continue
         leaves[i] = jax.make_array_from_callback(e.shape, sh, lambda idx, e=e: _read_block(files, e, idx))
+        pending.append(leaves[i])
+        inflight += leaves[i].nbytes
+        if inflight >= host_budget_bytes:
+            jax.block_until_ready(pending)
+            pending, inflight = [], 0
+    jax.block_until_ready(pending)
     return cfg, jax.tree_util.tree_unflatten(treedef, leaves)
 
 

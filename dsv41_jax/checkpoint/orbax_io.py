@@ -28,7 +28,7 @@ from ..config import ModelConfig
 from ..params import param_specs
 from ..quant import Fp4Tensor, Fp8Tensor
 from .layout import is_engram_table, leaf_table
-from .loader import _sharding_for, flatten_shardings
+from .loader import DEFAULT_HOST_BUDGET, _sharding_for, flatten_shardings
 from .safetensors_io import CheckpointError
 
 FORMAT = "dsv41_jax.orbax/1"
@@ -152,12 +152,15 @@ def restore_params(
     shardings: Any = None,
     mesh: jax.sharding.Mesh | None = None,
     engram_on_host: bool = True,
+    host_budget_bytes: int = DEFAULT_HOST_BUDGET,
 ) -> dict:
     """Restore the tree saved by :func:`save_params`. ``shardings``/``mesh`` as in
     :func:`~dsv41_jax.checkpoint.load_checkpoint` (a pytree matching the parameter tree, one
     sharding, or a callable ``(leaf name, ShapeDtypeStruct) -> Sharding``); every array is read
     straight into its target sharding. Engram tables come back as host memmaps when
-    ``engram_on_host`` (else onto their sharding)."""
+    ``engram_on_host`` (else onto their sharding). ``host_budget_bytes``: Orbax stages a restore
+    in host memory, so the tree is restored in groups of at most this many bytes (partial
+    restores), each finished before the next starts; peak host memory is about one group."""
     path = os.fspath(path).rstrip("/")
     meta = read_meta(path)
     saved = ModelConfig.from_dict(meta["config"], name=path)
@@ -178,8 +181,7 @@ def restore_params(
     ]
     abstract = jax.tree_util.tree_unflatten(treedef, abstract_leaves)
     abstract_tree, host_abs = _split_host(abstract)
-    ocp = _orbax()
-    restored = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(path, "params")), abstract_tree)
+    restored = _restore_in_groups(os.path.abspath(os.path.join(path, "params")), abstract_tree, host_budget_bytes)
     for name, node in host_abs.items():
         parts = {}
         for part, field in (("weight", "data"), ("scale", "scale")):
@@ -199,6 +201,49 @@ def restore_params(
         if np.dtype(x.dtype) != e.dtype or tuple(x.shape) != e.shape:
             raise CheckpointError(f"{path}: restored {e.name} as {x.dtype}{list(x.shape)}, expected {e.dtype}{list(e.shape)}")
     return restored
+
+
+def _nodes(tree) -> list[tuple[tuple[str, ...], Any]]:
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, (Fp8Tensor, Fp4Tensor)))[0]
+    return [(tuple(str(k.key) for k in p), n) for p, n in flat]
+
+
+def _nest(items) -> dict:
+    out: dict = {}
+    for path, node in items:
+        d = out
+        for k in path[:-1]:
+            d = d.setdefault(k, {})
+        d[path[-1]] = node
+    return out
+
+
+def _restore_in_groups(ckpt_dir: str, abstract: dict, budget: int) -> dict:
+    ocp = _orbax()
+    ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    groups, cur, size = [], [], 0
+    for path, node in _nodes(abstract):
+        nb = sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(node))
+        if cur and size + nb > budget:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append((path, node))
+        size += nb
+    if cur:
+        groups.append(cur)
+    out_items = []
+    for g in groups:
+        item = _nest(g)
+        args = ocp.args.PyTreeRestore(
+            item=item,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+            partial_restore=len(groups) > 1,
+        )
+        got = ckptr.restore(ckpt_dir, args=args)
+        jax.block_until_ready(jax.tree.leaves(got))
+        gn = dict(_nodes(got))
+        out_items += [(p, gn[p]) for p, _ in g]
+    return _nest(out_items)
 
 
 def default_shardings(mesh: jax.sharding.Mesh, axis: str | None = None):
