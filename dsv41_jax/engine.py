@@ -56,7 +56,7 @@ from .engram import gather_rows
 from .engram_hash import ngram_hash_ids
 from .options import RunOptions
 from .quant import Fp8Tensor
-from .sampling import SamplingParams, request_keys, sample
+from .sampling import SamplingParams, request_keys, sample_traced
 from .transformer import forward_step
 
 EOS_ID = 1
@@ -81,18 +81,17 @@ _reset_slot_jit = jax.jit(reset_slot, static_argnames=("cfg", "opts", "max_seq_l
 
 
 def _engine_step(params, cache, tokens, lengths, engram_ids, engram_rows, seed, request_ids, steps,
-                 temperature, top_k, top_p, *, cfg, opts, sampler):
-    """forward_step (last-token logits) + sampling, one program. Returns (next [B] int32, logits
-    [B, V] f32, new cache)."""
+                 temperature, top_k, top_p, *, cfg, opts):
+    """forward_step (last-token logits) + sampling, one program for every sampling setting (they
+    are traced). Returns (next [B] int32, logits [B, V] f32, new cache)."""
     logits, cache = forward_step(params, cache, tokens, lengths, engram_ids, engram_rows, cfg=cfg, opts=opts,
                                  logits_mode="last")
-    greedy, use_k, use_p = sampler
-    keys = None if greedy else request_keys(seed, request_ids, steps)
-    nxt = sample(logits, keys, temperature, top_k, top_p, greedy=greedy, use_top_k=use_k, use_top_p=use_p)
+    keys = request_keys(seed, request_ids, steps)
+    nxt = sample_traced(logits, keys, temperature, top_k, top_p)
     return nxt, logits, cache
 
 
-_engine_step_jit = jax.jit(_engine_step, static_argnames=("cfg", "opts", "sampler"), donate_argnames=("cache",))
+_engine_step_jit = jax.jit(_engine_step, static_argnames=("cfg", "opts"), donate_argnames=("cache",))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,11 +102,14 @@ _engine_step_jit = jax.jit(_engine_step, static_argnames=("cfg", "opts", "sample
 class Request:
     """``prompt_ids``: token ids used exactly as given. ``forced_ids``: optional teacher forcing: the
     k-th decode step feeds ``forced_ids[k]`` instead of the sampled token (``output_ids`` still
-    holds the sampled ones); used to score a known continuation."""
+    holds the sampled ones); used to score a known continuation. ``sample_id``: the id mixed into
+    the request's random keys with the seed and the step (default: its index in the ``generate``
+    call), so a request samples the same tokens in any slot, batch size or order."""
 
     prompt_ids: Sequence[int]
     max_new_tokens: int = 64
     forced_ids: Sequence[int] | None = None
+    sample_id: int | None = None  # the request's id in its random keys (default: its index in the call)
 
 
 @dataclass
@@ -263,15 +265,14 @@ class Engine:
         """Compile the step programs (prefill chunk width and decode) and the slot reset before timing
         anything: each is run once on an all-idle batch (every length 0: caches unchanged). Compiled
         programs live in jit's cache, shared by every engine of the same shapes in the process."""
-        sampler = (sampling or SamplingParams()).static_key(self.cfg.vocab_size)
         widths = ([self.chunk] if prefill else []) + ([1] if decode and self.chunk != 1 else [])
         for S in widths:
-            if (S, sampler) in self._compiled:
+            if S in self._compiled:
                 continue
             t = time.perf_counter()
             nxt, _ = self.step(np.zeros((self.B, S), np.int64), np.zeros(self.B, np.int64), sampling=sampling)
             jax.block_until_ready(nxt)
-            self._compiled[(S, sampler)] = True
+            self._compiled[S] = True
             self.stats.compile_s += time.perf_counter() - t
             self.stats.steps -= 1
         if "reset" not in self._compiled:
@@ -325,9 +326,8 @@ class Engine:
         self.stats.host_s += t1 - t0
         nxt, logits, self.cache = _engine_step_jit(
             self.params, self.cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32), eids, erows,
-            jnp.int32(sp.seed), jnp.asarray(rid), jnp.asarray(stp), jnp.float32(max(sp.temperature, 1e-30)),
-            jnp.int32(sp.top_k), jnp.float32(sp.top_p), cfg=self.cfg, opts=self.opts,
-            sampler=sp.static_key(self.cfg.vocab_size))
+            jnp.int32(sp.seed), jnp.asarray(rid), jnp.asarray(stp), jnp.float32(sp.temperature),
+            jnp.int32(sp.top_k), jnp.float32(sp.top_p), cfg=self.cfg, opts=self.opts)
         self.pos = self.pos + lengths
         self.stats.steps += 1
         return nxt, logits
@@ -391,7 +391,7 @@ class Engine:
             for b, s in enumerate(slots):
                 if s is None:
                     continue
-                rid[b] = s.index
+                rid[b] = s.index if s.req.sample_id is None else s.req.sample_id
                 stp[b] = len(s.out)
                 if in_prompt[b]:
                     n = min(S, len(s.prompt) - s.cursor)

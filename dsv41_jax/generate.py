@@ -176,7 +176,6 @@ def _check_numbers(a) -> None:
 
 def _load_config_and_tokenizer(a):
     from .config import ConfigError, ModelConfig, get_preset
-    from .tokenizer import load_tokenizer
 
     if a.checkpoint:
         if not os.path.exists(a.checkpoint):
@@ -192,10 +191,24 @@ def _load_config_and_tokenizer(a):
         cfg = get_preset(a.preset or "tiny")
         root = None
     try:
-        tok = load_tokenizer(a.tokenizer, checkpoint_dir=root)
+        tok = _cached_tokenizer(a.tokenizer, root)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(f"tokenizer: {e}") from None
     return cfg, tok
+
+
+_TOKENIZERS: dict = {}
+
+
+def _cached_tokenizer(path, root):
+    """load_tokenizer, memoised per resolved file (and its mtime) for repeated in-process calls."""
+    from .tokenizer import load_tokenizer, resolve_tokenizer_path
+
+    p = resolve_tokenizer_path(path, root)
+    key = (str(p.resolve()), p.stat().st_mtime_ns)
+    if key not in _TOKENIZERS:
+        _TOKENIZERS[key] = load_tokenizer(p)
+    return _TOKENIZERS[key]
 
 
 def _one_line(e: BaseException) -> str:

@@ -43,7 +43,8 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def static_key(self, vocab_size: int) -> tuple[bool, bool, bool]:
-        """(greedy, use_top_k, use_top_p): the compile-time shape of the sampler."""
+        """(greedy, use_top_k, use_top_p): a specialised sampler's compile-time shape (the engine
+        uses the traced :func:`sample_traced` instead, one program for every setting)."""
         if self.greedy:
             return (True, False, False)
         return (False, 0 < self.top_k < vocab_size, self.top_p < 1.0)
@@ -72,7 +73,7 @@ def filter_logits(logits, top_k, top_p, *, use_top_k: bool, use_top_p: bool):
         p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (B,))
         probs = jax.nn.softmax(srt, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each sorted token
-        keep = before < p[:, None]
+        keep = (before < p[:, None]) | (p[:, None] >= 1.0)
         keep = keep.at[:, 0].set(True)
         # smallest kept logit: the last kept in descending order
         n_keep = jnp.sum(keep, axis=-1)
@@ -91,3 +92,24 @@ def sample(logits, keys, temperature, top_k, top_p, *, greedy: bool, use_top_k: 
     scaled = filter_logits(scaled, top_k, top_p, use_top_k=use_top_k, use_top_p=use_top_p)
     g = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:], jnp.float32))(keys)
     return jnp.argmax(scaled + g, axis=-1).astype(jnp.int32)
+
+
+def sample_traced(logits, keys, temperature, top_k, top_p):
+    """:func:`sample` with every setting traced (one compiled program for greedy and any
+    temperature / top-k / top-p): greedy when ``temperature <= 0``; top-k off when ``top_k <= 0``;
+    top-p off when ``top_p >= 1``. The sort and the noise run only on the sampling branch."""
+    logits = logits.astype(jnp.float32)
+    V = logits.shape[-1]
+
+    def greedy(_):
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sampled(_):
+        t = jnp.maximum(jnp.asarray(temperature, jnp.float32), 1e-30)
+        scaled = logits / t
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+        f = filter_logits(scaled, k, jnp.asarray(top_p, jnp.float32), use_top_k=True, use_top_p=True)
+        g = jax.vmap(lambda kk: jax.random.gumbel(kk, (V,), jnp.float32))(keys)
+        return jnp.argmax(f + g, axis=-1).astype(jnp.int32)
+
+    return jax.lax.cond(temperature <= 0, greedy, sampled, None)

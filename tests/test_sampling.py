@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax.sampling import SamplingParams, filter_logits, request_keys, sample
+from dsv41_jax.sampling import SamplingParams, filter_logits, request_keys, sample, sample_traced
 
 
 def _draw(logits, sp, n, request=0):
@@ -71,3 +71,15 @@ def test_keys_depend_on_seed_request_and_step_only():
 def test_invalid_params(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)
+
+
+def test_traced_sampler_matches_specialised():
+    lg = jnp.asarray(np.random.default_rng(1).normal(size=(4, 300)).astype(np.float32) * 3)
+    keys = request_keys(jnp.int32(5), jnp.arange(4), jnp.zeros(4, jnp.int32))
+    f = jax.jit(sample_traced)
+    for sp in [SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=5),
+               SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(temperature=0.5, top_k=40, top_p=0.9)]:
+        g, uk, up = sp.static_key(300)
+        want = sample(lg, keys, sp.temperature, sp.top_k, sp.top_p, greedy=g, use_top_k=uk, use_top_p=up)
+        got = f(lg, keys, jnp.float32(sp.temperature), jnp.int32(sp.top_k), jnp.float32(sp.top_p))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -1,0 +1,128 @@
+"""Engine behaviour on the v41_tiny_a model: mixed prompt lengths, continuous batching, slot reuse,
+per-sequence stops, batch-size / slot independence (greedy and sampled), cache reset.
+
+Engines of batch 2 / chunk 8 / max_seq_len 160 share their compiled programs with
+tests/test_decode_parity.py; the batch-3 engines use prefill chunk 1 (one program each).
+"""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from dsv41_jax.cache import init_cache
+from dsv41_jax.checkpoint import read_official
+from dsv41_jax.engine import Engine, Request, cache_report, reset_slot
+from dsv41_jax.model import Model
+from dsv41_jax.options import RunOptions
+from dsv41_jax.sampling import SamplingParams
+
+FIX = os.path.join(os.path.dirname(__file__), "fixtures", "v41_tiny_a")
+F32 = RunOptions(dtype="float32", kv_cache_dtype="float32")
+LENS = (5, 17, 9, 30, 12)
+NEW = (6, 3, 8, 4, 5)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Model.from_checkpoint(FIX)
+
+
+@pytest.fixture(scope="module")
+def requests():
+    ids = np.asarray(read_official(os.path.join(FIX, "fixture.safetensors"))["input_ids"])
+    return [Request(ids[i % 2, 3 * i:3 * i + L], max_new_tokens=n) for i, (L, n) in enumerate(zip(LENS, NEW))]
+
+
+@pytest.fixture(scope="module")
+def alone(model, requests):
+    eng = Engine(model, batch_size=2, max_seq_len=160, opts=F32, prefill_chunk=8)
+    return [eng.generate([r])[0].output_ids for r in requests]
+
+
+def test_mixed_lengths_continuous_batching_equals_alone(model, requests, alone):
+    eng = Engine(model, batch_size=2, max_seq_len=160, opts=F32, prefill_chunk=8)
+    res = eng.generate(requests)
+    assert [r.index for r in res] == list(range(5))
+    assert [r.output_ids for r in res] == alone
+    assert [len(a) for a in alone] == list(NEW) and all(r.finish_reason == "length" for r in res)
+    # another order: every request lands in other slots, next to other neighbours
+    rev = eng.generate(requests[::-1])
+    assert [r.output_ids for r in rev] == alone[::-1]
+    assert eng.stats.prefill_tokens == 2 * sum(LENS) and eng.stats.steps > 0
+
+
+def test_batch_size_and_chunk_independent(model, requests, alone):
+    eng = Engine(model, batch_size=3, max_seq_len=160, opts=F32, prefill_chunk=1)
+    assert [r.output_ids for r in eng.generate(requests)] == alone
+
+
+def test_stop_token_and_cache_full(model, requests, alone):
+    eng = Engine(model, batch_size=2, max_seq_len=160, opts=F32, prefill_chunk=8)
+    stop = alone[2][3]
+    eng.stop_ids = frozenset({stop})
+    res = eng.generate(requests)
+    for r, a in zip(res, alone):
+        if stop in a:
+            k = a.index(stop)
+            assert r.output_ids == a[:k + 1] and r.finish_reason == "stop"
+        else:
+            assert r.output_ids == a and r.finish_reason == "length"
+    assert res[2].finish_reason == "stop"
+    # a sequence that fills the cache stops there (the cache holds 160 tokens; the last sample needs none)
+    eng.stop_ids = frozenset()
+    long = Request(list(requests[3].prompt_ids) * 5, max_new_tokens=50)  # 150 tokens
+    r = eng.generate([long, requests[0]])
+    assert r[0].finish_reason == "max_seq_len" and len(r[0].output_ids) == 11
+    assert r[1].output_ids == alone[0]
+
+
+def test_sampled_tokens_independent_of_slot_and_batch(model, requests):
+    """A request's random keys come from (seed, sample_id, step): same tokens in any slot, order or
+    batch size. The batch-3 engine is the one of test_batch_size_and_chunk_independent (greedy and
+    sampling share one program)."""
+    sp = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=11)
+    reqs = [Request(r.prompt_ids, r.max_new_tokens, sample_id=100 + i) for i, r in enumerate(requests)]
+    eng = Engine(model, batch_size=3, max_seq_len=160, opts=F32, prefill_chunk=1, stop_ids=())
+    crowd = [r.output_ids for r in eng.generate(reqs, sp)]
+    assert [r.output_ids for r in eng.generate(reqs[::-1], sp)] == crowd[::-1]
+    assert eng.generate([reqs[3]], sp)[0].output_ids == crowd[3]
+    assert [len(c) for c in crowd] == list(NEW)
+    other = [r.output_ids for r in eng.generate(reqs, SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=12))]
+    assert other != crowd
+    # batch size 2 (another program) samples the same tokens
+    eng2 = Engine(model, batch_size=2, max_seq_len=160, opts=F32, prefill_chunk=8, stop_ids=())
+    assert [r.output_ids for r in eng2.generate(reqs[:3], sp)] == crowd[:3]
+
+
+def test_reset_slot_restores_one_row(model):
+    cfg = model.cfg
+    opts = RunOptions(dtype="float32", kv_cache_dtype="reference")
+    fresh = init_cache(cfg, 3, 32, opts)
+    dirty = jax.tree.map(lambda a: (a.astype(np.float32) + 1).astype(a.dtype) if a.dtype != np.uint8 else a + 1, fresh)
+    out = reset_slot(dirty, 1, cfg=cfg, opts=opts, max_seq_len=32)
+    for o, f, d in zip(jax.tree.leaves(out), jax.tree.leaves(fresh), jax.tree.leaves(dirty)):
+        o, f, d = (np.asarray(x).astype(np.float32) for x in (o, f, d))
+        np.testing.assert_array_equal(o[1], f[1])
+        np.testing.assert_array_equal(o[[0, 2]], d[[0, 2]])
+    assert np.asarray(out["pos"]).tolist() == [1, 0, 1]
+
+
+def test_cache_report_v41_flash_bytes():
+    from dsv41_jax.config import get_preset
+
+    cfg = get_preset("v41-flash")
+    line = cache_report(cfg, RunOptions(), 1, 1024)
+    assert "global KV 890 B/token" in line
+    assert "window" in line
+
+
+def test_bad_requests(model):
+    eng = Engine(model, batch_size=2, max_seq_len=16, opts=F32, prefill_chunk=8)
+    with pytest.raises(ValueError, match="empty prompt"):
+        eng.generate([Request([], 3)])
+    with pytest.raises(ValueError, match="no room"):
+        eng.generate([Request(list(range(3, 19)), 3)])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        eng.generate([Request([0, 5], 0)])
