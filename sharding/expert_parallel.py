@@ -42,9 +42,15 @@ def moe_experts(*args, **kw):
 from .mesh import mesh_sizes
 from .rules import PARAM_RULES, _manual, context_mesh, node_specs, rule_for
 
-# "psum" | "all_to_all" | "auto"; auto picks all_to_all for >= this many tokens per ep shard.
-DEFAULT_PATH = os.environ.get("DSV41_EP_PATH", "auto")
-A2A_MIN_TOKENS = int(os.environ.get("DSV41_EP_A2A_MIN_TOKENS", "64"))
+
+def _default_path() -> str:
+    """``DSV41_EP_PATH``: "psum" | "all_to_all" | "auto" (read when a step is traced)."""
+    return os.environ.get("DSV41_EP_PATH", "auto")
+
+
+def _a2a_min_tokens() -> int:
+    """``auto`` picks all_to_all from this many tokens per ep shard (``DSV41_EP_A2A_MIN_TOKENS``)."""
+    return int(os.environ.get("DSV41_EP_A2A_MIN_TOKENS", "64"))
 
 
 def _spec_of(node, name, sizes, act_block):
@@ -93,9 +99,9 @@ def expert_parallel_moe(x, weights, indices, w1, w2, w3, *, mesh, swiglu_limit, 
     N = x.shape[0]
     dp = sizes["dp"]
     tok_dp = "dp" if dp > 1 and N % dp == 0 else None
-    path = path or DEFAULT_PATH
+    path = path or _default_path()
     if path == "auto":
-        path = "all_to_all" if e_split and N % (dp * sizes["ep"]) == 0 and N // (dp * sizes["ep"]) >= A2A_MIN_TOKENS \
+        path = "all_to_all" if e_split and N % (dp * sizes["ep"]) == 0 and N // (dp * sizes["ep"]) >= _a2a_min_tokens() \
             else "psum"
     if path == "all_to_all" and not (e_split and N % (dp * sizes["ep"]) == 0):
         path = "psum"

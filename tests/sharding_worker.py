@@ -158,7 +158,64 @@ def run_generation(step, params, cache, prompt, n_new, ids_fn, sync):
         times.append(time.perf_counter() - t0)
         pos += 1
         logits_all.append(np.asarray(lg))
-    return logits_all, np.stack(gen, 1), times
+    return logits_all, np.stack(gen, 1), times, (cache, hist, pos)
+
+
+def profile_decode(step, params, state, n, ids_fn, outdir):
+    """``n`` more decode steps under ``jax.profiler.trace``. Returns per-step device time split into
+    collectives (NCCL kernels / XLA collective ops) and the rest, per device, in ms, plus the
+    wall time per step."""
+    import glob
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    cache, hist, pos = state
+    B = hist.shape[0]
+    toks = np.zeros((B, CHUNK), np.int32)
+    toks[:, 0] = hist[:, -1]
+
+    def one(cache, pos):
+        p = np.broadcast_to(pos + np.arange(CHUNK), (B, CHUNK))
+        full = np.concatenate([hist, np.repeat(hist[:, -1:], n + 2 + CHUNK, 1)], 1)
+        lg, cache = step(params, cache, jnp.asarray(toks), jnp.full((B,), 1, jnp.int32), ids_fn(full, p))
+        return lg, cache
+
+    lg, cache = one(cache, pos)  # warm
+    jax.block_until_ready(lg)
+    import time as _t
+
+    t0 = _t.perf_counter()
+    with jax.profiler.trace(outdir):
+        for i in range(n):
+            lg, cache = one(cache, pos + 1 + i)
+        jax.block_until_ready(lg)
+    wall = (_t.perf_counter() - t0) / n
+    res = {"wall_ms": round(1e3 * wall, 3), "devices": {}}
+    try:
+        from jax.profiler import ProfileData
+
+        files = sorted(glob.glob(os.path.join(outdir, "**", "*.xplane.pb"), recursive=True))
+        pd = ProfileData.from_file(files[-1])
+        for plane in pd.planes:
+            if not plane.name.startswith("/device:"):
+                continue
+            comm = busy = 0
+            lines = [l for l in plane.lines if l.name.startswith("Stream")] or \
+                [l for l in plane.lines if l.name in ("XLA Ops",)]
+            for line in lines:
+                for e in line.events:
+                    nm = e.name.lower()
+                    busy += e.duration_ns
+                    if "nccl" in nm or any(c in nm for c in ("all-reduce", "all-gather", "all-to-all", "reduce-scatter",
+                                                             "collective-permute", "allreduce", "alltoall")):
+                        comm += e.duration_ns
+            res["devices"][plane.name] = {"comm_ms": round(comm / n / 1e6, 4), "busy_ms": round(busy / n / 1e6, 4),
+                                          "lines": sorted({l.name for l in plane.lines})[:8]}
+    except Exception as err:  # noqa: BLE001
+        res["error"] = repr(err)
+    return res
 
 
 def moe_unit(meshes):
@@ -206,6 +263,9 @@ def main(argv=None):
     ap.add_argument("--override", default="", help="config overrides k=v,k=v (ints)")
     ap.add_argument("--ep-path", default=None)
     ap.add_argument("--moe-unit", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, help="profile this many extra decode steps per run")
+    ap.add_argument("--prof-dir", default="/tmp/dsv41_sharding_prof")
+    ap.add_argument("--keep-going", action="store_true", help="report a failing mesh and continue")
     a = ap.parse_args(argv)
     if a.moe_unit:
         return moe_unit([s for s in a.meshes.split(";") if s.strip()])
@@ -246,12 +306,37 @@ def main(argv=None):
     ref_step = jax.jit(lambda p, c, t, l, i: forward_step(p, c, t, l, i, None, cfg=cfg, opts=opts, logits_mode="last"),
                        donate_argnums=(1,))
     t0 = time.perf_counter()
-    ref_logits, ref_gen, ref_t = run_generation(ref_step, params, init_cache(cfg, B, a.max_seq_len, opts), prompt,
+    ref_logits, ref_gen, ref_t, ref_state = run_generation(ref_step, params, init_cache(cfg, B, a.max_seq_len, opts), prompt,
                                                 a.new, ids_fn, sync)
-    print(json.dumps({"event": "single", "s": round(time.perf_counter() - t0, 2), "tokens": ref_gen.tolist(),
-                      "decode_ms": [round(1e3 * t, 3) for t in ref_t]}), flush=True)
+    row = {"event": "single", "s": round(time.perf_counter() - t0, 2), "tokens": ref_gen.tolist(),
+           "decode_ms": [round(1e3 * t, 3) for t in ref_t]}
+    if a.profile:
+        row["profile"] = profile_decode(ref_step, params, ref_state, a.profile, ids_fn, os.path.join(a.prof_dir, "single"))
+    print(json.dumps(row), flush=True)
+    del ref_state
 
     for spec in [s for s in a.meshes.split(";") if s.strip()]:
+        try:
+            run_mesh(a, cfg, opts, params, spec, prompt, ids_fn, ref_logits, ref_gen, sync)
+        except Exception as err:  # noqa: BLE001 - report and go on with the next mesh
+            if not a.keep_going:
+                raise
+            print(json.dumps({"event": "mesh", "mesh": spec, "error": repr(err)[:2000]}), flush=True)
+
+
+def run_mesh(a, cfg, opts, params, spec, prompt, ids_fn, ref_logits, ref_gen, sync):
+    import time
+
+    import numpy as np
+
+    from sharding.mesh import describe, make_mesh
+    from sharding.rules import explain, init_cache_sharded, param_partition_specs, shard_params
+    from sharding.step import sharded_forward_step
+
+    B = a.batch
+    spec, _, ep_path = spec.partition("@")  # "ep=2@all_to_all": force the expert-parallel path
+    os.environ["DSV41_EP_PATH"] = ep_path or a.ep_path or "auto"
+    if True:
         mesh = make_mesh(spec)
         param_partition_specs(cfg, mesh)
         notes = explain()
@@ -259,11 +344,14 @@ def main(argv=None):
         sp = shard_params(params, cfg, mesh)
         cache = init_cache_sharded(cfg, mesh, B, a.max_seq_len, opts)
         step = sharded_forward_step(cfg, opts, mesh, batch=B, max_seq_len=a.max_seq_len, logits_mode="last")
-        logits, gen, ts = run_generation(step, sp, cache, prompt, a.new, ids_fn, sync)
+        logits, gen, ts, state = run_generation(step, sp, cache, prompt, a.new, ids_fn, sync)
         diffs = [float(np.max(np.abs(x - r))) for x, r in zip(logits, ref_logits)]
         scale = float(max(np.max(np.abs(r)) for r in ref_logits))
+        prof = profile_decode(step, sp, state, a.profile, ids_fn, os.path.join(a.prof_dir, spec.replace(",", "_")
+                                                                               .replace("=", ""))) if a.profile else None
+        del state, sp
         print(json.dumps({
-            "event": "mesh", "mesh": spec, "desc": describe(mesh), "s": round(time.perf_counter() - t0, 2),
+            "profile": prof, "event": "mesh", "mesh": spec + (f"@{ep_path}" if ep_path else ""), "desc": describe(mesh), "s": round(time.perf_counter() - t0, 2),
             "max_abs_diff": max(diffs), "max_abs_ref": scale, "tokens": gen.tolist(),
             "tokens_equal": bool(np.array_equal(gen, ref_gen)), "n_replicated_notes": len(notes),
             "decode_ms": [round(1e3 * t, 3) for t in ts],
