@@ -52,6 +52,8 @@ _ALIASES = ((".weight_scale_inv", ".scale"), (".e_score_correction_bias", ".bias
 
 _MAX_LIST = 20
 DEFAULT_HOST_BUDGET = 1 << 30  # bytes of host buffers in flight to devices before waiting
+CHUNK_ON_CPU = False  # row-chunk large leaves for CPU devices too (only useful in tests: on CPU the
+# device memory is host memory, so chunking only adds a copy)
 
 
 def _canonical(name: str) -> str:
@@ -357,7 +359,13 @@ def load_checkpoint(
             leaves[i] = files.memmap(e.sources[0], e.dtype)
             continue
         sh = _sharding_for(e, shardings, mesh, flat_sh[i])
-        if e.shape and e.shape[0] > 1 and math.prod(e.shape) * e.dtype.itemsize > chunk and sh.is_fully_replicated:
+        if (
+            e.shape
+            and e.shape[0] > 1
+            and math.prod(e.shape) * e.dtype.itemsize > chunk
+            and sh.is_fully_replicated
+            and (CHUNK_ON_CPU or any(d.platform != "cpu" for d in sh.device_set))
+        ):
             jax.block_until_ready(pending)
             pending, inflight = [], 0
             leaves[i] = _chunked_leaf(files, e, sh, chunk)
