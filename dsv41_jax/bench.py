@@ -1,0 +1,250 @@
+"""End-to-end benchmark with the protocol of the published V4.1-Flash results
+(``shared/spec/performance.md`` §2): a prompt of 4096 random token ids (seeded, special tokens
+excluded), 1024 output tokens with EOS ignored, greedy, one warm-up then 6 runs, median; the decode
+rate counts from the first generated token to the last (prefill excluded).
+
+    python -m dsv41_jax.bench                                  # v41-flash width/depth, 1 device
+    python -m dsv41_jax.bench --routed-experts 64 --batch-sizes 1,8,32 --prefill-lens 4096,65536
+    python -m dsv41_jax.bench --preset tiny --new-tokens 32 --runs 2    # CPU smoke run
+
+Real width and depth. Where the model does not fit the devices, only the number of routed experts
+(``--routed-experts``) and the Engram table rows (``--engram-vocab``: the per-column prime buckets,
+so the hashing is the real one with smaller primes) are reduced; at batch 1 that leaves the bytes
+read per decoded token unchanged (6 experts per layer, 24 Engram rows per layer), and the script
+says so. Beside every result: the HBM-bandwidth floor for the same configuration and its ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from .config import get_preset
+
+HBM_BW = {"H200": 4.8e12, "H100": 3.35e12, "MI350X": 8.0e12, "MI355X": 8.0e12}
+
+
+def bench_config(preset: str, routed_experts: int | None, engram_vocab: int | None):
+    from .engram_hash import EngramLayout
+
+    cfg = get_preset(preset)
+    kw = {"n_mtp_layers": 0, "compress_ratios": cfg.compress_ratios[: cfg.n_layers], "dspark_block_size": 0,
+          "dspark_target_layer_ids": ()}
+    notes = []
+    if routed_experts and routed_experts != cfg.n_routed_experts:
+        kw["n_routed_experts"] = routed_experts
+        notes.append(f"routed experts reduced {cfg.n_routed_experts} -> {routed_experts} per layer "
+                     f"(top-{cfg.n_activated_experts} unchanged: batch-1 bytes per token unchanged)")
+    if engram_vocab and engram_vocab != cfg.engram_vocab_size and cfg.engram_layer_ids:
+        lay = EngramLayout.build(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads, engram_vocab,
+                                 cfg.engram_compressed_vocab_size, None)
+        rows = tuple(int(sum(p for ng in layer for p in ng)) for layer in lay.primes)
+        kw["engram_vocab_size"] = engram_vocab
+        kw["engram_num_embeddings"] = rows
+        notes.append(f"Engram table rows reduced {cfg.engram_num_embeddings} -> {rows} (prime buckets from "
+                     f"{engram_vocab}; 24 rows per layer per token read either way)")
+    notes.append("DSpark stages not built (no speculative decoding in this benchmark)")
+    return cfg.replace(name=f"{preset}-bench", **kw), notes
+
+
+def _stored_bytes(node) -> int:
+    import jax
+
+    return int(sum(np.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(node)))
+
+
+def decode_bytes(cfg, params, batch: int, context: int) -> float:
+    """HBM bytes one decode step must read for ``batch`` sequences at ``context`` tokens: every
+    weight except the routed experts, the Engram tables and the embedding table (one row per token),
+    plus the routed experts touched (expected distinct experts under uniform routing), plus the KV /
+    index-key reads (window + top-k compressed entries per layer, indexer keys scanned)."""
+    total = 0
+    per_expert = 0
+    for l in range(cfg.n_layers):
+        lp = params["layers"][str(l)]
+        for k, v in lp.items():
+            if k == "ffn":
+                for kk, vv in v.items():
+                    if kk == "experts":
+                        per_expert = _stored_bytes(vv) / cfg.n_routed_experts
+                    else:
+                        total += _stored_bytes(vv)
+            elif k == "engram":
+                total += _stored_bytes({kk: vv for kk, vv in v.items() if kk != "embed"})
+            else:
+                total += _stored_bytes(v)
+    total += _stored_bytes(params["head"]) + _stored_bytes(params["norm"])
+    e, k = cfg.n_routed_experts, cfg.n_activated_experts
+    distinct = e * (1 - (1 - k / e) ** batch)
+    total += cfg.n_layers * distinct * per_expert
+    # caches: window rows (FP8 + scale per 32) and top-k compressed entries (FP4 + e4m3/16) per layer
+    win = (cfg.head_dim + cfg.head_dim // 32)
+    comp = cfg.head_dim // 2 + cfg.head_dim // 16
+    idx = cfg.index_head_dim // 2 + cfg.index_head_dim // 32
+    kv = 0.0
+    for l in range(cfg.n_layers):
+        kv += min(context, cfg.window_size) * win
+        m = cfg.ratio(l)
+        if m:
+            kv += min(cfg.index_topk, context // m) * comp
+            if l in cfg.index_source_layers:
+                n = context // m
+                if cfg.uses_candidates(l):
+                    n = min(n, cfg.candidate_topk_blocks * cfg.candidate_block_size)
+                kv += n * idx
+    return total + batch * kv
+
+
+def device_bandwidth() -> tuple[str, float | None]:
+    import jax
+
+    kind = jax.devices()[0].device_kind
+    for k, bw in HBM_BW.items():
+        if k in kind:
+            return kind, bw
+    return kind, None
+
+
+def random_prompt(n: int, seed: int, vocab: int, n_special_floor: int = 128000) -> list[int]:
+    """``n`` token ids uniform over the ordinary vocabulary (special/added tokens, ids >= 128000 in
+    the DeepSeek tokenizer, and ids 0-2 excluded), seeded."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(3, min(vocab, n_special_floor), size=n).tolist()
+
+
+def run(args) -> dict:
+    import jax
+
+    from .compile_cache import enable_compilation_cache
+    from .engine import Engine, Request
+    from .model import Model
+    from .options import RunOptions
+    from .params import init_params
+    from .sampling import SamplingParams
+
+    enable_compilation_cache()
+    cfg, notes = bench_config(args.preset, args.routed_experts, args.engram_vocab)
+    for n in notes:
+        print(f"note: {n}", flush=True)
+    kind, bw = device_bandwidth()
+    bw = args.hbm_bw or bw
+    t = time.perf_counter()
+    params = init_params(cfg, seed=args.seed)
+    jax.block_until_ready(params)
+    print(f"random weights in the real formats: {time.perf_counter() - t:.1f} s on {kind}", flush=True)
+    model = Model(cfg, params)
+    opts = RunOptions(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+    out = {"device": kind, "jax": jax.__version__, "config": cfg.name, "notes": notes, "decode": [], "prefill": []}
+
+    def mem():
+        try:
+            st = jax.devices()[0].memory_stats() or {}
+            return st.get("peak_bytes_in_use")
+        except Exception:  # noqa: BLE001 - CPU has no memory stats
+            return None
+
+    for B in args.batch_sizes:
+        eng = Engine(model, batch_size=B, max_seq_len=args.prompt_len + args.new_tokens + 1, opts=opts,
+                     prefill_chunk=args.prefill_chunk, stop_ids=())
+        reqs = [Request(random_prompt(args.prompt_len, args.seed + i, cfg.vocab_size), max_new_tokens=args.new_tokens,
+                        sample_id=i) for i in range(B)]
+        rates = []
+        for r in range(args.warmup + args.runs):
+            res = eng.generate(reqs, SamplingParams())
+            # decode rate: tokens after the first, over the time from the first token to the last
+            t_first = max(x.timings["queue_s"] + x.timings["prefill_s"] for x in res)
+            t_last = max(x.timings["total_s"] for x in res)
+            n = sum(len(x.output_ids) - 1 for x in res)
+            rate = n / max(t_last - t_first, 1e-9)
+            if r >= args.warmup:
+                rates.append(rate)
+            print(f"  batch {B} run {r}{' (warm-up)' if r < args.warmup else ''}: {rate:.2f} tok/s", flush=True)
+        med = statistics.median(rates)
+        ctx = args.prompt_len + args.new_tokens // 2
+        step_bytes = decode_bytes(cfg, params, B, ctx)
+        floor = B * bw / step_bytes if bw else None
+        row = {"batch": B, "median_tok_s": med, "runs": rates, "bytes_per_step": step_bytes,
+               "floor_tok_s": floor, "ratio_to_floor": med / floor if floor else None, "peak_bytes": mem()}
+        out["decode"].append(row)
+
+    for L in args.prefill_lens:
+        eng = Engine(model, batch_size=1, max_seq_len=L + 2, opts=opts, prefill_chunk=args.prefill_chunk, stop_ids=())
+        times = []
+        for r in range(args.warmup + max(1, args.runs // 3)):
+            res = eng.generate([Request(random_prompt(L, args.seed, cfg.vocab_size), max_new_tokens=1)], SamplingParams())
+            if r >= args.warmup:
+                times.append(res[0].timings["prefill_s"])
+        med = statistics.median(times)
+        out["prefill"].append({"prompt_len": L, "median_s": med, "tok_s": L / med, "peak_bytes": mem()})
+    return out
+
+
+def table(out: dict) -> str:
+    lines = [f"device {out['device']}, jax {out['jax']}, config {out['config']}"]
+    lines += [f"note: {n}" for n in out["notes"]]
+    lines.append("| batch | decode tok/s (median) | floor tok/s | ratio | GB/step | peak GB |")
+    lines.append("|---:|---:|---:|---:|---:|---:|")
+    for r in out["decode"]:
+        fl = f"{r['floor_tok_s']:.0f}" if r["floor_tok_s"] else "n/a"
+        ra = f"{r['ratio_to_floor']:.3f}" if r["ratio_to_floor"] else "n/a"
+        pk = f"{r['peak_bytes'] / 1e9:.1f}" if r["peak_bytes"] else "n/a"
+        lines.append(f"| {r['batch']} | {r['median_tok_s']:.2f} | {fl} | {ra} | {r['bytes_per_step'] / 1e9:.2f} | {pk} |")
+    if out["prefill"]:
+        lines.append("| prompt | prefill s (median) | prefill tok/s | peak GB |")
+        lines.append("|---:|---:|---:|---:|")
+        for r in out["prefill"]:
+            pk = f"{r['peak_bytes'] / 1e9:.1f}" if r["peak_bytes"] else "n/a"
+            lines.append(f"| {r['prompt_len']} | {r['median_s']:.3f} | {r['tok_s']:.1f} | {pk} |")
+    return "\n".join(lines)
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        v = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if any(x < 1 for x in v):
+        raise argparse.ArgumentTypeError(f"values must be >= 1, got {s!r}")
+    return v
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dsv41_jax.bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="v41-flash", choices=["v41-flash", "tiny"])
+    ap.add_argument("--routed-experts", type=int, default=None, help="reduce routed experts per layer to fit")
+    ap.add_argument("--engram-vocab", type=int, default=None, help="Engram prime-bucket start (reduces table rows)")
+    ap.add_argument("--prompt-len", type=int, default=4096)
+    ap.add_argument("--new-tokens", type=int, default=1024)
+    ap.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32])
+    ap.add_argument("--prefill-lens", type=_ints, default=[4096, 65536])
+    ap.add_argument("--prefill-chunk", type=int, default=4096)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--runs", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--kv-cache-dtype", default="reference", choices=["reference", "bfloat16", "float32"])
+    ap.add_argument("--hbm-bw", type=float, default=None, help="bytes/s for the floor (default: by device kind)")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    if args.prefill_lens == [0]:
+        args.prefill_lens = []
+    try:
+        out = run(args)
+    except (ValueError, MemoryError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(table(out))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
