@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         msg = " ".join(str(e).split())
         print(f"error: {msg}", file=sys.stderr)
         return 1
+    except Exception as e:  # anything else: still one line, with the exception type
+        msg = " ".join(str(e).split())
+        print(f"error: {type(e).__name__}: {msg}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("error: interrupted (no output checkpoint was completed)", file=sys.stderr)
         return 130
