@@ -17,6 +17,7 @@ import safetensors
 
 from dsv41_jax.checkpoint import (
     CheckpointError,
+    config_to_hf,
     SafetensorsFile,
     gather_rows,
     load_checkpoint,
@@ -69,6 +70,26 @@ def tiny_ckpt(tiny, tmp_path_factory):
 def test_name_table_covers_official_names():
     for cfg in (get_preset("tiny"), get_preset("v41-flash"), ModelConfig.from_json(FIXTURE)):
         check_table(cfg)
+        # the HF composite config.json the writer emits reads back as the same config
+        assert ModelConfig.from_dict(json.loads(json.dumps(config_to_hf(cfg)))) == cfg
+
+
+def test_hf_style_aliases_and_single_file(tmp_path):
+    """convert.py's aliases (weight_scale_inv -> scale, e_score_correction_bias -> bias) and a
+    single .safetensors file with an explicit config."""
+    cfg = get_preset("tiny")
+    params = random_params(cfg, seed=5)
+    d = str(tmp_path / "one")
+    save_checkpoint(params, cfg, d, max_shard_bytes=1 << 40)
+    (fn,) = [f for f in os.listdir(d) if f.endswith(".safetensors")]
+
+    def rename(t):
+        t["layers.0.attn.wq_a.weight_scale_inv"] = t.pop("layers.0.attn.wq_a.scale")
+        t["layers.2.ffn.gate.e_score_correction_bias"] = t.pop("layers.2.ffn.gate.bias")
+
+    _rewrite(d, fn, rename)
+    _, loaded = load_checkpoint(os.path.join(d, fn), cfg)
+    assert_trees_bit_equal(params, loaded)
 
 
 # ------------------------------------------------------------------------------------------------
