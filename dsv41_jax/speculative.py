@@ -1,0 +1,471 @@
+"""DSpark speculative decoding: verification on the target, lossless acceptance, cache rollback,
+confidence scheduling, and a batch generator (``shared/spec/model.md`` §8.3, ``attention.md`` §10).
+
+One device program per step (:func:`spec_step`, jitted per verify width ``S = 1 + k``):
+
+1. **Verify.** Row b feeds ``[anchor, d_1 .. d_k]`` (``k = n_verify[b] <= gamma``) at positions
+   ``P .. P+k`` through :func:`dsv41_jax.transformer.forward_step` (a variable-length multi-token
+   decode; ``lengths = 1 + n_verify``), logits for every position.
+2. **Accept** (:func:`accept`). Greedy: ``d_{j+1}`` is accepted while it equals the target's argmax
+   at chunk index j. Sampled: accept with ``min(1, p(d)/q(d))`` (p: the target's temperature /
+   top-k / top-p distribution, exactly the one the non-speculative sampler uses; q: the draft's
+   ``softmax(logits / T)``); at the first rejection sample from ``normalize(max(0, p - q))``; if all k
+   are accepted sample a bonus token from p at index k. ``n_acc`` drafts are committed plus one new
+   token; positions ``P .. P+n_acc`` (anchor + accepted drafts) stay in the caches.
+3. **Roll back** (:func:`rollback`) every cache entry the rejected chunk tokens touched, so the cache
+   equals what a non-speculative run over the same committed tokens leaves:
+
+   * window rings: a slot written by a rejected token gets its previous content back (exact: each
+     slot is written at most once per step as ``S <= window``);
+   * compressed KV and index keys of every KV source: the entries ``j >= (P+1+n_acc) // m`` (the
+     blocks not complete among the committed tokens) get their previous content back (never
+     written before, i.e. the initial zeros) — these are invisible to every query anyway
+     (``visible = (t+1)//m``), the restore just makes the pytree equal;
+   * compressor partial-block state (ratio > 1): recomputed by :func:`dsv41_jax.attention.compress`
+     from the old state and the committed chunk tokens (the attention inputs of the source layers are
+     rebuilt from ``aux`` residuals, re-applying Engram where it sits before the layer);
+   * lightning-indexer top-k lists and candidate blocks are per-step transients (nothing to undo);
+   * Engram n-gram history: the host appends only committed tokens (:class:`SpeculativeGenerator`);
+   * ``pos`` = ``P + 1 + n_acc``.
+4. **Draft the next block**: the committed positions' features go into the DSpark rings
+   (:func:`dsv41_jax.dspark.dspark_update`), then :func:`dsv41_jax.dspark.dspark_draft` from the new
+   anchor. Drafts, draft logits and confidences come back with the acceptance results (one host sync
+   per step: the host needs the drafts to hash the Engram ids of the next verify chunk).
+
+Scheduling (:class:`SpeculativeGenerator`, ``policy``): ``"all"`` verifies every draft (always
+correct, the baseline); ``"confidence"`` picks the width ``k`` maximizing the expected committed
+tokens per second ``sum_b (1 + sum_{i<=k} a_{b,i}) / t(1+k)`` with ``a_{b,i} = prod_{j<=i}
+sigmoid(conf_{b,j})`` (prefix survival, DSPARK Alg. 1) and ``t(S)`` the measured time of a verify
+step of width S; ``"fixed:k"`` always verifies k.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.mhc import hc_collapse
+
+from .attention import _scatter_rows, _select_rows, _take_rows, compress
+from .cache import init_cache
+from .config import ModelConfig
+from .dspark import dspark_draft, dspark_update, init_dspark_cache
+from .engram import engram, gather_rows
+from .engram_hash import ngram_hash_ids
+from .layers import norm
+from .options import RunOptions
+from .sampling import SamplingParams, filter_logits
+from .transformer import forward_step
+
+# ---------------------------------------------------------------------------------------------
+# acceptance
+# ---------------------------------------------------------------------------------------------
+
+
+def target_probs(logits, temperature, top_k, top_p, *, use_top_k: bool, use_top_p: bool):
+    """The non-speculative sampler's distribution: softmax(filter(logits / T)). logits [..., V]."""
+    shp = logits.shape
+    lg = logits.reshape(-1, shp[-1]).astype(jnp.float32)
+    t = jnp.asarray(temperature, jnp.float32)
+    lg = filter_logits(lg / t, top_k, top_p, use_top_k=use_top_k, use_top_p=use_top_p)
+    return jax.nn.softmax(lg, axis=-1).reshape(shp)
+
+
+def _leading(acc):
+    """Number of leading True along the last axis."""
+    return jnp.sum(jnp.cumprod(acc.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
+
+
+def _categorical(key, probs):
+    """One sample from probs [V] (Gumbel-max on log p; zero-probability tokens are never drawn)."""
+    g = jax.random.gumbel(key, probs.shape, jnp.float32)
+    return jnp.argmax(jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)) + g, -jnp.inf)).astype(jnp.int32)
+
+
+def accept(logits, drafts, n_verify, draft_logits=None, keys=None, temperature=1.0, top_k=0, top_p=1.0, *,
+           greedy: bool, use_top_k: bool = False, use_top_p: bool = False):
+    """Speculative acceptance. logits [B,S,V] (the target at the S chunk positions), drafts [B,S-1]
+    (the proposed tokens for chunk positions 1..S-1), n_verify [B] (how many drafts each row put up;
+    drafts at index >= n_verify are ignored), draft_logits [B,>=S-1,V] (sampled mode; q =
+    softmax(draft_logits / T)), keys uint32 [B,2]. Returns (n_acc [B], next token [B])."""
+    B, S, V = logits.shape
+    j = jnp.arange(S - 1, dtype=jnp.int32)[None, :]
+    live = j < n_verify[:, None]
+    if greedy:
+        tgt = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B,S]
+        n_acc = _leading((tgt[:, : S - 1] == drafts) & live)
+        return n_acc, jnp.take_along_axis(tgt, n_acc[:, None], axis=1)[:, 0]
+    p = target_probs(logits, temperature, top_k, top_p, use_top_k=use_top_k, use_top_p=use_top_p)
+    q = jax.nn.softmax(draft_logits[:, : S - 1].astype(jnp.float32) / jnp.asarray(temperature, jnp.float32), -1)
+    pd = jnp.take_along_axis(p[:, : S - 1], drafts[..., None], axis=-1)[..., 0]
+    qd = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 0), (S - 1,), jnp.float32))(keys)
+    n_acc = _leading((u * qd < pd) & live)
+    p_n = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]  # [B,V]
+    q_n = jnp.take_along_axis(jnp.concatenate([q, jnp.zeros((B, 1, V), q.dtype)], 1), n_acc[:, None, None],
+                              axis=1)[:, 0]
+    rejected = n_acc < n_verify
+    resid = jnp.maximum(p_n - q_n, 0.0)
+    ok = jnp.sum(resid, -1, keepdims=True) > 0
+    dist = jnp.where(rejected[:, None] & ok, resid, p_n)
+    nxt = jax.vmap(lambda k, d: _categorical(jax.random.fold_in(k, 1), d))(keys, dist)
+    return n_acc, nxt
+
+
+# ---------------------------------------------------------------------------------------------
+# rollback
+# ---------------------------------------------------------------------------------------------
+
+
+def _layer_input(params, aux, tokens, l, cfg, opts, engram_ids, engram_rows):
+    """The attention input (after attn_norm) of backbone layer l for the verify chunk."""
+    p = params["layers"][str(l)]
+    if l == 0:
+        e = jnp.take(params["embed"]["weight"], tokens, axis=0).astype(opts.compute_dtype)
+        h = jnp.broadcast_to(e[:, :, None, :], (*tokens.shape, cfg.hc_mult, cfg.dim))
+    else:
+        h = aux["resid"][l - 1]
+    if l in cfg.engram_layer_ids:
+        rows = engram_rows[str(l)] if engram_rows is not None else gather_rows(p["engram"]["embed"],
+                                                                                 engram_ids[str(l)])
+        h = engram(p["engram"], h, rows, cfg)
+    return norm(hc_collapse(h, aux["pre"][l]), p["attn_norm"], cfg.norm_eps)
+
+
+def rollback(params, old, new, aux, tokens, keep, lengths, engram_ids=None, engram_rows=None, *, cfg: ModelConfig,
+             opts: RunOptions):
+    """The cache a run over only the first ``keep[b]`` of the chunk's ``lengths[b]`` tokens leaves,
+    from the cache before the chunk (``old``), after all of it (``new``) and ``aux`` of that step."""
+    B, S = tokens.shape
+    W = cfg.window_size
+    assert S <= W, "a verify chunk must not wrap the window ring"
+    pos0 = old["pos"]
+    new_pos = pos0 + keep
+    i = jnp.arange(S, dtype=jnp.int32)[None, :]
+    rejected = (i >= keep[:, None]) & (i < lengths[:, None])  # [B,S]
+    slot = jnp.mod(pos0[:, None] + i, W)
+    ring_mask = jnp.any((slot[..., None] == jnp.arange(W)[None, None, :]) & rejected[..., None], axis=1)  # [B,W]
+    layers = {}
+    for l in range(cfg.n_layers):
+        lo, ln = old["layers"][str(l)], new["layers"][str(l)]
+        lc = dict(ln)
+        lc["window"] = _select_rows(ring_mask, lo["window"], ln["window"])
+        if l in cfg.kv_source_layers:
+            m = cfg.ratio(l)
+            idx = new_pos[:, None] // m + jnp.arange(S // m + 2, dtype=jnp.int32)[None, :]
+            for name in ("comp", "index_k"):
+                lc[name] = _scatter_rows(ln[name], idx, _take_rows(lo[name], idx))
+            if m > 1:
+                x = _layer_input(params, aux, tokens, l, cfg, opts, engram_ids, engram_rows)
+                _, _, _, state = compress(params["layers"][str(l)]["attn"]["compressor"], x, lo, pos0, keep, m, cfg,
+                                          opts)
+                lc.update(state)
+        layers[str(l)] = lc
+    return {"pos": new_pos, "layers": layers}
+
+
+# ---------------------------------------------------------------------------------------------
+# device programs
+# ---------------------------------------------------------------------------------------------
+
+
+def _draft_keys(keys):
+    return None if keys is None else jax.vmap(lambda k: jax.random.fold_in(k, 2))(keys)
+
+
+def spec_step(params, cache, dcache, tokens, n_verify, active, draft_logits, engram_ids, engram_rows, keys,
+              temperature, top_k, top_p, force_acc=None, *, cfg: ModelConfig, opts: RunOptions, sampler):
+    """Verify + accept + roll back + DSpark update + next draft. tokens [B,S] = [anchor, drafts...].
+    ``force_acc`` [B] (benchmarks only, NOT lossless): where >= 0, accept ``min(force_acc, n_verify)``
+    drafts whatever the target says (the "simulated acceptance" protocol of published numbers).
+    Returns (n_acc [B], next [B], cache, dcache, draft ids [B,G+1], draft logits [B,G,V], conf [B,G])."""
+    greedy, use_k, use_p = sampler
+    n_verify = jnp.where(active, n_verify, 0).astype(jnp.int32)
+    lengths = jnp.where(active, 1 + n_verify, 0).astype(jnp.int32)
+    logits, new_cache, aux = forward_step(params, cache, tokens, lengths, engram_ids, engram_rows, cfg=cfg, opts=opts,
+                                          logits_mode="all", return_aux=True)
+    n_acc, nxt = accept(logits, tokens[:, 1:], n_verify, draft_logits, keys, temperature, top_k, top_p, greedy=greedy,
+                        use_top_k=use_k, use_top_p=use_p)
+    if force_acc is not None:
+        forced = jnp.minimum(force_acc, n_verify)
+        fnxt = jnp.argmax(jnp.take_along_axis(logits, forced[:, None, None], axis=1)[:, 0], -1).astype(jnp.int32)
+        nxt = jnp.where(force_acc >= 0, fnxt, nxt)
+        n_acc = jnp.where(force_acc >= 0, forced, n_acc)
+    n_acc = jnp.where(active, n_acc, 0)
+    keep = jnp.where(active, n_acc + 1, 0)
+    cache = rollback(params, cache, new_cache, aux, tokens, keep, lengths, engram_ids, engram_rows, cfg=cfg, opts=opts)
+    dcache = dspark_update(params, dcache, aux["features"], keep, cfg=cfg, opts=opts)
+    ids, dl, conf = dspark_draft(params, dcache, nxt, None if greedy else _draft_keys(keys), temperature, cfg=cfg,
+                                 opts=opts)
+    return n_acc, nxt, cache, dcache, ids, dl, conf
+
+
+spec_step_jit = jax.jit(spec_step, static_argnames=("cfg", "opts", "sampler"), donate_argnames=("cache", "dcache"))
+
+
+def prefill_step(params, cache, dcache, tokens, lengths, engram_ids, engram_rows, *, cfg, opts):
+    """A prompt chunk through the target (last logits) and into the DSpark rings."""
+    logits, cache, aux = forward_step(params, cache, tokens, lengths, engram_ids, engram_rows, cfg=cfg, opts=opts,
+                                      logits_mode="last", return_aux=True)
+    dcache = dspark_update(params, dcache, aux["features"], lengths, cfg=cfg, opts=opts)
+    return logits, cache, dcache
+
+
+prefill_step_jit = jax.jit(prefill_step, static_argnames=("cfg", "opts"), donate_argnames=("cache", "dcache"))
+
+
+def first_token(params, dcache, logits, keys, temperature, top_k, top_p, *, cfg, opts, sampler):
+    """Sample the first generated token from the prompt's last logits and draft after it."""
+    greedy, use_k, use_p = sampler
+    if greedy:
+        nxt = jnp.argmax(logits, -1).astype(jnp.int32)
+    else:
+        p = target_probs(logits, temperature, top_k, top_p, use_top_k=use_k, use_top_p=use_p)
+        nxt = jax.vmap(lambda k, d: _categorical(jax.random.fold_in(k, 1), d))(keys, p)
+    ids, dl, conf = dspark_draft(params, dcache, nxt, None if greedy else _draft_keys(keys), temperature, cfg=cfg,
+                                 opts=opts)
+    return nxt, ids, dl, conf
+
+
+first_token_jit = jax.jit(first_token, static_argnames=("cfg", "opts", "sampler"))
+
+
+# ---------------------------------------------------------------------------------------------
+# host loop
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SpecStats:
+    steps: int = 0  # verify steps (each counts every active row once in row_steps)
+    row_steps: int = 0
+    committed: int = 0  # tokens emitted by verify steps (accepted drafts + one new token per row-step)
+    drafted: int = 0  # drafts put up for verification
+    accepted: int = 0
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+    compile_s: float = 0.0
+    widths: dict = field(default_factory=dict)
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens committed per row per verify step (accepted drafts + 1)."""
+        return self.committed / max(self.row_steps, 1)
+
+    def summary(self) -> str:
+        tps = self.committed / self.decode_s if self.decode_s > 0 else 0.0
+        return (f"speculative dspark: acceptance length {self.acceptance_length:.2f} "
+                f"({self.accepted}/{self.drafted} drafts accepted, {self.steps} verify steps), decode "
+                f"{self.committed} tokens {tps:.1f} tok/s")
+
+
+class SpeculativeGenerator:
+    """Batch generation with DSpark drafts (static batch: every row starts together and idles once
+    finished). ``policy``: ``all`` | ``confidence`` | ``fixed:k``."""
+
+    def __init__(self, model, *, batch_size: int, max_seq_len: int, opts: RunOptions | None = None,
+                 prefill_chunk: int = 64, policy: str = "all", stop_ids=(1,), propose=None,
+                 simulate_accept: float | None = None):
+        """``propose(row, pos, tokens_row) -> tokens_row`` (tests): replaces a row's verify chunk
+        ``[anchor, drafts...]`` on the host before verification (e.g. oracle drafts). ``simulate_accept``
+        (benchmarks, not lossless): force the accepted-draft count per step to floor/ceil of
+        ``simulate_accept - 1`` at random with that mean (e.g. 5.5 -> 4 or 5 drafts, 5 or 6 tokens)."""
+        self.cfg: ModelConfig = model.cfg
+        cfg = self.cfg
+        if not (cfg.n_mtp_layers and cfg.dspark_block_size and "mtp" in model.params):
+            raise ValueError("the model has no DSpark stages (mtp.*)")
+        self.G = cfg.dspark_block_size
+        if self.G + 1 > cfg.window_size:
+            raise ValueError("dspark_block_size + 1 must not exceed window_size")
+        if not (policy in ("all", "confidence") or policy.startswith("fixed:")):
+            raise ValueError(f"policy must be all, confidence or fixed:k, got {policy!r}")
+        self.policy = policy
+        self.model = model
+        self.opts = opts or RunOptions()
+        self.B, self.max_seq_len, self.chunk = int(batch_size), int(max_seq_len), int(prefill_chunk)
+        self.stop_ids = frozenset(int(t) for t in stop_ids)
+        # every leaf on the device (Engram tables included: rows are gathered inside the programs)
+        self.params = jax.tree.map(lambda a: jnp.asarray(a) if isinstance(a, np.ndarray) else a, model.params)
+        self.hasher = model.hasher if cfg.engram_layer_ids else None
+        self.J = cfg.engram_max_ngram_size if cfg.engram_layer_ids else 1
+        self.cost = {S: 1.0 + 0.0 * S for S in range(1, self.G + 2)}  # seconds per verify width (measured)
+        self.stats = SpecStats()
+        self.propose = propose
+        self.simulate_accept = simulate_accept
+        self._rng = np.random.default_rng(0)
+
+    # ------------------------------------------------------------------ host helpers
+    def _engram(self, hist, pos, tokens, lengths):
+        if self.hasher is None:
+            return None
+        B, S = tokens.shape
+        J = self.J
+        start = np.maximum(pos - (J - 1), 0)
+        T = J - 1 + S
+        win = np.zeros((B, T), np.int64)
+        for b in range(B):
+            n0 = pos[b] - start[b]
+            win[b, :n0] = hist[b, start[b]:pos[b]]
+            win[b, n0:n0 + S] = tokens[b]
+        comp = self.hasher.compress(win)
+        lpos = np.minimum((pos - start)[:, None] + np.arange(S)[None, :], T - 1)
+        ids = ngram_hash_ids(comp, lpos, self.hasher.layout, self.hasher.pad_compressed_id).astype(np.int32)
+        return {str(l): jnp.asarray(ids[:, :, i]) for i, l in enumerate(self.cfg.engram_layer_ids)}
+
+    def _keys(self, seed, step):
+        base = jax.random.PRNGKey(seed)
+        return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(base, r), step))(
+            jnp.arange(self.B, dtype=jnp.uint32))
+
+    def _choose(self, conf, active, room):
+        """Drafts to verify per row [B] (host)."""
+        G = self.G
+        if self.policy == "all":
+            k = np.full(self.B, G)
+        elif self.policy.startswith("fixed:"):
+            k = np.full(self.B, int(self.policy.split(":")[1]))
+        else:
+            a = np.cumprod(1.0 / (1.0 + np.exp(-conf.astype(np.float64))), axis=1)  # prefix survival [B,G]
+            exp_tok = 1.0 + np.concatenate([np.zeros((self.B, 1)), np.cumsum(a, 1)], 1)  # [B, G+1], k = 0..G
+            tot = (exp_tok * active[:, None]).sum(0)
+            rate = [tot[kk] / self.cost[kk + 1] for kk in range(G + 1)]
+            k = np.full(self.B, int(np.argmax(rate)))
+        return np.clip(np.minimum(k, room), 0, G)
+
+    def calibrate(self, sampling: SamplingParams | None = None, reps: int = 3):
+        """Compile every verify width and measure its step time on an idle batch (for the policy)."""
+        sp = sampling or SamplingParams()
+        sampler = sp.static_key(self.cfg.vocab_size)
+        cache = init_cache(self.cfg, self.B, self.max_seq_len, self.opts)
+        dcache = init_dspark_cache(self.cfg, self.B, self.opts)
+        V = self.cfg.vocab_size
+        for S in range(1, self.G + 2):
+            ts = []
+            for r in range(reps + 1):
+                tok = np.zeros((self.B, S), np.int64)
+                act = np.ones(self.B, bool)
+                t0 = time.perf_counter()
+                eids = self._engram(np.zeros((self.B, self.max_seq_len), np.int64), np.zeros(self.B, np.int64), tok,
+                                    None)
+                out = spec_step_jit(self.params, cache, dcache, jnp.asarray(tok, jnp.int32),
+                                    jnp.full((self.B,), S - 1, jnp.int32), jnp.asarray(act),
+                                    jnp.zeros((self.B, self.G, V), jnp.float32), eids, None, self._keys(sp.seed, 0),
+                                    jnp.float32(max(sp.temperature, 1e-30)), jnp.int32(sp.top_k),
+                                    jnp.float32(sp.top_p), cfg=self.cfg, opts=self.opts, sampler=sampler)
+                jax.block_until_ready(out)
+                cache, dcache = init_cache(self.cfg, self.B, self.max_seq_len, self.opts), init_dspark_cache(
+                    self.cfg, self.B, self.opts)
+                dt = time.perf_counter() - t0
+                if r == 0:
+                    self.stats.compile_s += dt
+                else:
+                    ts.append(dt)
+            self.cost[S] = float(np.median(ts))
+        return dict(self.cost)
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts, max_new_tokens, sampling: SamplingParams | None = None, *,
+                 return_state: bool = False, trace: list | None = None):
+        """Generate for ``len(prompts) <= batch_size`` prompts; ``max_new_tokens`` an int or one per
+        prompt. Returns a list of token lists (and, with ``return_state``, the final ``(cache, dcache,
+        committed histories, positions)``). ``trace``: a list that receives the host copies of
+        ``(draft ids [B,G+1], draft logits [B,G,V], confidence [B,G])`` after the first token and after
+        every verify step (entry s >= 1: drafted after verifying the chunk at the s-th step)."""
+        cfg, B, G, V = self.cfg, self.B, self.G, self.cfg.vocab_size
+        sp = sampling or SamplingParams()
+        sampler = sp.static_key(V)
+        n = len(prompts)
+        if not 0 < n <= B:
+            raise ValueError(f"need 1..{B} prompts, got {n}")
+        plen = np.array([len(p) for p in prompts] + [1] * (B - n), np.int64)
+        mnt = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (n,))
+        if (mnt < 1).any():
+            raise ValueError("max_new_tokens must be >= 1")
+        if (plen[:n] + mnt + G + 1 > self.max_seq_len).any():
+            raise ValueError("prompt + max_new_tokens + gamma + 1 exceeds max_seq_len")
+        hist = np.zeros((B, self.max_seq_len + G + 2), np.int64)  # committed tokens (Engram history)
+        for b, p in enumerate(prompts):
+            hist[b, :len(p)] = p
+        cache = init_cache(cfg, B, self.max_seq_len, self.opts)
+        dcache = init_dspark_cache(cfg, B, self.opts)
+        temp, topk, topp = jnp.float32(max(sp.temperature, 1e-30)), jnp.int32(sp.top_k), jnp.float32(sp.top_p)
+        # ---- prefill
+        t0 = time.perf_counter()
+        pos = np.zeros(B, np.int64)
+        last = jnp.zeros((B, V), jnp.float32)
+        while (pos < plen).any():
+            lens = np.minimum(plen - pos, self.chunk)
+            S = self.chunk
+            tok = np.zeros((B, S), np.int64)
+            for b in range(B):
+                tok[b, :lens[b]] = hist[b, pos[b]:pos[b] + lens[b]]
+            eids = self._engram(hist, pos, tok, lens)
+            lg, cache, dcache = prefill_step_jit(self.params, cache, dcache, jnp.asarray(tok, jnp.int32),
+                                                 jnp.asarray(lens, jnp.int32), eids, None, cfg=cfg, opts=self.opts)
+            last = jnp.where(jnp.asarray(lens > 0)[:, None], lg, last)
+            pos += lens
+        nxt, ids, dl, conf = first_token_jit(self.params, dcache, last, self._keys(sp.seed, 0), temp, topk, topp,
+                                             cfg=cfg, opts=self.opts, sampler=sampler)
+        nxt, ids, conf = np.asarray(nxt), np.asarray(ids), np.asarray(conf)
+        if trace is not None:
+            trace.append((ids, np.asarray(dl), conf))
+        self.stats.prefill_s += time.perf_counter() - t0
+        out = [[int(nxt[b])] for b in range(n)]
+        active = np.array([b < n for b in range(B)])
+        for b in range(n):
+            if out[b][-1] in self.stop_ids or len(out[b]) >= mnt[b]:
+                active[b] = False
+        # ---- speculative decode
+        step = 1
+        t0 = time.perf_counter()
+        while active.any():
+            room = self.max_seq_len - pos - 1
+            k = self._choose(conf, active, room)
+            S = 1 + int(k[active].max())
+            tok = ids[:, :S].astype(np.int64)
+            lens = np.where(active, 1 + k, 0)
+            if self.propose is not None:
+                for b in range(n):
+                    if active[b]:
+                        tok[b] = self.propose(b, int(pos[b]), tok[b].copy())
+            force = None
+            if self.simulate_accept is not None:
+                f = self.simulate_accept - 1.0
+                lo = int(np.floor(f))
+                force = jnp.asarray(lo + (self._rng.random(B) < f - lo), jnp.int32)
+            eids = self._engram(hist, pos, tok, lens)
+            n_acc, nxt, cache, dcache, ids_d, dl, conf_d = spec_step_jit(
+                self.params, cache, dcache, jnp.asarray(tok, jnp.int32), jnp.asarray(np.minimum(k, S - 1), jnp.int32),
+                jnp.asarray(active), dl, eids, None, self._keys(sp.seed, step), temp, topk, topp, force, cfg=cfg,
+                opts=self.opts, sampler=sampler)
+            n_acc, nxt, ids, conf = np.asarray(n_acc), np.asarray(nxt), np.asarray(ids_d), np.asarray(conf_d)
+            if trace is not None:
+                trace.append((ids, np.asarray(dl), conf))
+            self.stats.widths[S] = self.stats.widths.get(S, 0) + 1
+            self.stats.steps += 1
+            step += 1
+            for b in range(n):
+                if not active[b]:
+                    continue
+                c = int(n_acc[b])
+                hist[b, pos[b]:pos[b] + c + 1] = tok[b, :c + 1]
+                pos[b] += c + 1
+                self.stats.row_steps += 1
+                self.stats.drafted += int(k[b])
+                self.stats.accepted += c
+                new = [int(t) for t in tok[b, 1:c + 1]] + [int(nxt[b])]
+                for t in new:
+                    out[b].append(t)
+                    self.stats.committed += 1
+                    if t in self.stop_ids or len(out[b]) >= mnt[b]:
+                        active[b] = False
+                        break
+        self.stats.decode_s += time.perf_counter() - t0
+        if return_state:
+            return out, (cache, dcache, hist, pos)
+        return out
