@@ -28,7 +28,7 @@ import math
 import os
 import re
 from collections import defaultdict
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp

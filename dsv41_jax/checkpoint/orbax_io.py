@@ -25,9 +25,8 @@ import jax
 import numpy as np
 
 from ..config import ModelConfig
-from ..params import param_specs
 from ..quant import Fp4Tensor, Fp8Tensor
-from .layout import is_engram_table, leaf_table
+from .layout import leaf_table
 from .loader import DEFAULT_HOST_BUDGET, _sharding_for, flatten_shardings
 from .safetensors_io import CheckpointError
 
