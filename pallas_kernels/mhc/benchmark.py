@@ -37,8 +37,7 @@ def run(quick=False, out_dir=None):
     rows = []
     key = jax.random.PRNGKey(2)
     mix = (2 + HC) * HC
-    log(f"# mHC site benchmark (hc={HC}, D={D}): {jax.devices()[0].device_kind}, jax {jax.__version__}, "
-        f"SPLIT_MODE={pallas_triton.SPLIT_MODE}")
+    log(f"# mHC site benchmark (hc={HC}, D={D}): {jax.devices()[0].device_kind}, jax {jax.__version__})
     log(f"{'T':>6s} {'MB':>7s} {'floor us':>9s} {'pallas us':>9s} {'xla us':>9s} {'pl/xla x':>8s} "
         f"{'mixes pl us':>11s} {'relerr pre/post/comb/exp/col':>28s}")
     for t in ([1, 8] if quick else [1, 8, 64, 4096]):
@@ -69,19 +68,6 @@ def run(quick=False, out_dir=None):
             rec["xla_s"], rec["xla_raw_s"] = time_op(fr, args, reps=reps)
             fm = lambda x, f, p, fn, s, b: pallas_triton.hc_mixes(x, fn, s, b, **KW)
             rec["pallas_mixes_s"], _ = time_op(fm, args, reps=reps)
-            if t in (1, 4096):  # the other Sinkhorn layout, for the record
-                other = "2d" if pallas_triton.SPLIT_MODE == "3d" else "3d"
-                keep = pallas_triton.SPLIT_MODE
-                pallas_triton.SPLIT_MODE = other
-                try:
-                    mo = jax.jit(lambda x, fn, s, b: pallas_triton.hc_mixes(x, fn, s, b, **KW))(*[args[0][i] for i in (0, 3, 4, 5)])
-                    rec["other_mode"] = other
-                    rec["other_mode_rel_err"] = [max_rel_err(a, b) for a, b in zip(mo, mr)]
-                    rec["other_mode_mixes_s"], _ = time_op(fm, args, reps=reps)
-                    log(f"       mixes with SPLIT_MODE={other}: {fmt_us(rec['other_mode_mixes_s'])} us, rel err "
-                        f"{'/'.join(f'{e:.1e}' for e in rec['other_mode_rel_err'])}")
-                finally:
-                    pallas_triton.SPLIT_MODE = keep
             log(f"{t:6d} {nbytes / 1e6:7.2f} {fmt_us(floor)} {fmt_us(rec['pallas_s'])} {fmt_us(rec['xla_s'])} "
                 f"{rec['xla_s'] / rec['pallas_s']:8.2f} {fmt_us(rec['pallas_mixes_s']):>11s} "
                 f"{'/'.join(f'{e:.1e}' for e in errs):>28s}")
