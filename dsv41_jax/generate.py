@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-seq-len", type=int, default=None,
                      help="cache capacity per sequence, prompt + generated (default: longest prompt + max-new-tokens)")
     gen.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill step")
+    gen.add_argument("--speculative", choices=("dspark",), default=None,
+                     help="speculative decoding with the checkpoint's DSpark drafter (dsv41_jax/speculative.py)")
+    gen.add_argument("--speculative-policy", default="all", choices=("all", "confidence"),
+                     help="drafts to verify per step: all 5, or chosen from the confidence head")
     out = p.add_argument_group("output")
     out.add_argument("--output", metavar="FILE.jsonl", help="write one JSON record per prompt, in input order")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -263,6 +267,11 @@ def run(argv=None) -> int:
             raise UsageError(f"tokenizer does not fit the model's Engram: {_one_line(e)}") from None
     opts = RunOptions(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype)
     sampling = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed)
+    if a.speculative:
+        if not (cfg.n_mtp_layers and cfg.dspark_block_size and "mtp" in model.params):
+            raise UsageError("--speculative dspark: the model has no DSpark stages (mtp.*)")
+        from .speculative import run_cli
+        return run_cli(a, model, prompts, tok, opts, sampling, max_seq_len)
     eng = Engine(model, batch_size=min(a.batch_size, len(prompts)), max_seq_len=max_seq_len, opts=opts,
                  prefill_chunk=min(a.prefill_chunk, max_seq_len), stop_ids=(cfg.eos_token_id,))
     t_load = time.perf_counter() - t0

@@ -469,3 +469,64 @@ class SpeculativeGenerator:
         if return_state:
             return out, (cache, dcache, hist, pos)
         return out
+
+
+# ---------------------------------------------------------------------------------------------
+# command line (``python -m dsv41_jax.generate --speculative dspark``)
+# ---------------------------------------------------------------------------------------------
+
+
+def run_cli(a, model, prompts, tok, opts: RunOptions, sampling: SamplingParams, max_seq_len: int) -> int:
+    """The ``--speculative dspark`` path of :mod:`dsv41_jax.generate`: same outputs (records / texts,
+    summary on stderr) from :class:`SpeculativeGenerator` in groups of ``--batch-size`` prompts; the
+    summary adds the measured acceptance length."""
+    import json
+    import sys
+
+    from .tokenizer import decode
+
+    cfg = model.cfg
+    err = sys.stderr
+    B = max(1, min(a.batch_size, len(prompts)))
+    G = cfg.dspark_block_size
+    cap = max_seq_len + G + 1
+    cap += -cap % 16
+    cap = min(cap, cfg.max_position_embeddings)
+    policy = getattr(a, "speculative_policy", "all") or "all"
+    gen = SpeculativeGenerator(model, batch_size=B, max_seq_len=cap, opts=opts,
+                               prefill_chunk=min(a.prefill_chunk, cap), policy=policy, stop_ids=(cfg.eos_token_id,))
+    print(f"speculative: DSpark, block {G}, policy {policy}, batch {B}", file=err, flush=True)
+    if policy == "confidence":
+        cost = gen.calibrate(sampling)
+        print("verify step cost (s) by width: " + ", ".join(f"{k}: {v:.4f}" for k, v in cost.items()), file=err)
+    out_f = open(a.output, "w", encoding="utf-8") if a.output else None
+    t_gen = time.perf_counter()
+    results = []
+    for g0 in range(0, len(prompts), B):
+        group = prompts[g0:g0 + B]
+        mnt = [max(1, min(a.max_new_tokens, cap - G - 1 - len(p))) for p in group]
+        ts = time.perf_counter()
+        outs = gen.generate([list(p) for p in group], mnt, sampling)
+        dt = time.perf_counter() - ts
+        for i, (p, o) in enumerate(zip(group, outs)):
+            o = o[:mnt[i]]
+            reason = "stop" if o and o[-1] == cfg.eos_token_id else "length"
+            results.append({"index": g0 + i, "output_ids": o, "finish_reason": reason, "prompt_tokens": len(p),
+                            "timings": {"total_s": round(dt, 6)}})
+    wall = time.perf_counter() - t_gen
+    for r in results:
+        ids = r["output_ids"]
+        ids = ids[:-1] if ids and ids[-1] == cfg.eos_token_id else ids
+        rec = {"index": r["index"], "text": decode(tok, ids), **{k: v for k, v in r.items() if k != "index"}}
+        if out_f is not None:
+            out_f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        else:
+            print(f"=== [{r['index']}] ({r['finish_reason']}, {len(r['output_ids'])} tokens)")
+            print(rec["text"])
+    if out_f is not None:
+        out_f.close()
+    st = gen.stats
+    n_gen = sum(len(r["output_ids"]) for r in results)
+    print(f"summary: {len(results)} prompts, {sum(len(p) for p in prompts)} prompt tokens, {n_gen} generated tokens "
+          f"in {wall:.2f} s; {st.summary()} (batch {B}, widths {dict(sorted(st.widths.items()))})", file=err)
+    return 0
