@@ -27,10 +27,12 @@ Design
   position and the ``max_ngram_size - 1`` before it (int64 arithmetic, ``engram_hash.py``). The host
   keeps each slot's compressed-id history and hashes only a ``[B, J-1+S]`` window per step (a few
   microseconds of numpy). The sampled token of step k is needed to hash step k+1, so decode pays one
-  small device->host copy of ``B`` int32 per token; that copy is the step's only host sync and
-  everything else (progress, text, bookkeeping) happens after the next step is dispatched
-  (dispatch is asynchronous). Prompt chunks need no sampled token, so their ids/rows are built
-  before dispatch with no sync in between.
+  small device->host copy of ``B`` int32 per token; that copy is the step's only host sync.
+  Steps in which no row samples (every active row is mid-prompt) are not synced at all: the next
+  chunk's hash ids / Engram rows are built on the host and its step dispatched while the device
+  still runs the previous one (dispatch is asynchronous), so prompt processing overlaps host work
+  and transfers completely. Computing the hash on the device (64-bit products emulated in 32-bit
+  limbs) would remove the per-token sync too; not done.
 * **Engram tables**, two modes with identical numbers: ``device`` (tables in the parameter tree on
   the device; the step gathers rows with ``jnp.take``) and ``host`` (tables stay host numpy /
   memmaps, e.g. as :func:`dsv41_jax.checkpoint.load_checkpoint` leaves them; the rows a step needs,
@@ -378,7 +380,8 @@ class Engine:
             if on_finish is not None:
                 on_finish(res)
 
-        t_start = time.perf_counter()
+        t_start = t_mark = time.perf_counter()
+        had_prompt = False
         admit()
         while any(s is not None for s in slots):
             in_prompt = [s is not None and s.cursor < len(s.prompt) for s in slots]
@@ -404,14 +407,16 @@ class Engine:
                     f = s.req.forced_ids
                     tokens[b, 0] = f[k] if f is not None and k < len(f) else s.out[-1]
                     lengths[b] = 1
-            t0 = time.perf_counter()
             nxt_d, logits_d = self.step(tokens, lengths, sampling=sp, request_ids=rid, steps=stp)
+            had_prompt = had_prompt or n_prompt > 0
+            self.stats.prefill_tokens += n_prompt
+            if all(s is None or s.cursor < len(s.prompt) for s in slots):
+                continue  # nobody samples this step: dispatch the next prompt chunk without a sync
             nxt = np.asarray(nxt_d)  # the step's one sync
-            want_logits = return_logits
-            lg = np.asarray(logits_d) if want_logits else None
-            dt = time.perf_counter() - t0
-            n_new = 0
+            lg = np.asarray(logits_d) if return_logits else None
             now = time.perf_counter()
+            dt, t_mark = now - t_mark, now
+            n_new = 0
             for b, s in enumerate(slots):
                 if s is None or s.cursor < len(s.prompt):
                     continue  # idle, or prompt not finished yet
@@ -430,11 +435,11 @@ class Engine:
                     finish(b, "length")
                 elif self.pos[b] + 1 > self.max_seq_len:
                     finish(b, "max_seq_len")
-            if n_prompt:
-                self.stats.prefill_tokens += n_prompt
+            if had_prompt:  # wall time since the last sync, by the kind of steps it covered
                 self.stats.prefill_s += dt
             else:
                 self.stats.decode_tokens += n_new
                 self.stats.decode_s += dt
+            had_prompt = False
             admit()
         return results  # type: ignore[return-value]
