@@ -46,7 +46,7 @@ LOGICAL_AXES: dict[str, str | tuple[str, ...]] = {
     "mlp": "tp",  # shared expert hidden dim
     "experts": "ep",  # stacked routed experts
     "expert_mlp": "tp",  # routed experts' hidden dim (moe_inter_dim)
-    "engram_rows": ("ep", "tp"),
+    "engram_rows": (),  # replicated: row-sharded gathers all-reduce e8m0 scales, which NCCL rejects
 }
 
 # (regex on the node path, logical axes per logical dim[, {dim: unit}]). First match wins; no match
@@ -260,18 +260,22 @@ def cache_shardings(cfg, mesh, batch: int, max_seq_len: int, opts):
 
 
 def shard_params(params, cfg, mesh, *, keep_host: bool = True):
-    """``jax.device_put`` every parameter onto its sharding. ``keep_host``: numpy leaves (Engram
-    tables the loader kept as host memmaps) are left where they are."""
+    """``jax.device_put`` every parameter onto its sharding. Works on any tree named like the
+    parameter tree (a subset, ``None`` holes such as an engine's host-side Engram tables).
+    ``keep_host``: numpy leaves (tables the loader kept as host memmaps) are left where they are."""
     import numpy as np
 
-    sh = param_shardings(cfg, mesh)
+    specs = tree_specs(params, mesh, PARAM_RULES, cfg)
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
 
     def put(x, s):
         if keep_host and isinstance(x, np.ndarray):
             return x
-        return jax.device_put(x, s)
+        return jax.device_put(x, NamedSharding(mesh, s))
 
-    return jax.tree.map(put, params, sh)
+    flat_s, _ = jax.tree.flatten(specs, is_leaf=is_spec)
+    flat_x, treedef = jax.tree.flatten(params)
+    return jax.tree.unflatten(treedef, [put(x, s) for x, s in zip(flat_x, flat_s)])
 
 
 def init_cache_sharded(cfg, mesh, batch: int, max_seq_len: int, opts):

@@ -250,6 +250,36 @@ def moe_unit(meshes):
                       flush=True)
 
 
+def engine_check(meshes, preset, dtype, kv):
+    """dsv41_jax.engine.Engine greedy generation, single device vs shard_engine(mesh)."""
+    import numpy as np
+
+    from dsv41_jax.engine import Engine, Request
+    from dsv41_jax.model import Model
+    from dsv41_jax.options import RunOptions
+    from dsv41_jax.sampling import SamplingParams
+    from sharding.engine_support import shard_engine
+    from sharding.mesh import make_mesh
+
+    cfg = get_config(preset)
+    model = Model(cfg, fast_init_params(cfg, 0), token_map=np.arange(cfg.vocab_size) % cfg.engram_compressed_vocab_size)
+    opts = RunOptions(dtype=dtype, kv_cache_dtype=kv)
+    rng = np.random.RandomState(2)
+    reqs = [Request(list(rng.randint(0, 50000, n)), 4) for n in (5, 9, 3)]
+
+    def gen(mesh):
+        eng = Engine(model, batch_size=2, max_seq_len=32, opts=opts, prefill_chunk=4, stop_ids=())
+        if mesh is not None:
+            shard_engine(eng, mesh)
+        return [r.output_ids for r in eng.generate(reqs, SamplingParams())]
+
+    ref = gen(None)
+    print(json.dumps({"event": "engine", "mesh": "single", "tokens": ref}), flush=True)
+    for spec in meshes:
+        out = gen(make_mesh(spec))
+        print(json.dumps({"event": "engine", "mesh": spec, "tokens": out, "tokens_equal": out == ref}), flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--meshes", default="tp=2;ep=2;dp=2,tp=2,ep=2")
@@ -263,12 +293,15 @@ def main(argv=None):
     ap.add_argument("--override", default="", help="config overrides k=v,k=v (ints)")
     ap.add_argument("--ep-path", default=None)
     ap.add_argument("--moe-unit", action="store_true")
+    ap.add_argument("--engine", action="store_true", help="Engine + shard_engine vs single device")
     ap.add_argument("--profile", type=int, default=0, help="profile this many extra decode steps per run")
     ap.add_argument("--prof-dir", default="/tmp/dsv41_sharding_prof")
     ap.add_argument("--keep-going", action="store_true", help="report a failing mesh and continue")
     a = ap.parse_args(argv)
     if a.moe_unit:
         return moe_unit([s for s in a.meshes.split(";") if s.strip()])
+    if a.engine:
+        return engine_check([s for s in a.meshes.split(";") if s.strip()], a.preset, a.dtype, a.kv)
     if a.ep_path:
         os.environ["DSV41_EP_PATH"] = a.ep_path
 

@@ -32,11 +32,13 @@ WORKER = os.path.join(ROOT, "tests", "sharding_worker.py")
 F32_MESHES = "tp=4;ep=4;dp=2,tp=2,ep=2"  # tp=2 is inside dp x tp x ep
 QUANT_MESHES = "dp=2,tp=2,ep=2"
 MOE_MESHES = "ep=2,tp=2;dp=2,ep=2,tp=2;ep=8;tp=4"
+ENGINE_MESHES = "dp=2,tp=2,ep=2"
 
 JOBS = {
     "f32": ["--meshes", F32_MESHES, "--dtype", "float32", "--kv", "float32"],
     "quant": ["--meshes", QUANT_MESHES, "--dtype", "float32", "--kv", "reference"],
     "moe": ["--moe-unit", "--meshes", MOE_MESHES],
+    "engine": ["--engine", "--meshes", ENGINE_MESHES],
 }
 
 
@@ -101,9 +103,10 @@ def test_param_rules_real_model():
     assert L["ffn"]["shared_experts"]["w1"].data == P("tp")
     assert specs["embed"]["weight"] == P("tp") and specs["head"]["weight"] == P("tp")
     assert L["ffn"]["gate"]["weight"] == P() and L["hc_attn_fn"] == P()
-    # Engram tables: rows over (ep, tp) where they divide, else the largest axis that does
+    # Engram tables: replicated on devices (row-split gathers would all-reduce e8m0 scales, which
+    # NCCL rejects); the engine / loader keep them on the host by default
     e1 = specs["layers"]["1"]["engram"]["embed"]
-    assert e1.data == e1.scale and e1.data[0] is not None
+    assert e1.data == e1.scale == P()
 
 
 def test_param_rules_tiny_fall_back_to_replication():
@@ -192,3 +195,12 @@ def test_sharded_generation_reference_quant(worker_results):
     for spec, r in _by_mesh(rows).items():
         assert r["tokens"] == single["tokens"], spec
         assert r["max_abs_diff"] <= 1e-3 * max(1.0, r["max_abs_ref"]), (spec, r["max_abs_diff"])
+
+
+def test_engine_on_mesh(worker_results):
+    rows = worker_results["engine"]
+    single = next(r for r in rows if r["mesh"] == "single")
+    meshed = [r for r in rows if r["mesh"] != "single"]
+    assert len(meshed) == len(ENGINE_MESHES.split(";"))
+    for r in meshed:
+        assert r["tokens"] == single["tokens"], r["mesh"]
