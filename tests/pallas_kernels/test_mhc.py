@@ -1,0 +1,92 @@
+"""mHC Pallas-Triton kernels: interpret-mode parity with the reference on fresh random inputs (every
+element), shape-support reasons, and cross-lowering for cuda (H200) and rocm (gfx950) at the real
+V4.1 shapes (hc = 4, D = 5120)."""
+
+import dsv41_jax  # noqa: F401  (import order: dsv41_jax before pallas_kernels)
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.mhc import api, pallas_triton, reference
+from pallas_kernels.testing import lower_for
+
+HC = 4
+KW = dict(norm_eps=1e-20, hc_eps=1e-6, sinkhorn_iters=20)
+
+
+def inputs(seed, t, d, dtype):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    x = jax.random.normal(ks[0], (t, HC, d), dtype) * 2
+    fn = jax.random.normal(ks[1], ((2 + HC) * HC, HC * d), jnp.float32) * 0.05
+    scale = jax.random.uniform(ks[2], (3,), jnp.float32, 0.5, 2.0)
+    base = jax.random.normal(ks[3], ((2 + HC) * HC,), jnp.float32)
+    f = jax.random.normal(ks[4], (t, d), dtype)
+    return x, fn, scale, base, f
+
+
+# hc_mixes: all fp32 in both; the projection's products are exact in the kernel (fp32 FMAs, or
+# three bf16 pieces of fn against bf16 x), only the summation order differs: atol 2e-6 on values
+# in [0, 2]. (config: (rows per program, K block, K splits); None = the default for that T.)
+@pytest.mark.parametrize("t,dtype,config", [
+    (1, jnp.bfloat16, None),          # decode: one row per program, split K, two kernels
+    (3, jnp.float32, (1, 128, 4)),
+    (5, jnp.bfloat16, (16, 128, 1)),  # dot path, rows padded to 16, one fused kernel
+    (20, jnp.float32, (16, 128, 2)),  # dot path, two row tiles, split K
+])
+def test_mixes_parity_interpret(t, dtype, config):
+    x, fn, scale, base, _ = inputs(np.random.randint(1 << 30), t, 256, dtype)
+    out = pallas_triton.hc_mixes(x, fn, scale, base, interpret=True, config=config, **KW)
+    ref = reference.hc_mixes(x, fn, scale, base, **KW)
+    for a, b in zip(out, ref):
+        assert a.shape == b.shape and a.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-6)
+
+
+# collapse / expand: fp32 multiply-add of the same terms, another order, then rounding to the
+# output dtype: one ulp of the output (bf16 2^-8 relative, f32 ~1e-6).
+@pytest.mark.parametrize("t,dtype", [(1, jnp.bfloat16), (6, jnp.float32), (16, jnp.bfloat16)])
+def test_collapse_expand_parity_interpret(t, dtype):
+    x, fn, scale, base, f = inputs(np.random.randint(1 << 30), t, 256, dtype)
+    pre, post, comb = reference.hc_mixes(x, fn, scale, base, **KW)
+    tol = 2.0**-8 if dtype == jnp.bfloat16 else 2e-6
+    yc = api.hc_collapse(x, pre, implementation="interpret")
+    rc = reference.hc_collapse(x, pre)
+    assert yc.dtype == x.dtype
+    np.testing.assert_allclose(np.asarray(yc, np.float32), np.asarray(rc, np.float32), rtol=tol, atol=tol)
+    ye = api.hc_expand(f, x, post, comb, implementation="interpret")
+    re_ = reference.hc_expand(f, x, post, comb)
+    assert ye.dtype == f.dtype and ye.shape == x.shape
+    np.testing.assert_allclose(np.asarray(ye, np.float32), np.asarray(re_, np.float32), rtol=tol, atol=tol)
+
+
+def test_api_routes_and_reasons():
+    x, fn, scale, base, _ = inputs(0, 2, 256, jnp.bfloat16)
+    assert pallas_triton.unsupported_reason(x, fn) is None
+    assert "hc = 4" in pallas_triton.unsupported_reason(jnp.ones((2, 2, 256)), jnp.ones((8, 512)))
+    assert "fn must be" in pallas_triton.unsupported_reason(x, fn[:, :512])
+    assert "multiple of 64" in pallas_triton.collapse_reason(jnp.ones((2, 4, 96)), jnp.ones((2, 4)))
+    with pytest.raises(ValueError, match="cannot run this shape"):
+        api.hc_mixes(x, fn[:, :512], scale, base, implementation="interpret", **KW)
+    pre, post, comb = api.hc_mixes(x, fn, scale, base, implementation="interpret", **KW)
+    assert pre.shape == (2, HC) and post.shape == (2, HC) and comb.shape == (2, HC, HC)
+
+
+S = jax.ShapeDtypeStruct
+
+
+@pytest.mark.parametrize("target", ["cuda", "rocm"])
+def test_cross_lowering_real_shapes(target):
+    from jax.experimental.pallas import triton as pltriton
+
+    name = pltriton.CUSTOM_CALL_TARGET_NAME
+    for t in (1, 8, 64, 4096):
+        mix = lambda x, fn, s, b: pallas_triton.hc_mixes(x, fn, s, b, **KW)
+        txt = lower_for(target, mix, S((t, HC, 5120), jnp.bfloat16), S((24, HC * 5120), jnp.float32),
+                        S((3,), jnp.float32), S((24,), jnp.float32)).as_text()
+        assert 1 <= txt.count(name) <= 2  # one or two kernels for the mixes
+        txt = lower_for(target, pallas_triton.hc_collapse, S((t, HC, 5120), jnp.bfloat16), S((t, HC), jnp.float32)).as_text()
+        assert txt.count(name) == 1
+        txt = lower_for(target, pallas_triton.hc_expand, S((t, 5120), jnp.bfloat16), S((t, HC, 5120), jnp.bfloat16),
+                        S((t, HC), jnp.float32), S((t, HC, HC), jnp.float32)).as_text()
+        assert txt.count(name) == 1
