@@ -19,6 +19,8 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
             pallas_triton = None
         if pallas_triton is not None:
             reason = pallas_triton.unsupported_reason(x, weights, indices, w1, w2, w3)
+            if reason is None and implementation is None and dispatch.default_implementation() == "auto":
+                reason = pallas_triton.auto_reason()  # 'auto' only: not yet checked on a GPU
             if reason is None:
                 return pallas_triton.moe_experts(x, weights, indices, w1, w2, w3, swiglu_limit=swiglu_limit,
                                                  act_block=act_block, interpret=impl == "interpret")

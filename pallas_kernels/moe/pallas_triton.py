@@ -71,6 +71,13 @@ def unsupported_reason(x, weights, indices, w1, w2, w3, act_block=32):
     return None
 
 
+def auto_reason():
+    """Plain 'auto' keeps the reference until the fused MoE is verified on an H200: the last GPU
+    run (before the FP4 decode moved to e4m3 bit patterns) differed from the reference by 2.6e-2
+    of max|y|. implementation='pallas' still runs it."""
+    return "the fused MoE has not been verified on an H200 yet"
+
+
 def _config(n_pairs: int, n_exp: int, i: int, d: int):
     """(bt, bi, bk_a, bd, bk_b, warps)."""
     rows_per_expert = n_pairs / max(1, min(n_exp, n_pairs))

@@ -327,6 +327,18 @@ def unsupported_reason(x, w, *, act_block=32):
     return weight_reason(w)
 
 
+def auto_reason(x, w):
+    """Why plain 'auto' dispatch should not pick this kernel on a GPU yet (None: pick it). Only the
+    FP8 weight-streaming GEMV (<= 64 rows) has been checked against the reference on an H200
+    (BENCHMARKS.md, Pallas kernels II); the MXFP4 decode and the tiled prefill configuration have
+    not. implementation='pallas' (argument, context or DSV41_KERNELS) still runs every path."""
+    if weight_format(w) != "fp8":
+        return "only the FP8 GEMV path has been verified on an H200"
+    if math.prod(x.shape[:-1]) > GEMV_MAX_ROWS:
+        return "the tiled (prefill) configuration has not been verified on an H200"
+    return None
+
+
 def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, config=None):
     reason = unsupported_reason(x, w, act_block=act_block)
     if reason is not None:

@@ -125,3 +125,17 @@ def test_cross_lowering_fp4_and_plain(target):
         _lower(target, m, fp4_spec(2304, 5120))
         _lower(target, m, fp4_spec(5120, 2304))
         _lower(target, m, S((1024, 4096), jnp.bfloat16))  # wo_a group, dequantized to bf16
+
+
+def test_auto_gate_on_gpu(monkeypatch):
+    """Plain 'auto' on a GPU keeps the reference for paths not yet verified on an H200."""
+    monkeypatch.delenv("DSV41_KERNELS", raising=False)
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
+    assert dispatch.resolve(None) == "pallas"
+    x = jnp.ones((2, 256), jnp.bfloat16)
+    w4 = quantize_mxfp4(jnp.ones((64, 256)))
+    assert pallas_triton.auto_reason(x, w4) is not None
+    assert pallas_triton.auto_reason(jnp.ones((65, 256), jnp.bfloat16), quantize_fp8(jnp.ones((64, 256)))) is not None
+    assert pallas_triton.auto_reason(x, quantize_fp8(jnp.ones((64, 256)))) is None
+    y = api.quantized_matmul(x, w4)  # would need a GPU if it took the Pallas path
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(reference.quantized_matmul(x, w4), np.float32))
