@@ -244,6 +244,10 @@ def run(argv=None) -> int:
     # ---- the model (only now: everything above is cheap and checked first)
     import jax  # noqa: F401  (heavy imports after the checks)
 
+    from .compile_cache import enable_compilation_cache
+
+    enable_compilation_cache()  # ~/.cache/dsv41_jax/jax (DSV41_COMPILE_CACHE=off disables)
+
     from .engine import Engine, Request
     from .model import Model
     from .options import RunOptions
