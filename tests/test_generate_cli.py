@@ -140,3 +140,22 @@ def test_module_entry_point_reports_one_line():
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["error: --top-p must be in (0, 1], got 2.0"]
+
+
+def test_prompt_files_and_bos(tmp_path):
+    """Text lines vs JSONL; BOS (id 0) prepended to raw text only, input_ids used as given."""
+    from dsv41_jax.generate import _read_prompts_file, _tokenize
+    from dsv41_jax.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(checkpoint_dir=FIX)  # the fixture's 192-id WordLevel tokenizer
+    txt = tmp_path / "p.txt"
+    txt.write_text("the cat\n\n  \nhello world\n")
+    items = _read_prompts_file(str(txt))
+    assert [it["prompt"] for it in items] == ["the cat", "hello world"]
+    ids = _tokenize(items, tok, 192)
+    assert all(p[0] == 0 and len(p) > 1 for p in ids)
+    assert ids[0][1:] == tok.encode("the cat", add_special_tokens=False).ids
+    jl = tmp_path / "p.jsonl"
+    jl.write_text('{"input_ids": [5, 6, 7]}\n{"prompt": "the cat"}\n')
+    ids = _tokenize(_read_prompts_file(str(jl)), tok, 192)
+    assert ids[0] == [5, 6, 7] and ids[1][0] == 0
