@@ -270,11 +270,13 @@ class SpeculativeGenerator:
 
     def __init__(self, model, *, batch_size: int, max_seq_len: int, opts: RunOptions | None = None,
                  prefill_chunk: int = 64, policy: str = "all", stop_ids=(1,), propose=None,
-                 simulate_accept: float | None = None):
+                 simulate_accept: float | None = None, pad_width: bool = False):
         """``propose(row, pos, tokens_row) -> tokens_row`` (tests): replaces a row's verify chunk
         ``[anchor, drafts...]`` on the host before verification (e.g. oracle drafts). ``simulate_accept``
         (benchmarks, not lossless): force the accepted-draft count per step to floor/ceil of
-        ``simulate_accept - 1`` at random with that mean (e.g. 5.5 -> 4 or 5 drafts, 5 or 6 tokens)."""
+        ``simulate_accept - 1`` at random with that mean (e.g. 5.5 -> 4 or 5 drafts, 5 or 6 tokens).
+        ``pad_width``: always run the verify program at width ``gamma + 1`` (rows verifying fewer drafts
+        are padded; one compiled program instead of one per width: tests, compile-bound hosts)."""
         self.cfg: ModelConfig = model.cfg
         cfg = self.cfg
         if not (cfg.n_mtp_layers and cfg.dspark_block_size and "mtp" in model.params):
@@ -297,6 +299,7 @@ class SpeculativeGenerator:
         self.stats = SpecStats()
         self.propose = propose
         self.simulate_accept = simulate_accept
+        self.pad_width = pad_width
         self._rng = np.random.default_rng(0)
 
     # ------------------------------------------------------------------ host helpers
@@ -426,7 +429,7 @@ class SpeculativeGenerator:
         while active.any():
             room = self.max_seq_len - pos - 1
             k = self._choose(conf, active, room)
-            S = 1 + int(k[active].max())
+            S = self.G + 1 if self.pad_width else 1 + int(k[active].max())
             tok = ids[:, :S].astype(np.int64)
             lens = np.where(active, 1 + k, 0)
             if self.propose is not None:

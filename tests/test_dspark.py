@@ -5,7 +5,7 @@ anchor (argmax of that call's logits). Float32 with unquantized KV: draft ids ex
 (Markov bias included) and raw confidence logits within 2e-4.
 
 The run goes through :class:`dsv41_jax.speculative.SpeculativeGenerator` with ``policy="fixed:0"``
-(verify no drafts = plain one-token decode steps), whose step program updates the DSpark rings with
+(verify no drafts = plain one-token decode steps, in the gamma+1-wide program padded), whose step program updates the DSpark rings with
 the fed token's features and drafts after it, exactly the fixture's protocol. It shares its compiled
 programs with tests/test_speculative.py (same batch 2, max_seq_len 160, prefill chunk 8)."""
 
@@ -32,7 +32,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def traced(model, fx):
-    gen = SpeculativeGenerator(model, batch_size=2, max_seq_len=160, opts=F32, prefill_chunk=8, policy="fixed:0")
+    gen = SpeculativeGenerator(model, batch_size=2, max_seq_len=160, opts=F32, prefill_chunk=8, policy="fixed:0",
+                               pad_width=True)
     trace = []
     out = gen.generate([list(p) for p in fx["input_ids"]], 17, trace=trace)
     return out, trace

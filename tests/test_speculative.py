@@ -41,7 +41,7 @@ def prompts():
 
 
 def _gen(model, **kw):
-    return SpeculativeGenerator(model, batch_size=2, max_seq_len=160, opts=F32, prefill_chunk=8, **kw)
+    return SpeculativeGenerator(model, batch_size=2, max_seq_len=160, opts=F32, prefill_chunk=8, pad_width=True, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +154,20 @@ def test_confidence_policy(model):
     k = gen._choose(np.array([[8.0, 8.0, -8.0, 8.0, 8.0]] * 2), act, room)
     assert k.tolist() == [2, 2]
     assert gen._choose(np.full((2, 5), 8.0), act, np.array([3, 100])).tolist() == [3, 5]
+
+
+def test_cli_speculative_dspark(tmp_path, prompts, plain, capsys):
+    import json
+
+    from dsv41_jax import generate
+
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"input_ids": [int(t) for t in p]}) + "\n" for p in prompts))
+    out = tmp_path / "o.jsonl"
+    rc = generate.main(["--checkpoint", FIX, "--prompts", str(src), "--output", str(out), "--max-new-tokens", str(NEW),
+                        "--dtype", "float32", "--kv-cache-dtype", "float32", "--batch-size", "2", "--prefill-chunk", "8",
+                        "--max-seq-len", "154", "--speculative", "dspark", "--no-progress"])
+    assert rc == 0
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["output_ids"] for r in recs] == plain
+    assert "acceptance length" in capsys.readouterr().err
