@@ -112,10 +112,18 @@ def test_reset_slot_restores_one_row(model):
 def test_cache_report_v41_flash_bytes():
     from dsv41_jax.config import get_preset
 
+    from dsv41_jax.cache import global_kv_bytes_per_token, window_bytes_per_sequence
+    from dsv41_jax.engine import cache_bytes
+
     cfg = get_preset("v41-flash")
     line = cache_report(cfg, RunOptions(), 1, 1024)
-    assert "global KV 890 B/token" in line
-    assert "window" in line
+    assert "global KV 890 B/token" in line and "window" in line
+    for name in ("v41-flash", "tiny"):
+        c = get_preset(name)
+        per_token, fixed = cache_bytes(c, RunOptions())  # measured on init_cache's shapes
+        assert per_token == global_kv_bytes_per_token(c)
+        states = sum(2 * c.ratio(l) * c.head_dim * 4 for l in c.kv_source_layers if c.ratio(l) > 1)
+        assert fixed == window_bytes_per_sequence(c) + states + 4  # + pos (int32)
 
 
 def test_bad_requests(model):
