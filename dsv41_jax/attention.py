@@ -20,12 +20,23 @@ Decisions where the reference is silent or inconsistent:
   reference's decode path reads a stale slot; the fixture and we follow the consistent semantics);
 * a top-k pick whose score is -inf (masked) is no pick (-1), also at re-index layers with fewer
   candidates than k (``attention.md`` §14.2).
+
+V4 (``cfg.is_v4``, ``attention.md`` §3-§6), on the same code: per-head q RMS normalisation without
+weight; every compressed layer compresses into its own cache (ratio 4 = CSA: overlapping windows,
+``coff = 2``, the previous block's first half pooled with the current block's second half; other
+ratios = HCA: non-overlapping, and attention reads every complete block); both carry the learned
+in-block bias ``ape`` on the gate logits. CSA layers run their own lightning indexer whose keys come
+from the indexer's own compressor (d = index_head_dim), with the Hadamard rotation on q and k before
+the FP4 rounding (``RunOptions.hadamard``; off = transformers' ``deepseek_v4``, the HF comparison
+mode). Reference KV rounding: FP8 (block 64) on the non-RoPE dims of window and compressed KV, RoPE
+dims bf16; index q/k MXFP4 — stored as rounded values in plain arrays, as DeepSeek's V4 code does.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.lightning_indexer import lightning_indexer, select_candidate_blocks
 from pallas_kernels.sparse_attention import sparse_attention
@@ -34,9 +45,46 @@ from .config import ModelConfig
 from .layers import linear, norm, weight_of
 from .options import RunOptions
 from .quant import Fp4Tensor, Fp8Tensor, dequantize, quantize_fp4_e4m3, quantize_fp8, quantize_mxfp4
+from .quant.fake_quant import fake_quant_fp8, fake_quant_mxfp4
 from .rope import apply_rope, layer_frequencies, rope_angles
 
 _HI = jax.lax.Precision.HIGHEST
+
+
+def _store_v4(x, kind: str, opts: RunOptions, rope_dim: int):
+    """V4 cache values (``attention.md`` §3.2, §5.2, §7.1): reference mode rounds the non-RoPE dims
+    to FP8 (block 64) and keeps the RoPE dims at bf16 (window and compressed KV), or rounds index
+    keys/queries to MXFP4; the rounded values are kept in plain arrays of the compute dtype."""
+    if not opts.quantized_kv:
+        return x.astype(opts.kv_dtype)
+    dt = opts.compute_dtype
+    if kind == "index":
+        return fake_quant_mxfp4(x, 32).astype(dt)
+    nope = x.shape[-1] - rope_dim
+    blk = 64 if nope % 64 == 0 else nope
+    return jnp.concatenate([fake_quant_fp8(x[..., :nope], blk).astype(dt),
+                            x[..., nope:].astype(jnp.bfloat16).astype(dt)], axis=-1)
+
+
+def _hadamard_matrix(n: int):
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    if h.shape[0] != n:
+        raise ValueError(f"Hadamard rotation needs a power-of-two width, got {n}")
+    return h / np.sqrt(np.float32(n))
+
+
+def hadamard(x):
+    """``x @ H_n / sqrt(n)`` over the last dim (Sylvester order; ``attention.md`` §2.4), fp32."""
+    h = jnp.asarray(_hadamard_matrix(x.shape[-1]))
+    return jnp.einsum("...i,ij->...j", x.astype(jnp.float32), h, precision=_HI).astype(x.dtype)
+
+
+def head_rms_norm(q, eps: float):
+    """V4's per-head RMS normalisation of q, without weight (``attention.md`` §3.1 step 3)."""
+    qf = q.astype(jnp.float32)
+    return (qf * jax.lax.rsqrt(jnp.mean(qf * qf, axis=-1, keepdims=True) + eps)).astype(q.dtype)
 
 
 def _store(x, kind: str, opts: RunOptions):
@@ -99,9 +147,16 @@ def update_ring(ring, chunk, pos0, lengths, window: int):
     return _select_rows(from_chunk, rows, ring)
 
 
-def compress(p, x, lc, pos0, lengths, m: int, cfg: ModelConfig, opts: RunOptions):
+def compress(p, x, lc, pos0, lengths, m: int, cfg: ModelConfig, opts: RunOptions, *, overlap: bool = False,
+             state: str = "state"):
     """The KV source's compressor over the chunk. Returns (latent [B,nb,Dh] pre-RoPE in x.dtype,
-    entry index [B,nb], entry valid [B,nb], new state dict)."""
+    entry index [B,nb], entry valid [B,nb], new state dict).
+
+    ``p["ape"]`` (V4), when present, is added to the gate logits at each token's in-block position.
+    ``overlap`` (V4 ratio 4): the projections are 2d wide and entry j pools, per channel, one softmax
+    over the first halves of block j-1 and the second halves of block j (block -1 does not exist).
+    The state ``{state}_kv`` / ``{state}_score`` holds the open block's tokens, preceded (overlap)
+    by the last complete block: rows ``[lead + m, C]`` with ``lead = m if overlap else 0``."""
     B, S, _ = x.shape
     if m == 1:
         latent = norm(linear(x, p["wkv"]), p["norm"], cfg.norm_eps)
@@ -111,37 +166,48 @@ def compress(p, x, lc, pos0, lengths, m: int, cfg: ModelConfig, opts: RunOptions
     xf = x.astype(jnp.float32)
     kv = jnp.einsum("bsd,od->bso", xf, weight_of(p["wkv"]).astype(jnp.float32), precision=_HI)
     sc = jnp.einsum("bsd,od->bso", xf, weight_of(p["wgate"]).astype(jnp.float32), precision=_HI)
+    if "ape" in p:
+        tok_pos = pos0[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :]
+        sc = sc + jnp.take(p["ape"].astype(jnp.float32), jnp.mod(tok_pos, m), axis=0)
+    lead = m if overlap else 0  # rows of the previous (complete) block kept before the open one
     nb = -(-(S + m - 1) // m)
     b0 = pos0 // m
     r0 = pos0 - b0 * m  # tokens of the open block already in the state
-    i = jnp.arange(nb * m, dtype=jnp.int32)[None, :]
-    c = i - r0[:, None]
-    from_state = i < r0[:, None]
+    i = jnp.arange(lead + nb * m, dtype=jnp.int32)[None, :]
+    c = i - lead - r0[:, None]
+    from_state = i < (lead + r0)[:, None]
     from_chunk = (c >= 0) & (c < lengths[:, None])
-    si = jnp.clip(i, 0, m - 1)
+    si = jnp.clip(i, 0, lead + m - 1)
     ci = jnp.clip(c, 0, S - 1)
     g = lambda a, idx: jnp.take_along_axis(a, idx[..., None], axis=1)  # noqa: E731
-    buf_kv = jnp.where(from_state[..., None], g(lc["state_kv"], si), jnp.where(from_chunk[..., None], g(kv, ci), 0.0))
-    buf_sc = jnp.where(from_state[..., None], g(lc["state_score"], si),
-                       jnp.where(from_chunk[..., None], g(sc, ci), -jnp.inf))
+    skv, ssc = lc[f"{state}_kv"], lc[f"{state}_score"]
+    buf_kv = jnp.where(from_state[..., None], g(skv, si), jnp.where(from_chunk[..., None], g(kv, ci), 0.0))
+    buf_sc = jnp.where(from_state[..., None], g(ssc, si), jnp.where(from_chunk[..., None], g(sc, ci), -jnp.inf))
     j = jnp.arange(nb, dtype=jnp.int32)[None, :]
     complete = (j + 1) * m <= (r0 + lengths)[:, None]  # [B, nb]
-    bk = buf_kv.reshape(B, nb, m, -1)
-    bs = jnp.where(complete[..., None, None], buf_sc.reshape(B, nb, m, -1), 0.0)
+    bk = buf_kv[:, lead:].reshape(B, nb, m, -1)
+    bs = buf_sc[:, lead:].reshape(B, nb, m, -1)
+    if overlap:  # block j-1's first halves + block j's second halves: 2m candidates per channel
+        d = kv.shape[-1] // 2
+        pk = buf_kv[:, : nb * m].reshape(B, nb, m, -1)
+        ps = buf_sc[:, : nb * m].reshape(B, nb, m, -1)
+        bk = jnp.concatenate([pk[..., :d], bk[..., d:]], axis=2)
+        bs = jnp.concatenate([ps[..., :d], bs[..., d:]], axis=2)
+    bs = jnp.where(complete[..., None, None], bs, 0.0)
     pooled = jnp.sum(bk * jax.nn.softmax(bs, axis=2), axis=2)
     latent = norm(pooled.astype(x.dtype), p["norm"], cfg.norm_eps)
-    # the new open block: local positions full .. e-1
+    # the new state: [previous complete block (overlap)] + the open block, local positions full-lead .. e-1
     e = r0 + lengths
     full = (e // m) * m
-    s = jnp.arange(m, dtype=jnp.int32)[None, :]
-    li = full[:, None] + s
-    keep = li < e[:, None]
-    li = jnp.clip(li, 0, nb * m - 1)
-    state = {
-        "state_kv": jnp.where(keep[..., None], g(buf_kv, li), 0.0),
-        "state_score": jnp.where(keep[..., None], g(buf_sc, li), -jnp.inf),
+    s = jnp.arange(lead + m, dtype=jnp.int32)[None, :]
+    li = full[:, None] + s  # buffer rows
+    keep = s < (lead + e - full)[:, None]
+    li = jnp.clip(li, 0, lead + nb * m - 1)
+    new_state = {
+        f"{state}_kv": jnp.where(keep[..., None], g(buf_kv, li), 0.0),
+        f"{state}_score": jnp.where(keep[..., None], g(buf_sc, li), -jnp.inf),
     }
-    return latent, b0[:, None] + j, complete, state
+    return latent, b0[:, None] + j, complete, new_state
 
 
 def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: dict, pos0, lengths, shared: dict):
@@ -158,11 +224,13 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
 
     qr = norm(linear(x, p["wq_a"], act_block=act), p["q_norm"], cfg.norm_eps)
     q = linear(qr, p["wq_b"], act_block=act).reshape(B, S, H, Dh)
+    if cfg.is_v4:
+        q = head_rms_norm(q, cfg.norm_eps)
     q = apply_rope(q, ang)
 
     kv = norm(linear(x, p["wkv"], act_block=act), p["kv_norm"], cfg.norm_eps)
     kv = apply_rope(kv, ang)
-    kv_chunk = _store(kv, "window", opts)
+    kv_chunk = _store_v4(kv, "window", opts, cfg.rope_head_dim) if cfg.is_v4 else _store(kv, "window", opts)
     lc = dict(cache_layers[str(l)])
     window_kv = _concat_rows(lc["window"], kv_chunk)
     win_idx = window_indices(positions, pos0, W)
@@ -170,7 +238,11 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
     cache_layers = {**cache_layers, str(l): lc}
 
     comp_kv, comp_idx = None, None
-    if m > 0:
+    if m > 0 and cfg.is_v4:
+        lc, comp_kv, comp_idx, shared = _v4_compressed(p, x, qr, l, m, cfg, opts, lc, pos0, lengths, positions, ang,
+                                                       freqs, shared)
+        cache_layers = {**cache_layers, str(l): lc}
+    elif m > 0:
         src = cfg.kv_source_of(l)
         if src == l:
             latent, ent_idx, ent_valid, state = compress(p["compressor"], x, lc, pos0, lengths, m, cfg, opts)
@@ -216,3 +288,46 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
     o = jnp.einsum("bsgd,grd->bsgr", o, wo_a, preferred_element_type=jnp.float32, precision=_HI).astype(dtype)
     out = linear(o.reshape(B, S, G * Lo), p["wo_b"], act_block=act)
     return out, cache_layers, shared
+
+
+def _v4_compressed(p, x, qr, l, m, cfg: ModelConfig, opts: RunOptions, lc, pos0, lengths, positions, ang, freqs,
+                   shared):
+    """V4's compressed branch of layer ``l``: its own compressor into its own cache, then the key
+    set — CSA (ratio 4): the top-k of its own indexer; HCA: every complete block. Returns (layer
+    cache, compressed KV store, indices [B,S,K] (-1 = none), shared runtime slots)."""
+    B, S, _ = x.shape
+    act = cfg.fp8_block_size
+    lc = dict(lc)
+    latent, ent_idx, ent_valid, state = compress(p["compressor"], x, lc, pos0, lengths, m, cfg, opts,
+                                                 overlap=cfg.overlap(l))
+    eang = rope_angles(ent_idx * m, freqs)  # entry j at its block's first position j*m
+    latent = apply_rope(latent, eang)
+    n_cap = lc["comp"].shape[1]
+    dst = jnp.where(ent_valid, ent_idx, n_cap)  # out of range -> dropped
+    lc["comp"] = _scatter_rows(lc["comp"], dst, _store_v4(latent, "comp", opts, cfg.rope_head_dim))
+    lc.update(state)
+    visible = (positions + 1) // m  # complete blocks only
+    if cfg.overlap(l):  # CSA: own lightning indexer over its own index-key compressor
+        ix = p["indexer"]
+        k, _, _, istate = compress(ix["compressor"], x, lc, pos0, lengths, m, cfg, opts, overlap=True,
+                                   state="index_state")
+        k = apply_rope(k, eang)
+        if opts.hadamard:
+            k = hadamard(k)
+        lc["index_k"] = _scatter_rows(lc["index_k"], dst, _store_v4(k, "index", opts, cfg.rope_head_dim))
+        lc.update(istate)
+        qi = linear(qr, ix["wq_b"], act_block=act).reshape(B, S, cfg.index_n_heads, cfg.index_head_dim)
+        qi = apply_rope(qi, ang)
+        if opts.hadamard:
+            qi = hadamard(qi)
+        if opts.quantized_kv:
+            qi = _store_v4(qi, "index", opts, cfg.rope_head_dim)
+        wscale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
+        weights = (linear(x, ix["weights_proj"]) * wscale).astype(x.dtype).astype(jnp.float32)
+        res = lightning_indexer(qi, weights, lc["index_k"], visible, top_k=min(cfg.index_topk, n_cap))
+        comp_idx = res.topk
+        shared = {**shared, "topk": comp_idx, f"topk_{l}": comp_idx}
+    else:  # HCA: dense over all complete blocks
+        j = jnp.arange(n_cap, dtype=jnp.int32)
+        comp_idx = jnp.where(j[None, None, :] < visible[..., None], j[None, None, :], -1)
+    return lc, lc["comp"], comp_idx, shared

@@ -12,6 +12,13 @@
   ratio > 1: ``state_kv`` / ``state_score`` fp32 ``[B, ratio, head_dim]``, the partial block (a
   compressed entry becomes visible only when its block is complete).
 
+V4 (``cfg.is_v4``): every compressed layer has its own ``comp`` (``max_seq_len // ratio`` entries)
+and ``state_kv`` / ``state_score`` (``[B, lead + ratio, coff * head_dim]``, ``lead = coff = 2`` rows of
+the previous complete block for the overlapping ratio-4 compressor); ratio-4 (CSA) layers also have
+``index_k`` and ``index_state_kv`` / ``index_state_score`` for the indexer's own compressor. All are
+plain arrays (``reference`` mode stores DeepSeek's rounded values in the compute dtype, as its V4
+code does). The MTP blocks (layers ``n_layers..``) have a window ring only.
+
 Per-step transient state (top-k lists, the layer-20 candidate blocks) is recomputed each step, as
 in the reference. The Engram n-gram history is the token history the engine keeps per sequence.
 """
@@ -49,6 +56,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_seq_len: int, opts: RunOptions)
         raise ValueError(f"max_seq_len {max_seq_len} exceeds max_position_embeddings {cfg.max_position_embeddings}")
     q = opts.quantized_kv
     dh, di, w = cfg.head_dim, cfg.index_head_dim, cfg.window_size
+    if cfg.is_v4:
+        return {"pos": jnp.zeros((batch,), jnp.int32), "layers": _v4_layers(cfg, batch, max_seq_len, opts)}
     layers = {}
     for l in range(cfg.n_layers):
         c = {"window": _fp8_rows((batch, w, dh)) if q else jnp.zeros((batch, w, dh), opts.kv_dtype)}
@@ -62,6 +71,30 @@ def init_cache(cfg: ModelConfig, batch: int, max_seq_len: int, opts: RunOptions)
                 c["state_score"] = jnp.full((batch, m, dh), -jnp.inf, jnp.float32)
         layers[str(l)] = c
     return {"pos": jnp.zeros((batch,), jnp.int32), "layers": layers}
+
+
+def _v4_layers(cfg: ModelConfig, batch: int, max_seq_len: int, opts: RunOptions) -> dict:
+    dt = opts.compute_dtype if opts.quantized_kv else opts.kv_dtype
+    dh, di, w = cfg.head_dim, cfg.index_head_dim, cfg.window_size
+
+    def state(c, rows, width):
+        c[f"{rows[0]}_kv"] = jnp.zeros((batch, rows[1], width), jnp.float32)
+        c[f"{rows[0]}_score"] = jnp.full((batch, rows[1], width), -jnp.inf, jnp.float32)
+
+    layers = {}
+    n_all = cfg.n_layers + (cfg.n_mtp_layers if cfg.has_mtp else 0)
+    for l in range(n_all):
+        c = {"window": jnp.zeros((batch, w, dh), dt)}
+        m = cfg.ratio(l) if l < cfg.n_layers else 0
+        if m > 0:
+            coff = 2 if cfg.overlap(l) else 1
+            c["comp"] = jnp.zeros((batch, max_seq_len // m, dh), dt)
+            state(c, ("state", (coff - 1) * m + m), coff * dh)
+            if cfg.overlap(l):
+                c["index_k"] = jnp.zeros((batch, max_seq_len // m, di), dt)
+                state(c, ("index_state", 2 * m), 2 * di)
+        layers[str(l)] = c
+    return layers
 
 
 def cache_capacity(cache: dict, cfg: ModelConfig) -> int:

@@ -1,7 +1,19 @@
 """Model configuration: one frozen dataclass, read from DeepSeek's official ``config.json`` (the
 flat inference ``ModelArgs`` keys, or the Hugging Face ``deepseek_v41`` composite with a
-``text_config``), plus the presets ``v41-flash`` (real dimensions) and ``tiny`` (CPU size, every
-V4.1 feature switched on).
+``text_config``, or the Hugging Face ``deepseek_v4`` config), plus the presets ``v41-flash`` (real
+dimensions), ``tiny`` (CPU size, every V4.1 feature switched on), ``v4-flash`` and ``v4-pro``.
+
+Two generations share the code, selected by ``family``:
+
+* ``"v41"`` (V4.1-Flash): shared compressed caches (``kv_source_layers`` / ``index_source_layers``),
+  delayed mHC, Engram, DSpark stages.
+* ``"v4"`` (V4-Flash / V4-Pro, ``shared/spec/model.md`` §3.1): every compressed layer is its own KV
+  source with its own compressor (ratio 4 = CSA: overlapping, plus its own indexer with its own
+  index-key compressor; other ratios = HCA: non-overlapping, dense over all complete blocks),
+  per-head q RMS normalisation, per-site mHC with ``hc_head``, hash routing in the first
+  ``n_hash_layers`` layers, FP8 128x128 weight blocks with 128-wide activation blocks, and
+  ``n_mtp_layers`` MTP blocks (not DSpark). ``kv_source_layers`` / ``index_source_layers`` are derived
+  (all compressed layers / all ratio-4 layers).
 
 Field names follow DeepSeek's inference ``ModelArgs`` (``shared/spec/model.md`` §1.1).
 ``compress_ratios`` has one entry per backbone layer followed by one per DSpark stage.
@@ -105,11 +117,19 @@ class ModelConfig:
     bos_token_id: int = 0
     eos_token_id: int = 1
     pad_token_id: int = 2
+    # generation: "v41" (V4.1-Flash) or "v4" (V4-Flash / V4-Pro); see the module docstring
+    family: str = "v41"
+    n_hash_layers: int = 0  # V4: layers 0..n_hash_layers-1 route by ``ffn.gate.tid2eid[token]``
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
         for f in _LIST_FIELDS:
             object.__setattr__(self, f, tuple(int(v) for v in getattr(self, f)))
+        if self.family == "v4":  # every compressed layer owns its caches; CSA layers own an indexer
+            rs = self.compress_ratios[: self.n_layers]
+            object.__setattr__(self, "kv_source_layers", tuple(l for l, r in enumerate(rs) if r > 0))
+            object.__setattr__(self, "index_source_layers", tuple(l for l, r in enumerate(rs) if r == 4))
+            object.__setattr__(self, "candidate_source_layer", -1)
         self.validate()
 
     # ------------------------------------------------------------------ derived quantities
@@ -124,6 +144,27 @@ class ModelConfig:
     @property
     def mix_hc(self) -> int:
         return (2 + self.hc_mult) * self.hc_mult
+
+    @property
+    def is_v4(self) -> bool:
+        return self.family == "v4"
+
+    @property
+    def has_hc_head(self) -> bool:
+        """V4 reduces the streams with ``hc_head`` before the final norm (V4.1: the last ``pre``)."""
+        return self.is_v4
+
+    @property
+    def has_mtp(self) -> bool:
+        """V4's MTP blocks (``mtp.k.{e_proj,h_proj,...}``); V4.1's extra layers are DSpark stages."""
+        return self.is_v4 and self.n_mtp_layers > 0
+
+    def overlap(self, layer: int) -> bool:
+        """V4: the ratio-4 compressors (main and indexer) pool overlapping windows (coff = 2)."""
+        return self.is_v4 and self.ratio(layer) == 4
+
+    def is_hash_layer(self, layer: int) -> bool:
+        return self.is_v4 and layer < min(self.n_hash_layers, self.n_layers)
 
     @property
     def engram_n_hash_cols(self) -> int:
@@ -170,16 +211,30 @@ class ModelConfig:
         def bad(msg):
             raise ConfigError(f"config {self.name!r}: {msg}")
 
+        if self.family not in ("v4", "v41"):
+            bad(f"family must be 'v4' or 'v41', got {self.family!r}")
         if len(self.compress_ratios) != self.n_total_layers:
             bad(
                 f"compress_ratios has {len(self.compress_ratios)} entries, expected n_layers + n_mtp_layers "
                 f"= {self.n_layers} + {self.n_mtp_layers} = {self.n_total_layers}"
             )
         for r in self.compress_ratios:
-            if r not in (0, 1, 2, 4, 128):
+            if r not in (0, 1, 2, 4, 128) and not (self.is_v4 and r > 1):
                 bad(f"unsupported compress ratio {r} in compress_ratios")
         if any(self.compress_ratios[self.n_layers :]):
-            bad("DSpark stages (the last n_mtp_layers entries of compress_ratios) must have ratio 0")
+            bad("DSpark stages / MTP blocks (the last n_mtp_layers entries of compress_ratios) must have ratio 0")
+        if self.is_v4:
+            if self.engram_layer_ids or self.dspark_block_size:
+                bad("V4 has no Engram layers and no DSpark stages")
+            if not 0 <= self.n_hash_layers <= self.n_layers:
+                bad(f"n_hash_layers {self.n_hash_layers} outside [0, n_layers]")
+        else:
+            if self.n_hash_layers:
+                bad("hash routing (n_hash_layers) exists only in V4")
+            self._validate_v41_sources(bad)
+        self._validate_common(bad)
+
+    def _validate_v41_sources(self, bad) -> None:
         for name in ("kv_source_layers", "index_source_layers"):
             for s in getattr(self, name):
                 if not 0 <= s < self.n_layers or self.compress_ratios[s] == 0:
@@ -205,6 +260,8 @@ class ModelConfig:
                 bad(f"candidate_source_layer {c} is not an index source")
             if self.candidate_block_size <= 0 or self.candidate_topk_blocks <= 0:
                 bad("candidate_block_size and candidate_topk_blocks must be > 0 with a candidate source")
+
+    def _validate_common(self, bad) -> None:
         if self.head_dim <= self.rope_head_dim or self.rope_head_dim % 2:
             bad(f"rope_head_dim {self.rope_head_dim} must be even and smaller than head_dim {self.head_dim}")
         if self.index_head_dim <= self.rope_head_dim:
@@ -250,11 +307,19 @@ class ModelConfig:
     # ------------------------------------------------------------------ I/O
     @classmethod
     def from_dict(cls, d: dict[str, Any], name: str = "custom") -> "ModelConfig":
-        """Build from the flat inference keys or the HF composite (``text_config``) keys."""
+        """Build from the flat inference keys or the HF composite (``text_config``) keys; V4
+        (``deepseek_v4``, or flat keys with ``n_hash_layers`` / without V4.1's KV sources) is
+        recognised from its keys."""
         if "text_config" in d:
             return cls._from_hf(d, name)
         if "hidden_size" in d:
+            if _is_v4_hf(d):
+                return cls._from_hf_v4(d, name)
             return cls._from_hf({"text_config": d}, name)
+        fam = d.get("family")
+        if fam == "v4" or (fam is None and ("n_hash_layers" in d or (
+                "kv_source_layers" not in d and "engram_layer_ids" not in d and "dspark_block_size" not in d))):
+            return cls._from_flat_v4(d, name)
         known = {f.name for f in dataclasses.fields(cls)}
         runtime = {"max_batch_size", "max_seq_len", "temperature", "scale_fmt", "vision_n_layers"}
         kw = {}
@@ -367,6 +432,104 @@ class ModelConfig:
             raise ConfigError(f"config {name!r}: {e}") from None
 
     @classmethod
+    def _from_flat_v4(cls, d: dict[str, Any], name: str) -> "ModelConfig":
+        """The official V4 inference config (``inference/config.json``, ``ModelArgs`` keys)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        kw = dict(_V4_BASE)
+        kw.update({k: v for k, v in d.items() if k in known})
+        kw["name"] = name
+        kw["family"] = "v4"
+        if d.get("dtype", "fp8") == "fp8":
+            kw.setdefault("fp8_block_size", 128)
+        kw["compress_ratios"] = _pad_ratios(list(d.get("compress_ratios", [])), kw.get("n_layers", 43),
+                                            kw.get("n_mtp_layers", 1))
+        try:
+            return cls(**kw)
+        except TypeError as e:  # pragma: no cover - defensive
+            raise ConfigError(f"config {name!r}: {e}") from None
+
+    @classmethod
+    def _from_hf_v4(cls, d: dict[str, Any], name: str) -> "ModelConfig":
+        """A ``deepseek_v4`` config: the released ``config.json`` (``compress_ratios``,
+        ``num_hash_layers``, ``rope_scaling``) or transformers' own form (``layer_types``,
+        ``compress_rates``, ``mlp_layer_types``, ``rope_parameters`` {main, compress},
+        ``partial_rotary_factor``). Checkpoints written by transformers carry no MTP weights, so a
+        config in transformers' form gets ``n_mtp_layers = 0``."""
+        m = {
+            "vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "n_layers",
+            "num_attention_heads": "n_heads", "head_dim": "head_dim", "qk_rope_head_dim": "rope_head_dim",
+            "q_lora_rank": "q_lora_rank", "o_groups": "o_groups", "o_lora_rank": "o_lora_rank",
+            "sliding_window": "window_size", "moe_intermediate_size": "moe_inter_dim",
+            "n_routed_experts": "n_routed_experts", "n_shared_experts": "n_shared_experts",
+            "num_experts_per_tok": "n_activated_experts", "scoring_func": "score_func",
+            "norm_topk_prob": "norm_topk_prob", "routed_scaling_factor": "route_scale",
+            "swiglu_limit": "swiglu_limit", "rms_norm_eps": "norm_eps", "hc_mult": "hc_mult",
+            "hc_sinkhorn_iters": "hc_sinkhorn_iters", "hc_eps": "hc_eps", "rope_theta": "rope_theta",
+            "compress_rope_theta": "compress_rope_theta", "max_position_embeddings": "max_position_embeddings",
+            "index_n_heads": "index_n_heads", "index_head_dim": "index_head_dim", "index_topk": "index_topk",
+            "num_hash_layers": "n_hash_layers", "n_hash_layers": "n_hash_layers",
+            "num_nextn_predict_layers": "n_mtp_layers", "bos_token_id": "bos_token_id",
+            "eos_token_id": "eos_token_id", "pad_token_id": "pad_token_id",
+        }
+        kw: dict[str, Any] = dict(_V4_BASE)
+        kw["name"] = name
+        for k, v in d.items():
+            if k in m and v is not None:
+                kw[m[k]] = v
+        hf_native = "layer_types" in d
+        if hf_native:
+            kw["n_mtp_layers"] = 0
+            rates = d.get("compress_rates") or {}
+            ratios = [0 if t == "sliding_attention" else int(rates[t]) for t in d["layer_types"]]
+        else:
+            ratios = list(d.get("compress_ratios", []))
+        kw["compress_ratios"] = _pad_ratios(ratios, kw["n_layers"], kw["n_mtp_layers"])
+        if "mlp_layer_types" in d:
+            mt = list(d["mlp_layer_types"])
+            n = 0
+            while n < len(mt) and mt[n] == "hash_moe":
+                n += 1
+            if "hash_moe" in mt[n:]:
+                raise ConfigError(f"config {name!r}: hash_moe layers must come first, got {mt}")
+            kw["n_hash_layers"] = n
+        rp = d.get("rope_parameters") or {}
+        main, comp = rp.get("main") or {}, rp.get("compress") or d.get("rope_scaling") or {}
+        if main:
+            kw["rope_theta"] = main.get("rope_theta", kw.get("rope_theta", 10000.0))
+            if main.get("rope_type", "default") != "default":
+                raise ConfigError(f"config {name!r}: the main (sliding-layer) rope must be plain, got {main}")
+        if comp:
+            if "rope_theta" in comp and rp:
+                kw["compress_rope_theta"] = comp["rope_theta"]
+            if comp.get("rope_type", comp.get("type", "yarn")) == "yarn":
+                kw["rope_factor"] = comp.get("factor", 16.0)
+                kw["original_seq_len"] = comp.get("original_max_position_embeddings", 65536)
+                kw["beta_fast"] = comp.get("beta_fast", 32)
+                kw["beta_slow"] = comp.get("beta_slow", 1)
+                if float(comp.get("attention_factor", 1.0) or 1.0) != 1.0:
+                    raise ConfigError(f"config {name!r}: YaRN attention_factor != 1 is not supported")
+            else:
+                kw["original_seq_len"] = 0
+        prf = d.get("partial_rotary_factor", (main or comp or {}).get("partial_rotary_factor"))
+        if prf is not None and "qk_rope_head_dim" not in d:
+            kw["rope_head_dim"] = int(kw["head_dim"] * prf)
+        q = d.get("quantization_config")
+        if q:
+            bs = q.get("weight_block_size", [128, 128])
+            if bs[0] != bs[1]:
+                raise ConfigError(f"config {name!r}: non-square weight_block_size {bs} is not supported")
+            kw["dtype"] = "fp8"
+            kw["fp8_block_size"] = int(bs[0])
+            kw["expert_dtype"] = q.get("expert_dtype", d.get("expert_dtype", "fp4"))
+        else:
+            kw["dtype"] = "bf16"
+            kw["expert_dtype"] = d.get("expert_dtype")
+        try:
+            return cls(**kw)
+        except TypeError as e:  # pragma: no cover - defensive
+            raise ConfigError(f"config {name!r}: {e}") from None
+
+    @classmethod
     def from_json(cls, path: str | os.PathLike) -> "ModelConfig":
         """Read ``config.json`` (a file, or a checkpoint directory containing one)."""
         p = os.fspath(path)
@@ -387,6 +550,50 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         d.pop("name")
         return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+
+def _is_v4_hf(d: dict) -> bool:
+    return d.get("model_type") == "deepseek_v4" or "layer_types" in d or "num_hash_layers" in d
+
+
+def _pad_ratios(ratios: list, n_layers: int, n_mtp: int) -> tuple:
+    """``compress_ratios`` for n_layers + n_mtp entries (MTP blocks are ratio 0)."""
+    if len(ratios) == n_layers:
+        ratios = ratios + [0] * n_mtp
+    if len(ratios) == n_layers + n_mtp + 0 or not ratios:
+        return tuple(ratios)
+    if len(ratios) > n_layers + n_mtp:
+        return tuple(ratios[: n_layers + n_mtp])
+    return tuple(ratios)
+
+
+# V4 defaults that differ from the (V4.1) dataclass defaults; everything V4.1-only switched off.
+_V4_BASE: dict[str, Any] = dict(
+    family="v4", vocab_size=129280, dim=4096, n_layers=43, n_mtp_layers=1, n_heads=64, head_dim=512,
+    rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, window_size=128, moe_inter_dim=2048,
+    n_routed_experts=256, n_shared_experts=1, n_activated_experts=6, score_func="sqrtsoftplus", gate_temp=1.0,
+    norm_topk_prob=True, route_scale=1.5, swiglu_limit=10.0, norm_eps=1e-6, hc_mult=4, hc_sinkhorn_iters=20,
+    hc_eps=1e-6, n_hash_layers=3, rope_theta=10000.0, compress_rope_theta=160000.0, original_seq_len=65536,
+    rope_factor=16.0, beta_fast=32, beta_slow=1, max_position_embeddings=1048576, index_n_heads=64,
+    index_head_dim=128, index_topk=512, kv_source_layers=(), index_source_layers=(), candidate_source_layer=-1,
+    engram_layer_ids=(), engram_num_embeddings=(), dspark_block_size=0, dspark_target_layer_ids=(),
+    dspark_n_routed_experts=0, dspark_n_activated_experts=0, gate_bias_vl=False, dtype="fp8",
+    expert_dtype="fp4", fp8_block_size=128, fp4_block_size=32,
+)
+
+
+def _v4_flash() -> ModelConfig:
+    """V4-Flash (``model.md`` §1.1): 43 layers + 1 MTP block, 284B without MTP."""
+    kw = dict(_V4_BASE, name="v4-flash", compress_ratios=tuple([0, 0] + [4, 128] * 20 + [4, 0]))
+    return ModelConfig(**kw)
+
+
+def _v4_pro() -> ModelConfig:
+    """V4-Pro (``model.md`` §1.1): 61 layers + 1 MTP block, 1.57T without MTP."""
+    kw = dict(_V4_BASE, name="v4-pro", dim=7168, n_layers=61, n_heads=128, q_lora_rank=1536, o_groups=16,
+              moe_inter_dim=3072, n_routed_experts=384, route_scale=2.5, index_topk=1024,
+              compress_ratios=tuple([128, 128] + [4, 128] * 29 + [4, 0]))
+    return ModelConfig(**kw)
 
 
 def _v41_flash() -> ModelConfig:
@@ -446,7 +653,7 @@ def _tiny() -> ModelConfig:
     )
 
 
-PRESETS = {"v41-flash": _v41_flash, "tiny": _tiny}
+PRESETS = {"v41-flash": _v41_flash, "tiny": _tiny, "v4-flash": _v4_flash, "v4-pro": _v4_pro}
 
 
 def get_preset(name: str) -> ModelConfig:

@@ -16,8 +16,10 @@ from .layers import linear, weight_of
 _HI = jax.lax.Precision.HIGHEST
 
 
-def route(p_gate, x, cfg: ModelConfig, topk: int):
-    """x [N, D] -> (weights [N, k] f32, indices [N, k] int32)."""
+def route(p_gate, x, cfg: ModelConfig, topk: int, tokens=None):
+    """x [N, D] -> (weights [N, k] f32, indices [N, k] int32). A V4 hash layer (``tid2eid`` in the
+    gate, ``model.md`` §5.2) selects ``tid2eid[tokens]`` (tokens [N]) instead of the biased top-k; the
+    weights still come from the gate's scores."""
     z = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), p_gate["weight"].astype(jnp.float32), precision=_HI)
     z = z / cfg.gate_temp
     if cfg.score_func == "softmax":
@@ -26,7 +28,12 @@ def route(p_gate, x, cfg: ModelConfig, topk: int):
         s = jax.nn.sigmoid(z)
     else:
         s = jnp.sqrt(jax.nn.softplus(z))
-    _, idx = jax.lax.top_k(s + p_gate["bias"].astype(jnp.float32), topk)  # the bias only selects
+    if "tid2eid" in p_gate:
+        if tokens is None:
+            raise ValueError("a hash-routed MoE layer needs the token ids")
+        idx = jnp.take(p_gate["tid2eid"], tokens.reshape(-1), axis=0)
+    else:
+        _, idx = jax.lax.top_k(s + p_gate["bias"].astype(jnp.float32), topk)  # the bias only selects
     w = jnp.take_along_axis(s, idx, axis=-1)
     if cfg.norm_topk_prob and topk > 1:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
@@ -44,12 +51,13 @@ def shared_expert(p, x, cfg: ModelConfig):
     return linear(h, p["w2"], act_block=act)
 
 
-def moe(p, x, layer: int, cfg: ModelConfig, *, return_routing: bool = False):
-    """x [B, S, D] (after ffn_norm) -> [B, S, D] in x.dtype."""
+def moe(p, x, layer: int, cfg: ModelConfig, *, return_routing: bool = False, tokens=None):
+    """x [B, S, D] (after ffn_norm) -> [B, S, D] in x.dtype. ``tokens`` [B, S]: the input ids (V4
+    hash layers route by them)."""
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
     _, topk = cfg.moe_experts(layer)
-    w, idx = route(p["gate"], xf, cfg, topk)
+    w, idx = route(p["gate"], xf, cfg, topk, tokens)
     e = p["experts"]
     y = routed_experts(xf, w, idx, weight_of(e["w1"]), weight_of(e["w2"]), weight_of(e["w3"]),
                     swiglu_limit=cfg.swiglu_limit, act_block=cfg.fp8_block_size)

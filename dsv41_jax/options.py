@@ -21,6 +21,10 @@ class RunOptions:
 
     dtype: str = "bfloat16"
     kv_cache_dtype: str = "reference"
+    # V4 only: the Hadamard rotation of the indexer q and k (DeepSeek's reference, the default).
+    # ``False`` is the HF comparison mode: transformers' ``deepseek_v4`` leaves the rotation out
+    # (with unquantized index keys the rotation changes only float rounding: H is orthonormal).
+    hadamard: bool = True
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

@@ -40,7 +40,7 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 
 # Random-initialisation recipes (the fixture's, `shared/fixtures/v41_tiny_a/README.md` §6), by leaf name.
 _INIT_KINDS = ("linear", "norm", "sink", "hc_fn", "hc_base", "hc_scale", "gate_bias", "gate_weight",
-               "weights_proj", "engram_qk", "engram_table")
+               "weights_proj", "engram_qk", "engram_table", "ape", "tid2eid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Leaf:
     """A parameter's description before it exists: shape, storage format, init recipe."""
 
     shape: tuple
-    fmt: str  # "bf16" | "f32" | "fp8" | "fp4"
+    fmt: str  # "bf16" | "f32" | "fp8" | "fp4" | "i32"
     init: str
     block: object = None
 
@@ -70,6 +70,8 @@ class Leaf:
                 scale=SDS((*self.shape[:-1], self.shape[-1] // block), jnp.float8_e8m0fnu),
                 block=block,
             )
+        if self.fmt == "i32":
+            return SDS(self.shape, jnp.int32)
         return SDS(self.shape, BF16 if self.fmt == "bf16" else F32)
 
 
@@ -89,6 +91,17 @@ def _norm(dim: int):
     return {"weight": Leaf((dim,), "bf16", "norm")}
 
 
+def _compressor(cfg: ModelConfig, layer: int, d_out: int) -> dict:
+    """A V4 compressor (``attention.md`` §5.1): wkv/wgate [coff*d, D] bf16, ape [m, coff*d] f32, norm [d]."""
+    m, coff = cfg.ratio(layer), 2 if cfg.overlap(layer) else 1
+    return {
+        "ape": Leaf((m, coff * d_out), "f32", "ape"),
+        "wkv": _linear(cfg, coff * d_out, cfg.dim, "bf16"),
+        "wgate": _linear(cfg, coff * d_out, cfg.dim, "bf16"),
+        "norm": _norm(d_out),
+    }
+
+
 def _attention(cfg: ModelConfig, layer: int) -> dict:
     d, h, dh, lq = cfg.dim, cfg.n_heads, cfg.head_dim, cfg.q_lora_rank
     a: dict[str, Any] = {
@@ -102,6 +115,16 @@ def _attention(cfg: ModelConfig, layer: int) -> dict:
         "attn_sink": Leaf((h,), "f32", "sink"),
     }
     backbone = layer < cfg.n_layers
+    if cfg.is_v4:
+        if backbone and cfg.ratio(layer) > 0:
+            a["compressor"] = _compressor(cfg, layer, dh)
+            if cfg.ratio(layer) == 4:  # CSA: an indexer with its own compressor
+                a["indexer"] = {
+                    "wq_b": _linear(cfg, cfg.index_n_heads * cfg.index_head_dim, lq),
+                    "weights_proj": {"weight": Leaf((cfg.index_n_heads, d), "bf16", "weights_proj")},
+                    "compressor": _compressor(cfg, layer, cfg.index_head_dim),
+                }
+        return a
     if backbone and layer in cfg.kv_source_layers:
         c = {"wkv": _linear(cfg, dh, d, "bf16"), "norm": _norm(dh)}
         if cfg.ratio(layer) > 1:
@@ -121,9 +144,11 @@ def _attention(cfg: ModelConfig, layer: int) -> dict:
 
 def _moe(cfg: ModelConfig, layer: int) -> dict:
     d, inter = cfg.dim, cfg.moe_inter_dim
-    n_exp, _ = cfg.moe_experts(layer)
+    n_exp, n_act = cfg.moe_experts(layer)
     efmt = {"fp4": "fp4", "fp8": "fp8", "bf16": "bf16", None: None}[cfg.expert_dtype]
     gate = {"weight": Leaf((n_exp, d), "bf16", "gate_weight"), "bias": Leaf((n_exp,), "f32", "gate_bias")}
+    if cfg.is_hash_layer(layer):  # V4 hash routing: a token -> experts table instead of the bias
+        gate = {"weight": gate["weight"], "tid2eid": Leaf((cfg.vocab_size, n_act), "i32", "tid2eid", n_exp)}
     if cfg.gate_bias_vl:
         gate["bias_vl"] = Leaf((n_exp,), "f32", "gate_bias")
     return {
@@ -172,7 +197,21 @@ def param_layout(cfg: ModelConfig) -> dict:
         "norm": _norm(cfg.dim),
         "head": {"weight": Leaf((cfg.vocab_size, cfg.dim), "bf16", "linear")},
     }
-    if cfg.n_mtp_layers and cfg.dspark_block_size:
+    if cfg.has_hc_head:
+        tree.update(_hc_head(cfg))
+    if cfg.has_mtp:  # V4 MTP blocks (model.md §7)
+        mtp = {}
+        for k in range(cfg.n_mtp_layers):
+            stage = _block(cfg, cfg.n_layers + k)
+            stage["e_proj"] = _linear(cfg, cfg.dim, cfg.dim)
+            stage["h_proj"] = _linear(cfg, cfg.dim, cfg.dim)
+            stage["enorm"] = _norm(cfg.dim)
+            stage["hnorm"] = _norm(cfg.dim)
+            stage["norm"] = _norm(cfg.dim)
+            stage.update(_hc_head(cfg))
+            mtp[str(k)] = stage
+        tree["mtp"] = mtp
+    elif cfg.n_mtp_layers and cfg.dspark_block_size:
         mtp = {}
         for k in range(cfg.n_mtp_layers):
             stage = _block(cfg, cfg.n_layers + k)
@@ -190,6 +229,13 @@ def param_layout(cfg: ModelConfig) -> dict:
             mtp[str(k)] = stage
         tree["mtp"] = mtp
     return tree
+
+
+def _hc_head(cfg: ModelConfig) -> dict:
+    """V4's final stream reduction (model.md §4.4): fn [hc, hc*D], base [hc], scale [1], all f32."""
+    hc = cfg.hc_mult
+    return {"hc_head_fn": Leaf((hc, hc * cfg.dim), "f32", "hc_fn"), "hc_head_base": Leaf((hc,), "f32", "hc_base"),
+            "hc_head_scale": Leaf((1,), "f32", "hc_scale")}
 
 
 def _is_leaf(x) -> bool:
@@ -225,10 +271,21 @@ def _scale_draft(kind: str, n, fan_in: int, hc_dim: int):
         return 1.0 + 0.3 * n
     if kind == "engram_table":
         return 0.5 * n
+    if kind == "ape":
+        return 0.5 * n
     raise ValueError(kind)
 
 
+def _tid2eid(draft, n_experts: int):
+    """Distinct experts per row from a normal draft [V, k]: a random start plus even strides."""
+    k = draft.shape[-1]
+    start = jnp.floor(jnp.abs(draft[..., :1]) * 1000.0).astype(jnp.int32)
+    return ((start + jnp.arange(k, dtype=jnp.int32) * max(n_experts // k, 1)) % n_experts).astype(jnp.int32)
+
+
 def _finish(leaf: "Leaf", draft, hc_dim: int):
+    if leaf.init == "tid2eid":
+        return _tid2eid(draft, leaf.block)
     x = _scale_draft(leaf.init, draft, leaf.shape[-1], hc_dim)
     if leaf.fmt == "fp8":
         return quantize_fp8(x, leaf.block)

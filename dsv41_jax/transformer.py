@@ -7,6 +7,10 @@ position, any chunk size), decode (S = 1) and multi-token verification are all t
 Delayed ("single-pass") mHC: each sub-layer computes its (pre, post, comb) from the stream it sees,
 but collapses with the ``pre`` of the sub-layer before it (layer 0's attention: one-hot stream 0);
 the final collapse uses the last FFN's ``pre``; there is no ``hc_head``.
+
+V4 (``cfg.is_v4``, ``model.md`` §3.1): each site collapses with the ``pre`` it computed from its own
+input stream, and the final streams are reduced by ``hc_head`` (sigmoid weights) before the norm.
+The token ids reach the MoE (hash routing in the first ``n_hash_layers`` layers).
 """
 
 from __future__ import annotations
@@ -34,22 +38,32 @@ def _mixes(p, site, h, cfg):
                     hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
 
 
-def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None):
-    """One layer. h [B,S,hc,D]; pre [B,S,hc] (the previous site's). Returns (h, ffn_pre, ...)."""
+def hc_head(h, fn, scale, base, cfg):
+    """V4's final reduction (``model.md`` §4.4): w = sigmoid(mix * scale + base) + hc_eps, y = sum_i w_i h_i."""
+    B, S, hc, D = h.shape
+    xf = h.astype(jnp.float32).reshape(B, S, hc * D)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.norm_eps)
+    mix = jnp.einsum("bsk,jk->bsj", xf, fn.astype(jnp.float32), precision=_HI) * r
+    w = jax.nn.sigmoid(mix * scale.astype(jnp.float32) + base.astype(jnp.float32)) + cfg.hc_eps
+    return jnp.sum(w[..., None] * h.astype(jnp.float32), axis=2).astype(h.dtype)
+
+
+def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None, tokens=None):
+    """One layer. h [B,S,hc,D]; pre [B,S,hc] (the previous site's; unused in V4). Returns (h, ffn_pre, ...)."""
     residual = h
     attn_pre, attn_post, attn_comb = _mixes(p, "attn", h, cfg)
-    x = norm(hc_collapse(h, pre), p["attn_norm"], cfg.norm_eps)
+    x = norm(hc_collapse(h, attn_pre if cfg.is_v4 else pre), p["attn_norm"], cfg.norm_eps)
     x, cache_layers, shared = attention(p["attn"], x, l, cfg, opts, cache_layers, pos0, lengths, shared)
     h = hc_expand(x, residual, attn_post, attn_comb)
     residual = h
     ffn_pre, ffn_post, ffn_comb = _mixes(p, "ffn", h, cfg)
-    x = norm(hc_collapse(h, attn_pre), p["ffn_norm"], cfg.norm_eps)
+    x = norm(hc_collapse(h, ffn_pre if cfg.is_v4 else attn_pre), p["ffn_norm"], cfg.norm_eps)
     if aux is not None:
-        x, routing = moe(p["ffn"], x, l, cfg, return_routing=True)
+        x, routing = moe(p["ffn"], x, l, cfg, return_routing=True, tokens=tokens)
         aux.setdefault("routing", {})[l] = routing
         aux.setdefault("comb", {})[l] = (attn_comb, ffn_comb)
     else:
-        x = moe(p["ffn"], x, l, cfg)
+        x = moe(p["ffn"], x, l, cfg, tokens=tokens)
     h = hc_expand(x, residual, ffn_post, ffn_comb)
     return h, ffn_pre, cache_layers, shared
 
@@ -89,11 +103,17 @@ def forward_step(params, cache, tokens, lengths, engram_ids=None, engram_rows=No
             if l in cfg.dspark_target_layer_ids:
                 aux["features"].append(jnp.mean(h, axis=2))
             aux.setdefault("pre", {})[l] = pre
-        h, pre, cache_layers, shared = block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux)
+        h, pre, cache_layers, shared = block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux,
+                                             tokens=tokens)
         if aux is not None:
             aux.setdefault("resid", []).append(h)
             aux.setdefault("pre_out", []).append(pre)
-    y = hc_collapse(h, pre)
+    if aux is not None and cfg.is_v4:
+        aux["hidden"] = h  # the final streams (V4: before hc_head; what the MTP block consumes)
+    if cfg.has_hc_head:
+        y = hc_head(h, params["hc_head_fn"], params["hc_head_scale"], params["hc_head_base"], cfg)
+    else:
+        y = hc_collapse(h, pre)
     if logits_mode == "last":
         last = jnp.clip(lengths - 1, 0, S - 1)
         y = jnp.take_along_axis(y, last[:, None, None], axis=1)[:, 0]

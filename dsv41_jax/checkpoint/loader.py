@@ -72,6 +72,8 @@ def accepted_dtypes(dtype) -> tuple[str, ...]:
     dt = np.dtype(dtype)
     if dt == np.uint8:  # packed FP4: the real checkpoint uses I8, torch float4_e2m1fn_x2 U8
         return ("I8", "U8")
+    if dt == np.int32:  # V4 ffn.gate.tid2eid: I64 in the released checkpoint, int32 in memory
+        return ("I32", "I64")
     return tuple(k for k, v in DTYPES.items() if v == dt and k != "U8")
 
 
@@ -251,8 +253,10 @@ def _read_block(files: CheckpointFiles, e: LeafEntry, index: tuple) -> np.ndarra
     """``leaf[index]`` as a fresh host array, read from the memmaps."""
     index = tuple(index) + (slice(None),) * (len(e.shape) - len(index))
     if not e.stacked:
-        m = files.memmap(e.sources[0], e.dtype)
-        out = np.array(m[index], copy=True)
+        src = e.sources[0]
+        narrow = e.dtype == np.int32 and files.tensors[src].dtype == "I64"
+        m = files.memmap(src, None if narrow else e.dtype)
+        out = np.array(m[index], copy=True).astype(e.dtype, copy=False)
         del m
         return out
     experts = range(len(e.sources))[index[0]]
