@@ -340,18 +340,19 @@ class SpeculativeGenerator:
             k = np.full(self.B, int(np.argmax(rate)))
         return np.clip(np.minimum(k, room), 0, G)
 
-    def calibrate(self, sampling: SamplingParams | None = None, reps: int = 3):
+    def calibrate(self, sampling: SamplingParams | None = None, reps: int = 5):
         """Compile every verify width and measure its step time on an idle batch (for the policy)."""
         sp = sampling or SamplingParams()
         sampler = sp.static_key(self.cfg.vocab_size)
-        cache = init_cache(self.cfg, self.B, self.max_seq_len, self.opts)
-        dcache = init_dspark_cache(self.cfg, self.B, self.opts)
         V = self.cfg.vocab_size
         for S in range(1, self.G + 2):
             ts = []
             for r in range(reps + 1):
                 tok = np.zeros((self.B, S), np.int64)
                 act = np.ones(self.B, bool)
+                cache, dcache = init_cache(self.cfg, self.B, self.max_seq_len, self.opts), init_dspark_cache(
+                    self.cfg, self.B, self.opts)
+                jax.block_until_ready((cache, dcache))
                 t0 = time.perf_counter()
                 eids = self._engram(np.zeros((self.B, self.max_seq_len), np.int64), np.zeros(self.B, np.int64), tok,
                                     None)
@@ -361,8 +362,6 @@ class SpeculativeGenerator:
                                     jnp.float32(max(sp.temperature, 1e-30)), jnp.int32(sp.top_k),
                                     jnp.float32(sp.top_p), cfg=self.cfg, opts=self.opts, sampler=sampler)
                 jax.block_until_ready(out)
-                cache, dcache = init_cache(self.cfg, self.B, self.max_seq_len, self.opts), init_dspark_cache(
-                    self.cfg, self.B, self.opts)
                 dt = time.perf_counter() - t0
                 if r == 0:
                     self.stats.compile_s += dt
