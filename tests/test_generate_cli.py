@@ -159,3 +159,25 @@ def test_prompt_files_and_bos(tmp_path):
     jl.write_text('{"input_ids": [5, 6, 7]}\n{"prompt": "the cat"}\n')
     ids = _tokenize(_read_prompts_file(str(jl)), tok, 192)
     assert ids[0] == [5, 6, 7] and ids[1][0] == 0
+
+
+@pytest.mark.parametrize("what", ["garbage config", "no weights", "truncated weights"])
+def test_bad_checkpoint_one_line(what, tmp_path, capsys):
+    import shutil
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    for f in ("config.json", "tokenizer.json"):
+        shutil.copy(os.path.join(FIX, f), ck / f)
+    if what == "garbage config":
+        (ck / "config.json").write_text("{ not json")
+    elif what == "truncated weights":
+        data = open(os.path.join(FIX, "model.safetensors"), "rb").read()
+        (ck / "model.safetensors").write_bytes(data[: len(data) // 2])
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"input_ids": [0, 5, 6]}\n')
+    rc, out, err = _run(capsys, "--checkpoint", str(ck), "--prompts", str(p), "--max-new-tokens", "2")
+    assert rc != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "--checkpoint" in lines[0], err
+    assert "Traceback" not in err
