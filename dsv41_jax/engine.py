@@ -42,7 +42,6 @@ Design
 
 from __future__ import annotations
 
-import functools
 import time
 from collections import deque
 from dataclasses import dataclass, field
