@@ -37,7 +37,7 @@ def run(quick=False, out_dir=None):
     rows = []
     key = jax.random.PRNGKey(2)
     mix = (2 + HC) * HC
-    log(f"# mHC site benchmark (hc={HC}, D={D}): {jax.devices()[0].device_kind}, jax {jax.__version__})
+    log(f"# mHC site benchmark (hc={HC}, D={D}): {jax.devices()[0].device_kind}, jax {jax.__version__}")
     log(f"{'T':>6s} {'MB':>7s} {'floor us':>9s} {'pallas us':>9s} {'xla us':>9s} {'pl/xla x':>8s} "
         f"{'mixes pl us':>11s} {'relerr pre/post/comb/exp/col':>28s}")
     for t in ([1, 8] if quick else [1, 8, 64, 4096]):
