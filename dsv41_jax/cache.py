@@ -17,7 +17,8 @@ and ``state_kv`` / ``state_score`` (``[B, lead + ratio, coff * head_dim]``, ``le
 the previous complete block for the overlapping ratio-4 compressor); ratio-4 (CSA) layers also have
 ``index_k`` and ``index_state_kv`` / ``index_state_score`` for the indexer's own compressor. All are
 plain arrays (``reference`` mode stores DeepSeek's rounded values in the compute dtype, as its V4
-code does). The MTP blocks (layers ``n_layers..``) have a window ring only.
+code does). The MTP blocks have their own cache (:func:`init_mtp_cache`: a window ring per block and
+their own ``pos``, since an MTP step at position t needs token t+1 and so runs one token behind).
 
 Per-step transient state (top-k lists, the layer-20 candidate blocks) is recomputed each step, as
 in the reference. The Engram n-gram history is the token history the engine keeps per sequence.
@@ -82,10 +83,9 @@ def _v4_layers(cfg: ModelConfig, batch: int, max_seq_len: int, opts: RunOptions)
         c[f"{rows[0]}_score"] = jnp.full((batch, rows[1], width), -jnp.inf, jnp.float32)
 
     layers = {}
-    n_all = cfg.n_layers + (cfg.n_mtp_layers if cfg.has_mtp else 0)
-    for l in range(n_all):
+    for l in range(cfg.n_layers):
         c = {"window": jnp.zeros((batch, w, dh), dt)}
-        m = cfg.ratio(l) if l < cfg.n_layers else 0
+        m = cfg.ratio(l)
         if m > 0:
             coff = 2 if cfg.overlap(l) else 1
             c["comp"] = jnp.zeros((batch, max_seq_len // m, dh), dt)
@@ -95,6 +95,19 @@ def _v4_layers(cfg: ModelConfig, batch: int, max_seq_len: int, opts: RunOptions)
                 state(c, ("index_state", 2 * m), 2 * di)
         layers[str(l)] = c
     return layers
+
+
+def init_mtp_cache(cfg: ModelConfig, batch: int, max_seq_len: int, opts: RunOptions) -> dict:
+    """V4 MTP blocks' caches: ``{"pos": [B], "layers": {str(n_layers + k): {"window": ring}}}`` (the
+    MTP blocks are sliding-window-only layers, ratio 0)."""
+    if not cfg.has_mtp:
+        raise ValueError(f"config {cfg.name!r} has no V4 MTP blocks")
+    if max_seq_len > cfg.max_position_embeddings:
+        raise ValueError(f"max_seq_len {max_seq_len} exceeds max_position_embeddings {cfg.max_position_embeddings}")
+    dt = opts.compute_dtype if opts.quantized_kv else opts.kv_dtype
+    layers = {str(cfg.n_layers + k): {"window": jnp.zeros((batch, cfg.window_size, cfg.head_dim), dt)}
+              for k in range(cfg.n_mtp_layers)}
+    return {"pos": jnp.zeros((batch,), jnp.int32), "layers": layers}
 
 
 def cache_capacity(cache: dict, cfg: ModelConfig) -> int:
