@@ -82,11 +82,45 @@ def run(quick=False, out_dir=None):
     return rows
 
 
+def check():
+    """Correctness only (hc_mixes, hc_collapse, hc_expand separately) at T = 1, 8, 64, 300."""
+    ok = True
+    mix = (2 + HC) * HC
+    for t in (1, 8, 64, 300):
+        ks = jax.random.split(jax.random.PRNGKey(50 + t), 6)
+        x = jax.random.normal(ks[0], (t, HC, D), jnp.bfloat16)
+        f = jax.random.normal(ks[1], (t, D), jnp.bfloat16)
+        fn = jax.random.normal(ks[3], (mix, HC * D), jnp.float32) * 0.02
+        scale = jax.random.uniform(ks[4], (3,), jnp.float32, 0.5, 2.0)
+        base = jax.random.normal(ks[5], (mix,), jnp.float32)
+        try:
+            mp = jax.jit(lambda *a: pallas_triton.hc_mixes(*a, **KW))(x, fn, scale, base)
+            mr = jax.jit(lambda *a: reference.hc_mixes(*a, **KW))(x, fn, scale, base)
+            e_mix = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(mp, mr))
+            pre, post, comb = mr
+            e_col = max_rel_err(jax.jit(pallas_triton.hc_collapse)(x, pre), jax.jit(reference.hc_collapse)(x, pre))
+            e_exp = max_rel_err(jax.jit(pallas_triton.hc_expand)(f, x, post, comb),
+                                jax.jit(reference.hc_expand)(f, x, post, comb))
+            res = [("hc_mixes", e_mix <= 1e-5, f"max abs err {e_mix:.2e}"),
+                   ("hc_collapse", e_col <= 8e-3, f"rel err {e_col:.2e}"),
+                   ("hc_expand", e_exp <= 8e-3, f"rel err {e_exp:.2e}")]
+        except Exception as e:  # noqa: BLE001
+            res = [("mhc", False, f"{type(e).__name__}: {str(e)[:200]}")]
+        for name, good, msg in res:
+            ok &= bool(good)
+            log(f"{'PASS' if good else 'FAIL'} {name} T={t}: {msg}")
+    log(f"mhc check: {'ALL PASS' if ok else 'FAILURES'}")
+    return ok
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true", help="correctness only, then exit")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
+    if a.check:
+        return 0 if check() else 1
     run(quick=a.quick, out_dir=a.out)
 
 

@@ -249,12 +249,54 @@ def tune_gemv(key):
     return rows
 
 
+CHECK_FP8 = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wo_b", 5120, 8192), ("shared_w2", 5120, 2304)]
+CHECK_FP4 = [(2304, 5120), (5120, 2304)]
+CHECK_PLAIN = (1024, 4096)  # a wo_a group, dequantized to bf16
+CHECK_TOL = 8e-3  # max|diff| / max|ref| for bf16 outputs (fp32 summation order vs cuBLAS, then bf16)
+
+
+def check():
+    """Correctness only (no timing), every path at real shapes, fresh random inputs; PASS/FAIL
+    lines. Run this first on a GPU; the 'auto' gates (auto_reason) can be lifted for what passes."""
+    ok = True
+    key = jax.random.PRNGKey(int(time.time()))
+    cases = []
+    for name, n, k in CHECK_FP8:
+        cases += [(f"fp8 {name}", random_fp8(jax.random.fold_in(key, n), n, k), m) for m in (1, 8, 64, 256)]
+    for n, k in CHECK_FP4:
+        cases += [(f"mxfp4 {n}x{k}", random_fp4(jax.random.fold_in(key, k), (n, k)), m) for m in (1, 8, 256)]
+    n, k = CHECK_PLAIN
+    wb = (jax.random.normal(key, (n, k), jnp.float32) * 0.05).astype(jnp.bfloat16)
+    cases += [(f"plain bf16 {n}x{k}", wb, m) for m in (1, 256)]
+    for label, w, m in cases:
+        for mode in (["expand", "gather"] if label.startswith("fp8") else ["expand", "view3d"] if label.startswith("mxfp4") else ["-"]):
+            fmt = "fp8" if label.startswith("fp8") else "fp4"
+            if mode != "-":
+                pallas_triton.SCALE_MODE[fmt] = mode
+            x = jax.random.normal(jax.random.fold_in(key, m), (m, w.shape[-1]), jnp.bfloat16) * 4
+            try:
+                y = jax.jit(lambda x, w: pallas_triton.quantized_matmul(x, w))(x, w)
+                yr = jax.jit(lambda x, w: reference.quantized_matmul(x, w))(x, w)
+                err = max_rel_err(y, yr)
+                good = bool(err <= CHECK_TOL)
+            except Exception as e:  # noqa: BLE001
+                err, good = f"{type(e).__name__}: {str(e)[:200]}", False
+            ok &= good
+            log(f"{'PASS' if good else 'FAIL'} quantized_matmul {label:24s} M={m:<4d} mode={mode:7s} rel err {err}")
+        pallas_triton.SCALE_MODE.update(fp8="expand", fp4="expand")
+    log(f"quantized_matmul check: {'ALL PASS' if ok else 'FAILURES'}")
+    return ok
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--check", action="store_true", help="correctness only, every path, then exit")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
+    if a.check:
+        return 0 if check() else 1
     run(quick=a.quick, out_dir=a.out, tune=a.tune)
 
 
