@@ -237,7 +237,7 @@ def tune_gemv(key):
     cfgs = [(16, 128, 256, 1, 4, 3), (16, 64, 512, 1, 4, 3), (16, 128, 256, 1, 8, 4)]
     for label, w0, m in cases:
         fmt = "fp4" if "mxfp4" in label else "fp8"
-        modes = ["expand", "view3d"] if fmt == "fp4" else ["expand", "gather"]
+        modes = ["expand", "view3d"] if fmt == "fp4" else ["expand", "gather", "mma8"]
         for mode in modes:
             pallas_triton.SCALE_MODE[fmt] = mode
             for cfg in [None] + cfgs:
@@ -269,7 +269,7 @@ def check():
     wb = (jax.random.normal(key, (n, k), jnp.float32) * 0.05).astype(jnp.bfloat16)
     cases += [(f"plain bf16 {n}x{k}", wb, m) for m in (1, 256)]
     for label, w, m in cases:
-        for mode in (["expand", "gather"] if label.startswith("fp8") else ["expand", "view3d"] if label.startswith("mxfp4") else ["-"]):
+        for mode in (["expand", "gather", "mma8"] if label.startswith("fp8") else ["expand", "view3d"] if label.startswith("mxfp4") else ["-"]):
             fmt = "fp8" if label.startswith("fp8") else "fp4"
             if mode != "-":
                 pallas_triton.SCALE_MODE[fmt] = mode

@@ -42,7 +42,10 @@ from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, act_quant, is_quantized
 warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*", category=DeprecationWarning)
 
 GEMV_MAX_ROWS = 64
-# how weight scales are applied in-kernel (read at trace time; the benchmark sweeps them)
+# how weight scales are applied in-kernel (read at trace time; the benchmark sweeps them):
+# fp8 "expand" (scale tile broadcast to [bn, bk], bf16 dot), "gather" (per-row scale gather on a
+# [bn, bk/32, 32] view), "mma8" (experimental: e4m3 tensor-core dots per 32-wide K block, scales on
+# the partials); fp4 "expand" / "view3d"
 SCALE_MODE = {"fp8": "expand", "fp4": "expand"}
 N_SM_DEFAULT = 132
 
@@ -330,6 +333,51 @@ def unsupported_reason(x, w, *, act_block=32):
     return weight_reason(w)
 
 
+def _mm8_kernel(x8_ref, xs_ref, w_ref, s_ref, o_ref, *, bm, bn, bk, steps, split):
+    """FP8 weights on the FP8 tensor cores (SCALE_MODE['fp8'] == 'mma8', experimental): x as e4m3
+    codes + per-32 power-of-two scales, one e4m3 x e4m3 dot per 32-wide K block, both scales
+    applied to the fp32 [bm, bn] partial (DeepSeek's promotion scheme). No weight decode at all."""
+    i_n = pl.program_id(0)
+    i_m = pl.program_id(1)
+    i_s = pl.program_id(2)
+    row0 = pl.multiple_of(i_n * bn, bn)
+    rows = pl.ds(row0, bn)
+    mrows = pl.ds(pl.multiple_of(i_m * bm, bm), bm)
+    kbase = i_s * (steps * bk)
+    dims = (((1,), (1,)), ((), ()))
+
+    def body(i, acc):
+        k0 = pl.multiple_of(kbase + i * bk, bk)
+        for j in range(bk // 32):
+            kk = k0 + 32 * j
+            part = jax.lax.dot_general(x8_ref[mrows, pl.ds(kk, 32)], w_ref[rows, pl.ds(kk, 32)], dims,
+                                       preferred_element_type=jnp.float32)
+            sx = xs_ref[mrows, pl.ds(kk // 32, 1)]  # [bm, 1]
+            sw = _e8m0_to_f32(s_ref[pl.ds(row0 // 32, bn // 32), pl.ds(kk // 32, 1)])  # [bn/32, 1]
+            sw = jnp.broadcast_to(sw, (bn // 32, 32)).reshape(1, bn)
+            acc = acc + part * sx * sw
+        return acc
+
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
+    if split:
+        o_ref[i_s, mrows, rows] = acc
+    else:
+        o_ref[mrows, rows] = acc.astype(o_ref.dtype)
+
+
+def _act_quant_codes(x2, block=32):
+    """act_quant split into e4m3 codes [M, K] and fp32 power-of-two scales [M, K/block]:
+    codes * scales == act_quant(x2) exactly."""
+    from dsv41_jax.quant.codecs import E4M3_MAX, e4m3_round
+    from dsv41_jax.quant.fake_quant import fp8_block_scale
+
+    m, k = x2.shape
+    xb = x2.astype(jnp.float32).reshape(m, k // block, block)
+    e = fp8_block_scale(jnp.max(jnp.abs(xb), axis=-1))
+    q = e4m3_round(jnp.clip(jnp.ldexp(xb, -e[..., None]), -E4M3_MAX, E4M3_MAX)).astype(jnp.float8_e4m3fn)
+    return q.reshape(m, k), jnp.ldexp(jnp.ones(e.shape, jnp.float32), e)
+
+
 def auto_reason(x, w):
     """Why plain 'auto' dispatch should not pick this kernel on a GPU yet (None: pick it). Only the
     FP8 weight-streaming GEMV (<= 64 rows) has been checked against the reference on an H200
@@ -364,6 +412,14 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, con
     steps = k // bk // splits
     kernel = functools.partial(_mm_kernel, fmt=fmt, bm=bm, bn=bn, bk=bk, steps=steps, op_dtype=op,
                                split=splits > 1)
+    operands = (xq, data, scale)
+    if fmt == "fp8" and SCALE_MODE["fp8"] == "mma8":
+        x8, xs = _act_quant_codes(x2, act_block)
+        if mp != m:
+            x8 = jnp.pad(x8, ((0, mp - m), (0, 0)))
+            xs = jnp.pad(xs, ((0, mp - m), (0, 0)), constant_values=1.0)
+        kernel = functools.partial(_mm8_kernel, bm=bm, bn=bn, bk=bk, steps=steps, split=splits > 1)
+        operands = (x8, xs, data, scale)
     out_shape = (jax.ShapeDtypeStruct((splits, mp, n), jnp.float32) if splits > 1
                  else jax.ShapeDtypeStruct((mp, n), out_dtype))
     y = pl.pallas_call(
@@ -373,7 +429,7 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, con
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
         name=f"qmm_{fmt}",
-    )(xq, data, scale)
+    )(*operands)
     if splits > 1:
         y = jnp.sum(y, axis=0)
     return y[:m].astype(out_dtype).reshape(*lead, n)

@@ -57,7 +57,7 @@ def test_parity_interpret(fmt, dtype, m, n, k):
     check_close(y, reference.quantized_matmul(x, w))
 
 
-@pytest.mark.parametrize("fmt,mode", [("fp8", "gather"), ("fp4", "view3d")])
+@pytest.mark.parametrize("fmt,mode", [("fp8", "gather"), ("fp8", "mma8"), ("fp4", "view3d")])
 def test_split_k_leading_dims_scale_modes(fmt, mode, monkeypatch):
     monkeypatch.setitem(pallas_triton.SCALE_MODE, fmt, mode)
     seed = np.random.randint(1 << 30)
