@@ -139,3 +139,13 @@ def test_auto_gate_on_gpu(monkeypatch):
     assert pallas_triton.auto_reason(x, quantize_fp8(jnp.ones((64, 256)))) is None
     y = api.quantized_matmul(x, w4)  # would need a GPU if it took the Pallas path
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(reference.quantized_matmul(x, w4), np.float32))
+
+
+@pytest.mark.parametrize("target", ["cuda", "rocm"])
+def test_cross_lowering_experimental_modes(target, monkeypatch):
+    """The opt-in scale modes lower for both targets at real shapes too."""
+    for fmt, mode, spec in (("fp8", "gather", fp8_spec(5120, 8192)), ("fp8", "mma8", fp8_spec(5120, 8192)),
+                            ("fp4", "view3d", fp4_spec(2304, 5120))):
+        monkeypatch.setitem(pallas_triton.SCALE_MODE, fmt, mode)
+        for m in (1, 4096):
+            _lower(target, m, spec)
