@@ -5,7 +5,8 @@ pictures.
 The kernel is a kernelspec written to a temporary directory that points at *this* interpreter
 (``sys.executable -m ipykernel_launcher``), handed to nbclient through its own KernelSpecManager: the
 notebooks run in the test's environment whatever kernels (or none) are registered on the machine, so
-a clean clone with the venv is enough. ``DSV41_NOTEBOOK_TIMEOUT`` (seconds, default 600) bounds each
+a clean clone with the venv is enough. The kernel inherits the test's environment (``JAX_PLATFORMS=cpu``
+from conftest) and its persistent compilation cache. ``DSV41_NOTEBOOK_TIMEOUT`` (seconds, default 600) bounds each
 notebook; ``DSV41_NOTEBOOK_OUT`` (a directory) keeps the executed copies for inspection.
 """
 
@@ -17,6 +18,7 @@ import pathlib
 import sys
 import time
 
+import jax
 import pytest
 
 nbformat = pytest.importorskip("nbformat")
@@ -47,6 +49,15 @@ def kernel_dir(tmp_path_factory):
         "MPLBACKEND": "module://matplotlib_inline.backend_inline",
         "PYDEVD_DISABLE_FILE_VALIDATION": "1",
     }
+    # the persistent compilation cache of the test session (tests/conftest.py): the notebooks share
+    # programs with each other (01 and 02 run the same traced forward) and with earlier runs
+    cache_dir = jax.config.jax_compilation_cache_dir
+    if cache_dir:
+        env.update({
+            "JAX_COMPILATION_CACHE_DIR": os.path.abspath(cache_dir),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+        })
     (spec / "kernel.json").write_text(json.dumps({
         "argv": [sys.executable, "-Xfrozen_modules=off", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": f"dsv41 test ({sys.executable})",
