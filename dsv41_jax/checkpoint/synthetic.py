@@ -13,36 +13,15 @@ import ml_dtypes
 import numpy as np
 
 from ..config import ModelConfig
-from ..params import Leaf, param_layout
+from ..params import Leaf, _scale_draft, param_layout
 from ..quant import Fp4Tensor, Fp8Tensor
 from ..quant.tensors import fp8_scale_shape
 
-_STD = {"linear": None, "norm": 0.1, "sink": 0.5, "hc_base": 0.5, "gate_bias": 0.5, "engram_table": 0.5}
-
-
 def _plain(rng, leaf: Leaf, hc_dim: int) -> np.ndarray:
-    shape, fan_in = leaf.shape, leaf.shape[-1]
-    n = rng.standard_normal(shape, dtype=np.float32)
-    k = leaf.init
-    if k == "linear":
-        x = n / math.sqrt(fan_in)
-    elif k == "norm":
-        x = 1.0 + 0.1 * n
-    elif k in ("sink", "hc_base", "gate_bias", "engram_table"):
-        x = 0.5 * n
-    elif k == "hc_fn":
-        x = n / math.sqrt(hc_dim)
-    elif k == "hc_scale":
-        x = rng.uniform(0.5, 1.5, shape).astype(np.float32)
-    elif k == "gate_weight":
-        x = 4.0 * n / math.sqrt(fan_in)
-    elif k == "weights_proj":
-        x = 16.0 * n / math.sqrt(fan_in)
-    elif k == "engram_qk":
-        x = 1.0 + 0.3 * n
-    else:
-        raise ValueError(k)
-    return x.astype(ml_dtypes.bfloat16 if leaf.fmt == "bf16" else np.float32)
+    draft = (rng.random(leaf.shape, dtype=np.float32) if leaf.init == "hc_scale"
+             else rng.standard_normal(leaf.shape, dtype=np.float32))
+    x = _scale_draft(leaf.init, draft, leaf.shape[-1], hc_dim)  # the same recipes as init_params
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16 if leaf.fmt == "bf16" else np.float32)
 
 
 def _target_std(leaf: Leaf) -> float:
