@@ -132,13 +132,11 @@ def test_cached_greedy_decode_reproduces_generate(model, fx):
     ``gen_ids`` token for token and ``step_logits`` within 1e-4."""
     cfg, params = model
     ids = fx["input_ids"]
-    cache, pos = _prefill(cfg, params, ids, [(8, 8)] * 16, HF)
+    last = []
+    cache, pos = _prefill(cfg, params, ids, [(8, 8)] * 16, HF, check=lambda b, p, lg: last.append(lg))
     assert pos == [128, 128]
-    toks = ids[:, 127:128]
-    # the last prefill chunk's logits are step 0; recompute them by re-running is not needed:
-    cache2 = init_cache(cfg, 2, CAP, HF)
-    lg, cache2 = _step(cfg, params, cache2, ids, np.array([128, 128]), HF)
-    step_logits, gen = [np.asarray(lg)], [np.asarray(lg).argmax(-1)]
+    lg = np.stack(last[-2:])  # the last chunk's logits (position 127) produce generated token 0
+    step_logits, gen = [lg], [lg.argmax(-1)]
     for _ in range(15):
         lg, cache = _step(cfg, params, cache, gen[-1][:, None], np.array([1, 1]), HF)
         step_logits.append(np.asarray(lg))
@@ -148,7 +146,19 @@ def test_cached_greedy_decode_reproduces_generate(model, fx):
     np.testing.assert_array_equal(gen, fx["gen_ids"])
     err = np.abs(step_logits - fx["step_logits"])
     assert err.max() < 1e-4, f"max |dstep_logits| {err.max():.2e} at {np.unravel_index(err.argmax(), err.shape)}"
-    del toks
+
+
+def test_engine_generates_gen_ids(model, fx):
+    """The batched engine (slot reset, chunked prefill, sampling program) on the V4 model."""
+    from dsv41_jax.engine import Engine, Request
+    from dsv41_jax.model import Model
+
+    cfg, params = model
+    eng = Engine(Model(cfg, params), batch_size=2, max_seq_len=CAP, opts=HF, prefill_chunk=8)
+    res = eng.generate([Request(fx["input_ids"][b], max_new_tokens=16) for b in range(2)], return_logits=True)
+    for b, r in enumerate(res):
+        assert r.output_ids == fx["gen_ids"][b].tolist()
+        np.testing.assert_allclose(np.stack(r.logits), fx["step_logits"][b], atol=1e-4, rtol=0)
 
 
 def test_hadamard_is_a_rounding_level_change_without_kv_rounding(model, fx, hf_forward):
