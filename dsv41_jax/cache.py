@@ -122,7 +122,12 @@ def cache_capacity(cache: dict, cfg: ModelConfig) -> int:
 def global_kv_bytes_per_token(cfg: ModelConfig) -> float:
     """Bytes of global (compressed + index-key) cache per token in ``reference`` storage:
     per source of ratio m, (head_dim/2 + head_dim/16 + index_head_dim/2 + index_head_dim/32) / m.
-    V4.1-Flash: 3 x (288 + 68) / 2 + (288 + 68) = 890 B/token."""
+    V4.1-Flash: 3 x (288 + 68) / 2 + (288 + 68) = 890 B/token.
+    V4 (rounded values held as bf16, as DeepSeek's V4 code and our V4 cache do): per compressed
+    layer 2 * head_dim / m, plus 2 * index_head_dim / 4 per CSA layer (V4-Flash: 6880 B/token)."""
+    if cfg.is_v4:
+        return float(sum(2 * cfg.head_dim / cfg.ratio(l) for l in cfg.kv_source_layers)
+                     + sum(2 * cfg.index_head_dim / cfg.ratio(l) for l in cfg.index_source_layers))
     per_entry = cfg.head_dim // 2 + cfg.head_dim // 16 + cfg.index_head_dim // 2 + cfg.index_head_dim // 32
     return float(sum(per_entry / cfg.ratio(l) for l in cfg.kv_source_layers))
 

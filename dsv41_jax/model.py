@@ -73,9 +73,10 @@ class Model:
 
     # ---------------------------------------------------------------------------- forward
     def forward(self, tokens, *, dtype: str = "bfloat16", kv_cache_dtype: str = "reference",
-                return_aux: bool = False):
-        """Full-sequence forward from position 0: logits [B, S, vocab] float32 for every position."""
-        opts = RunOptions(dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+                return_aux: bool = False, hadamard: bool = True):
+        """Full-sequence forward from position 0: logits [B, S, vocab] float32 for every position.
+        ``hadamard`` (V4 only): ``False`` is the Hugging Face comparison mode (no indexer rotation)."""
+        opts = RunOptions(dtype=dtype, kv_cache_dtype=kv_cache_dtype, hadamard=hadamard)
         toks = np.asarray(tokens)
         if toks.ndim == 1:
             toks = toks[None]

@@ -76,7 +76,8 @@ PARAM_RULES: tuple = (
 # Cache leaves (cache.init_cache): every one is batch-leading.
 CACHE_RULES: tuple = (
     (r"^pos$", ("batch",)),
-    (r"^layers\.\d+\.(window|comp|index_k|state_kv|state_score)$", ("batch", None, None)),
+    (r"^layers\.\d+\.(window|comp|index_k|state_kv|state_score|index_state_kv|index_state_score)$",
+     ("batch", None, None)),
     (r".*", ()),
 )
 
