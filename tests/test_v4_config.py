@@ -113,3 +113,32 @@ def test_v4_validation():
         cfg.replace(family="v5")
     with pytest.raises(ConfigError):
         get_preset("tiny").replace(n_hash_layers=1)
+
+
+def test_v4_flash_full_size_traces():
+    """The real V4-Flash shapes (FP8 128x128 weights, MXFP4 experts, reference KV rounding) trace
+    through the backbone and the MTP block under jax.eval_shape (no memory, no device)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv41_jax.cache import init_cache, init_mtp_cache
+    from dsv41_jax.mtp import mtp_forward
+    from dsv41_jax.options import RunOptions
+    from dsv41_jax.transformer import forward_step
+
+    cfg, opts = get_preset("v4-flash"), RunOptions()
+    ps = param_specs(cfg)
+    cache = jax.eval_shape(lambda: init_cache(cfg, 2, 1024, opts))
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    lg, new_cache, aux = jax.eval_shape(
+        lambda p, c, t, l: forward_step(p, c, t, l, cfg=cfg, opts=opts, logits_mode="last", return_aux=True),
+        ps, cache, i32(2, 4), i32(2))
+    assert lg.shape == (2, cfg.vocab_size) and aux["hidden"].shape == (2, 4, 4, 4096)
+    assert jax.tree.structure(new_cache) == jax.tree.structure(cache)
+    assert cache["layers"]["2"]["state_kv"].shape == (2, 8, 1024)  # overlap: previous + open block
+    assert cache["layers"]["2"]["index_state_kv"].shape == (2, 8, 256)
+    assert cache["layers"]["3"]["state_kv"].shape == (2, 128, 512) and "index_k" not in cache["layers"]["3"]
+    mc = jax.eval_shape(lambda: init_mtp_cache(cfg, 2, 1024, opts))
+    ml, _ = jax.eval_shape(lambda p, c, h, t, l: mtp_forward(p, c, h, t, l, cfg=cfg, opts=opts, logits_mode="last"),
+                           ps, mc, aux["hidden"], i32(2, 4), i32(2))
+    assert ml.shape == (2, cfg.vocab_size)
