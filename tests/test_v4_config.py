@@ -142,3 +142,11 @@ def test_v4_flash_full_size_traces():
     ml, _ = jax.eval_shape(lambda p, c, h, t, l: mtp_forward(p, c, h, t, l, cfg=cfg, opts=opts, logits_mode="last"),
                            ps, mc, aux["hidden"], i32(2, 4), i32(2))
     assert ml.shape == (2, cfg.vocab_size)
+
+
+def test_v4_name_tables_cover_official_names():
+    from dsv41_jax.checkpoint.layout import check_table
+
+    for n in ("v4-flash", "v4-pro"):
+        check_table(get_preset(n))
+    check_table(ModelConfig.from_json(FIX))

@@ -182,3 +182,14 @@ def test_reference_kv_rounding_runs_and_is_visible(model, fx, hf_forward):
     assert d.max() > 1e-3  # the rounding is applied (routing flips make it chaotic: aggregate checks only)
     assert d.mean() < 0.25 * np.abs(ref).mean()  # measured: 0.12 vs 0.80
     assert (logits.argmax(-1) == ref.argmax(-1)).mean() > 0.6  # measured: 0.84
+
+
+def test_default_numerics_bf16_reference(model, fx):
+    """The default run options (bfloat16 compute, DeepSeek's KV rounding, Hadamard on) through
+    Model.forward: finite and mostly the same next-token choices as the float32 reference."""
+    from dsv41_jax.model import Model
+
+    cfg, params = model
+    logits = np.asarray(Model(cfg, params).forward(fx["input_ids"]))
+    assert logits.shape == fx["logits"].shape and np.isfinite(logits).all()
+    assert (logits.argmax(-1) == fx["logits"].argmax(-1)).mean() > 0.6
