@@ -40,7 +40,7 @@ def moe_experts(*args, **kw):
     return f(*args, **kw)
 
 from .mesh import mesh_sizes
-from .rules import PARAM_RULES, _manual, context_mesh, node_specs, rule_for
+from .rules import PARAM_RULES, context_mesh, node_specs, rule_for
 
 
 def _default_path() -> str:
@@ -75,7 +75,7 @@ def routed_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=3
                    mesh=None, path=None):
     """``moe_experts`` with the experts split over the mesh (context mesh by default)."""
     m = mesh if mesh is not None else context_mesh()
-    if m is None or _manual(m):
+    if m is None or not (set(_auto_axes(m)) & {"ep", "tp"}):
         return moe_experts(x, weights, indices, w1, w2, w3, swiglu_limit=swiglu_limit, act_block=act_block,
                            implementation=implementation)
     sizes = mesh_sizes(m)
@@ -84,6 +84,16 @@ def routed_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=3
                            implementation=implementation)
     return expert_parallel_moe(x, weights, indices, w1, w2, w3, mesh=m, swiglu_limit=swiglu_limit,
                                act_block=act_block, implementation=implementation, path=path)
+
+
+def _auto_axes(m) -> tuple[str, ...]:
+    """Mesh axes not already manual (inside a shard_map over dp, only ep and tp are left)."""
+    try:
+        from jax.sharding import AxisType
+
+        return tuple(n for n, t in zip(m.axis_names, m.axis_types) if t != AxisType.Manual)
+    except (ImportError, AttributeError):  # pragma: no cover
+        return tuple(m.axis_names)
 
 
 def expert_parallel_moe(x, weights, indices, w1, w2, w3, *, mesh, swiglu_limit, act_block=32,
@@ -97,8 +107,10 @@ def expert_parallel_moe(x, weights, indices, w1, w2, w3, *, mesh, swiglu_limit, 
     n_exp = jax.tree.leaves(w1)[0].shape[0]
     e_loc = n_exp // sizes["ep"] if e_split else n_exp
     N = x.shape[0]
-    dp = sizes["dp"]
+    free = _auto_axes(mesh)
+    dp = sizes["dp"] if "dp" in free else 1  # under data_parallel(), dp is already manual
     tok_dp = "dp" if dp > 1 and N % dp == 0 else None
+    names = frozenset(a for a in ("dp", "ep", "tp") if a in free)
     path = path or _default_path()
     if path == "auto":
         path = "all_to_all" if e_split and N % (dp * sizes["ep"]) == 0 and N // (dp * sizes["ep"]) >= _a2a_min_tokens() \
@@ -121,7 +133,8 @@ def expert_parallel_moe(x, weights, indices, w1, w2, w3, *, mesh, swiglu_limit, 
             y = _local_experts(xs, ws, ids, a, b, c, i_split, kw)
             return jax.lax.psum(y, red) if red else y
 
-        f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, *specs), out_specs=tok, check_vma=False)
+        f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, *specs), out_specs=tok, axis_names=names,
+                          check_vma=False)
         return f(x, weights.astype(jnp.float32), indices.astype(jnp.int32), w1, w2, w3)
 
     if path != "all_to_all":
@@ -152,7 +165,8 @@ def expert_parallel_moe(x, weights, indices, w1, w2, w3, *, mesh, swiglu_limit, 
         rows = back[flat_dest, slot]  # [nk, D] f32
         return jnp.sum(rows.reshape(n, k, -1), axis=1)
 
-    f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, *specs), out_specs=tok, check_vma=False)
+    f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, *specs), out_specs=tok, axis_names=names,
+                      check_vma=False)
     return f(x, weights.astype(jnp.float32), indices.astype(jnp.int32), w1, w2, w3)
 
 

@@ -11,6 +11,8 @@ rest partitioned by XLA's GSPMD from those shardings.
 
 from __future__ import annotations
 
+import re
+
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -34,10 +36,26 @@ def logits_sharding(mesh, batch: int, vocab: int, logits_mode: str, layout: str 
     return NamedSharding(mesh, logical_spec(axes, mesh, shape))
 
 
+def data_parallel(fn, mesh, batch: int):
+    """Wrap ``fn(params, cache, tokens, lengths, engram_ids) -> (logits, cache)`` in a ``shard_map``
+    that is manual over ``dp`` only (``tp``/``ep`` stay automatic): each dp group runs the step on
+    its own rows. Without it GSPMD cannot prove that the caches' per-row gathers/scatters stay
+    within a row and all-gathers the caches over dp every step. Identity when dp = 1 or the batch
+    does not split."""
+    dp = mesh_sizes(mesh)["dp"]
+    if dp == 1 or batch % dp:
+        return fn
+    row = P("dp")
+    return jax.shard_map(fn, mesh=mesh, in_specs=(P(), row, row, row, row), out_specs=(row, row),
+                         axis_names=frozenset({"dp"}), check_vma=False)
+
+
 def sharded_forward_step(cfg, opts, mesh, *, batch: int, max_seq_len: int, logits_mode: str = "all",
-                         logits_layout: str = "replicated", with_engram_ids: bool | None = None):
+                         logits_layout: str = "replicated", with_engram_ids: bool | None = None,
+                         dp_shard_map: bool = True):
     """``fn(params, cache, tokens, lengths, engram_ids=None) -> (logits, cache)``: jitted with
-    in/out shardings from the rules, cache donated, traced and run under ``use_mesh(mesh)``."""
+    in/out shardings from the rules, cache donated, traced and run under ``use_mesh(mesh)``;
+    ``dp_shard_map``: rows split over dp by :func:`data_parallel`."""
     from dsv41_jax.transformer import forward_step
 
     ps = param_shardings(cfg, mesh)
@@ -51,12 +69,35 @@ def sharded_forward_step(cfg, opts, mesh, *, batch: int, max_seq_len: int, logit
         return forward_step(params, cache, tokens, lengths, engram_ids, None, cfg=cfg, opts=opts,
                             logits_mode=logits_mode)
 
+    if dp_shard_map:
+        step = data_parallel(step, mesh, batch)
     jitted = jax.jit(step, in_shardings=(ps, cs, bs, bs, ids_sh), out_shardings=(ls, cs), donate_argnums=(1,))
 
     def run(params, cache, tokens, lengths, engram_ids=None):
         with use_mesh(mesh):
             return jitted(params, cache, tokens, lengths, engram_ids if use_ids else None)
 
+    def compiled_text(params, cache, tokens, lengths, engram_ids=None):
+        """The partitioned, optimised HLO of the step for these argument shapes (compiles)."""
+        with use_mesh(mesh):
+            return jitted.lower(params, cache, tokens, lengths, engram_ids if use_ids else None).compile().as_text()
+
     run.jitted = jitted
     run.mesh = mesh
+    run.compiled_text = compiled_text
     return run
+
+
+_COLL = re.compile(r"= (\S+?)\[[^\]]*\][^ ]* (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(-start)?\(")
+
+# element types NCCL / RCCL cannot carry (XLA aborts at run time: "element type ... not supported by NCCL")
+NCCL_UNSUPPORTED = ("f8e8m0fnu", "f8e4m3fn", "f8e5m2", "f8e4m3fnuz", "f8e5m2fnuz", "f4e2m1fn")
+
+
+def collectives(hlo_text: str) -> dict[tuple[str, str], int]:
+    """{(collective, element type): count} in a compiled HLO module text."""
+    out: dict[tuple[str, str], int] = {}
+    for m in _COLL.finditer(hlo_text):
+        k = (m.group(2), m.group(1).lstrip("("))
+        out[k] = out.get(k, 0) + 1
+    return out

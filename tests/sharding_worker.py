@@ -294,6 +294,8 @@ def main(argv=None):
     ap.add_argument("--ep-path", default=None)
     ap.add_argument("--moe-unit", action="store_true")
     ap.add_argument("--engine", action="store_true", help="Engine + shard_engine vs single device")
+    ap.add_argument("--check-collectives", action="store_true",
+                    help="also compile the decode step and list its collectives (element types NCCL must carry)")
     ap.add_argument("--profile", type=int, default=0, help="profile this many extra decode steps per run")
     ap.add_argument("--prof-dir", default="/tmp/dsv41_sharding_prof")
     ap.add_argument("--keep-going", action="store_true", help="report a failing mesh and continue")
@@ -382,9 +384,21 @@ def run_mesh(a, cfg, opts, params, spec, prompt, ids_fn, ref_logits, ref_gen, sy
         scale = float(max(np.max(np.abs(r)) for r in ref_logits))
         prof = profile_decode(step, sp, state, a.profile, ids_fn, os.path.join(a.prof_dir, spec.replace(",", "_")
                                                                                .replace("=", ""))) if a.profile else None
+        coll = None
+        if a.check_collectives:
+            import jax.numpy as jnp
+
+            from sharding.step import collectives
+
+            cache_, hist_, pos_ = state
+            toks = jnp.zeros((B, CHUNK), jnp.int32)
+            ids = ids_fn(np.concatenate([hist_, np.zeros((B, CHUNK), np.int32)], 1),
+                         np.broadcast_to(pos_ - CHUNK + np.arange(CHUNK), (B, CHUNK)))
+            coll = {f"{k[0]}:{k[1]}": v for k, v in collectives(step.compiled_text(sp, cache_, toks,
+                                                                                   jnp.ones((B,), jnp.int32), ids)).items()}
         del state, sp
         print(json.dumps({
-            "profile": prof, "event": "mesh", "mesh": spec + (f"@{ep_path}" if ep_path else ""), "desc": describe(mesh), "s": round(time.perf_counter() - t0, 2),
+            "collectives": coll, "profile": prof, "event": "mesh", "mesh": spec + (f"@{ep_path}" if ep_path else ""), "desc": describe(mesh), "s": round(time.perf_counter() - t0, 2),
             "max_abs_diff": max(diffs), "max_abs_ref": scale, "tokens": gen.tolist(),
             "tokens_equal": bool(np.array_equal(gen, ref_gen)), "n_replicated_notes": len(notes),
             "decode_ms": [round(1e3 * t, 3) for t in ts],

@@ -36,7 +36,7 @@ ENGINE_MESHES = "dp=2,tp=2,ep=2"
 
 JOBS = {
     "f32": ["--meshes", F32_MESHES, "--dtype", "float32", "--kv", "float32"],
-    "quant": ["--meshes", QUANT_MESHES, "--dtype", "float32", "--kv", "reference"],
+    "quant": ["--meshes", QUANT_MESHES, "--dtype", "float32", "--kv", "reference", "--check-collectives"],
     "moe": ["--moe-unit", "--meshes", MOE_MESHES],
     "engine": ["--engine", "--meshes", ENGINE_MESHES],
 }
@@ -204,3 +204,19 @@ def test_engine_on_mesh(worker_results):
     assert len(meshed) == len(ENGINE_MESHES.split(";"))
     for r in meshed:
         assert r["tokens"] == single["tokens"], r["mesh"]
+
+
+def test_collectives_carry_only_float_activations(worker_results):
+    """The compiled dp x tp x ep decode step communicates activations only: f32 all-reduces /
+    all-gathers (no FP8/e8m0 element types, which NCCL rejects at run time, and no cache rows:
+    the dp shard_map keeps each row's cache on its devices)."""
+    from sharding.step import NCCL_UNSUPPORTED
+
+    rows = [r for r in worker_results["quant"] if r["event"] == "mesh"]
+    assert rows
+    for r in rows:
+        coll = r["collectives"]
+        assert coll, r["mesh"]
+        types = {k.split(":")[1] for k in coll}
+        assert not types & set(NCCL_UNSUPPORTED), coll
+        assert types <= {"f32", "bf16"}, coll
