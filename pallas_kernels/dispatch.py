@@ -6,10 +6,13 @@ Every op's ``api.py`` calls :func:`resolve` with the caller's ``implementation``
 1. an explicit ``implementation=`` argument;
 2. the innermost :func:`use_implementation` context;
 3. the ``DSV41_KERNELS`` environment variable;
-4. ``"auto"``: ``"pallas"`` when JAX's default backend is a GPU and the op's kernel is enabled for
-   auto-selection (``auto_pallas``: an op whose kernel measures slower than the XLA reference on
-   the H200 keeps the reference until it is faster; BENCHMARKS.md has the numbers), else
-   ``"reference"``.
+4. ``"auto"``: ``"pallas"`` when JAX's default backend is a GPU, ``"reference"`` otherwise.
+
+:func:`choose` then asks the kernel module whether it can run the call (``unsupported_reason``) and,
+under plain ``auto`` only, whether it should (``auto_reason``: a kernel path not yet verified on a
+GPU, or measured slower than the XLA reference there, declines; BENCHMARKS.md has the numbers).
+An explicit ``implementation=`` argument that cannot be honoured raises the kernel's reason; a
+context or environment choice falls back to the reference for calls the kernel cannot run.
 
 Names:
 * ``"reference"`` – the pure-jnp definition (runs anywhere, the numerical ground truth);
@@ -46,13 +49,36 @@ def default_implementation() -> str:
     return _check(os.environ.get("DSV41_KERNELS", "auto"))
 
 
-def resolve(implementation: str | None = None, *, auto_pallas: bool = True) -> str:
+def resolve(implementation: str | None = None) -> str:
     """Return the concrete implementation name ('reference', 'pallas' or 'interpret')."""
     name = _check(implementation) if implementation is not None else default_implementation()
     if name == "auto":
-        gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
-        return "pallas" if gpu and auto_pallas else "reference"
+        return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "reference"
     return name
+
+
+def choose(op: str, implementation: str | None, load_kernel, unsupported, auto=None):
+    """Pick the kernel for one call: returns ``(kernel_module, interpret)`` or ``(None, False)`` for
+    the reference. ``load_kernel()`` imports the op's ``pallas_triton`` module; ``unsupported(k)`` and
+    ``auto(k)`` return a readable reason or None."""
+    impl = resolve(implementation)
+    if impl == "reference":
+        return None, False
+    explicit = implementation is not None
+    try:
+        kernel = load_kernel()
+    except ImportError as e:
+        if explicit:
+            raise ValueError(f"{op}: no Pallas implementation is available ({e})") from None
+        return None, False
+    reason = unsupported(kernel)
+    if reason is None and auto is not None and not explicit and default_implementation() == "auto":
+        reason = auto(kernel)
+    if reason is not None:
+        if explicit:
+            raise ValueError(f"{op}: Pallas kernel cannot run this shape: {reason}")
+        return None, False
+    return kernel, impl == "interpret"
 
 
 @contextlib.contextmanager

@@ -442,3 +442,11 @@ def lightning_indexer(q, weights, keys, visible, *, top_k, candidate_blocks=None
     if want_block_scores:
         block_scores = gmax[:, :nb].reshape(b, s, nb)
     return IndexerResult(topk.astype(jnp.int32), block_scores)
+
+
+def auto_reason(q):
+    """Why plain 'auto' dispatch does not pick this kernel on a GPU (None: pick it). The kernel is
+    correct on the H200 but measured slower than the XLA reference there (BENCHMARKS.md, "Pallas
+    kernels I"), so 'auto' keeps the reference until a faster version is measured.
+    implementation='pallas' (argument, context or DSV41_KERNELS) still runs it."""
+    return "measured slower than the XLA reference on the H200 (BENCHMARKS.md)"

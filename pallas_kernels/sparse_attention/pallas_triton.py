@@ -383,3 +383,11 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
         o = jnp.einsum("rph,rphd->rhd", w, acc, precision=jax.lax.Precision.HIGHEST) * inv[..., None]
         out = o.astype(q.dtype)
     return out[:, :h].reshape(b, s, h, d)
+
+
+def auto_reason(q):
+    """Why plain 'auto' dispatch does not pick this kernel on a GPU (None: pick it). The kernel is
+    correct on the H200 but measured slower than the XLA reference there (BENCHMARKS.md, "Pallas
+    kernels I"), so 'auto' keeps the reference until a faster version is measured.
+    implementation='pallas' (argument, context or DSV41_KERNELS) still runs it."""
+    return "measured slower than the XLA reference on the H200 (BENCHMARKS.md)"
