@@ -2,7 +2,7 @@
 unquantized KV, batch 2, max_seq_len 160, prefill chunk 8 (compiled programs shared with
 tests/test_dspark.py).
 
-* greedy speculation is token-for-token identical to plain decoding, with DeepSeek-trained-style
+* greedy speculation is token-for-token identical to plain decoding, with high
   acceptance simulated by oracle drafts (the target's own greedy continuation, corrupted at a
   cycling position, so every accepted count 0..5 occurs) and with the real (random-weight) drafter;
   prompts of 13 and 30 tokens so verify chunks straddle ratio-2 blocks, ratio-1 candidate blocks of
