@@ -41,7 +41,6 @@ step of width S; ``"fixed:k"`` always verifies k.
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 
