@@ -7,8 +7,8 @@ anchor (argmax of that call's logits). Float32 with unquantized KV: draft ids ex
 The run goes through :class:`dsv41_jax.speculative.SpeculativeGenerator` with ``policy="fixed:0"``
 (verify no drafts = plain one-token decode steps, in the gamma+1-wide program padded), whose step
 program updates the DSpark rings with the fed token's features and drafts after it, exactly the
-fixture's protocol. It shares its compiled
-programs with tests/test_speculative.py (same batch 2, max_seq_len 160, prefill chunk 8)."""
+fixture's protocol. It shares its compiled programs with tests/test_speculative.py (same batch 2,
+max_seq_len 160, prefill chunk 8)."""
 
 import numpy as np
 import pytest
