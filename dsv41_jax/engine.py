@@ -23,16 +23,24 @@ Design
   back to its initial value, ``pos`` to 0; one small jitted program, cache donated).
 * **Sampling** is fused into the step; a request's random key is ``(seed, request index, step)``
   (:mod:`dsv41_jax.sampling`), so its tokens do not depend on slot or batch size.
-* **Engram hashing on the host.** The hash ids of a position depend on the token ids at that
-  position and the ``max_ngram_size - 1`` before it (int64 arithmetic, ``engram_hash.py``). The host
-  keeps each slot's compressed-id history and hashes only a ``[B, J-1+S]`` window per step (a few
-  microseconds of numpy). The sampled token of step k is needed to hash step k+1, so decode pays one
-  small device->host copy of ``B`` int32 per token; that copy is the step's only host sync.
-  Steps in which no row samples (every active row is mid-prompt) are not synced at all: the next
-  chunk's hash ids / Engram rows are built on the host and its step dispatched while the device
-  still runs the previous one (dispatch is asynchronous), so prompt processing overlaps host work
-  and transfers completely. Computing the hash on the device (64-bit products emulated in 32-bit
-  limbs) would remove the per-token sync too; not done.
+* **Engram hashing and the per-token round trip.** The hash ids of a position depend on the token
+  ids at that position and the ``max_ngram_size - 1`` before it (int64 arithmetic in
+  ``engram_hash.py``). Two loops:
+
+  - *pipelined* (default when the Engram tables are on the device, or there is no Engram): the
+    hash runs on the device (:func:`device_ngram_ids`, the int64 products as 8-bit limbs in uint32,
+    bit-identical to the host hasher; each row's last J-1 compressed ids are device state
+    ``ehist``), decode rows take their token straight from the previous step's output, and the
+    host reads step k's tokens (progress, stop checks) while step k+1 already runs. No host round
+    trip sits between two steps; a stop token is seen one step late and the extra sample of that
+    row is discarded (``max_new_tokens`` and the cache capacity are known ahead and never
+    overrun).
+  - *synced* (host-memory Engram tables, or ``return_logits`` / ``forced_ids``): the host keeps
+    each slot's compressed-id history, hashes a ``[B, J-1+S]`` window per step (numpy, a few
+    microseconds) and, in host mode, gathers the rows; the sampled tokens of step k are needed to
+    hash step k+1, so each sampling step is synced (one copy of ``B`` int32). Steps in which no row
+    samples (all active rows mid-prompt) are not synced: the next chunk's ids / rows are built and
+    dispatched while the device still runs the previous one.
 * **Engram tables**, two modes with identical numbers: ``device`` (tables in the parameter tree on
   the device; the step gathers rows with ``jnp.take``) and ``host`` (tables stay host numpy /
   memmaps, e.g. as :func:`dsv41_jax.checkpoint.load_checkpoint` leaves them; the rows a step needs,
@@ -95,6 +103,79 @@ def _engine_step(params, cache, tokens, lengths, engram_ids, engram_rows, seed, 
 _engine_step_jit = jax.jit(_engine_step, static_argnames=("cfg", "opts"), donate_argnames=("cache",))
 
 
+def device_hash_tables(hasher):
+    """Device constants of the Engram n-gram hash for :func:`device_ngram_ids`, or None when the
+    layout does not fit its 32-bit arithmetic (primes < 2^24 and compressed ids < 2^23; the products
+    are < 2^63 by construction of the multipliers; V4.1-Flash's primes are ~1.6e7 < 2^24)."""
+    lay = hasher.layout
+    mult = lay.multipliers_array()
+    primes = lay.primes_array()
+    if primes.max() >= 2**24 or lay.compressed_vocab_size >= 2**23:
+        return None
+    limbs = np.stack([(mult >> (8 * i)) & 255 for i in range(8)], -1).astype(np.uint32)  # [L, J, 8]
+    return {"token_map": jnp.asarray(hasher.token_map.astype(np.int32)), "mult": jnp.asarray(limbs),
+            "primes": jnp.asarray(primes.astype(np.uint32)),
+            "offsets": jnp.asarray(lay.offsets_array().astype(np.int32)), "pad": jnp.int32(hasher.pad_compressed_id)}
+
+
+def device_ngram_ids(ht, win, first_pos, S: int):
+    """The Engram row ids of :func:`dsv41_jax.engram_hash.ngram_hash_ids`, on the device in 32-bit
+    integer arithmetic: the int64 products ``tok * mult`` as eight 8-bit limbs (carries
+    propagated), the XOR limb by limb, the remainder by Horner over the limbs (``r < 2^24`` so
+    ``r * 256 + limb`` fits in uint32). ``win`` [B, J-1+S] compressed ids, ``win[:, i]`` at absolute
+    position ``first_pos + i``; returns int32 [B, S, L, cols] for positions ``first_pos + J-1 + s``."""
+    L, J, _ = ht["mult"].shape
+    H = ht["primes"].shape[-1]
+    B = win.shape[0]
+    idx = (J - 1) + jnp.arange(S)[:, None] - jnp.arange(J)[None, :]  # [S, J]: token at p - j
+    tok = win[:, idx]
+    apos = first_pos[:, None, None] + idx[None]
+    tok = jnp.where(apos < 0, ht["pad"], tok).astype(jnp.uint32)  # before the sequence: pad
+    m = ht["mult"]
+    carry = jnp.zeros((B, S, L, J), jnp.uint32)
+    limbs = []
+    for i in range(8):
+        acc = tok[:, :, None, :] * m[None, None, :, :, i] + carry
+        limbs.append(acc & 255)
+        carry = acc >> 8
+    prod = jnp.stack(limbs, -1)  # [B, S, L, J, 8]
+    cols = []
+    rolling = prod[:, :, :, 0]
+    for k in range(1, J):
+        rolling = rolling ^ prod[:, :, :, k]
+        p = ht["primes"][None, None, :, k - 1, :]  # [1, 1, L, H]
+        r = jnp.zeros((B, S, L, H), jnp.uint32)
+        for i in range(7, -1, -1):
+            r = (r * 256 + rolling[..., i][..., None]) % p
+        cols.append(r)
+    return jnp.concatenate(cols, -1).astype(jnp.int32) + ht["offsets"][None, None]
+
+
+def _engine_step_pipe(params, cache, ehist, ht, tokens, lengths, use_prev, prev, seed, request_ids, steps,
+                      temperature, top_k, top_p, *, cfg, opts):
+    """The pipelined step: decode rows (``use_prev``) take their token from the previous step's
+    output ``prev`` without a host round trip, and the Engram ids are hashed on the device from
+    ``ehist`` [B, J-1] (compressed ids of each row's last J-1 tokens). Returns (next, logits, cache,
+    ehist)."""
+    S = tokens.shape[1]
+    first = (jnp.arange(S) == 0)[None, :] & use_prev[:, None]
+    tokens = jnp.where(first, prev[:, None], tokens)
+    eids = None
+    if ht is not None:
+        J1 = ehist.shape[1]
+        win = jnp.concatenate([ehist, ht["token_map"][tokens]], axis=1)
+        ids = device_ngram_ids(ht, win, cache["pos"] - J1, S)
+        eids = {str(l): ids[:, :, i] for i, l in enumerate(cfg.engram_layer_ids)}
+        ehist = jnp.take_along_axis(win, lengths.astype(jnp.int32)[:, None] + jnp.arange(J1)[None, :], axis=1)
+    logits, cache = forward_step(params, cache, tokens, lengths, eids, None, cfg=cfg, opts=opts, logits_mode="last")
+    keys = request_keys(seed, request_ids, steps)
+    nxt = sample_traced(logits, keys, temperature, top_k, top_p)
+    return nxt, logits, cache, ehist
+
+
+_engine_step_pipe_jit = jax.jit(_engine_step_pipe, static_argnames=("cfg", "opts"), donate_argnames=("cache", "ehist"))
+
+
 # ---------------------------------------------------------------------------------------------
 # requests and results
 # ---------------------------------------------------------------------------------------------
@@ -133,6 +214,8 @@ class _Slot:
     logits: list = field(default_factory=list)
     t_admit: float = 0.0
     t_first: float = 0.0
+    n_sched: int = 0  # tokens sampled by dispatched steps (pipelined loop; >= len(out))
+    done: bool = False
 
 
 @dataclass
@@ -210,14 +293,26 @@ class Engine:
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.stats = EngineStats()
         self._compiled: dict = {}
+        self._dev = jax.devices()[0]
         self._setup_params(engram_mode)
-        self.cache = init_cache(self.cfg, self.B, self.max_seq_len, self.opts)
+        # committed placements from the start: a step's compiled program is keyed by its inputs'
+        # placement, and outputs (the next cache) are committed, so an uncommitted first input
+        # would compile every program a second time
+        self.cache = self._commit(init_cache(self.cfg, self.B, self.max_seq_len, self.opts))
         # host mirrors: positions and compressed-id histories (for Engram hashing)
         self.pos = np.zeros(self.B, np.int64)
         J = self.cfg.engram_max_ngram_size if self.cfg.engram_layer_ids else 1
         self._J = J
         self._chist = np.zeros((self.B, self.max_seq_len + 1), np.int64)
         self._hasher = model.hasher if self.cfg.engram_layer_ids else None
+        # pipelined decode (no host round trip per token) needs the hash on the device
+        self._dev_hash = None
+        if self.engram_mode == "device":
+            self._dev_hash = device_hash_tables(self._hasher)
+        self.pipelined = self.engram_mode == "none" or self._dev_hash is not None
+        # committed device arrays from the start, so the pipelined step's inputs (ehist, prev) keep
+        # one placement across calls (an uncommitted first input would compile the step again)
+        self.ehist = jax.device_put(np.zeros((self.B, max(J - 1, 1)), np.int32), self._dev)
 
     # ------------------------------------------------------------------ parameters / Engram tables
     def _setup_params(self, engram_mode: str):
@@ -243,7 +338,12 @@ class Engine:
                 ep["embed"] = Fp8Tensor(data=jnp.asarray(t.data), scale=jnp.asarray(t.scale), block=t.block)
         params = {**params, "layers": layers}
         # every other leaf as a device array (numpy leaves would be re-transferred at every call)
-        self.params = jax.tree.map(lambda a: jnp.asarray(a) if isinstance(a, np.ndarray) else a, params)
+        self.params = self._commit(jax.tree.map(lambda a: jnp.asarray(a) if isinstance(a, np.ndarray) else a, params))
+
+    def _commit(self, tree):
+        """Single-device arrays committed to the default device (sharded ones left as they are)."""
+        return jax.tree.map(lambda a: jax.device_put(a, self._dev)
+                            if isinstance(a, jax.Array) and len(a.devices()) == 1 else a, tree)
 
     # ------------------------------------------------------------------ host-side Engram inputs
     def _engram_inputs(self, tokens: np.ndarray, lengths: np.ndarray):
@@ -270,18 +370,24 @@ class Engine:
         return {k: jax.device_put(v) for k, v in out.items()}, None
 
     # ------------------------------------------------------------------ compiled programs
-    def warmup(self, sampling: SamplingParams | None = None, *, decode: bool = True, prefill: bool = True):
+    def warmup(self, sampling: SamplingParams | None = None, *, decode: bool = True, prefill: bool = True,
+               pipelined: bool = False):
         """Compile the step programs (prefill chunk width and decode) and the slot reset before timing
         anything: each is run once on an all-idle batch (every length 0: caches unchanged). Compiled
         programs live in jit's cache, shared by every engine of the same shapes in the process."""
         widths = ([self.chunk] if prefill else []) + ([1] if decode and self.chunk != 1 else [])
         for S in widths:
-            if S in self._compiled:
+            key = (S, pipelined)
+            if key in self._compiled:
                 continue
             t = time.perf_counter()
-            nxt, _ = self.step(np.zeros((self.B, S), np.int64), np.zeros(self.B, np.int64), sampling=sampling)
+            zeros = np.zeros((self.B, S), np.int64), np.zeros(self.B, np.int64)
+            if pipelined:
+                nxt, _ = self._step_pipe(*zeros, np.zeros(self.B, bool), self._zeros_prev(), sampling=sampling)
+            else:
+                nxt, _ = self.step(*zeros, sampling=sampling)
             jax.block_until_ready(nxt)
-            self._compiled[S] = True
+            self._compiled[key] = True
             self.stats.compile_s += time.perf_counter() - t
             self.stats.steps -= 1
         if "reset" not in self._compiled:
@@ -341,13 +447,43 @@ class Engine:
         self.stats.steps += 1
         return nxt, logits
 
+    def _zeros_prev(self):
+        return jax.device_put(np.zeros(self.B, np.int32), self._dev)
+
+    def _step_pipe(self, tokens, lengths, use_prev, prev, *, sampling=None, request_ids=None, steps=None):
+        """Dispatch one pipelined step (see :func:`_engine_step_pipe`); rows with ``use_prev`` feed
+        ``prev[b]`` (a device array) as their single token. Returns device (next, logits)."""
+        B = self.B
+        tokens = np.asarray(tokens, np.int64)
+        lengths = np.asarray(lengths, np.int64)
+        S0 = tokens.shape[1]
+        S = 1 if S0 == 1 else self.chunk
+        if S0 < S:
+            tokens = np.concatenate([tokens, np.zeros((B, S - S0), np.int64)], 1)
+        if np.any(self.pos + lengths > self.max_seq_len):
+            raise ValueError(f"a slot would exceed max_seq_len {self.max_seq_len}")
+        sp = sampling or SamplingParams()
+        rid = np.zeros(B, np.int32) if request_ids is None else np.asarray(request_ids, np.int32)
+        stp = np.zeros(B, np.int32) if steps is None else np.asarray(steps, np.int32)
+        nxt, logits, self.cache, self.ehist = _engine_step_pipe_jit(
+            self.params, self.cache, self.ehist, self._dev_hash, jnp.asarray(tokens, jnp.int32),
+            jnp.asarray(lengths, jnp.int32), jnp.asarray(np.asarray(use_prev, bool)), prev, jnp.int32(sp.seed),
+            jnp.asarray(rid), jnp.asarray(stp), jnp.float32(sp.temperature), jnp.int32(sp.top_k),
+            jnp.float32(sp.top_p), cfg=self.cfg, opts=self.opts)
+        self.pos = self.pos + lengths
+        self.stats.steps += 1
+        return nxt, logits
+
     # ------------------------------------------------------------------ generation loop
     def generate(self, requests: Sequence[Request], sampling: SamplingParams | None = None, *,
                  return_logits: bool = False, on_token: Callable[[int, int], None] | None = None,
-                 on_finish: Callable[[Result], None] | None = None) -> list[Result]:
+                 on_finish: Callable[[Result], None] | None = None, pipelined: bool | None = None) -> list[Result]:
         """Run every request to completion with continuous batching. Results in request order.
         ``on_token(request_index, n_new_tokens)`` after each step (progress bars);
-        ``on_finish(result)`` when a request completes."""
+        ``on_finish(result)`` when a request completes. ``pipelined`` (default: whenever possible,
+        i.e. Engram tables on the device or no Engram, and no ``return_logits`` / ``forced_ids``):
+        decode tokens stay on the device and the host reads each step's tokens while the next step
+        already runs (:meth:`_step_pipe`); otherwise every sampling step is synced."""
         sp = sampling or SamplingParams()
         results: list[Result | None] = [None] * len(requests)
         for i, r in enumerate(requests):
@@ -358,7 +494,14 @@ class Engine:
                 raise ValueError(f"request {i}: prompt of {n} tokens leaves no room in max_seq_len {self.max_seq_len}")
             if r.max_new_tokens < 1:
                 raise ValueError(f"request {i}: max_new_tokens must be >= 1")
-        self.warmup(sp, prefill=True, decode=True)
+        pipe = self.pipelined if pipelined is None else bool(pipelined)
+        if pipelined is None and (return_logits or any(r.forced_ids is not None for r in requests)):
+            pipe = False
+        if pipe and not self.pipelined:
+            raise ValueError("pipelined decoding needs the Engram tables on the device (engram_mode='device')")
+        if pipe and (return_logits or any(r.forced_ids is not None for r in requests)):
+            raise ValueError("return_logits / forced_ids need pipelined=False")
+        self.warmup(sp, prefill=True, decode=True, pipelined=pipe)
         waiting = deque(range(len(requests)))
         slots: list[_Slot | None] = [None] * self.B
         # every slot starts fresh
@@ -390,6 +533,76 @@ class Engine:
         t_start = t_mark = time.perf_counter()
         had_prompt = False
         admit()
+        if pipe:
+            prev = self._zeros_prev()
+            pending = None  # (next tokens of the last dispatched step, [(slot, _Slot)] that sampled in it)
+            while any(s is not None for s in slots) or pending is not None:
+                in_prompt = [s is not None and s.cursor < len(s.prompt) for s in slots]
+                S = self.chunk if any(in_prompt) else 1
+                tokens = np.zeros((self.B, S), np.int64)
+                lengths = np.zeros(self.B, np.int64)
+                use_prev = np.zeros(self.B, bool)
+                rid = np.zeros(self.B, np.int32)
+                stp = np.zeros(self.B, np.int32)
+                sampled = []
+                n_prompt = 0
+                for b, s in enumerate(slots):
+                    if s is None or s.done:
+                        continue
+                    if in_prompt[b]:
+                        n = min(S, len(s.prompt) - s.cursor)
+                        tokens[b, :n] = s.prompt[s.cursor:s.cursor + n]
+                        lengths[b] = n
+                        s.cursor += n
+                        n_prompt += n
+                        if s.cursor < len(s.prompt):
+                            continue
+                    elif s.n_sched < s.req.max_new_tokens and len(s.prompt) + s.n_sched <= self.max_seq_len:
+                        use_prev[b] = True  # its last sampled token, still on the device
+                        lengths[b] = 1
+                    else:
+                        continue  # exhausted: finishes when its last token is read
+                    rid[b] = s.index if s.req.sample_id is None else s.req.sample_id
+                    stp[b] = s.n_sched
+                    s.n_sched += 1
+                    sampled.append((b, s))
+                step = None
+                if lengths.any():
+                    prev, _ = self._step_pipe(tokens, lengths, use_prev, prev, sampling=sp, request_ids=rid, steps=stp)
+                    had_prompt = had_prompt or n_prompt > 0
+                    self.stats.prefill_tokens += n_prompt
+                    step = (prev, sampled) if sampled else None
+                elif pending is None:
+                    raise RuntimeError("engine stalled: active slots but nothing to run or read")
+                if pending is not None:  # read the previous step while this one runs
+                    nxt = np.asarray(pending[0])
+                    now = time.perf_counter()
+                    dt, t_mark = now - t_mark, now
+                    n_new = 0
+                    for b, s in pending[1]:
+                        if s.done:
+                            continue  # sampled after its stop token: discarded
+                        if not s.out:
+                            s.t_first = now
+                        tok = int(nxt[b])
+                        s.out.append(tok)
+                        n_new += 1
+                        if on_token is not None:
+                            on_token(s.index, 1)
+                        reason = ("stop" if tok in self.stop_ids else "length" if len(s.out) >= s.req.max_new_tokens
+                                  else "max_seq_len" if len(s.prompt) + len(s.out) > self.max_seq_len else None)
+                        if reason:
+                            s.done = True
+                            finish(b, reason)
+                    if had_prompt:
+                        self.stats.prefill_s += dt
+                    else:
+                        self.stats.decode_tokens += n_new
+                        self.stats.decode_s += dt
+                    had_prompt = False
+                pending = step
+                admit()
+            return results  # type: ignore[return-value]
         while any(s is not None for s in slots):
             in_prompt = [s is not None and s.cursor < len(s.prompt) for s in slots]
             S = self.chunk if any(in_prompt) else 1

@@ -36,6 +36,15 @@ def requests():
 
 
 @pytest.fixture(scope="module")
+def pipe_engine(model):
+    """Engram tables on the device: the pipelined loop (device-side hash, tokens never leave the
+    device between steps). Prefill chunk 1: a single program."""
+    eng = Engine(model, batch_size=2, max_seq_len=160, opts=F32, prefill_chunk=1, engram_mode="device", stop_ids=())
+    assert eng.engram_mode == "device" and eng.pipelined
+    return eng
+
+
+@pytest.fixture(scope="module")
 def alone(model, requests):
     eng = Engine(model, batch_size=2, max_seq_len=160, opts=F32, prefill_chunk=8)
     return [eng.generate([r])[0].output_ids for r in requests]
@@ -134,3 +143,54 @@ def test_bad_requests(model):
         eng.generate([Request(list(range(3, 19)), 3)])
     with pytest.raises(ValueError, match="max_new_tokens"):
         eng.generate([Request([0, 5], 0)])
+
+
+def test_pipelined_device_hash_matches_synced(pipe_engine, requests, alone):
+    """Pipelined decoding (device hash, host reads step k while step k+1 runs) gives the tokens of
+    the synced host-hash loop: greedy, with a stop token found one step late (the extra sample is
+    discarded), at a full cache, and sampled."""
+    eng = pipe_engine
+    assert [r.output_ids for r in eng.generate(requests)] == alone
+    stop = alone[2][3]
+    eng.stop_ids = frozenset({stop})
+    try:
+        res = eng.generate(requests)
+    finally:
+        eng.stop_ids = frozenset()
+    for r, a in zip(res, alone):
+        k = a.index(stop) + 1 if stop in a else len(a)
+        assert r.output_ids == a[:k] and r.finish_reason == ("stop" if stop in a else "length")
+    long = Request(list(requests[3].prompt_ids) * 5, max_new_tokens=50)
+    r = eng.generate([long, requests[0]])
+    assert r[0].finish_reason == "max_seq_len" and len(r[0].output_ids) == 11 and r[1].output_ids == alone[0]
+    sp = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=11)
+    reqs = [Request(q.prompt_ids, q.max_new_tokens, sample_id=100 + i) for i, q in enumerate(requests)]
+    host = Engine(eng.model, batch_size=3, max_seq_len=160, opts=F32, prefill_chunk=1, stop_ids=())
+    assert [q.output_ids for q in eng.generate(reqs, sp)] == [q.output_ids for q in host.generate(reqs, sp)]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "v41-flash"])
+def test_device_ngram_hash_matches_host(preset):
+    """The device hash (32-bit limb arithmetic) = the host int64 hasher, real tokenizer map,
+    including the first positions (look-back before the sequence start)."""
+    import jax.numpy as jnp
+
+    from dsv41_jax.config import get_preset
+    from dsv41_jax.engine import device_hash_tables, device_ngram_ids
+    from dsv41_jax.engram_hash import EngramHasher
+    from dsv41_jax.tokenizer import load_tokenizer
+
+    cfg = get_preset(preset)
+    h = EngramHasher.from_config(cfg, tokenizer=load_tokenizer())
+    ht = device_hash_tables(h)
+    assert ht is not None
+    toks = np.random.default_rng(0).integers(0, cfg.vocab_size, (3, 40))
+    c, ref = h.compress(toks), h(toks)
+    J = cfg.engram_max_ngram_size
+    f = jax.jit(device_ngram_ids, static_argnums=3)
+    for p0, S in [(0, 5), (2, 1), (17, 8), (39, 1)]:
+        first = np.full(3, p0 - (J - 1))
+        win = np.take_along_axis(c, np.clip(first[:, None] + np.arange(J - 1 + S), 0, 39), 1).astype(np.int32)
+        got = np.asarray(f(ht, jnp.asarray(win), jnp.asarray(first), S))
+        n = min(S, 40 - p0)
+        np.testing.assert_array_equal(got[:, :n], ref[:, p0:p0 + n])
