@@ -44,6 +44,7 @@ from jax.experimental.pallas import triton as pltriton
 from dsv41_jax.quant import Fp4Tensor
 
 from .reference import IndexerResult
+from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
 
 __all__ = ["lightning_indexer", "unsupported_reason", "index_block_maxima", "select_topk", "DEFAULTS"]
 

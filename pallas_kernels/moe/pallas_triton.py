@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.quant import act_quant, is_quantized
+from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
 from pallas_kernels.quantized_matmul.pallas_triton import (
     act_fake_quant_tile,
     load_weight_tiles,
