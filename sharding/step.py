@@ -17,7 +17,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .mesh import mesh_sizes
-from .rules import cache_shardings, logical_spec, param_shardings, use_mesh
+from .rules import cache_shardings, logical_spec, use_mesh
 
 
 def batch_sharding(mesh, batch: int, ndim: int = 1) -> NamedSharding:
@@ -51,27 +51,35 @@ def data_parallel(fn, mesh, batch: int):
 
 
 def sharded_forward_step(cfg, opts, mesh, *, batch: int, max_seq_len: int, logits_mode: str = "all",
-                         logits_layout: str = "replicated", with_engram_ids: bool | None = None,
-                         dp_shard_map: bool = True):
-    """``fn(params, cache, tokens, lengths, engram_ids=None) -> (logits, cache)``: jitted with
-    in/out shardings from the rules, cache donated, traced and run under ``use_mesh(mesh)``;
-    ``dp_shard_map``: rows split over dp by :func:`data_parallel`."""
+                         logits_layout: str = "replicated", engram: str = "ids", dp_shard_map: bool = True):
+    """``fn(params, cache, tokens, lengths, engram_inputs=None) -> (logits, cache)``: jitted with
+    the cache, token and logits shardings from the rules, cache donated, traced and run under
+    ``use_mesh(mesh)``; ``dp_shard_map``: rows split over dp by :func:`data_parallel`.
+
+    ``params`` must already be placed (:func:`sharding.rules.shard_params`, or
+    ``load_checkpoint(..., shardings=param_shardings(cfg, mesh))``); their shardings are used as
+    they are, so a tree without the Engram tables works too. ``engram``: ``"ids"`` (row ids
+    {layer: int32 [B,S,cols]}, tables on the devices), ``"rows"`` (rows gathered on the host,
+    {layer: Fp8Tensor [B,S,cols,hd]} — tables kept as host memmaps by the loader) or ``"none"``."""
     from dsv41_jax.transformer import forward_step
 
-    ps = param_shardings(cfg, mesh)
+    if engram not in ("ids", "rows", "none"):
+        raise ValueError(f"engram must be ids, rows or none, got {engram!r}")
+    if not cfg.engram_layer_ids:
+        engram = "none"
     cs = cache_shardings(cfg, mesh, batch, max_seq_len, opts)
     bs = batch_sharding(mesh, batch)
     ls = logits_sharding(mesh, batch, cfg.vocab_size, logits_mode, logits_layout)
-    use_ids = bool(cfg.engram_layer_ids) if with_engram_ids is None else with_engram_ids
+    use_ids = engram != "none"
     ids_sh = {str(l): bs for l in cfg.engram_layer_ids} if use_ids else None
 
-    def step(params, cache, tokens, lengths, engram_ids):
-        return forward_step(params, cache, tokens, lengths, engram_ids, None, cfg=cfg, opts=opts,
-                            logits_mode=logits_mode)
+    def step(params, cache, tokens, lengths, engram_in):
+        ids, rows = (engram_in, None) if engram == "ids" else (None, engram_in)
+        return forward_step(params, cache, tokens, lengths, ids, rows, cfg=cfg, opts=opts, logits_mode=logits_mode)
 
     if dp_shard_map:
         step = data_parallel(step, mesh, batch)
-    jitted = jax.jit(step, in_shardings=(ps, cs, bs, bs, ids_sh), out_shardings=(ls, cs), donate_argnums=(1,))
+    jitted = jax.jit(step, in_shardings=(None, cs, bs, bs, ids_sh), out_shardings=(ls, cs), donate_argnums=(1,))
 
     def run(params, cache, tokens, lengths, engram_ids=None):
         with use_mesh(mesh):
