@@ -371,10 +371,12 @@ class Engine:
 
     # ------------------------------------------------------------------ compiled programs
     def warmup(self, sampling: SamplingParams | None = None, *, decode: bool = True, prefill: bool = True,
-               pipelined: bool = False):
+               pipelined: bool | None = None):
         """Compile the step programs (prefill chunk width and decode) and the slot reset before timing
         anything: each is run once on an all-idle batch (every length 0: caches unchanged). Compiled
-        programs live in jit's cache, shared by every engine of the same shapes in the process."""
+        programs live in jit's cache, shared by every engine of the same shapes in the process.
+        ``pipelined`` (default: ``self.pipelined``) picks which loop's programs."""
+        pipelined = self.pipelined if pipelined is None else pipelined
         widths = ([self.chunk] if prefill else []) + ([1] if decode and self.chunk != 1 else [])
         for S in widths:
             key = (S, pipelined)
