@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from .cache import init_cache
 from .config import ModelConfig, get_preset
+from .engram import gather_rows
 from .options import RunOptions
 from .params import init_params
 from .transformer import forward_step_jit
@@ -71,6 +72,19 @@ class Model:
         ids = self.hasher(np.asarray(history), np.asarray(positions))  # [B,S,L,cols] int64
         return {str(l): jnp.asarray(ids[:, :, i].astype(np.int32)) for i, l in enumerate(self.cfg.engram_layer_ids)}
 
+    def _split_host_tables(self, ids: dict):
+        """Engram tables held on the host (numpy / memmap, as the checkpoint loader leaves them) are
+        not passed into the jitted step (they would be copied to the device on every call): their
+        rows are gathered here and passed instead. Returns (params for the step, rows or None)."""
+        tables = {str(l): self.params["layers"][str(l)]["engram"]["embed"] for l in self.cfg.engram_layer_ids}
+        if not tables or not any(isinstance(t.data, np.ndarray) for t in tables.values()):
+            return self.params, None
+        rows = {k: jax.device_put(gather_rows(t, np.asarray(ids[k]))) for k, t in tables.items()}
+        layers = dict(self.params["layers"])
+        for k in tables:
+            layers[k] = {**layers[k], "engram": {**layers[k]["engram"], "embed": None}}
+        return {**self.params, "layers": layers}, rows
+
     # ---------------------------------------------------------------------------- forward
     def forward(self, tokens, *, dtype: str = "bfloat16", kv_cache_dtype: str = "reference",
                 return_aux: bool = False, hadamard: bool = True):
@@ -90,8 +104,9 @@ class Model:
         cache = init_cache(self.cfg, B, cap, opts)
         positions = np.broadcast_to(np.arange(S), (B, S))
         ids = self.engram_ids(toks, positions)
-        out = forward_step_jit(self.params, cache, jnp.asarray(toks, jnp.int32), jnp.full((B,), S, jnp.int32),
-                               ids, None, cfg=self.cfg, opts=opts, return_aux=return_aux)
+        params, rows = self._split_host_tables(ids)
+        out = forward_step_jit(params, cache, jnp.asarray(toks, jnp.int32), jnp.full((B,), S, jnp.int32),
+                               None if rows else ids, rows, cfg=self.cfg, opts=opts, return_aux=return_aux)
         if return_aux:
             return out[0], out[2]
         return out[0]
