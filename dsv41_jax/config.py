@@ -596,6 +596,19 @@ def _v4_pro() -> ModelConfig:
     return ModelConfig(**kw)
 
 
+def _tiny_v4() -> ModelConfig:
+    """CPU-sized V4 in the real formats (FP8 128x128 weights with 128-wide activation blocks, MXFP4
+    experts, real vocabulary): sliding, CSA (ratio 4 + indexer, 128-wide index heads for the
+    Hadamard) and HCA layers (ratio 8 instead of 128, so short prompts complete blocks), one hash
+    layer, one MTP block."""
+    kw = dict(_V4_BASE, name="tiny-v4", dim=128, n_layers=5, n_mtp_layers=1, n_heads=4, head_dim=128,
+              rope_head_dim=64, q_lora_rank=128, o_groups=2, o_lora_rank=128, window_size=16, moe_inter_dim=128,
+              n_routed_experts=8, n_activated_experts=2, n_hash_layers=1, original_seq_len=4096,
+              max_position_embeddings=65536, index_n_heads=4, index_head_dim=128, index_topk=4,
+              compress_ratios=(0, 4, 8, 4, 8, 0))
+    return ModelConfig(**kw)
+
+
 def _v41_flash() -> ModelConfig:
     return ModelConfig(name="v41-flash")
 
@@ -653,7 +666,8 @@ def _tiny() -> ModelConfig:
     )
 
 
-PRESETS = {"v41-flash": _v41_flash, "tiny": _tiny, "v4-flash": _v4_flash, "v4-pro": _v4_pro}
+PRESETS = {"v41-flash": _v41_flash, "tiny": _tiny, "v4-flash": _v4_flash, "v4-pro": _v4_pro,
+           "tiny-v4": _tiny_v4}
 
 
 def get_preset(name: str) -> ModelConfig:
