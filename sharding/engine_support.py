@@ -26,9 +26,23 @@ from .rules import init_cache_sharded, shard_params, use_mesh
 
 def shard_engine(engine, mesh):
     """Move an Engine onto ``mesh`` (in place; returns it)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
     engine.params = shard_params(engine.params, engine.cfg, mesh)
     engine.cache = init_cache_sharded(engine.cfg, mesh, engine.B, engine.max_seq_len, engine.opts)
     engine.mesh = mesh
+    # the engine's other device state (Engram history / hash tables, per-step inputs it places on
+    # ``_dev``) goes to every device of the mesh, replicated
+    rep = NamedSharding(mesh, P())
+    if hasattr(engine, "_dev"):
+        engine._dev = rep
+    for name, val in list(vars(engine).items()):
+        if name in ("params", "cache") or val is None:
+            continue
+        leaves = jax.tree.leaves(val)
+        if leaves and all(isinstance(x, jax.Array) for x in leaves):
+            setattr(engine, name, jax.device_put(val, rep))
     for name in ("step", "reset"):
         fn = getattr(type(engine), name).__get__(engine)
 
