@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype")
     src.add_argument("--kv-cache-dtype", choices=("reference", "bfloat16", "float32"), default="reference",
                      help="reference = DeepSeek's FP8/FP4 cache rounding")
+    src.add_argument("--mesh", default=None, metavar="SPEC",
+                     help="device mesh, e.g. 'dp=1,tp=2,ep=2' (axes dp, ep, tp; one may be -1 = the rest); "
+                          "multi-host: set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID")
     inp = p.add_argument_group("prompts")
     inp.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable)")
     inp.add_argument("--prompts", metavar="FILE", help="text lines, or JSONL with prompt / messages / input_ids")
@@ -254,6 +257,13 @@ def run(argv=None) -> int:
     from .sampling import SamplingParams
     from .tokenizer import decode
 
+    from sharding.engine_support import mesh_from_args, shard_engine
+    from sharding.mesh import MeshSpecError
+
+    try:
+        mesh = mesh_from_args(a)  # jax.distributed start-up (multi-host) + the --mesh mesh, or None
+    except MeshSpecError as e:
+        raise UsageError(f"--mesh {a.mesh}: {_one_line(e)}") from None
     t0 = time.perf_counter()
     if a.checkpoint:
         from .checkpoint import load_checkpoint
@@ -278,6 +288,8 @@ def run(argv=None) -> int:
         return run_cli(a, model, prompts, tok, opts, sampling, max_seq_len)
     eng = Engine(model, batch_size=min(a.batch_size, len(prompts)), max_seq_len=max_seq_len, opts=opts,
                  prefill_chunk=min(a.prefill_chunk, max_seq_len), stop_ids=(cfg.eos_token_id,))
+    if mesh is not None:
+        shard_engine(eng, mesh)
     t_load = time.perf_counter() - t0
     err = sys.stderr
     print(f"model: {cfg.name} ({'checkpoint ' + a.checkpoint if a.checkpoint else 'random weights, seed ' + str(a.seed)}), "
