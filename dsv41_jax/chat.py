@@ -52,6 +52,11 @@ _EFFORT_TEXT_V41 = ("Reasoning Effort: {} (range 1-100, the higher the value, th
                     "the reasoning)\n\n")
 
 
+
+
+class UnsupportedChatFeature(ValueError):
+    """A chat feature this encoder leaves out of scope (tools / DSML, task tokens, images, ...)."""
+
 def _validate(messages: Sequence[Mapping[str, Any]], flavor: str) -> list[dict]:
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
@@ -65,14 +70,14 @@ def _validate(messages: Sequence[Mapping[str, Any]], flavor: str) -> list[dict]:
             raise ValueError(f"messages[{i}] has no 'role' (expected one of {ROLES})")
         role = m["role"]
         if role in _OUT_OF_SCOPE_ROLES:
-            raise NotImplementedError(
+            raise UnsupportedChatFeature(
                 f"messages[{i}]: role {role!r} ({_OUT_OF_SCOPE_ROLES[role]}) is out of scope of "
                 f"dsv41_jax.chat; supported roles: {ROLES}")
         if role not in ROLES:
             raise ValueError(f"messages[{i}]: unknown role {role!r}; expected one of {ROLES}")
         for k in _OUT_OF_SCOPE_KEYS:
             if m.get(k):
-                raise NotImplementedError(f"messages[{i}]: {k!r} is out of scope of dsv41_jax.chat "
+                raise UnsupportedChatFeature(f"messages[{i}]: {k!r} is out of scope of dsv41_jax.chat "
                                           "(plain text chat only)")
         content = m.get("content")
         if content is None:
@@ -101,7 +106,7 @@ def _effort_prefix(thinking: bool, flavor: str, reasoning_effort) -> str:
         return ""
     if flavor == "v4":
         if reasoning_effort not in (None, "low"):
-            raise NotImplementedError("flavor='v4' supports only reasoning_effort None/'low' here "
+            raise UnsupportedChatFeature("flavor='v4' supports only reasoning_effort None/'low' here "
                                       "(the V4 'high'/'max' prompts are not implemented)")
         return ""
     eff = _DEFAULT_EFFORT_V41 if reasoning_effort is None else reasoning_effort

@@ -67,9 +67,9 @@ def test_errors():
         chat.encode_messages([{"role": "bot", "content": "x"}])
     with pytest.raises(ValueError, match="no 'role'"):
         chat.encode_messages([{"content": "x"}])
-    with pytest.raises(NotImplementedError, match="out of scope"):
+    with pytest.raises(chat.UnsupportedChatFeature, match="out of scope"):
         chat.encode_messages([{"role": "tool", "content": "x"}])
-    with pytest.raises(NotImplementedError, match="tools"):
+    with pytest.raises(chat.UnsupportedChatFeature, match="tools"):
         chat.encode_messages([{"role": "user", "content": "x", "tools": [{"type": "function"}]}])
     with pytest.raises(ValueError, match="empty"):
         chat.encode_messages([])
