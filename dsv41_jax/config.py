@@ -41,6 +41,17 @@ class ConfigError(ValueError):
     """A config file or preset that cannot describe a valid model."""
 
 
+
+def _weight_format(q: dict | None, text: dict, default_block: int, name: str) -> dict:
+    """dtype / fp8_block_size / expert_dtype from an HF ``quantization_config`` (None: bf16 weights)."""
+    if not q:
+        return {"dtype": "bf16", "expert_dtype": text.get("expert_dtype")}
+    bs = q.get("weight_block_size", [default_block, default_block])
+    if bs[0] != bs[1]:
+        raise ConfigError(f"config {name!r}: non-square weight_block_size {bs} is not supported")
+    return {"dtype": "fp8", "fp8_block_size": int(bs[0]),
+            "expert_dtype": q.get("expert_dtype", text.get("expert_dtype", "fp4"))}
+
 @dataclass(frozen=True)
 class ModelConfig:
     # shape
@@ -416,16 +427,7 @@ class ModelConfig:
         kw["gate_bias_vl"] = "vision_config" in d
         if "candidate_source_layer" not in kw:
             kw["candidate_source_layer"] = -1
-        if q:
-            bs = q.get("weight_block_size", [32, 32])
-            if bs[0] != bs[1]:
-                raise ConfigError(f"config {name!r}: non-square weight_block_size {bs} is not supported")
-            kw["dtype"] = "fp8"
-            kw["fp8_block_size"] = int(bs[0])
-            kw["expert_dtype"] = q.get("expert_dtype", t.get("expert_dtype", "fp4"))
-        else:
-            kw["dtype"] = "bf16"
-            kw["expert_dtype"] = t.get("expert_dtype")
+        kw.update(_weight_format(q, t, 32, name))
         try:
             return cls(**kw)
         except TypeError as e:  # pragma: no cover - defensive
@@ -513,17 +515,7 @@ class ModelConfig:
         prf = d.get("partial_rotary_factor", (main or comp or {}).get("partial_rotary_factor"))
         if prf is not None and "qk_rope_head_dim" not in d:
             kw["rope_head_dim"] = int(kw["head_dim"] * prf)
-        q = d.get("quantization_config")
-        if q:
-            bs = q.get("weight_block_size", [128, 128])
-            if bs[0] != bs[1]:
-                raise ConfigError(f"config {name!r}: non-square weight_block_size {bs} is not supported")
-            kw["dtype"] = "fp8"
-            kw["fp8_block_size"] = int(bs[0])
-            kw["expert_dtype"] = q.get("expert_dtype", d.get("expert_dtype", "fp4"))
-        else:
-            kw["dtype"] = "bf16"
-            kw["expert_dtype"] = d.get("expert_dtype")
+        kw.update(_weight_format(d.get("quantization_config"), d, 128, name))
         try:
             return cls(**kw)
         except TypeError as e:  # pragma: no cover - defensive
