@@ -87,7 +87,7 @@ def head_rms_norm(q, eps: float):
     return (qf * jax.lax.rsqrt(jnp.mean(qf * qf, axis=-1, keepdims=True) + eps)).astype(q.dtype)
 
 
-def _store(x, kind: str, opts: RunOptions):
+def cache_store(x, kind: str, opts: RunOptions):
     """Cache-storage form of ``x``: quantized in reference mode, plain otherwise."""
     if not opts.quantized_kv:
         return x.astype(opts.kv_dtype)
@@ -98,7 +98,7 @@ def _store(x, kind: str, opts: RunOptions):
     return quantize_mxfp4(x, 32)  # index keys / queries
 
 
-def _concat_rows(a, b):
+def concat_rows(a, b):
     """Concatenate two stores along the row axis (1)."""
     if isinstance(a, (Fp8Tensor, Fp4Tensor)):
         return type(a)(data=jnp.concatenate([a.data, b.data], 1), scale=jnp.concatenate([a.scale, b.scale], 1),
@@ -106,7 +106,7 @@ def _concat_rows(a, b):
     return jnp.concatenate([a, b.astype(a.dtype)], 1)
 
 
-def _take_rows(store, idx):
+def take_rows(store, idx):
     """store rows at idx [B, K] (clipped into range) -> [B, K, ...]."""
     def take(a):
         i = jnp.clip(idx, 0, a.shape[1] - 1)
@@ -114,14 +114,14 @@ def _take_rows(store, idx):
     return jax.tree.map(take, store)
 
 
-def _select_rows(mask, new, old):
+def select_rows(mask, new, old):
     """where(mask [B,K], new, old) for stores."""
     def sel(n, o):
         return jnp.where(mask.reshape(*mask.shape, *([1] * (n.ndim - 2))), n, o)
     return jax.tree.map(sel, new, old)
 
 
-def _scatter_rows(store, idx, rows):
+def scatter_rows(store, idx, rows):
     """store[b, idx[b, k]] = rows[b, k]; out-of-range idx are dropped."""
     b = jnp.arange(idx.shape[0])[:, None]
 
@@ -143,8 +143,8 @@ def update_ring(ring, chunk, pos0, lengths, window: int):
     r = jnp.arange(window, dtype=jnp.int32)
     a = end[:, None] - 1 - jnp.mod(end[:, None] - 1 - r[None, :], window)  # newest position in slot r
     from_chunk = a >= pos0[:, None]
-    rows = _take_rows(chunk, a - pos0[:, None])
-    return _select_rows(from_chunk, rows, ring)
+    rows = take_rows(chunk, a - pos0[:, None])
+    return select_rows(from_chunk, rows, ring)
 
 
 def compress(p, x, lc, pos0, lengths, m: int, cfg: ModelConfig, opts: RunOptions, *, overlap: bool = False,
@@ -230,9 +230,9 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
 
     kv = norm(linear(x, p["wkv"], act_block=act), p["kv_norm"], cfg.norm_eps)
     kv = apply_rope(kv, ang)
-    kv_chunk = _store_v4(kv, "window", opts, cfg.rope_head_dim) if cfg.is_v4 else _store(kv, "window", opts)
+    kv_chunk = _store_v4(kv, "window", opts, cfg.rope_head_dim) if cfg.is_v4 else cache_store(kv, "window", opts)
     lc = dict(cache_layers[str(l)])
-    window_kv = _concat_rows(lc["window"], kv_chunk)
+    window_kv = concat_rows(lc["window"], kv_chunk)
     win_idx = window_indices(positions, pos0, W)
     lc["window"] = update_ring(lc["window"], kv_chunk, pos0, lengths, W)
     cache_layers = {**cache_layers, str(l): lc}
@@ -254,8 +254,8 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
             latent = apply_rope(latent, eang)
             n_cap = jax.tree.leaves(lc["comp"])[0].shape[1]
             dst = jnp.where(ent_valid, ent_idx, n_cap)  # out of range -> dropped
-            lc["index_k"] = _scatter_rows(lc["index_k"], dst, _store(k, "index", opts))
-            lc["comp"] = _scatter_rows(lc["comp"], dst, _store(latent, "comp", opts))
+            lc["index_k"] = scatter_rows(lc["index_k"], dst, cache_store(k, "index", opts))
+            lc["comp"] = scatter_rows(lc["comp"], dst, cache_store(latent, "comp", opts))
             lc.update(state)
             cache_layers = {**cache_layers, str(l): lc}
         src_cache = cache_layers[str(src)]
@@ -264,7 +264,7 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
             ix = p["indexer"]
             qi = linear(qr, ix["wq_b"], act_block=act).reshape(B, S, cfg.index_n_heads, cfg.index_head_dim)
             qi = apply_rope(qi, ang)
-            qi = _store(qi, "index", opts) if opts.quantized_kv else qi
+            qi = cache_store(qi, "index", opts) if opts.quantized_kv else qi
             wscale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
             weights = (linear(x, ix["weights_proj"]) * wscale).astype(dtype).astype(jnp.float32)
             visible = (positions + 1) // m
@@ -304,7 +304,7 @@ def _v4_compressed(p, x, qr, l, m, cfg: ModelConfig, opts: RunOptions, lc, pos0,
     latent = apply_rope(latent, eang)
     n_cap = lc["comp"].shape[1]
     dst = jnp.where(ent_valid, ent_idx, n_cap)  # out of range -> dropped
-    lc["comp"] = _scatter_rows(lc["comp"], dst, _store_v4(latent, "comp", opts, cfg.rope_head_dim))
+    lc["comp"] = scatter_rows(lc["comp"], dst, _store_v4(latent, "comp", opts, cfg.rope_head_dim))
     lc.update(state)
     visible = (positions + 1) // m  # complete blocks only
     if cfg.overlap(l):  # CSA: own lightning indexer over its own index-key compressor
@@ -314,7 +314,7 @@ def _v4_compressed(p, x, qr, l, m, cfg: ModelConfig, opts: RunOptions, lc, pos0,
         k = apply_rope(k, eang)
         if opts.hadamard:
             k = hadamard(k)
-        lc["index_k"] = _scatter_rows(lc["index_k"], dst, _store_v4(k, "index", opts, cfg.rope_head_dim))
+        lc["index_k"] = scatter_rows(lc["index_k"], dst, _store_v4(k, "index", opts, cfg.rope_head_dim))
         lc.update(istate)
         qi = linear(qr, ix["wq_b"], act_block=act).reshape(B, S, cfg.index_n_heads, cfg.index_head_dim)
         qi = apply_rope(qi, ang)

@@ -41,12 +41,12 @@ def _one_scale(shape, dtype):
     return jnp.ones(shape, dtype)
 
 
-def _fp8_rows(shape):
+def fp8_rows(shape):
     return Fp8Tensor(data=jnp.zeros(shape, jnp.float8_e4m3fn), scale=_one_scale((*shape[:-1], shape[-1] // 32), jnp.float8_e8m0fnu),
                      block=(1, 32))
 
 
-def _fp4_rows(shape, block, scale_dtype):
+def fp4_rows(shape, block, scale_dtype):
     return Fp4Tensor(data=jnp.zeros((*shape[:-1], shape[-1] // 2), jnp.uint8),
                      scale=_one_scale((*shape[:-1], shape[-1] // block), scale_dtype), block=block)
 
@@ -61,12 +61,12 @@ def init_cache(cfg: ModelConfig, batch: int, max_seq_len: int, opts: RunOptions)
         return {"pos": jnp.zeros((batch,), jnp.int32), "layers": _v4_layers(cfg, batch, max_seq_len, opts)}
     layers = {}
     for l in range(cfg.n_layers):
-        c = {"window": _fp8_rows((batch, w, dh)) if q else jnp.zeros((batch, w, dh), opts.kv_dtype)}
+        c = {"window": fp8_rows((batch, w, dh)) if q else jnp.zeros((batch, w, dh), opts.kv_dtype)}
         if l in cfg.kv_source_layers:
             m = cfg.ratio(l)
             n = max_seq_len // m
-            c["comp"] = _fp4_rows((batch, n, dh), 16, jnp.float8_e4m3fn) if q else jnp.zeros((batch, n, dh), opts.kv_dtype)
-            c["index_k"] = _fp4_rows((batch, n, di), 32, jnp.float8_e8m0fnu) if q else jnp.zeros((batch, n, di), opts.kv_dtype)
+            c["comp"] = fp4_rows((batch, n, dh), 16, jnp.float8_e4m3fn) if q else jnp.zeros((batch, n, dh), opts.kv_dtype)
+            c["index_k"] = fp4_rows((batch, n, di), 32, jnp.float8_e8m0fnu) if q else jnp.zeros((batch, n, di), opts.kv_dtype)
             if m > 1:
                 c["state_kv"] = jnp.zeros((batch, m, dh), jnp.float32)
                 c["state_score"] = jnp.full((batch, m, dh), -jnp.inf, jnp.float32)

@@ -42,8 +42,8 @@ import jax.numpy as jnp
 from pallas_kernels.mhc import hc_collapse, hc_expand, hc_mixes
 from pallas_kernels.sparse_attention import sparse_attention
 
-from .attention import _concat_rows, _store, update_ring
-from .cache import _fp8_rows
+from .attention import concat_rows, cache_store, update_ring
+from .cache import fp8_rows
 from .config import ModelConfig
 from .layers import linear, norm, weight_of
 from .moe import moe
@@ -59,7 +59,7 @@ def init_dspark_cache(cfg: ModelConfig, batch: int, opts: RunOptions) -> dict:
     W, dh = cfg.window_size, cfg.head_dim
     stages = {}
     for k in range(cfg.n_mtp_layers):
-        ring = _fp8_rows((batch, W, dh)) if opts.quantized_kv else jnp.zeros((batch, W, dh), opts.kv_dtype)
+        ring = fp8_rows((batch, W, dh)) if opts.quantized_kv else jnp.zeros((batch, W, dh), opts.kv_dtype)
         stages[str(k)] = {"window": ring}
     return {"pos": jnp.zeros((batch,), jnp.int32), "stages": stages}
 
@@ -89,7 +89,7 @@ def dspark_update(params, dcache, features, lengths, *, cfg: ModelConfig, opts: 
     stages = {}
     for k in range(cfg.n_mtp_layers):
         layer = cfg.n_layers + k
-        kv = _store(_stage_kv(params["mtp"][str(k)]["attn"], mx, positions, layer, cfg), "window", opts)
+        kv = cache_store(_stage_kv(params["mtp"][str(k)]["attn"], mx, positions, layer, cfg), "window", opts)
         ring = dcache["stages"][str(k)]["window"]
         stages[str(k)] = {"window": update_ring(ring, kv, pos0, lengths, cfg.window_size)}
     return {"pos": pos0 + lengths, "stages": stages}
@@ -109,8 +109,8 @@ def _stage_attention(pa, x, ring, P, layer: int, cfg: ModelConfig, opts: RunOpti
     ang = rope_angles(positions, layer_frequencies(cfg, layer))
     qr = norm(linear(x, pa["wq_a"], act_block=act), pa["q_norm"], cfg.norm_eps)
     q = apply_rope(linear(qr, pa["wq_b"], act_block=act).reshape(B, G, H, Dh), ang)
-    kv_blk = _store(_stage_kv(pa, x, positions, layer, cfg), "window", opts)
-    kv = _concat_rows(ring, kv_blk)
+    kv_blk = cache_store(_stage_kv(pa, x, positions, layer, cfg), "window", opts)
+    kv = concat_rows(ring, kv_blk)
     r = jnp.arange(W, dtype=jnp.int32)
     ring_idx = jnp.where(r[None, :] < jnp.minimum(P, W)[:, None], r[None, :], -1)  # [B, W]
     blk_idx = jnp.broadcast_to(W + jnp.arange(G, dtype=jnp.int32), (B, G))

@@ -50,7 +50,7 @@ import numpy as np
 
 from pallas_kernels.mhc import hc_collapse
 
-from .attention import _scatter_rows, _select_rows, _take_rows, compress
+from .attention import scatter_rows, select_rows, take_rows, compress
 from .cache import init_cache
 from .config import ModelConfig
 from .dspark import dspark_draft, dspark_update, init_dspark_cache
@@ -153,12 +153,12 @@ def rollback(params, old, new, aux, tokens, keep, lengths, engram_ids=None, engr
     for l in range(cfg.n_layers):
         lo, ln = old["layers"][str(l)], new["layers"][str(l)]
         lc = dict(ln)
-        lc["window"] = _select_rows(ring_mask, lo["window"], ln["window"])
+        lc["window"] = select_rows(ring_mask, lo["window"], ln["window"])
         if l in cfg.kv_source_layers:
             m = cfg.ratio(l)
             idx = new_pos[:, None] // m + jnp.arange(S // m + 2, dtype=jnp.int32)[None, :]
             for name in ("comp", "index_k"):
-                lc[name] = _scatter_rows(ln[name], idx, _take_rows(lo[name], idx))
+                lc[name] = scatter_rows(ln[name], idx, take_rows(lo[name], idx))
             if m > 1:
                 x = _layer_input(params, aux, tokens, l, cfg, opts, engram_ids, engram_rows)
                 _, _, _, state = compress(params["layers"][str(l)]["attn"]["compressor"], x, lo, pos0, keep, m, cfg,
