@@ -317,6 +317,13 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ I/O
     @classmethod
+    def _build(cls, kw: dict[str, Any], name: str) -> "ModelConfig":
+        try:
+            return cls(**kw)
+        except TypeError as e:  # an unexpected or missing field
+            raise ConfigError(f"config {name!r}: {e}") from None
+
+    @classmethod
     def from_dict(cls, d: dict[str, Any], name: str = "custom") -> "ModelConfig":
         """Build from the flat inference keys or the HF composite (``text_config``) keys; V4
         (``deepseek_v4``, or flat keys with ``n_hash_layers`` / without V4.1's KV sources) is
@@ -342,10 +349,7 @@ class ModelConfig:
         kw.setdefault("name", name)
         # the reference builds Gate.bias_vl only when the vision tower is on
         kw.setdefault("gate_bias_vl", int(d.get("vision_n_layers", 0) or 0) > 0)
-        try:
-            return cls(**kw)
-        except TypeError as e:  # pragma: no cover - defensive
-            raise ConfigError(f"config {name!r}: {e}") from None
+        return cls._build(kw, name)
 
     @classmethod
     def _from_hf(cls, d: dict[str, Any], name: str) -> "ModelConfig":
@@ -428,10 +432,7 @@ class ModelConfig:
         if "candidate_source_layer" not in kw:
             kw["candidate_source_layer"] = -1
         kw.update(_weight_format(q, t, 32, name))
-        try:
-            return cls(**kw)
-        except TypeError as e:  # pragma: no cover - defensive
-            raise ConfigError(f"config {name!r}: {e}") from None
+        return cls._build(kw, name)
 
     @classmethod
     def _from_flat_v4(cls, d: dict[str, Any], name: str) -> "ModelConfig":
@@ -445,10 +446,7 @@ class ModelConfig:
             kw.setdefault("fp8_block_size", 128)
         kw["compress_ratios"] = _pad_ratios(list(d.get("compress_ratios", [])), kw.get("n_layers", 43),
                                             kw.get("n_mtp_layers", 1))
-        try:
-            return cls(**kw)
-        except TypeError as e:  # pragma: no cover - defensive
-            raise ConfigError(f"config {name!r}: {e}") from None
+        return cls._build(kw, name)
 
     @classmethod
     def _from_hf_v4(cls, d: dict[str, Any], name: str) -> "ModelConfig":
@@ -516,10 +514,7 @@ class ModelConfig:
         if prf is not None and "qk_rope_head_dim" not in d:
             kw["rope_head_dim"] = int(kw["head_dim"] * prf)
         kw.update(_weight_format(d.get("quantization_config"), d, 128, name))
-        try:
-            return cls(**kw)
-        except TypeError as e:  # pragma: no cover - defensive
-            raise ConfigError(f"config {name!r}: {e}") from None
+        return cls._build(kw, name)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "ModelConfig":

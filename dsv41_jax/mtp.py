@@ -25,9 +25,8 @@ import jax.numpy as jnp
 from .config import ModelConfig
 from .layers import linear, norm
 from .options import RunOptions
-from .transformer import block, hc_head
+from .transformer import block, hc_head, lm_logits
 
-_HI = jax.lax.Precision.HIGHEST
 
 
 def mtp_input(p, embed, hidden, next_tokens, cfg: ModelConfig, dtype):
@@ -47,7 +46,7 @@ def mtp_forward(params, mtp_cache, hidden, next_tokens, lengths, *, cfg: ModelCo
     if not cfg.has_mtp:
         raise ValueError(f"config {cfg.name!r} has no V4 MTP blocks")
     dtype = opts.compute_dtype
-    B, S = next_tokens.shape
+
     p = params["mtp"][str(k)]
     l = cfg.n_layers + k
     pos0 = mtp_cache["pos"]
@@ -57,12 +56,7 @@ def mtp_forward(params, mtp_cache, hidden, next_tokens, lengths, *, cfg: ModelCo
     h, _, layers, _ = block(p, h, None, l, cfg, opts, dict(mtp_cache["layers"]), pos0, lengths, {}, None,
                             tokens=next_tokens)
     y = hc_head(h, p["hc_head_fn"], p["hc_head_scale"], p["hc_head_base"], cfg)
-    if logits_mode == "last":
-        last = jnp.clip(lengths - 1, 0, S - 1)
-        y = jnp.take_along_axis(y, last[:, None, None], axis=1)[:, 0]
-    y = norm(y, p["norm"], cfg.norm_eps)
-    logits = jnp.einsum("...d,vd->...v", y.astype(jnp.float32), params["head"]["weight"].astype(jnp.float32),
-                        precision=_HI)
+    logits = lm_logits(y, p["norm"], params["head"], lengths, cfg, logits_mode)
     new_cache = {"pos": pos0 + lengths, "layers": layers}
     if return_aux:
         aux["output"] = h

@@ -68,6 +68,16 @@ def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None
     return h, ffn_pre, cache_layers, shared
 
 
+def lm_logits(y, norm_p, head_p, lengths, cfg: ModelConfig, logits_mode: str):
+    """Final norm and fp32 LM head on the collapsed stream y [B,S,D]: every position ("all") or
+    each row's last real token ("last", [B,V])."""
+    if logits_mode == "last":
+        last = jnp.clip(lengths - 1, 0, y.shape[1] - 1)
+        y = jnp.take_along_axis(y, last[:, None, None], axis=1)[:, 0]
+    y = norm(y, norm_p, cfg.norm_eps)
+    return jnp.einsum("...d,vd->...v", y.astype(jnp.float32), head_p["weight"].astype(jnp.float32), precision=_HI)
+
+
 def forward_step(params, cache, tokens, lengths, engram_ids=None, engram_rows=None, *, cfg: ModelConfig,
                  opts: RunOptions, logits_mode: str = "all", return_aux: bool = False):
     """Run ``tokens`` [B,S] (the first ``lengths[b]`` of row b are real) from ``cache["pos"]``.
@@ -114,12 +124,7 @@ def forward_step(params, cache, tokens, lengths, engram_ids=None, engram_rows=No
         y = hc_head(h, params["hc_head_fn"], params["hc_head_scale"], params["hc_head_base"], cfg)
     else:
         y = hc_collapse(h, pre)
-    if logits_mode == "last":
-        last = jnp.clip(lengths - 1, 0, S - 1)
-        y = jnp.take_along_axis(y, last[:, None, None], axis=1)[:, 0]
-    y = norm(y, params["norm"], cfg.norm_eps)
-    logits = jnp.einsum("...d,vd->...v", y.astype(jnp.float32), params["head"]["weight"].astype(jnp.float32),
-                        precision=_HI)
+    logits = lm_logits(y, params["norm"], params["head"], lengths, cfg, logits_mode)
     new_cache = {"pos": pos0 + lengths, "layers": cache_layers}
     if return_aux:
         aux["shared"] = shared
