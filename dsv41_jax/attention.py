@@ -245,7 +245,8 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
     elif m > 0:
         src = cfg.kv_source_of(l)
         if src == l:
-            latent, ent_idx, ent_valid, state = compress(p["compressor"], x, lc, pos0, lengths, m, cfg, opts)
+            with jax.named_scope("compressor"):
+                latent, ent_idx, ent_valid, state = compress(p["compressor"], x, lc, pos0, lengths, m, cfg, opts)
             ent_pos = ent_idx * m
             eang = rope_angles(ent_pos, freqs)
             ix = p["indexer"]
@@ -269,23 +270,27 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
             weights = (linear(x, ix["weights_proj"]) * wscale).astype(dtype).astype(jnp.float32)
             visible = (positions + 1) // m
             is_cand_src = l == cfg.candidate_source_layer
-            res = lightning_indexer(
-                qi, weights, src_cache["index_k"], visible, top_k=cfg.index_topk,
-                candidate_blocks=shared.get("candidates") if cfg.uses_candidates(l) else None,
-                block_size=max(cfg.candidate_block_size, 1), want_block_scores=is_cand_src,
-            )
-            if is_cand_src:
-                shared = {**shared, "candidates": select_candidate_blocks(
-                    res.block_scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)}
+            with jax.named_scope("indexer"):
+                res = lightning_indexer(
+                    qi, weights, src_cache["index_k"], visible, top_k=cfg.index_topk,
+                    candidate_blocks=shared.get("candidates") if cfg.uses_candidates(l) else None,
+                    block_size=max(cfg.candidate_block_size, 1), want_block_scores=is_cand_src,
+                )
+                if is_cand_src:
+                    shared = {**shared, "candidates": select_candidate_blocks(
+                        res.block_scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)}
             shared = {**shared, "topk": res.topk, f"topk_{l}": res.topk}
         comp_idx = shared["topk"]
 
-    o = sparse_attention(q, window_kv, win_idx, p["attn_sink"], scale=Dh ** -0.5, comp_kv=comp_kv, comp_idx=comp_idx)
+    with jax.named_scope("sparse_attn"):
+        o = sparse_attention(q, window_kv, win_idx, p["attn_sink"], scale=Dh ** -0.5, comp_kv=comp_kv,
+                             comp_idx=comp_idx)
     o = apply_rope(o, ang, inverse=True)
     G, Lo = cfg.o_groups, cfg.o_lora_rank
-    wo_a = dequantize(weight_of(p["wo_a"]), dtype).reshape(G, Lo, -1)
-    o = o.reshape(B, S, G, -1)
-    o = jnp.einsum("bsgd,grd->bsgr", o, wo_a, preferred_element_type=jnp.float32, precision=_HI).astype(dtype)
+    with jax.named_scope("wo_a"):
+        wo_a = dequantize(weight_of(p["wo_a"]), dtype).reshape(G, Lo, -1)
+        o = o.reshape(B, S, G, -1)
+        o = jnp.einsum("bsgd,grd->bsgr", o, wo_a, preferred_element_type=jnp.float32, precision=_HI).astype(dtype)
     out = linear(o.reshape(B, S, G * Lo), p["wo_b"], act_block=act)
     return out, cache_layers, shared
 

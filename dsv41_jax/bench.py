@@ -118,6 +118,29 @@ def random_prompt(n: int, seed: int, vocab: int, n_special_floor: int = 128000) 
     return rng.integers(3, min(vocab, n_special_floor), size=n).tolist()
 
 
+def profile_generate(eng, reqs, new_tokens: int, outdir: str) -> dict:
+    """Device time of one ``generate`` of ``reqs`` with ``new_tokens`` outputs, per compiled program
+    (prefill and decode come apart), model part and kernel (:mod:`dsv41_jax.profiling`). The HLO
+    names map to model parts through the runtime's name stacks or, when ``XLA_FLAGS`` holds
+    ``--xla_dump_to``, through the dump."""
+    import dataclasses
+    import os
+    import re
+
+    from .profiling import format_report, summarize, trace
+    from .sampling import SamplingParams
+
+    short = [dataclasses.replace(r, max_new_tokens=new_tokens) for r in reqs]
+    t = time.perf_counter()
+    _, path = trace(lambda: eng.generate(short, SamplingParams()), outdir)
+    wall = time.perf_counter() - t
+    m = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
+    rep = summarize(path, m.group(1) if m else None)
+    rep["wall_s"] = wall
+    print(format_report(rep), flush=True)
+    return rep
+
+
 def run(args) -> dict:
     import jax
 
@@ -166,11 +189,15 @@ def run(args) -> dict:
                 rates.append(rate)
             print(f"  batch {B} run {r}{' (warm-up)' if r < args.warmup else ''}: {rate:.2f} tok/s", flush=True)
         med = statistics.median(rates)
+        prof = None
+        if args.profile_tokens:
+            prof = profile_generate(eng, reqs, args.profile_tokens, args.profile_dir or f"/tmp/dsv41_prof_b{B}")
         ctx = args.prompt_len + args.new_tokens // 2
         step_bytes = decode_bytes(cfg, params, B, ctx)
         floor = B * bw / step_bytes if bw else None
         row = {"batch": B, "median_tok_s": med, "runs": rates, "bytes_per_step": step_bytes,
-               "floor_tok_s": floor, "ratio_to_floor": med / floor if floor else None, "peak_bytes": mem()}
+               "floor_tok_s": floor, "ratio_to_floor": med / floor if floor else None, "peak_bytes": mem(),
+               "compile_s": eng.stats.compile_s, "profile": prof}
         out["decode"].append(row)
 
     for L in args.prefill_lens:
@@ -231,6 +258,10 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-dtype", default="reference", choices=["reference", "bfloat16", "float32"])
     ap.add_argument("--hbm-bw", type=float, default=None, help="bytes/s for the floor (default: by device kind)")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--profile-tokens", type=int, default=0,
+                    help="after each batch size, profile one generate with this many new tokens (0: off) and print "
+                         "device time per program, model part and kernel")
+    ap.add_argument("--profile-dir", default=None, help="where the profiler traces go (default /tmp/dsv41_prof_b<B>)")
     args = ap.parse_args(argv)
     if args.prefill_lens == [0]:
         args.prefill_lens = []

@@ -57,11 +57,14 @@ def moe(p, x, layer: int, cfg: ModelConfig, *, return_routing: bool = False, tok
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
     _, topk = cfg.moe_experts(layer)
-    w, idx = route(p["gate"], xf, cfg, topk, tokens)
+    with jax.named_scope("route"):
+        w, idx = route(p["gate"], xf, cfg, topk, tokens)
     e = p["experts"]
-    y = routed_experts(xf, w, idx, weight_of(e["w1"]), weight_of(e["w2"]), weight_of(e["w3"]),
-                    swiglu_limit=cfg.swiglu_limit, act_block=cfg.fp8_block_size)
-    y = y + shared_expert(p["shared_experts"], xf, cfg).astype(jnp.float32)
+    with jax.named_scope("routed_experts"):
+        y = routed_experts(xf, w, idx, weight_of(e["w1"]), weight_of(e["w2"]), weight_of(e["w3"]),
+                           swiglu_limit=cfg.swiglu_limit, act_block=cfg.fp8_block_size)
+    with jax.named_scope("shared_expert"):
+        y = y + shared_expert(p["shared_experts"], xf, cfg).astype(jnp.float32)
     out = y.astype(x.dtype).reshape(shape)
     if return_routing:
         return out, (w.reshape(*shape[:-1], -1), idx.reshape(*shape[:-1], -1))

@@ -51,20 +51,26 @@ def hc_head(h, fn, scale, base, cfg):
 def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None, tokens=None):
     """One layer. h [B,S,hc,D]; pre [B,S,hc] (the previous site's; unused in V4). Returns (h, ffn_pre, ...)."""
     residual = h
-    attn_pre, attn_post, attn_comb = _mixes(p, "attn", h, cfg)
-    x = norm(hc_collapse(h, attn_pre if cfg.is_v4 else pre), p["attn_norm"], cfg.norm_eps)
-    x, cache_layers, shared = attention(p["attn"], x, l, cfg, opts, cache_layers, pos0, lengths, shared)
-    h = hc_expand(x, residual, attn_post, attn_comb)
+    with jax.named_scope("attn_mhc"):
+        attn_pre, attn_post, attn_comb = _mixes(p, "attn", h, cfg)
+        x = norm(hc_collapse(h, attn_pre if cfg.is_v4 else pre), p["attn_norm"], cfg.norm_eps)
+    with jax.named_scope("attention"):
+        x, cache_layers, shared = attention(p["attn"], x, l, cfg, opts, cache_layers, pos0, lengths, shared)
+    with jax.named_scope("attn_mhc"):
+        h = hc_expand(x, residual, attn_post, attn_comb)
     residual = h
-    ffn_pre, ffn_post, ffn_comb = _mixes(p, "ffn", h, cfg)
-    x = norm(hc_collapse(h, ffn_pre if cfg.is_v4 else attn_pre), p["ffn_norm"], cfg.norm_eps)
-    if aux is not None:
-        x, routing = moe(p["ffn"], x, l, cfg, return_routing=True, tokens=tokens)
-        aux.setdefault("routing", {})[l] = routing
-        aux.setdefault("comb", {})[l] = (attn_comb, ffn_comb)
-    else:
-        x = moe(p["ffn"], x, l, cfg, tokens=tokens)
-    h = hc_expand(x, residual, ffn_post, ffn_comb)
+    with jax.named_scope("ffn_mhc"):
+        ffn_pre, ffn_post, ffn_comb = _mixes(p, "ffn", h, cfg)
+        x = norm(hc_collapse(h, ffn_pre if cfg.is_v4 else attn_pre), p["ffn_norm"], cfg.norm_eps)
+    with jax.named_scope("moe"):
+        if aux is not None:
+            x, routing = moe(p["ffn"], x, l, cfg, return_routing=True, tokens=tokens)
+            aux.setdefault("routing", {})[l] = routing
+            aux.setdefault("comb", {})[l] = (attn_comb, ffn_comb)
+        else:
+            x = moe(p["ffn"], x, l, cfg, tokens=tokens)
+    with jax.named_scope("ffn_mhc"):
+        h = hc_expand(x, residual, ffn_post, ffn_comb)
     return h, ffn_pre, cache_layers, shared
 
 
@@ -91,7 +97,8 @@ def forward_step(params, cache, tokens, lengths, engram_ids=None, engram_rows=No
     B, S = tokens.shape
     pos0 = cache["pos"]
     lengths = lengths.astype(jnp.int32)
-    e = jnp.take(params["embed"]["weight"], tokens, axis=0).astype(dtype)
+    with jax.named_scope("embed"):
+        e = jnp.take(params["embed"]["weight"], tokens, axis=0).astype(dtype)
     h = jnp.broadcast_to(e[:, :, None, :], (B, S, cfg.hc_mult, cfg.dim))
     pre = jnp.zeros((B, S, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
     cache_layers = dict(cache["layers"])
@@ -100,15 +107,16 @@ def forward_step(params, cache, tokens, lengths, engram_ids=None, engram_rows=No
     for l in range(cfg.n_layers):
         p = params["layers"][str(l)]
         if l in cfg.engram_layer_ids:
-            if engram_rows is not None:
-                rows = engram_rows[str(l)]
-            else:
-                rows = gather_rows(p["engram"]["embed"], engram_ids[str(l)])
-            if aux is not None:
-                h, gate = engram(p["engram"], h, rows, cfg, return_gate=True)
-                aux["engram_gate"][l] = gate
-            else:
-                h = engram(p["engram"], h, rows, cfg)
+            with jax.named_scope("engram"):
+                if engram_rows is not None:
+                    rows = engram_rows[str(l)]
+                else:
+                    rows = gather_rows(p["engram"]["embed"], engram_ids[str(l)])
+                if aux is not None:
+                    h, gate = engram(p["engram"], h, rows, cfg, return_gate=True)
+                    aux["engram_gate"][l] = gate
+                else:
+                    h = engram(p["engram"], h, rows, cfg)
         if aux is not None:
             if l in cfg.dspark_target_layer_ids:
                 aux["features"].append(jnp.mean(h, axis=2))
@@ -120,11 +128,12 @@ def forward_step(params, cache, tokens, lengths, engram_ids=None, engram_rows=No
             aux.setdefault("pre_out", []).append(pre)
     if aux is not None and cfg.is_v4:
         aux["hidden"] = h  # the final streams (V4: before hc_head; what the MTP block consumes)
-    if cfg.has_hc_head:
-        y = hc_head(h, params["hc_head_fn"], params["hc_head_scale"], params["hc_head_base"], cfg)
-    else:
-        y = hc_collapse(h, pre)
-    logits = lm_logits(y, params["norm"], params["head"], lengths, cfg, logits_mode)
+    with jax.named_scope("head"):
+        if cfg.has_hc_head:
+            y = hc_head(h, params["hc_head_fn"], params["hc_head_scale"], params["hc_head_base"], cfg)
+        else:
+            y = hc_collapse(h, pre)
+        logits = lm_logits(y, params["norm"], params["head"], lengths, cfg, logits_mode)
     new_cache = {"pos": pos0 + lengths, "layers": cache_layers}
     if return_aux:
         aux["shared"] = shared

@@ -1,0 +1,47 @@
+"""dsv41_jax.profiling: device time per program and per model part (named scope) from a trace."""
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax.profiling import format_report, part_of, summarize, trace
+
+
+def test_part_of_takes_the_most_specific_scope():
+    assert part_of("jit(step)/jit(main)/attention/indexer/dot_general") == "indexer"
+    assert part_of("jit(step)/moe/routed_experts/pallas_call") == "routed_experts"
+    assert part_of("jit(step)/attention/add") == "attention"
+    assert part_of("jit(step)/transpose") == "other"
+    assert part_of("") == "other"
+
+
+def test_summarize_splits_programs_and_parts(tmp_path):
+    @jax.jit
+    def f(x):
+        with jax.named_scope("moe"):
+            y = jnp.sin(x) @ x
+        with jax.named_scope("head"):
+            return jnp.tanh(y) @ y
+
+    @jax.jit
+    def g(x):
+        with jax.named_scope("engram"):
+            return jnp.cos(x) * 2.0
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (256, 256))
+    texts = {"jit_f": f.lower(x).compile().as_text(), "jit_g": g.lower(x).compile().as_text()}
+    f(x).block_until_ready(), g(x).block_until_ready()
+
+    def run():
+        outs = [f(x) for _ in range(3)] + [g(x) for _ in range(2)]
+        return outs
+
+    _, path = trace(run, str(tmp_path))
+    rep = summarize(path, hlo_texts=texts)
+    progs = {p["module"]: p for p in rep["programs"]}
+    assert progs["jit_f"]["executions"] == 3 and progs["jit_g"]["executions"] == 2
+    assert set(progs["jit_f"]["parts_ms"]) == {"moe", "head"}
+    assert all(v > 0 for v in progs["jit_f"]["parts_ms"].values())
+    assert set(progs["jit_g"]["parts_ms"]) == {"engram"}
+    assert abs(sum(progs["jit_f"]["parts_ms"].values()) - progs["jit_f"]["busy_ms"]) < 1e-9
+    text = format_report(rep)
+    assert "jit_f" in text and "moe" in text
