@@ -30,7 +30,7 @@ from .config import get_preset
 HBM_BW = {"H200": 4.8e12, "H100": 3.35e12, "MI350X": 8.0e12, "MI355X": 8.0e12}
 
 
-def bench_config(preset: str, routed_experts: int | None, engram_vocab: int | None):
+def bench_config(preset: str, routed_experts: int | None, engram_vocab: int | None, probe_layers: bool = False):
     from .engram_hash import EngramLayout
 
     cfg = get_preset(preset)
@@ -50,6 +50,14 @@ def bench_config(preset: str, routed_experts: int | None, engram_vocab: int | No
         notes.append(f"Engram table rows reduced {cfg.engram_num_embeddings} -> {rows} (prime buckets from "
                      f"{engram_vocab}; 24 rows per layer per token read either way)")
     notes.append("DSpark stages not built (no speculative decoding in this benchmark)")
+    if probe_layers and cfg.family == "v41" and cfg.n_layers >= 21:
+        # one layer of each kind at real width, for profiling only: ratio 0 (incl. an Engram layer),
+        # a ratio-2 KV + index source and a ratio-2 reader, a ratio-1 source that also picks the
+        # candidate blocks, a ratio-1 reader and a ratio-1 index source that uses the candidates
+        kw.update(n_layers=7, compress_ratios=(0, 0, 2, 2, 1, 1, 1), kv_source_layers=(2, 4),
+                  index_source_layers=(2, 4, 6), candidate_source_layer=4, engram_layer_ids=(1,),
+                  engram_num_embeddings=kw.get("engram_num_embeddings", cfg.engram_num_embeddings)[:1])
+        notes.append("PROBE: 7 layers (one of each kind), not the published protocol: per-layer costs only")
     return cfg.replace(name=f"{preset}-bench", **kw), notes
 
 
@@ -152,7 +160,7 @@ def run(args) -> dict:
     from .sampling import SamplingParams
 
     enable_compilation_cache()
-    cfg, notes = bench_config(args.preset, args.routed_experts, args.engram_vocab)
+    cfg, notes = bench_config(args.preset, args.routed_experts, args.engram_vocab, args.probe_layers)
     for n in notes:
         print(f"note: {n}", flush=True)
     kind, bw = device_bandwidth()
@@ -261,6 +269,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-tokens", type=int, default=0,
                     help="after each batch size, profile one generate with this many new tokens (0: off) and print "
                          "device time per program, model part and kernel")
+    ap.add_argument("--probe-layers", action="store_true",
+                    help="diagnostics: 7 real-width layers, one of each kind (not the protocol; compiles in a fraction "
+                         "of the time)")
     ap.add_argument("--profile-dir", default=None, help="where the profiler traces go (default /tmp/dsv41_prof_b<B>)")
     args = ap.parse_args(argv)
     if args.prefill_lens == [0]:

@@ -48,31 +48,31 @@ def part_of(name_stack: str) -> str:
     return "other"
 
 
-_HLO_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*?op_name=\"([^\"]*)\"")
+_HLO_ANY = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)")
 
 
-def parse_hlo_text(text: str, table: dict | None = None) -> dict[str, str]:
-    """{hlo instruction: op_name metadata} of an optimized HLO module's text."""
+def parse_hlo_text(text: str, table: dict | None = None) -> dict[str, tuple[str, str]]:
+    """{hlo instruction: (op_name metadata, result type)} of an optimized HLO module's text."""
     table = {} if table is None else table
     for line in text.splitlines():
-        mm = _HLO_LINE.match(line)
-        if mm:
-            table.setdefault(mm.group(1), mm.group(2))
+        mm = _HLO_ANY.match(line)
+        if not mm:
+            continue
+        on = re.search(r'op_name="([^"]*)"', line)
+        table.setdefault(mm.group(1), (on.group(1) if on else "", mm.group(2)[:48]))
     return table
 
 
-def hlo_op_names(dump_dir: str | None) -> dict[str, dict[str, str]]:
-    """{module name: {hlo instruction: op_name}} from the ``*after_optimizations.txt`` files of an
-    XLA dump (``XLA_FLAGS=--xla_dump_to=DIR``). Programs of one name (a step compiled for two
-    widths) share a table: an instruction name found in both keeps the first one's op."""
-    out: dict[str, dict[str, str]] = {}
+def hlo_tables(dump_dir: str | None) -> list[tuple[str, dict]]:
+    """[(module name, {instruction: (op_name, type)})] for each ``*after_optimizations.txt`` of an
+    XLA dump (``XLA_FLAGS=--xla_dump_to=DIR``), one per compiled program."""
+    out: list[tuple[str, dict]] = []
     if not dump_dir or not os.path.isdir(dump_dir):
         return out
-    for f in glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")):
+    for f in sorted(glob.glob(os.path.join(dump_dir, "*after_optimizations.txt"))):
         m = re.match(r"module_\d+\.(.+?)\.", os.path.basename(f))
-        mod = m.group(1) if m else os.path.basename(f)
         with open(f, errors="replace") as fh:
-            parse_hlo_text(fh.read(), out.setdefault(mod, {}))
+            out.append((m.group(1) if m else os.path.basename(f), parse_hlo_text(fh.read())))
     return out
 
 
@@ -86,6 +86,19 @@ def _stats(event) -> dict:
     return d
 
 
+def _pick_table(tables, module: str, hlo_ops: set) -> dict:
+    """The program's HLO table: among the tables of its module name, the one that names the most of
+    the HLO ops seen in its kernels (a step compiled at two widths gives two same-named modules)."""
+    best, score = {}, -1
+    for name, t in tables:
+        if not (name == module or name.endswith(module) or module.endswith(name)):
+            continue
+        sc = sum(1 for o in hlo_ops if o in t)
+        if sc > score:
+            best, score = t, sc
+    return best
+
+
 def summarize(xplane_path: str, hlo_dump_dir: str | None = None, top: int = 25,
               hlo_texts: dict[str, str] | None = None) -> dict:
     """Device time per program, per model part and per kernel (ms per execution of the program).
@@ -94,15 +107,19 @@ def summarize(xplane_path: str, hlo_dump_dir: str | None = None, top: int = 25,
     from jax.profiler import ProfileData
 
     pd = ProfileData.from_file(xplane_path)
-    ops = hlo_op_names(hlo_dump_dir)
-    for mod, text in (hlo_texts or {}).items():
-        parse_hlo_text(text, ops.setdefault(mod, {}))
-    progs: dict = {}
+    tables = hlo_tables(hlo_dump_dir) + [(m, parse_hlo_text(t)) for m, t in (hlo_texts or {}).items()]
     planes = [p for p in pd.planes if p.name.startswith("/device:")]
     cpu = not planes  # CPU backend: the XLA thunks run on host threads
     if cpu:
         planes = [p for p in pd.planes if p.name == "/host:CPU"]
+    events: dict = {}
+    module_runs: collections.Counter = collections.Counter()
     for plane in planes:
+        for l in plane.lines:
+            if l.name == "XLA Modules":
+                for e in l.events:
+                    st = _stats(e)
+                    module_runs[(plane.name, st.get("program_id", e.name))] += 1
         if cpu:
             lines = [l for l in plane.lines if l.name.startswith("tf_XLA")]
         else:
@@ -113,34 +130,35 @@ def summarize(xplane_path: str, hlo_dump_dir: str | None = None, top: int = 25,
                 st = _stats(e)
                 if "hlo_op" not in st:
                     continue  # not a kernel/thunk (e.g. an "end:" marker)
-                pid = st.get("program_id", -1)
-                mod = str(st.get("hlo_module", "?"))
-                p = progs.setdefault((plane.name, pid), {"device": plane.name, "program_id": pid, "module": mod,
-                                                         "runs": set(), "parts": collections.Counter(),
-                                                         "kernels": collections.Counter(), "count": collections.Counter(),
-                                                         "busy_ns": 0})
-                if "run_id" in st:
-                    p["runs"].add(st["run_id"])
-                hop = str(st.get("hlo_op", ""))
-                stack = str(st.get("tf_op", "") or st.get("long_name", "") or "")
-                if "/" not in stack:
-                    stack = ops.get(mod, {}).get(hop, "") or next(
-                        (t.get(hop, "") for m, t in ops.items() if mod.endswith(m) or m.endswith(mod)), "")
-                part = part_of(stack)
-                p["parts"][part] += e.duration_ns
-                key = f"{part}: {e.name[:80]}"
-                p["kernels"][key] += e.duration_ns
-                p["count"][key] += 1
-                p["busy_ns"] += e.duration_ns
+                key = (plane.name, st.get("program_id", -1))
+                events.setdefault(key, []).append((e.name, e.duration_ns, str(st["hlo_op"]),
+                                                   str(st.get("hlo_module", "?")), st.get("run_id"),
+                                                   str(st.get("tf_op", "") or "")))
     out = []
-    for p in progs.values():
-        n = max(len(p["runs"]), 1)
+    for (dev, pid), evs in events.items():
+        mod = evs[0][3]
+        table = _pick_table(tables, mod, {e[2] for e in evs})
+        runs = module_runs.get((dev, pid)) or len({e[4] for e in evs if e[4] is not None}) or 1
+        parts: collections.Counter = collections.Counter()
+        kern: collections.Counter = collections.Counter()
+        count: collections.Counter = collections.Counter()
+        what: dict = {}
+        busy = 0
+        for name, dur, hop, _, _, tf in evs:
+            op_name, typ = table.get(hop, ("", ""))
+            stack = tf if "/" in tf else op_name
+            part = part_of(stack)
+            parts[part] += dur
+            k = f"{part}: {name[:64]}"
+            kern[k] += dur
+            count[k] += 1
+            what.setdefault(k, f"{typ} {stack[-90:]}".strip())
+            busy += dur
         out.append({
-            "device": p["device"], "program_id": p["program_id"], "module": p["module"], "executions": n,
-            "busy_ms": p["busy_ns"] / n / 1e6,
-            "parts_ms": {k: v / n / 1e6 for k, v in p["parts"].most_common()},
-            "kernels": [{"kernel": k, "ms": v / n / 1e6, "launches": p["count"][k] / n}
-                        for k, v in p["kernels"].most_common(top)],
+            "device": dev, "program_id": pid, "module": mod, "executions": runs, "busy_ms": busy / runs / 1e6,
+            "parts_ms": {k: v / runs / 1e6 for k, v in parts.most_common()},
+            "kernels": [{"kernel": k, "ms": v / runs / 1e6, "launches": count[k] / runs, "hlo": what[k]}
+                        for k, v in kern.most_common(top)],
         })
     out.sort(key=lambda r: -r["busy_ms"] * r["executions"])
     return {"programs": out}
@@ -153,5 +171,5 @@ def format_report(rep: dict, max_programs: int = 3) -> str:
                      f"{p['busy_ms']:.3f} ms device time each")
         lines.append("  by part: " + ", ".join(f"{k} {v:.3f}" for k, v in p["parts_ms"].items()))
         for k in p["kernels"]:
-            lines.append(f"    {k['ms']:8.3f} ms  x{k['launches']:.0f}  {k['kernel']}")
+            lines.append(f"    {k['ms']:8.3f} ms  x{k['launches']:.1f}  {k['kernel']}  [{k['hlo']}]")
     return "\n".join(lines)
