@@ -153,15 +153,76 @@ def check():
     return ok
 
 
+def debug(n_exp=16, interpret=False):
+    """Localise a GPU-only mismatch: kernel A's h rows against the reference h per (token, slot),
+    then the whole op with the h act-quant in kernel A vs in XLA, for FP8, MXFP4 and bf16 experts."""
+    from dsv41_jax.quant import Fp8Tensor, act_quant
+    from pallas_kernels.quantized_matmul.reference import quantized_matmul as qref
+
+    key = jax.random.PRNGKey(3)
+    k1, k2, k3, key = jax.random.split(key, 4)
+
+    def fp8(kk, e, r, cc):
+        d8 = (jax.random.normal(kk, (e, r, cc), jnp.float32) * 64).astype(jnp.float8_e4m3fn)
+        s8 = jax.random.randint(kk, (e, r // 32, cc // 32), 112, 120).astype(jnp.uint8)
+        return Fp8Tensor(data=d8, scale=jax.lax.bitcast_convert_type(s8, jnp.float8_e8m0fnu), block=(32, 32))
+
+    def plain(kk, e, r, cc):
+        return (jax.random.normal(kk, (e, r, cc), jnp.float32) / np.sqrt(cc)).astype(jnp.bfloat16)
+
+    sets = {"fp8": [fp8(k, n_exp, *s) for k, s in ((k1, (I, D)), (k2, (D, I)), (k3, (I, D)))],
+            "mxfp4": [random_fp4(k, (n_exp, *s)) for k, s in ((k1, (I, D)), (k2, (D, I)), (k3, (I, D)))],
+            "bf16": [plain(k, n_exp, *s) for k, s in ((k1, (I, D)), (k2, (D, I)), (k3, (I, D)))]}
+    for label, (a, b, c) in sets.items():
+        for n in (1, 8):
+            kr = jax.random.fold_in(key, n)
+            idx = jnp.argsort(jax.random.uniform(kr, (n, n_exp)), axis=1)[:, :TOPK].astype(jnp.int32)
+            w = jax.random.uniform(jax.random.fold_in(kr, 1), (n, TOPK), jnp.float32, 0.05, 0.5)
+            x = jax.random.normal(jax.random.fold_in(kr, 2), (n, D), jnp.bfloat16)
+            yr = jax.jit(lambda *t: reference.moe_experts(*t, swiglu_limit=LIMIT))(x, w, idx, a, b, c)
+            for inside in (True, False):
+                pallas_triton.DEBUG.update(act_quant_in_kernel=inside, return_h=False)
+                y = jax.jit(lambda *t: pallas_triton.moe_experts(*t, swiglu_limit=LIMIT, interpret=interpret))(x, w, idx, a, b, c)
+                log(f"DEBUG moe {label} n={n} act_quant_in_kernel={inside}: y rel err {max_rel_err(y, yr):.2e}")
+            pallas_triton.DEBUG.update(act_quant_in_kernel=False, return_h=True)
+            h, bp = jax.jit(lambda *t: pallas_triton.moe_experts(*t, swiglu_limit=LIMIT, interpret=interpret))(x, w, idx, a, b, c)
+            pallas_triton.DEBUG.update(act_quant_in_kernel=True, return_h=False)
+            quant = label != "bf16"
+
+            def h_ref(xv, wv, e):
+                take = lambda t: jax.tree.map(lambda q: q[e], t)
+                g = qref(xv[None], take(a), act_block=32).astype(jnp.float32)
+                u = qref(xv[None], take(c), act_block=32).astype(jnp.float32)
+                u = jnp.clip(u, -LIMIT, LIMIT)
+                g = jnp.minimum(g, LIMIT)
+                hh = (jax.nn.silu(g) * u * wv).astype(x.dtype)
+                return (act_quant(hh, 32) if quant else hh).astype(jnp.float32)[0]
+
+            hr = jax.jit(jax.vmap(jax.vmap(h_ref, in_axes=(None, 0, 0))))(x, w, idx)  # [n, k, I]
+            bp = np.asarray(bp)
+            hk = np.asarray(h.astype(jnp.float32))
+            rows = np.nonzero(bp < n * TOPK)[0]
+            hp = np.asarray(hr).reshape(n * TOPK, I)[bp[rows]]
+            diff = np.abs(hk[rows] - hp)
+            scale = float(np.max(np.abs(hp)))
+            bad = np.nonzero(diff.max(axis=1) > 0.01 * scale)[0]
+            log(f"DEBUG moe {label} n={n} kernel A h: rel err {float(diff.max()) / scale:.2e}, "
+                f"{len(bad)}/{len(rows)} rows > 1%, worst columns {np.argsort(-diff.max(axis=0))[:8].tolist()}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true", help="correctness only, then exit")
+    ap.add_argument("--debug", action="store_true", help="localise a mismatch (kernel A rows, act-quant placement)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
     if a.check:
         return 0 if check() else 1
+    if a.debug:
+        debug()
+        return 0
     run(quick=a.quick, out_dir=a.out, tune=a.tune)
 
 

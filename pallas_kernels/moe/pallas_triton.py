@@ -45,6 +45,11 @@ from pallas_kernels.quantized_matmul.pallas_triton import (
 )
 
 
+# GPU debugging switches (read at trace time): the h act-quant inside kernel A or as an XLA op
+# between the kernels; return kernel A's rows (h, block_pair) instead of y
+DEBUG = {"act_quant_in_kernel": True, "return_h": False}
+
+
 def unsupported_reason(x, weights, indices, w1, w2, w3, act_block=32):
     if x.ndim != 2:
         return f"x must be [N, D], got shape {x.shape}"
@@ -201,16 +206,21 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
         s1 = s2 = s3 = jnp.zeros((1, 1, 1), jnp.uint8)
     limit = float(swiglu_limit or 0.0)
     params = pltriton.CompilerParams(num_warps=warps, num_stages=3)
+    in_kernel = quant and DEBUG["act_quant_in_kernel"]
 
     h = pl.pallas_call(
         functools.partial(_gate_up_kernel, fmt=fmt, bt=bt, bi=bi, bk=bk_a, steps=d // bk_a, op_dtype=op,
-                          x_dtype=x.dtype, limit=limit, quant=quant),
+                          x_dtype=x.dtype, limit=limit, quant=in_kernel),
         out_shape=jax.ShapeDtypeStruct((nb * bt, i_dim), op),
         grid=(nb, i_dim // bi),
         compiler_params=params,
         interpret=interpret,
         name=f"moe_gate_up_{fmt}",
     )(block_expert, block_token, block_weight, xq, d1, s1, d3, s3)
+    if quant and not in_kernel:
+        h = act_quant(h, act_block).astype(op)
+    if DEBUG["return_h"]:
+        return h, block_pair
 
     y = pl.pallas_call(
         functools.partial(_down_kernel, fmt=fmt, bt=bt, bd=bd, bk=bk_b, steps=i_dim // bk_b, op_dtype=op),
