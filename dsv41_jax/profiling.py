@@ -51,6 +51,11 @@ def part_of(name_stack: str) -> str:
 _HLO_ANY = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)")
 
 
+def _key(name: str) -> str:
+    """HLO instruction names appear as ``fusion.12`` in HLO text and ``fusion_12`` in kernel names."""
+    return re.sub(r"[.\-]", "_", name)
+
+
 def parse_hlo_text(text: str, table: dict | None = None) -> dict[str, tuple[str, str]]:
     """{hlo instruction: (op_name metadata, result type)} of an optimized HLO module's text."""
     table = {} if table is None else table
@@ -59,7 +64,7 @@ def parse_hlo_text(text: str, table: dict | None = None) -> dict[str, tuple[str,
         if not mm:
             continue
         on = re.search(r'op_name="([^"]*)"', line)
-        table.setdefault(mm.group(1), (on.group(1) if on else "", mm.group(2)[:48]))
+        table.setdefault(_key(mm.group(1)), (on.group(1) if on else "", mm.group(2)[:48]))
     return table
 
 
@@ -93,7 +98,7 @@ def _pick_table(tables, module: str, hlo_ops: set) -> dict:
     for name, t in tables:
         if not (name == module or name.endswith(module) or module.endswith(name)):
             continue
-        sc = sum(1 for o in hlo_ops if o in t)
+        sc = sum(1 for o in hlo_ops if _key(o) in t)
         if sc > score:
             best, score = t, sc
     return best
@@ -145,7 +150,7 @@ def summarize(xplane_path: str, hlo_dump_dir: str | None = None, top: int = 25,
         what: dict = {}
         busy = 0
         for name, dur, hop, _, _, tf in evs:
-            op_name, typ = table.get(hop, ("", ""))
+            op_name, typ = table.get(_key(hop), ("", ""))
             stack = tf if "/" in tf else op_name
             part = part_of(stack)
             parts[part] += dur
