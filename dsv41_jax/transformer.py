@@ -28,7 +28,6 @@ from .engram import engram, gather_rows
 from .layers import norm
 from .moe import moe
 from .options import RunOptions
-from .quant import Fp8Tensor
 
 _HI = jax.lax.Precision.HIGHEST
 

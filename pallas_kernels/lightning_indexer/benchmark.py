@@ -21,14 +21,14 @@ import json
 import os
 import sys
 
-from pallas_kernels.sparse_attention.benchmark import HBM_BPS, _zero_of, light_import, timed
+from pallas_kernels.benchmarking import HBM_BYTES_PER_S, chained_args, timed, zero_of
 
 
 def make_inputs(key, b, s, nc, *, hi=32, di=128, plain=False):
     import jax
     import jax.numpy as jnp
 
-    quant = light_import()
+    import dsv41_jax.quant as quant
     ks = jax.random.split(key, 6)
     qf = jax.random.normal(ks[0], (b, s, hi, di), jnp.float32)
     w = jax.random.uniform(ks[1], (b, s, hi), jnp.float32, 0.0, 1.0) * (di ** -0.5 * hi ** -0.5)
@@ -101,19 +101,12 @@ def check(log):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--n", type=int, default=10)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--skip-xla", action="store_true", help="skip the XLA reference and lax.top_k timings")
+    ap = chained_args(argparse.ArgumentParser(), n=10, reps=5, skip_xla_help="skip the XLA reference and lax.top_k timings")
     args = ap.parse_args(argv)
 
     import jax
     import jax.numpy as jnp
 
-    light_import()
     from pallas_kernels.lightning_indexer import pallas_triton as pt
     from pallas_kernels.lightning_indexer import reference as ref
 
@@ -130,7 +123,7 @@ def main(argv=None):
 
     # jax.lax.top_k anchor (pallas_triton.md §9 M8): 64 x 262144, k = 2048
     sc = jax.random.normal(jax.random.PRNGKey(0), (64, 262144), jnp.float32)
-    t_anchor = float("nan") if args.skip_xla else timed(lambda a, c: (lambda o: (o, _zero_of(o[0])))(jax.lax.top_k(a[0] + c, 2048)), (sc,),
+    t_anchor = float("nan") if args.skip_xla else timed(lambda a, c: (lambda o: (o, zero_of(o[0])))(jax.lax.top_k(a[0] + c, 2048)), (sc,),
                            n=args.n, reps=args.reps)[0]
     log(f"lax.top_k 64 x 262144, k=2048: {t_anchor*1e6:.1f} us (spec M8: 2561 us)")
     del sc
@@ -144,23 +137,23 @@ def main(argv=None):
         def f(a, c):
             q, w, kk, vis = a
             o = pt.lightning_indexer(q, w + c, kk, vis, top_k=k, config=cfg)
-            return o, _zero_of(o.topk)
+            return o, zero_of(o.topk)
         return f
 
     def run_ref(a, c):
         q, w, kk, vis = a
         o = ref.lightning_indexer(q, w + c, kk, vis, top_k=k)
-        return o, _zero_of(o.topk)
+        return o, zero_of(o.topk)
 
     def run_topk(a, c):
         o = jax.lax.top_k(a[0] + c, k)
-        return o, _zero_of(o[0])
+        return o, zero_of(o[0])
 
     for nc in sizes:
         for b in batches:
             a = make_inputs(jax.random.PRNGKey(nc + b), b, 1, nc)
             fb = floor_bytes(b, 1, nc)
-            t_floor = fb / HBM_BPS
+            t_floor = fb / HBM_BYTES_PER_S
             t_p, _, _ = timed(run_pallas({}), a, n=args.n, reps=args.reps)
             try:
                 if args.skip_xla:
@@ -197,14 +190,14 @@ def main(argv=None):
             q, w, kk, vis = a
             pp = pt._prep(q, kk, w + c, vis, None, 8)
             o = pt.index_block_maxima(pp, g0=8, interpret=False, cfg=cfg)
-            return o, _zero_of(o)
+            return o, zero_of(o)
 
         def stage_cand(a, c, nc=nc):
             q, w, kk, vis = a
             pp = pt._prep(q, kk, w + c, vis, None, 8)
             pos = (jnp.arange(4096, dtype=jnp.int32) * (nc // 4096))[None]
             o = pt.candidate_scores(pp, pos, interpret=False, cfg=cfg)
-            return o, _zero_of(o)
+            return o, zero_of(o)
 
         t1, _, _ = timed(stage_k1, a, n=args.n, reps=args.reps)
         t2, _, _ = timed(stage_cand, a, n=args.n, reps=args.reps)
@@ -214,7 +207,7 @@ def main(argv=None):
     for n_sel in (4096, 16384):
         v = jax.random.normal(jax.random.PRNGKey(n_sel), (1, n_sel), jnp.float32)
         for wv in (8, 16):
-            t3, _, _ = timed(lambda a, c, wv=wv: (lambda o: (o, _zero_of(o)))(
+            t3, _, _ = timed(lambda a, c, wv=wv: (lambda o: (o, zero_of(o)))(
                 pt.select_topk(a[0] + c, 512, num_warps=wv)), (v,), n=args.n, reps=args.reps)
             log(f"breakdown select top-512 of 1 x {n_sel} (num_warps={wv}): {t3*1e6:.1f} us")
 

@@ -18,9 +18,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
-import dsv41_jax  # noqa: F401
 from pallas_kernels.mhc import pallas_triton, reference
-from pallas_kernels.quantized_matmul.benchmark import HBM_BYTES_PER_S, fmt_us, log, max_rel_err, time_op
+from pallas_kernels.benchmarking import HBM_BYTES_PER_S, fmt_us, log, max_rel_err, time_op
 
 HC, D = 4, 5120
 KW = dict(norm_eps=1e-20, hc_eps=1e-6, sinkhorn_iters=20)

@@ -20,9 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import dsv41_jax  # noqa: F401
 from pallas_kernels.moe import pallas_triton, reference
-from pallas_kernels.quantized_matmul.benchmark import HBM_BYTES_PER_S, fmt_us, log, max_rel_err, random_fp4, time_op
+from pallas_kernels.benchmarking import HBM_BYTES_PER_S, fmt_us, log, max_rel_err, random_fp4, time_op
 
 E, I, D, TOPK = 384, 2304, 5120, 6
 LIMIT = 10.0
@@ -173,6 +172,7 @@ def debug(n_exp=16, interpret=False):
     sets = {"fp8": [fp8(k, n_exp, *s) for k, s in ((k1, (I, D)), (k2, (D, I)), (k3, (I, D)))],
             "mxfp4": [random_fp4(k, (n_exp, *s)) for k, s in ((k1, (I, D)), (k2, (D, I)), (k3, (I, D)))],
             "bf16": [plain(k, n_exp, *s) for k, s in ((k1, (I, D)), (k2, (D, I)), (k3, (I, D)))]}
+    results = []
     for label, (a, b, c) in sets.items():
         for n in (1, 8):
             kr = jax.random.fold_in(key, n)
@@ -183,7 +183,9 @@ def debug(n_exp=16, interpret=False):
             for inside in (True, False):
                 pallas_triton.DEBUG.update(act_quant_in_kernel=inside, return_h=False)
                 y = jax.jit(lambda *t: pallas_triton.moe_experts(*t, swiglu_limit=LIMIT, interpret=interpret))(x, w, idx, a, b, c)
-                log(f"DEBUG moe {label} n={n} act_quant_in_kernel={inside}: y rel err {max_rel_err(y, yr):.2e}")
+                err = max_rel_err(y, yr)
+                results.append((f"{label} n={n} y act_quant_in_kernel={inside}", err))
+                log(f"DEBUG moe {label} n={n} act_quant_in_kernel={inside}: y rel err {err:.2e}")
             pallas_triton.DEBUG.update(act_quant_in_kernel=False, return_h=True)
             h, bp = jax.jit(lambda *t: pallas_triton.moe_experts(*t, swiglu_limit=LIMIT, interpret=interpret))(x, w, idx, a, b, c)
             pallas_triton.DEBUG.update(act_quant_in_kernel=True, return_h=False)
@@ -206,8 +208,10 @@ def debug(n_exp=16, interpret=False):
             diff = np.abs(hk[rows] - hp)
             scale = float(np.max(np.abs(hp)))
             bad = np.nonzero(diff.max(axis=1) > 0.01 * scale)[0]
+            results.append((f"{label} n={n} kernel A h", float(diff.max()) / scale))
             log(f"DEBUG moe {label} n={n} kernel A h: rel err {float(diff.max()) / scale:.2e}, "
                 f"{len(bad)}/{len(rows)} rows > 1%, worst columns {np.argsort(-diff.max(axis=0))[:8].tolist()}")
+    return results
 
 
 def main(argv=None):

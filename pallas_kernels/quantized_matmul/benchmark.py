@@ -16,21 +16,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-import dsv41_jax  # noqa: F401  (import order: dsv41_jax before pallas_kernels)
-from dsv41_jax.quant import Fp4Tensor, Fp8Tensor
+from pallas_kernels.benchmarking import (
+    HBM_BYTES_PER_S,
+    distinct_copy,
+    fmt_us,
+    log,
+    max_rel_err,
+    random_fp4,
+    random_fp8,
+    time_op,
+    tree_bytes,
+)
 from pallas_kernels.quantized_matmul import pallas_triton, reference
 
-HBM_BYTES_PER_S = 4.8e12  # H200 datasheet peak, performance.md §4
-L2_BYTES = 60e6
 
 # (name, N, K) of the V4.1 projections (model.md §10.3; issue 6)
 PROJECTIONS = [
@@ -46,91 +51,6 @@ PROJECTIONS = [
 ]
 PREFILL_M = 4096
 PREFILL = ["wq_b", "wo_b", "shared_w2"]
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-def tree_bytes(t) -> int:
-    return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(t)))
-
-
-def copies_for(nbytes: int, reps: int) -> int:
-    return max(1, min(reps, math.ceil(4 * L2_BYTES / max(nbytes, 1))))
-
-
-def reps_for(nbytes: int, lo: int = 16, hi: int = 96) -> int:
-    """Enough reps that one program streams >= 4x L2 of distinct weights."""
-    return int(min(hi, max(lo, math.ceil(4 * L2_BYTES / max(nbytes, 1)))))
-
-
-def distinct_copy(t):
-    return jax.tree.map(lambda a: jnp.copy(a), t)
-
-
-_FLUSH = {}
-
-
-def flush_l2():
-    """Stream 256 MB through the GPU (4x the L2) so the next call starts with a cold cache."""
-    if "buf" not in _FLUSH:
-        _FLUSH["buf"] = jnp.zeros((64 * 1024 * 1024,), jnp.float32)
-        _FLUSH["fn"] = jax.jit(lambda a: a + 1.0)
-    jax.block_until_ready(_FLUSH["fn"](_FLUSH["buf"]))
-
-
-def time_op(fn, per_rep_args, shared_args=(), *, reps=(3, 9), iters=5):
-    """Seconds per op by the two-point method: programs applying ``fn`` r1 and r2 times (to distinct
-    argument sets, which should use distinct weight buffers), L2 flushed before every timed call,
-    median of ``iters`` calls each; per-op = (t(r2) - t(r1)) / (r2 - r1), which removes the fixed
-    dispatch + sync cost of a call (~70 us) exactly. Returns (per_op_s, raw_s = t(r2) / r2)."""
-    r1, r2 = reps
-    assert len(per_rep_args) >= r2, (len(per_rep_args), r2)
-
-    def measure(r):
-        args = per_rep_args[:r]
-        prog = jax.jit(lambda reps_args, shared: [fn(*a, *shared) for a in reps_args])
-        for _ in range(2):
-            jax.block_until_ready(prog(args, shared_args))
-        ts = []
-        for _ in range(iters):
-            flush_l2()
-            t0 = time.perf_counter()
-            jax.block_until_ready(prog(args, shared_args))
-            ts.append(time.perf_counter() - t0)
-        return float(np.median(ts))
-
-    t1 = measure(r1)
-    t2 = measure(r2)
-    return max((t2 - t1) / (r2 - r1), 1e-9), t2 / r2
-
-
-def max_rel_err(a, b) -> float:
-    a = np.asarray(jnp.asarray(a, jnp.float32))
-    b = np.asarray(jnp.asarray(b, jnp.float32))
-    if not np.all(np.isfinite(a)):
-        return float("nan")
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
-def random_fp8(key, n, k):
-    k1, k2 = jax.random.split(key)
-    data = (jax.random.normal(k1, (n, k), jnp.float32) * 64).astype(jnp.float8_e4m3fn)
-    s = jax.random.randint(k2, (n // 32, k // 32), 112, 120).astype(jnp.uint8)
-    return Fp8Tensor(data=data, scale=jax.lax.bitcast_convert_type(s, jnp.float8_e8m0fnu), block=(32, 32))
-
-
-def random_fp4(key, shape):
-    *lead, n, k = shape
-    k1, k2 = jax.random.split(key)
-    data = jax.random.randint(k1, (*lead, n, k // 2), 0, 256).astype(jnp.uint8)
-    s = jax.random.randint(k2, (*lead, n, k // 32), 118, 124).astype(jnp.uint8)
-    return Fp4Tensor(data=data, scale=jax.lax.bitcast_convert_type(s, jnp.float8_e8m0fnu), block=32)
-
-
-def fmt_us(t):
-    return f"{t * 1e6:9.1f}"
 
 
 def gemv_case(rows, label, w0, m, key, *, reps=(3, 9), config=None, extra=None):

@@ -22,75 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 
-def light_import():
-    """Import ``dsv41_jax.quant`` without running the package ``__init__`` (which pulls in the whole
-    model); the benchmark needs only the quantized tensor types."""
-    import importlib
-    import types
-
-    if "dsv41_jax" not in sys.modules:
-        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        pkg = types.ModuleType("dsv41_jax")
-        pkg.__path__ = [os.path.join(here, "dsv41_jax")]
-        sys.modules["dsv41_jax"] = pkg
-    return importlib.import_module("dsv41_jax.quant")
-
-
-HBM_BPS = 4.8e12  # H200 HBM3e, performance.md §4
-
-
-def timed(make_fn, args, *, n=20, reps=7):
-    """Per-call device time (s) of an op run ``n`` times back to back in one jitted program.
-
-    ``make_fn(args, c)`` runs the op once with the zero scalar ``c`` folded into a small input and
-    returns (output, next c), so the calls form a chain that XLA can neither hoist nor merge. The
-    median time of an empty jitted program over the same arguments (the dispatch cost) is subtracted
-    from the median time of the n-call program, and the rest divided by n."""
-    import jax
-    import jax.numpy as jnp
-
-    def f(*a):
-        c = jnp.float32(0.0)
-        for _ in range(n):
-            _, c = make_fn(a, c)
-        return c
-
-    def empty(*a):
-        return _zero_of(jax.tree_util.tree_leaves(a)[-1])
-
-    pn, p0 = jax.jit(f), jax.jit(empty)
-    for p in (p0, pn):
-        jax.block_until_ready(p(*args))  # compile + warm up
-        jax.block_until_ready(p(*args))
-
-    def med(p):
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(p(*args))
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
-
-    t0, tn = med(p0), med(pn)
-    return max(tn - t0, 0.0) / n, tn, t0
-
-
-def _zero_of(x):
-    import jax.numpy as jnp
-
-    return x.reshape(-1)[0].astype(jnp.float32) * 0.0
-
+from pallas_kernels.benchmarking import HBM_BYTES_PER_S, chained_args, timed, zero_of
 
 def make_inputs(key, b, s, nc, *, kw=128, kc=512, h=64, d=512, dtype=None, pad_frac=0.0):
     import jax
     import jax.numpy as jnp
 
-    quant = light_import()
+    import dsv41_jax.quant as quant
     dtype = dtype or jnp.bfloat16
     ks = jax.random.split(key, 8)
     q = jax.random.normal(ks[0], (b, s, h, d), jnp.float32).astype(dtype)
@@ -151,19 +92,12 @@ def check(out_dir, log):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--n", type=int, default=20)
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--sweep", action="store_true", help="also time a few block configurations")
-    ap.add_argument("--skip-xla", action="store_true", help="time the Pallas kernel only")
+    ap = chained_args(argparse.ArgumentParser(), n=20, reps=7, skip_xla_help="time the Pallas kernel only")
     args = ap.parse_args(argv)
 
     import jax
     import jax.numpy as jnp
 
-    light_import()
     from pallas_kernels.sparse_attention import pallas_triton as pt
     from pallas_kernels.sparse_attention import reference as ref
 
@@ -187,19 +121,19 @@ def main(argv=None):
         def f(a, c):
             q, win, widx, sink, ck, cidx = a
             o = pt.sparse_attention(q, win, widx, sink + c, scale=scale, comp_kv=ck, comp_idx=cidx, **cfg)
-            return o, _zero_of(o)
+            return o, zero_of(o)
         return f
 
     def run_ref(a, c):
         q, win, widx, sink, ck, cidx = a
         o = ref.sparse_attention(q, win, widx, sink + c, scale=scale, comp_kv=ck, comp_idx=cidx)
-        return o, _zero_of(o)
+        return o, zero_of(o)
 
     for nc in contexts:
         for b in batches:
             a = make_inputs(jax.random.PRNGKey(nc + b), b, 1, nc)
             fb = floor_bytes(b, 1)
-            t_floor = fb / HBM_BPS
+            t_floor = fb / HBM_BYTES_PER_S
             t_p, _, _ = timed(run_pallas({}), a, n=args.n, reps=args.reps)
             t_r = float("nan") if args.skip_xla else timed(run_ref, a, n=args.n, reps=args.reps)[0]
             cfg = pt.default_config(b, 64, 128, 512)
