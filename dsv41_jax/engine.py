@@ -46,10 +46,20 @@ Design
   memmaps, e.g. as :func:`dsv41_jax.checkpoint.load_checkpoint` leaves them; the rows a step needs,
   ``B * S * n_cols`` of them, are gathered on the host and ``device_put`` asynchronously before the
   step is dispatched). ``auto`` picks ``host`` when the tables are numpy arrays.
+* **On a mesh** (``Engine(model, ..., mesh=make_mesh("dp=2,tp=2,ep=2"))``): parameters are placed
+  by the rule table (:func:`sharding.rules.shard_params`), the cache is created directly in its
+  shardings (rows over ``dp``; :func:`sharding.rules.init_cache_sharded`), and every program (the
+  steps and the slot reset) runs its rows split over ``dp`` in the row ``shard_map`` of
+  :func:`sharding.step.data_parallel`, traced and run under ``use_mesh(mesh)`` so the MoE is
+  expert-parallel and GSPMD splits the rest over ``tp``. Each dp group reads and writes only its
+  own cache rows; no cache leaf crosses devices. Per-step host inputs are ``device_put`` straight
+  into their shardings (batch-leading ones over ``dp``, scalars replicated). ``batch_size`` must be
+  a multiple of ``dp``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -58,6 +68,11 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from sharding.mesh import mesh_sizes
+from sharding.rules import cache_shardings, init_cache_sharded, shard_params, use_mesh
+from sharding.step import batch_sharding, data_parallel, row_offset
 
 from .cache import init_cache, tree_bytes
 from .config import ModelConfig
@@ -76,31 +91,75 @@ EOS_ID = 1
 # ---------------------------------------------------------------------------------------------
 
 def reset_slot(cache, slot, *, cfg: ModelConfig, opts: RunOptions, max_seq_len: int):
-    """Cache with batch row ``slot`` (traced int32) back to its initial state and ``pos[slot] = 0``.
-    Pure; the initial row comes from :func:`init_cache` (zeros, unit scales, -inf scores)."""
+    """Cache with batch row ``slot`` (traced int32) back to its initial state and ``pos[slot] = 0``;
+    a ``slot`` outside the cache's rows changes nothing (a dp group's block of rows, see
+    :func:`_reset_program`). Pure; the initial row comes from :func:`init_cache` (zeros, unit
+    scales, -inf scores)."""
+    B = cache["pos"].shape[0]
     fresh = init_cache(cfg, 1, max_seq_len, opts)
+    here = (slot >= 0) & (slot < B)
+    row = jnp.clip(slot, 0, B - 1)
 
     def put(a, f):
-        return jax.lax.dynamic_update_index_in_dim(a, f.astype(a.dtype), slot, axis=0)
+        old = jax.lax.dynamic_index_in_dim(a, row, axis=0, keepdims=True)
+        return jax.lax.dynamic_update_index_in_dim(a, jnp.where(here, f.astype(a.dtype), old), row, axis=0)
 
     return jax.tree.map(put, cache, fresh)
 
 
-_reset_slot_jit = jax.jit(reset_slot, static_argnames=("cfg", "opts", "max_seq_len"), donate_argnames=("cache",))
+# Every program below takes ``mesh`` (static; None = one device). On a mesh the body runs once
+# per dp group on its own rows (sharding.step.data_parallel; _ROW = a batch-leading argument or
+# output, _ALL = whole on every group), and the outputs that are fed back (cache, tokens, Engram
+# history) are pinned to the shardings they came in with, so every call runs one compiled program.
+_ROW, _ALL = True, False
+
+
+def _pin_rows(mesh, cfg, opts, max_seq_len, cache, *rows):
+    """(cache, *rows) constrained to the cache's rule-table shardings / rows over dp."""
+    if mesh is None:
+        return (cache, *rows)
+    B = cache["pos"].shape[0]
+    cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cfg, mesh, B, max_seq_len, opts))
+    return (cache, *(jax.lax.with_sharding_constraint(r, batch_sharding(mesh, B)) for r in rows))
+
+
+def _reset_program(cache, slot, *, cfg, opts, max_seq_len, mesh=None):
+    """:func:`reset_slot` of global row ``slot``; on a dp mesh each group resets it only if the row
+    is one of its own."""
+    def body(cache, slot):
+        return reset_slot(cache, slot - row_offset(cache["pos"].shape[0]), cfg=cfg, opts=opts,
+                          max_seq_len=max_seq_len)
+
+    cache = data_parallel(body, mesh, cache["pos"].shape[0], in_rows=(_ROW, _ALL), out_rows=_ROW)(cache, slot)
+    return _pin_rows(mesh, cfg, opts, max_seq_len, cache)[0]
+
+
+_reset_slot_jit = jax.jit(_reset_program, static_argnames=("cfg", "opts", "max_seq_len", "mesh"),
+                          donate_argnames=("cache",))
 
 
 def _engine_step(params, cache, tokens, lengths, engram_ids, engram_rows, seed, request_ids, steps,
-                 temperature, top_k, top_p, *, cfg, opts):
+                 temperature, top_k, top_p, *, cfg, opts, max_seq_len=None, mesh=None):
     """forward_step (last-token logits) + sampling, one program for every sampling setting (they
     are traced). Returns (next [B] int32, logits [B, V] f32, new cache)."""
-    logits, cache = forward_step(params, cache, tokens, lengths, engram_ids, engram_rows, cfg=cfg, opts=opts,
-                                 logits_mode="last")
-    keys = request_keys(seed, request_ids, steps)
-    nxt = sample_traced(logits, keys, temperature, top_k, top_p)
+    def body(params, cache, tokens, lengths, engram_ids, engram_rows, seed, request_ids, steps, temperature,
+             top_k, top_p):
+        logits, cache = forward_step(params, cache, tokens, lengths, engram_ids, engram_rows, cfg=cfg, opts=opts,
+                                     logits_mode="last")
+        keys = request_keys(seed, request_ids, steps)
+        nxt = sample_traced(logits, keys, temperature, top_k, top_p)
+        return nxt, logits, cache
+
+    body = data_parallel(body, mesh, tokens.shape[0], out_rows=(_ROW, _ROW, _ROW),
+                         in_rows=(_ALL, _ROW, _ROW, _ROW, _ROW, _ROW, _ALL, _ROW, _ROW, _ALL, _ALL, _ALL))
+    nxt, logits, cache = body(params, cache, tokens, lengths, engram_ids, engram_rows, seed, request_ids, steps,
+                              temperature, top_k, top_p)
+    cache, nxt = _pin_rows(mesh, cfg, opts, max_seq_len, cache, nxt)
     return nxt, logits, cache
 
 
-_engine_step_jit = jax.jit(_engine_step, static_argnames=("cfg", "opts"), donate_argnames=("cache",))
+_engine_step_jit = jax.jit(_engine_step, static_argnames=("cfg", "opts", "max_seq_len", "mesh"),
+                           donate_argnames=("cache",))
 
 
 def device_hash_tables(hasher):
@@ -152,28 +211,39 @@ def device_ngram_ids(ht, win, first_pos, S: int):
 
 
 def _engine_step_pipe(params, cache, ehist, ht, tokens, lengths, use_prev, prev, seed, request_ids, steps,
-                      temperature, top_k, top_p, *, cfg, opts):
+                      temperature, top_k, top_p, *, cfg, opts, max_seq_len=None, mesh=None):
     """The pipelined step: decode rows (``use_prev``) take their token from the previous step's
     output ``prev`` without a host round trip, and the Engram ids are hashed on the device from
     ``ehist`` [B, J-1] (compressed ids of each row's last J-1 tokens). Returns (next, logits, cache,
     ehist)."""
-    S = tokens.shape[1]
-    first = (jnp.arange(S) == 0)[None, :] & use_prev[:, None]
-    tokens = jnp.where(first, prev[:, None], tokens)
-    eids = None
-    if ht is not None:
-        J1 = ehist.shape[1]
-        win = jnp.concatenate([ehist, ht["token_map"][tokens]], axis=1)
-        ids = device_ngram_ids(ht, win, cache["pos"] - J1, S)
-        eids = {str(l): ids[:, :, i] for i, l in enumerate(cfg.engram_layer_ids)}
-        ehist = jnp.take_along_axis(win, lengths.astype(jnp.int32)[:, None] + jnp.arange(J1)[None, :], axis=1)
-    logits, cache = forward_step(params, cache, tokens, lengths, eids, None, cfg=cfg, opts=opts, logits_mode="last")
-    keys = request_keys(seed, request_ids, steps)
-    nxt = sample_traced(logits, keys, temperature, top_k, top_p)
+    def body(params, cache, ehist, ht, tokens, lengths, use_prev, prev, seed, request_ids, steps, temperature,
+             top_k, top_p):
+        S = tokens.shape[1]
+        first = (jnp.arange(S) == 0)[None, :] & use_prev[:, None]
+        tokens = jnp.where(first, prev[:, None], tokens)
+        eids = None
+        if ht is not None:
+            J1 = ehist.shape[1]
+            win = jnp.concatenate([ehist, ht["token_map"][tokens]], axis=1)
+            ids = device_ngram_ids(ht, win, cache["pos"] - J1, S)
+            eids = {str(l): ids[:, :, i] for i, l in enumerate(cfg.engram_layer_ids)}
+            ehist = jnp.take_along_axis(win, lengths.astype(jnp.int32)[:, None] + jnp.arange(J1)[None, :], axis=1)
+        logits, cache = forward_step(params, cache, tokens, lengths, eids, None, cfg=cfg, opts=opts,
+                                     logits_mode="last")
+        keys = request_keys(seed, request_ids, steps)
+        nxt = sample_traced(logits, keys, temperature, top_k, top_p)
+        return nxt, logits, cache, ehist
+
+    body = data_parallel(body, mesh, tokens.shape[0], out_rows=(_ROW, _ROW, _ROW, _ROW),
+                         in_rows=(_ALL, _ROW, _ROW, _ALL, _ROW, _ROW, _ROW, _ROW, _ALL, _ROW, _ROW, _ALL, _ALL, _ALL))
+    nxt, logits, cache, ehist = body(params, cache, ehist, ht, tokens, lengths, use_prev, prev, seed, request_ids,
+                                     steps, temperature, top_k, top_p)
+    cache, nxt, ehist = _pin_rows(mesh, cfg, opts, max_seq_len, cache, nxt, ehist)
     return nxt, logits, cache, ehist
 
 
-_engine_step_pipe_jit = jax.jit(_engine_step_pipe, static_argnames=("cfg", "opts"), donate_argnames=("cache", "ehist"))
+_engine_step_pipe_jit = jax.jit(_engine_step_pipe, static_argnames=("cfg", "opts", "max_seq_len", "mesh"),
+                                donate_argnames=("cache", "ehist"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,13 +341,20 @@ class Engine:
 
     ``batch_size``: slots; ``max_seq_len``: cache capacity per slot (prompt + generated);
     ``prefill_chunk``: tokens per prompt chunk (any size >= 1); ``engram_mode``: ``auto`` | ``host`` |
-    ``device``; ``stop_ids``: tokens that end a sequence (default EOS = 1).
+    ``device``; ``stop_ids``: tokens that end a sequence (default EOS = 1); ``mesh``: a
+    :func:`sharding.make_mesh` mesh to run on (default: one device; see "On a mesh" in the module
+    docstring). ``batch_size`` must be a multiple of the mesh's ``dp``.
     """
 
     def __init__(self, model, *, batch_size: int = 8, max_seq_len: int = 4096, opts: RunOptions | None = None,
-                 prefill_chunk: int = 256, engram_mode: str = "auto", stop_ids: Sequence[int] = (EOS_ID,)):
+                 prefill_chunk: int = 256, engram_mode: str = "auto", stop_ids: Sequence[int] = (EOS_ID,),
+                 mesh=None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        dp = mesh_sizes(mesh)["dp"]
+        if batch_size % dp:
+            raise ValueError(f"batch size {batch_size} is not a multiple of the mesh's dp={dp} "
+                             f"(--batch-size / --mesh): each data-parallel group decodes an equal share of the rows")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if engram_mode not in ("auto", "host", "device"):
@@ -293,12 +370,20 @@ class Engine:
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.stats = EngineStats()
         self._compiled: dict = {}
-        self._dev = jax.devices()[0]
-        self._setup_params(engram_mode)
-        # committed placements from the start: a step's compiled program is keyed by its inputs'
+        # where per-step inputs go: batch-leading ones (_rows: over dp on a mesh) and the rest (_rep).
+        # Committed placements from the start: a step's compiled program is keyed by its inputs'
         # placement, and outputs (the next cache) are committed, so an uncommitted first input
-        # would compile every program a second time
-        self.cache = self._commit(init_cache(self.cfg, self.B, self.max_seq_len, self.opts))
+        # would compile every program a second time.
+        self.mesh = mesh
+        if mesh is None:
+            self._rows = self._rep = SingleDeviceSharding(jax.devices()[0])
+        else:
+            self._rows, self._rep = batch_sharding(mesh, self.B), NamedSharding(mesh, PartitionSpec())
+        self._setup_params(engram_mode)
+        if mesh is None:
+            self.cache = self._commit(init_cache(self.cfg, self.B, self.max_seq_len, self.opts))
+        else:
+            self.cache = init_cache_sharded(self.cfg, mesh, self.B, self.max_seq_len, self.opts)
         # host mirrors: positions and compressed-id histories (for Engram hashing)
         self.pos = np.zeros(self.B, np.int64)
         J = self.cfg.engram_max_ngram_size if self.cfg.engram_layer_ids else 1
@@ -309,10 +394,10 @@ class Engine:
         self._dev_hash = None
         if self.engram_mode == "device":
             self._dev_hash = device_hash_tables(self._hasher)
+            if self._dev_hash is not None:
+                self._dev_hash = jax.device_put(self._dev_hash, self._rep)
         self.pipelined = self.engram_mode == "none" or self._dev_hash is not None
-        # committed device arrays from the start, so the pipelined step's inputs (ehist, prev) keep
-        # one placement across calls (an uncommitted first input would compile the step again)
-        self.ehist = jax.device_put(np.zeros((self.B, max(J - 1, 1)), np.int32), self._dev)
+        self.ehist = jax.device_put(np.zeros((self.B, max(J - 1, 1)), np.int32), self._rows)
 
     # ------------------------------------------------------------------ parameters / Engram tables
     def _setup_params(self, engram_mode: str):
@@ -334,16 +419,31 @@ class Engine:
             if mode == "host":
                 self.host_tables[k] = Fp8Tensor(data=np.asarray(t.data), scale=np.asarray(t.scale), block=t.block)
                 ep["embed"] = None  # not an argument of the device program
-            else:
-                ep["embed"] = Fp8Tensor(data=jnp.asarray(t.data), scale=jnp.asarray(t.scale), block=t.block)
         params = {**params, "layers": layers}
-        # every other leaf as a device array (numpy leaves would be re-transferred at every call)
-        self.params = self._commit(jax.tree.map(lambda a: jnp.asarray(a) if isinstance(a, np.ndarray) else a, params))
+        # every leaf as a device array (numpy leaves would be re-transferred at every call)
+        if self.mesh is not None:  # by the rule table, numpy leaves straight to their shards
+            self.params = shard_params(params, cfg, self.mesh, keep_host=False)
+        else:
+            self.params = self._commit(jax.tree.map(lambda a: jnp.asarray(a) if isinstance(a, np.ndarray) else a,
+                                                    params))
 
     def _commit(self, tree):
         """Single-device arrays committed to the default device (sharded ones left as they are)."""
-        return jax.tree.map(lambda a: jax.device_put(a, self._dev)
+        return jax.tree.map(lambda a: jax.device_put(a, self._rep)
                             if isinstance(a, jax.Array) and len(a.devices()) == 1 else a, tree)
+
+    def _on_mesh(self):
+        """The context the programs are traced and run in: ``use_mesh(mesh)`` (expert-parallel MoE)."""
+        return use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    @staticmethod
+    def _to_host(x) -> np.ndarray:
+        """A device output as numpy; on a mesh spanning processes, every host gets every row."""
+        if getattr(x, "is_fully_addressable", True):
+            return np.asarray(x)
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
     # ------------------------------------------------------------------ host-side Engram inputs
     def _engram_inputs(self, tokens: np.ndarray, lengths: np.ndarray):
@@ -365,9 +465,9 @@ class Engine:
         for i, l in enumerate(self.cfg.engram_layer_ids):
             out[str(l)] = ids[:, :, i]
         if self.engram_mode == "host":
-            rows = {k: jax.device_put(gather_rows(self.host_tables[k], v)) for k, v in out.items()}
+            rows = {k: jax.device_put(gather_rows(self.host_tables[k], v), self._rows) for k, v in out.items()}
             return None, rows
-        return {k: jax.device_put(v) for k, v in out.items()}, None
+        return {k: jax.device_put(v, self._rows) for k, v in out.items()}, None
 
     # ------------------------------------------------------------------ compiled programs
     def warmup(self, sampling: SamplingParams | None = None, *, decode: bool = True, prefill: bool = True,
@@ -402,8 +502,7 @@ class Engine:
     # ------------------------------------------------------------------ low-level step
     def reset(self, slot: int):
         """Reset one slot's cache row (device) and its host history."""
-        self.cache = _reset_slot_jit(self.cache, jnp.int32(slot), cfg=self.cfg, opts=self.opts,
-                                     max_seq_len=self.max_seq_len)
+        self.cache = self._dispatch(_reset_slot_jit, self.cache, jax.device_put(np.int32(slot), self._rep))
         self.pos[slot] = 0
         self._chist[slot] = 0
 
@@ -412,6 +511,16 @@ class Engine:
         width), ``lengths`` [B]. Appends the real tokens to the slots' histories, advances positions.
         Returns device arrays (next tokens [B] int32, last-token logits [B, V] f32)."""
         t0 = time.perf_counter()
+        args = self._step_inputs(tokens, lengths, sampling, request_ids, steps)
+        self.stats.host_s += time.perf_counter() - t0
+        nxt, logits, self.cache = self._dispatch(_engine_step_jit, self.params, self.cache, *args)
+        self.pos = self.pos + np.asarray(lengths, np.int64)
+        self.stats.steps += 1
+        return nxt, logits
+
+    def _step_inputs(self, tokens, lengths, sampling, request_ids, steps):
+        """Check a step's host inputs, append its tokens to the compressed histories (Engram) and
+        put the arguments of :func:`_engine_step` after (params, cache) on the devices."""
         tokens = np.asarray(tokens, np.int64)
         lengths = np.asarray(lengths, np.int64)
         B, S0 = tokens.shape
@@ -428,7 +537,6 @@ class Engine:
             tokens = np.concatenate([tokens, np.zeros((B, S - S0), np.int64)], 1)
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
-        sp = sampling or SamplingParams()
         # append to the compressed histories
         if self._hasher is not None:
             valid = np.arange(S)[None, :] < lengths[:, None]
@@ -437,44 +545,67 @@ class Engine:
             self._chist[np.arange(B)[:, None], cols] = np.where(valid, comp, 0)
             self._chist[:, self.max_seq_len] = 0
         eids, erows = self._engram_inputs(tokens, lengths)
+        (tok, lens, rid, stp), scalars = self._put_step_inputs(tokens, lengths, sampling, request_ids, steps)
+        return (tok, lens, eids, erows, scalars[0], rid, stp, *scalars[1:])
+
+    def _put_step_inputs(self, tokens, lengths, sampling, request_ids, steps, *more_rows):
+        """((tokens, lengths, request ids, steps, *more_rows) over dp, (seed, temperature, top_k,
+        top_p) replicated), committed to their shardings."""
+        sp = sampling or SamplingParams()
+        B = self.B
         rid = np.zeros(B, np.int32) if request_ids is None else np.asarray(request_ids, np.int32)
         stp = np.zeros(B, np.int32) if steps is None else np.asarray(steps, np.int32)
-        t1 = time.perf_counter()
-        self.stats.host_s += t1 - t0
-        nxt, logits, self.cache = _engine_step_jit(
-            self.params, self.cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32), eids, erows,
-            jnp.int32(sp.seed), jnp.asarray(rid), jnp.asarray(stp), jnp.float32(sp.temperature),
-            jnp.int32(sp.top_k), jnp.float32(sp.top_p), cfg=self.cfg, opts=self.opts)
-        self.pos = self.pos + lengths
-        self.stats.steps += 1
-        return nxt, logits
+        rows = (np.asarray(tokens, np.int32), np.asarray(lengths, np.int32), rid, stp, *more_rows)
+        scalars = (np.int32(sp.seed), np.float32(sp.temperature), np.int32(sp.top_k), np.float32(sp.top_p))
+        return jax.device_put(rows, self._rows), jax.device_put(scalars, self._rep)
+
+    def _dispatch(self, program, *args):
+        """Run one of the jitted programs with the engine's static arguments, under the mesh."""
+        with self._on_mesh():
+            return program(*args, cfg=self.cfg, opts=self.opts, max_seq_len=self.max_seq_len, mesh=self.mesh)
 
     def _zeros_prev(self):
-        return jax.device_put(np.zeros(self.B, np.int32), self._dev)
+        return jax.device_put(np.zeros(self.B, np.int32), self._rows)
 
     def _step_pipe(self, tokens, lengths, use_prev, prev, *, sampling=None, request_ids=None, steps=None):
         """Dispatch one pipelined step (see :func:`_engine_step_pipe`); rows with ``use_prev`` feed
         ``prev[b]`` (a device array) as their single token. Returns device (next, logits)."""
-        B = self.B
+        nxt, logits, self.cache, self.ehist = self._dispatch(
+            _engine_step_pipe_jit, *self._pipe_inputs(tokens, lengths, use_prev, prev, sampling, request_ids, steps))
+        self.pos = self.pos + np.asarray(lengths, np.int64)
+        self.stats.steps += 1
+        return nxt, logits
+
+    def _pipe_inputs(self, tokens, lengths, use_prev, prev, sampling, request_ids, steps):
+        """The arguments of :func:`_engine_step_pipe`, on the devices."""
         tokens = np.asarray(tokens, np.int64)
         lengths = np.asarray(lengths, np.int64)
         S0 = tokens.shape[1]
         S = 1 if S0 == 1 else self.chunk
         if S0 < S:
-            tokens = np.concatenate([tokens, np.zeros((B, S - S0), np.int64)], 1)
+            tokens = np.concatenate([tokens, np.zeros((self.B, S - S0), np.int64)], 1)
         if np.any(self.pos + lengths > self.max_seq_len):
             raise ValueError(f"a slot would exceed max_seq_len {self.max_seq_len}")
-        sp = sampling or SamplingParams()
-        rid = np.zeros(B, np.int32) if request_ids is None else np.asarray(request_ids, np.int32)
-        stp = np.zeros(B, np.int32) if steps is None else np.asarray(steps, np.int32)
-        nxt, logits, self.cache, self.ehist = _engine_step_pipe_jit(
-            self.params, self.cache, self.ehist, self._dev_hash, jnp.asarray(tokens, jnp.int32),
-            jnp.asarray(lengths, jnp.int32), jnp.asarray(np.asarray(use_prev, bool)), prev, jnp.int32(sp.seed),
-            jnp.asarray(rid), jnp.asarray(stp), jnp.float32(sp.temperature), jnp.int32(sp.top_k),
-            jnp.float32(sp.top_p), cfg=self.cfg, opts=self.opts)
-        self.pos = self.pos + lengths
-        self.stats.steps += 1
-        return nxt, logits
+        (tok, lens, rid, stp, use), (seed, temp, top_k, top_p) = self._put_step_inputs(
+            tokens, lengths, sampling, request_ids, steps, np.asarray(use_prev, bool))
+        return (self.params, self.cache, self.ehist, self._dev_hash, tok, lens, use, prev, seed, rid, stp, temp,
+                top_k, top_p)
+
+    def compiled_text(self, *, decode: bool = True, pipelined: bool | None = None) -> str:
+        """The optimised (on a mesh: partitioned) HLO of the step program the engine runs, for
+        decode (1 token per row) or a prefill chunk; ``pipelined`` as in :meth:`warmup`. Compiles
+        (or hits the compilation cache); the engine's state is not touched. For inspecting what a
+        mesh communicates per step (:func:`sharding.step.collectives`)."""
+        pipelined = self.pipelined if pipelined is None else pipelined
+        zeros = np.zeros((self.B, 1 if decode else self.chunk), np.int64), np.zeros(self.B, np.int64)
+        if pipelined:
+            prog, args = _engine_step_pipe_jit, self._pipe_inputs(*zeros, np.zeros(self.B, bool), self._zeros_prev(),
+                                                                  None, None, None)
+        else:
+            prog, args = _engine_step_jit, (self.params, self.cache, *self._step_inputs(*zeros, None, None, None))
+        with self._on_mesh():
+            return prog.lower(*args, cfg=self.cfg, opts=self.opts, max_seq_len=self.max_seq_len,
+                              mesh=self.mesh).compile().as_text()
 
     # ------------------------------------------------------------------ generation loop
     def generate(self, requests: Sequence[Request], sampling: SamplingParams | None = None, *,
@@ -577,7 +708,7 @@ class Engine:
                 elif pending is None:
                     raise RuntimeError("engine stalled: active slots but nothing to run or read")
                 if pending is not None:  # read the previous step while this one runs
-                    nxt = np.asarray(pending[0])
+                    nxt = self._to_host(pending[0])
                     now = time.perf_counter()
                     dt, t_mark = now - t_mark, now
                     n_new = 0
@@ -634,8 +765,8 @@ class Engine:
             self.stats.prefill_tokens += n_prompt
             if all(s is None or s.cursor < len(s.prompt) for s in slots):
                 continue  # nobody samples this step: dispatch the next prompt chunk without a sync
-            nxt = np.asarray(nxt_d)  # the step's one sync
-            lg = np.asarray(logits_d) if return_logits else None
+            nxt = self._to_host(nxt_d)  # the step's one sync
+            lg = self._to_host(logits_d) if return_logits else None
             now = time.perf_counter()
             dt, t_mark = now - t_mark, now
             n_new = 0

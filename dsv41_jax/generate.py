@@ -257,18 +257,24 @@ def run(argv=None) -> int:
     from .sampling import SamplingParams
     from .tokenizer import decode
 
-    from sharding.engine_support import mesh_from_args, shard_engine
-    from sharding.mesh import MeshSpecError
+    from sharding.engine_support import mesh_from_args
+    from sharding.mesh import MeshSpecError, mesh_sizes
 
     try:
         mesh = mesh_from_args(a)  # jax.distributed start-up (multi-host) + the --mesh mesh, or None
     except MeshSpecError as e:
         raise UsageError(f"--mesh {a.mesh}: {_one_line(e)}") from None
+    dp = mesh_sizes(mesh)["dp"]
+    if a.batch_size % dp:
+        raise UsageError(f"--batch-size {a.batch_size} is not a multiple of dp={dp} in --mesh {a.mesh} "
+                         f"(each data-parallel group decodes an equal share of the rows)")
     t0 = time.perf_counter()
     if a.checkpoint:
         from .checkpoint import load_checkpoint
-        try:
-            cfg, params = load_checkpoint(a.checkpoint)
+        from sharding.rules import param_shardings
+        try:  # on a mesh, each device reads its own shards
+            cfg, params = load_checkpoint(a.checkpoint,
+                                          shardings=param_shardings(cfg, mesh) if mesh is not None else None)
         except (ValueError, OSError, KeyError) as e:
             raise UsageError(f"--checkpoint {a.checkpoint}: {_one_line(e)}") from None
         model = Model(cfg, params, tokenizer=tok)
@@ -286,10 +292,9 @@ def run(argv=None) -> int:
             raise UsageError("--speculative dspark: the model has no DSpark stages (mtp.*)")
         from .speculative import run_cli
         return run_cli(a, model, prompts, tok, opts, sampling, max_seq_len)
-    eng = Engine(model, batch_size=min(a.batch_size, len(prompts)), max_seq_len=max_seq_len, opts=opts,
-                 prefill_chunk=min(a.prefill_chunk, max_seq_len), stop_ids=(cfg.eos_token_id,))
-    if mesh is not None:
-        shard_engine(eng, mesh)
+    slots = min(a.batch_size, -(-len(prompts) // dp) * dp)  # no more slots than prompts, a multiple of dp
+    eng = Engine(model, batch_size=slots, max_seq_len=max_seq_len, opts=opts,
+                 prefill_chunk=min(a.prefill_chunk, max_seq_len), stop_ids=(cfg.eos_token_id,), mesh=mesh)
     t_load = time.perf_counter() - t0
     err = sys.stderr
     print(f"model: {cfg.name} ({'checkpoint ' + a.checkpoint if a.checkpoint else 'random weights, seed ' + str(a.seed)}), "

@@ -16,9 +16,11 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 CHUNK = 4
+ENGINE_BATCH = 4  # engine slots in engine_check (a multiple of every tested dp)
 
 # the tiny preset's layer pattern (9 layers, every V4.1 feature) at V4.1-Flash's real widths,
 # 16 experts, no DSpark stages: a "real-width model with fewer layers and experts"
@@ -251,33 +253,46 @@ def moe_unit(meshes):
 
 
 def engine_check(meshes, preset, dtype, kv):
-    """dsv41_jax.engine.Engine greedy generation, single device vs shard_engine(mesh)."""
+    """dsv41_jax.engine.Engine, one device vs ``Engine(..., mesh=mesh)``: the tokens of both loops
+    (``device``: Engram tables on the devices, pipelined; ``host``: host tables, synced), greedy and
+    sampled, with more requests than slots (continuous batching, slot resets in every dp group),
+    and the collectives of each mesh engine's compiled decode step."""
     import numpy as np
 
     from dsv41_jax.engine import Engine, Request
     from dsv41_jax.model import Model
     from dsv41_jax.options import RunOptions
     from dsv41_jax.sampling import SamplingParams
-    from sharding.engine_support import shard_engine
     from sharding.mesh import make_mesh
+    from dsv41_jax.compile_cache import enable_compilation_cache
+    from sharding.step import collective_ops
 
+    # as tests/conftest.py: compiled_text() below then reads the step the engine compiled from the cache
+    enable_compilation_cache(os.environ.get("DSV41_COMPILE_CACHE") or os.path.join(ROOT, ".jax_cache"))
     cfg = get_config(preset)
     model = Model(cfg, fast_init_params(cfg, 0), token_map=np.arange(cfg.vocab_size) % cfg.engram_compressed_vocab_size)
     opts = RunOptions(dtype=dtype, kv_cache_dtype=kv)
     rng = np.random.RandomState(2)
-    reqs = [Request(list(rng.randint(0, 50000, n)), 4) for n in (5, 9, 3)]
+    reqs = [Request(list(rng.randint(0, 50000, n)), 4) for n in (5, 9, 3, 7, 4, 11)]
+    samplings = {"greedy": SamplingParams(), "sampled": SamplingParams(temperature=0.8, top_p=0.9, seed=5)}
 
-    def gen(mesh):
-        eng = Engine(model, batch_size=2, max_seq_len=32, opts=opts, prefill_chunk=4, stop_ids=())
-        if mesh is not None:
-            shard_engine(eng, mesh)
-        return [r.output_ids for r in eng.generate(reqs, SamplingParams())]
+    def gen(mesh, mode):
+        t0 = time.perf_counter()
+        eng = Engine(model, batch_size=ENGINE_BATCH, max_seq_len=32, opts=opts, prefill_chunk=4, engram_mode=mode,
+                     stop_ids=(), mesh=mesh)
+        toks = {k: [r.output_ids for r in eng.generate(reqs, sp)] for k, sp in samplings.items()}
+        coll = collective_ops(eng.compiled_text(decode=True), mesh) if mesh is not None else None
+        return {"tokens": toks, "collectives": coll, "pipelined": eng.pipelined,
+                "s": round(time.perf_counter() - t0, 1)}
 
-    ref = gen(None)
-    print(json.dumps({"event": "engine", "mesh": "single", "tokens": ref}), flush=True)
-    for spec in meshes:
-        out = gen(make_mesh(spec))
-        print(json.dumps({"event": "engine", "mesh": spec, "tokens": out, "tokens_equal": out == ref}), flush=True)
+    # one single-device reference: both Engram modes give the same numbers (tests/test_decode_parity.py)
+    ref = gen(None, "device")
+    print(json.dumps({"event": "engine", "mode": "device", "mesh": "single", **ref}), flush=True)
+    for i, mode in enumerate(("device", "host")):
+        for spec in meshes if i == 0 else meshes[:1]:  # the synced loop on the first mesh only (compile time)
+            out = gen(make_mesh(spec), mode)
+            print(json.dumps({"event": "engine", "mode": mode, "mesh": spec, **out,
+                              "tokens_equal": out["tokens"] == ref["tokens"]}), flush=True)
 
 
 def main(argv=None):
@@ -293,7 +308,7 @@ def main(argv=None):
     ap.add_argument("--override", default="", help="config overrides k=v,k=v (ints)")
     ap.add_argument("--ep-path", default=None)
     ap.add_argument("--moe-unit", action="store_true")
-    ap.add_argument("--engine", action="store_true", help="Engine + shard_engine vs single device")
+    ap.add_argument("--engine", action="store_true", help="Engine(mesh=...) vs single device")
     ap.add_argument("--check-collectives", action="store_true",
                     help="also compile the decode step and list its collectives (element types NCCL must carry)")
     ap.add_argument("--profile", type=int, default=0, help="profile this many extra decode steps per run")
@@ -384,20 +399,22 @@ def run_mesh(a, cfg, opts, params, spec, prompt, ids_fn, ref_logits, ref_gen, sy
         scale = float(max(np.max(np.abs(r)) for r in ref_logits))
         prof = profile_decode(step, sp, state, a.profile, ids_fn, os.path.join(a.prof_dir, spec.replace(",", "_")
                                                                                .replace("=", ""))) if a.profile else None
-        coll = None
+        coll = dp_coll = None
         if a.check_collectives:
             import jax.numpy as jnp
 
-            from sharding.step import collectives
+            from sharding.step import collective_ops, collectives
 
             cache_, hist_, pos_ = state
             toks = jnp.zeros((B, CHUNK), jnp.int32)
             ids = ids_fn(np.concatenate([hist_, np.zeros((B, CHUNK), np.int32)], 1),
                          np.broadcast_to(pos_ - CHUNK + np.arange(CHUNK), (B, CHUNK)))
-            coll = {f"{k[0]}:{k[1]}": v for k, v in collectives(step.compiled_text(sp, cache_, toks,
-                                                                                   jnp.ones((B,), jnp.int32), ids)).items()}
+            text = step.compiled_text(sp, cache_, toks, jnp.ones((B,), jnp.int32), ids)
+            coll = {f"{k[0]}:{k[1]}": v for k, v in collectives(text).items()}
+            dp_coll = [c for c in collective_ops(text, mesh) if "dp" in c["axes"]]  # between dp groups
         del state, sp
         print(json.dumps({
+            "dp_collectives": dp_coll,
             "collectives": coll, "profile": prof, "event": "mesh", "mesh": spec + (f"@{ep_path}" if ep_path else ""), "desc": describe(mesh), "s": round(time.perf_counter() - t0, 2),
             "max_abs_diff": max(diffs), "max_abs_ref": scale, "tokens": gen.tolist(),
             "tokens_equal": bool(np.array_equal(gen, ref_gen)), "n_replicated_notes": len(notes),

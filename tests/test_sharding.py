@@ -1,5 +1,6 @@
-"""Sharding: mesh specs, the partition-rule table, expert parallelism, and sharded forward +
-greedy generation equal to one device on several meshes (tp, ep, dp x tp x ep).
+"""Sharding: mesh specs, the partition-rule table, expert parallelism, sharded forward + greedy
+generation equal to one device on several meshes (tp, ep, dp x tp x ep), and the engine on a mesh
+(``Engine(..., mesh=)``: same tokens as one device, no cache row crossing dp groups).
 
 Multi-device checks run tests/sharding_worker.py in subprocesses with
 ``--xla_force_host_platform_device_count=8`` (it must be set before JAX is imported, and must not
@@ -25,6 +26,7 @@ from dsv41_jax.quant import Fp4Tensor, Fp8Tensor
 from sharding import distributed
 from sharding.mesh import MeshSpecError, make_mesh, parse_mesh_spec
 from sharding.rules import cache_partition_specs, explain, param_partition_specs
+from sharding.step import collective_ops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "sharding_worker.py")
@@ -32,13 +34,13 @@ WORKER = os.path.join(ROOT, "tests", "sharding_worker.py")
 F32_MESHES = "tp=4;ep=4;dp=2,tp=2,ep=2"  # tp=2 is inside dp x tp x ep
 QUANT_MESHES = "dp=2,tp=2,ep=2"
 MOE_MESHES = "ep=2,tp=2;dp=2,ep=2,tp=2;ep=8;tp=4"
-ENGINE_MESHES = "dp=2,tp=2,ep=2"
+ENGINE_MESHES = "dp=2,tp=2,ep=2;dp=4"  # the engine has 4 slots (sharding_worker.ENGINE_BATCH)
 
 JOBS = {
     "f32": ["--meshes", F32_MESHES, "--dtype", "float32", "--kv", "float32"],
     "quant": ["--meshes", QUANT_MESHES, "--dtype", "float32", "--kv", "reference", "--check-collectives"],
     "moe": ["--moe-unit", "--meshes", MOE_MESHES],
-    "engine": ["--engine", "--meshes", ENGINE_MESHES],
+    "engine": ["--engine", "--meshes", ENGINE_MESHES, "--kv", "reference"],
 }
 
 
@@ -68,6 +70,33 @@ def test_make_mesh_device_count():
         make_mesh(f"tp={n + 1}")
     m = make_mesh("dp=-1")
     assert m.axis_names == ("dp", "ep", "tp") and m.shape["dp"] == n
+
+
+def test_engine_batch_must_split_over_dp():
+    from dsv41_jax.engine import Engine
+
+    model = types.SimpleNamespace(cfg=get_preset("tiny"))  # the check comes before the model is used
+    with pytest.raises(ValueError, match=r"batch size 3 .* dp=2 \(--batch-size / --mesh\)"):
+        Engine(model, batch_size=3, max_seq_len=32, mesh=fake_mesh(dp=2, tp=2))
+
+
+def test_collective_ops_device_groups():
+    """Which mesh axes a collective's device groups span, in the HLO spellings XLA uses."""
+    mesh = fake_mesh(dp=2, ep=2, tp=2)  # device id = (dp, ep, tp) position, tp innermost
+    hlo = "\n".join([
+        "  %a = f32[2,64]{1,0} all-reduce(%x), channel_id=1, replica_groups=[4,2]<=[8], to_apply=%r",
+        "  %b = s32[2,2]{0,1} all-gather(%y), channel_id=2, replica_groups={{0,4},{1,5},{2,6},{3,7}}, dimensions={1}",
+        "  %c = f32[2,64]{1,0} all-reduce(%z), replica_groups=mesh['dp'=2,'ep'=2,'tp'=2] {'ep'}, to_apply=%r",
+        "  %d = (f32[2]{0}, u8[2,8]{1,0}) collective-permute(%w), source_target_pairs={{0,4},{4,0}}",
+        "  %e = f32[8]{0} all-reduce(%v), replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%r",
+        "  %f = f32[8]{0} all-reduce(%u), replica_groups={}, to_apply=%r",
+        "  %g = (f32[2]{0}, s32[2]{0}) fusion(%all-gather.10, %all-gather.9), kind=kLoop",
+    ])
+    ops = [(c["op"], c["dtype"], c["shape"], c["axes"]) for c in collective_ops(hlo, mesh)]
+    assert ops == [("all-reduce", "f32", [2, 64], ["tp"]), ("all-gather", "s32", [2, 2], ["dp"]),
+                   ("all-reduce", "f32", [2, 64], ["ep"]), ("collective-permute", "f32", [2], ["dp"]),
+                   ("collective-permute", "u8", [2, 8], ["dp"]), ("all-reduce", "f32", [8], ["dp", "ep"]),
+                   ("all-reduce", "f32", [8], ["dp", "ep", "tp"])]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -197,19 +226,56 @@ def test_sharded_generation_reference_quant(worker_results):
         assert r["max_abs_diff"] <= 1e-3 * max(1.0, r["max_abs_ref"]), (spec, r["max_abs_diff"])
 
 
-def test_engine_on_mesh(worker_results):
+def _engine_rows(worker_results):
     rows = worker_results["engine"]
     single = next(r for r in rows if r["mesh"] == "single")
     meshed = [r for r in rows if r["mesh"] != "single"]
-    assert len(meshed) == len(ENGINE_MESHES.split(";"))
+    first = ENGINE_MESHES.split(";")[0]
+    assert sorted((r["mode"], r["mesh"]) for r in meshed) == sorted(
+        [("device", m) for m in ENGINE_MESHES.split(";")] + [("host", first)])
+    return single, meshed
+
+
+def test_engine_on_mesh(worker_results):
+    """Engine(..., mesh=) gives one device's tokens, greedy and sampled, in the pipelined loop
+    (Engram tables on the devices) and the synced one (host tables), with more requests than slots."""
+    single, meshed = _engine_rows(worker_results)
+    assert single["pipelined"]
     for r in meshed:
-        assert r["tokens"] == single["tokens"], r["mesh"]
+        assert r["pipelined"] == (r["mode"] == "device"), r["mesh"]
+        assert r["tokens"] == single["tokens"], (r["mode"], r["mesh"])
+
+
+def test_engine_decode_step_moves_no_cache_rows(worker_results):
+    """The engine's compiled decode step on a dp mesh: nothing crosses data-parallel groups (each
+    group's cache rows stay on its devices; with dp alone there is no collective at all), no
+    collective-permute, no u8 / FP8 / e8m0 buffer anywhere; what tp / ep move is f32 activations,
+    plus the s32 per-row indices of sampling over the tp-split vocabulary (at most B/dp x tp)."""
+    _, meshed = _engine_rows(worker_results)
+    for r in meshed:
+        sizes = parse_mesh_spec(r["mesh"])
+        coll = r["collectives"]
+        where = (r["mode"], r["mesh"])
+        if sizes["tp"] == sizes["ep"] == 1:
+            assert coll == [], where
+            continue
+        assert coll, where
+        for c in coll:
+            assert "dp" not in c["axes"], (where, c)
+            assert c["op"] != "collective-permute", (where, c)
+            if c["dtype"] == "s32":
+                n = 1
+                for d in c["shape"]:
+                    n *= d
+                assert c["axes"] == ["tp"] and n <= 4 // sizes["dp"] * sizes["tp"], (where, c)
+            else:
+                assert c["dtype"] in ("f32", "bf16"), (where, c)
 
 
 def test_collectives_carry_only_float_activations(worker_results):
-    """The compiled dp x tp x ep decode step communicates activations only: f32 all-reduces /
+    """The compiled dp x tp x ep forward step communicates activations only: f32 all-reduces /
     all-gathers (no FP8/e8m0 element types, which NCCL rejects at run time, and no cache rows:
-    the dp shard_map keeps each row's cache on its devices)."""
+    the dp shard_map keeps each row's cache on its devices; across dp groups only the logits)."""
     from sharding.step import NCCL_UNSUPPORTED
 
     rows = [r for r in worker_results["quant"] if r["event"] == "mesh"]
@@ -220,3 +286,7 @@ def test_collectives_carry_only_float_activations(worker_results):
         types = {k.split(":")[1] for k in coll}
         assert not types & set(NCCL_UNSUPPORTED), coll
         assert types <= {"f32", "bf16"}, coll
+        # between dp groups only the logits, which this step returns replicated (logits_layout)
+        vocab = get_preset("tiny").vocab_size
+        for c in r["dp_collectives"]:
+            assert c["op"] == "all-gather" and c["dtype"] == "f32" and c["shape"][-1] == vocab, (r["mesh"], c)
