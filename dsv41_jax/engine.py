@@ -134,6 +134,18 @@ def _reset_program(cache, slot, *, cfg, opts, max_seq_len, mesh=None):
     return _pin_rows(mesh, cfg, opts, max_seq_len, cache)[0]
 
 
+def _flat_params(fn):
+    """``fn`` taking its first argument, the parameter tree, as a list of leaves plus a static
+    ``param_tree`` (its treedef). jit then checks ~1,500 array arguments in its C++ path instead of
+    flattening the tree of quantized-tensor dataclasses in Python at every step (measured on the
+    2-core CI machine, V4.1 layer structure: 8 ms -> 1.6 ms per dispatch)."""
+    def run(param_leaves, *args, param_tree, **kw):
+        return fn(jax.tree.unflatten(param_tree, param_leaves), *args, **kw)
+
+    run.__name__, run.__doc__ = fn.__name__, fn.__doc__
+    return run
+
+
 _reset_slot_jit = jax.jit(_reset_program, static_argnames=("cfg", "opts", "max_seq_len", "mesh"),
                           donate_argnames=("cache",))
 
@@ -158,8 +170,8 @@ def _engine_step(params, cache, tokens, lengths, engram_ids, engram_rows, seed, 
     return nxt, logits, cache
 
 
-_engine_step_jit = jax.jit(_engine_step, static_argnames=("cfg", "opts", "max_seq_len", "mesh"),
-                           donate_argnames=("cache",))
+_engine_step_jit = jax.jit(_flat_params(_engine_step), donate_argnums=(1,),
+                           static_argnames=("cfg", "opts", "max_seq_len", "mesh", "param_tree"))
 
 
 def device_hash_tables(hasher):
@@ -242,8 +254,8 @@ def _engine_step_pipe(params, cache, ehist, ht, tokens, lengths, use_prev, prev,
     return nxt, logits, cache, ehist
 
 
-_engine_step_pipe_jit = jax.jit(_engine_step_pipe, static_argnames=("cfg", "opts", "max_seq_len", "mesh"),
-                                donate_argnames=("cache", "ehist"))
+_engine_step_pipe_jit = jax.jit(_flat_params(_engine_step_pipe), donate_argnums=(1, 2),
+                                static_argnames=("cfg", "opts", "max_seq_len", "mesh", "param_tree"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -559,10 +571,28 @@ class Engine:
         scalars = (np.int32(sp.seed), np.float32(sp.temperature), np.int32(sp.top_k), np.float32(sp.top_p))
         return jax.device_put(rows, self._rows), jax.device_put(scalars, self._rep)
 
+    @property
+    def params(self):
+        return self._params
+
+    @params.setter
+    def params(self, tree):
+        self._params = tree
+        self._param_leaves, self._param_tree = jax.tree.flatten(tree)
+
+    def _program_args(self, args):
+        """(args, static kwargs) of a jitted program: the parameter tree goes as its leaves."""
+        kw = {"cfg": self.cfg, "opts": self.opts, "max_seq_len": self.max_seq_len, "mesh": self.mesh}
+        if args and args[0] is self._params:
+            args = (self._param_leaves, *args[1:])
+            kw["param_tree"] = self._param_tree
+        return args, kw
+
     def _dispatch(self, program, *args):
         """Run one of the jitted programs with the engine's static arguments, under the mesh."""
+        args, kw = self._program_args(args)
         with self._on_mesh():
-            return program(*args, cfg=self.cfg, opts=self.opts, max_seq_len=self.max_seq_len, mesh=self.mesh)
+            return program(*args, **kw)
 
     def _zeros_prev(self):
         return jax.device_put(np.zeros(self.B, np.int32), self._rows)
@@ -603,9 +633,9 @@ class Engine:
                                                                   None, None, None)
         else:
             prog, args = _engine_step_jit, (self.params, self.cache, *self._step_inputs(*zeros, None, None, None))
+        args, kw = self._program_args(args)
         with self._on_mesh():
-            return prog.lower(*args, cfg=self.cfg, opts=self.opts, max_seq_len=self.max_seq_len,
-                              mesh=self.mesh).compile().as_text()
+            return prog.lower(*args, **kw).compile().as_text()
 
     # ------------------------------------------------------------------ generation loop
     def generate(self, requests: Sequence[Request], sampling: SamplingParams | None = None, *,
