@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .cache import init_cache, tree_bytes
+from .cache import init_cache, reset_row, tree_bytes
 from .config import ModelConfig
 from .engram import gather_rows
 from .engram_hash import ngram_hash_ids
@@ -78,12 +78,7 @@ EOS_ID = 1
 def reset_slot(cache, slot, *, cfg: ModelConfig, opts: RunOptions, max_seq_len: int):
     """Cache with batch row ``slot`` (traced int32) back to its initial state and ``pos[slot] = 0``.
     Pure; the initial row comes from :func:`init_cache` (zeros, unit scales, -inf scores)."""
-    fresh = init_cache(cfg, 1, max_seq_len, opts)
-
-    def put(a, f):
-        return jax.lax.dynamic_update_index_in_dim(a, f.astype(a.dtype), slot, axis=0)
-
-    return jax.tree.map(put, cache, fresh)
+    return reset_row(cache, init_cache(cfg, 1, max_seq_len, opts), slot)
 
 
 _reset_slot_jit = jax.jit(reset_slot, static_argnames=("cfg", "opts", "max_seq_len"), donate_argnames=("cache",))
