@@ -264,6 +264,8 @@ def run(argv=None) -> int:
         mesh = mesh_from_args(a)  # jax.distributed start-up (multi-host) + the --mesh mesh, or None
     except MeshSpecError as e:
         raise UsageError(f"--mesh {a.mesh}: {_one_line(e)}") from None
+    if a.speculative and mesh is not None:
+        raise UsageError("--speculative dspark runs on one device; it does not take --mesh yet")
     t0 = time.perf_counter()
     if a.checkpoint:
         from .checkpoint import load_checkpoint

@@ -360,3 +360,11 @@ def test_cli_speculative_dspark_continuous_batching(tmp_path, engine, cb_prompts
     assert all(r["finish_reason"] == ("stop" if r["output_ids"][-1] == 1 else "length") for r in recs)
     assert "acceptance length" in err and "batch 2 slots for 5 prompts" in err and "5 admissions" in err
 
+
+def test_cli_speculative_refuses_mesh(capsys):
+    """The speculative loop runs on one device: --mesh is refused in one line, not ignored."""
+    from dsv41_jax import generate
+
+    rc = generate.main(["--checkpoint", FIX, "--prompt", "x", "--speculative", "dspark", "--mesh", "dp=1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--mesh" in err[0] and err[0].startswith("error: ")
