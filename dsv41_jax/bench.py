@@ -30,12 +30,14 @@ from .config import get_preset
 HBM_BW = {"H200": 4.8e12, "H100": 3.35e12, "MI350X": 8.0e12, "MI355X": 8.0e12}
 
 
-def bench_config(preset: str, routed_experts: int | None, engram_vocab: int | None):
+def bench_config(preset: str, routed_experts: int | None, engram_vocab: int | None, *, dspark: bool = False):
+    """The preset with only the routed experts / Engram table rows reduced; the DSpark stages are
+    dropped unless ``dspark`` (``python -m dsv41_jax.spec_bench`` keeps them). Returns (cfg, notes)."""
     from .engram_hash import EngramLayout
 
     cfg = get_preset(preset)
-    kw = {"n_mtp_layers": 0, "compress_ratios": cfg.compress_ratios[: cfg.n_layers], "dspark_block_size": 0,
-          "dspark_target_layer_ids": ()}
+    kw = {} if dspark else {"n_mtp_layers": 0, "compress_ratios": cfg.compress_ratios[: cfg.n_layers],
+                            "dspark_block_size": 0, "dspark_target_layer_ids": ()}
     notes = []
     if routed_experts and routed_experts != cfg.n_routed_experts:
         kw["n_routed_experts"] = routed_experts
@@ -49,7 +51,8 @@ def bench_config(preset: str, routed_experts: int | None, engram_vocab: int | No
         kw["engram_num_embeddings"] = rows
         notes.append(f"Engram table rows reduced {cfg.engram_num_embeddings} -> {rows} (prime buckets from "
                      f"{engram_vocab}; 24 rows per layer per token read either way)")
-    notes.append("DSpark stages not built (no speculative decoding in this benchmark)")
+    if not dspark:
+        notes.append("DSpark stages not built (no speculative decoding in this benchmark)")
     return cfg.replace(name=f"{preset}-bench", **kw), notes
 
 

@@ -20,7 +20,8 @@ tests/test_dspark.py).
   stop token, confidence policy); a request admitted into a recycled slot ends with the same
   output and the same slot state (backbone and DSpark caches, Engram history, position) as when
   run alone in a fresh generator; sampled requests draw the same tokens alone and in recycled
-  slots; the CLI (``--speculative dspark``, 5 prompts, ``--batch-size 2``) goes through it.
+  slots; the CLI (``--speculative dspark``, 5 prompts, ``--batch-size 2``) goes through it;
+* spec_bench prints verify-all and the confidence policy side by side (slow).
 """
 
 import numpy as np
@@ -368,3 +369,26 @@ def test_cli_speculative_refuses_mesh(capsys):
     rc = generate.main(["--checkpoint", FIX, "--prompt", "x", "--speculative", "dspark", "--mesh", "dp=1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "--mesh" in err[0] and err[0].startswith("error: ")
+
+@pytest.mark.slow
+def test_spec_bench_policy_comparison(capsys):
+    """``python -m dsv41_jax.spec_bench --rows engine,policies``: verify-all and the confidence policy
+    in one table (acceptance length, drafts verified, tok/s), both token-identical to the engine;
+    3 prompts on 2 slots (continuous batching)."""
+    from dsv41_jax import spec_bench
+
+    spec_bench.main(["--checkpoint", FIX, "--dtype", "float32", "--kv-cache-dtype", "float32", "--prompt-len", "9",
+                     "--new-tokens", "6", "--batch-size", "2", "--num-prompts", "3", "--max-seq-len", "160",
+                     "--prefill-chunk", "8", "--runs", "1", "--rows", "engine,policies"])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("| policy |"))
+    cols = [c.strip() for c in lines[head].strip("|").split("|")]
+    assert {"acceptance length", "drafts verified / row-step", "decode tok/s median"} <= set(cols)
+    rows = {r[0]: dict(zip(cols, r)) for r in ([c.strip() for c in ln.strip("|").split("|")]
+                                                for ln in lines[head + 2:head + 4])}
+    assert set(rows) == {"verify-all", "confidence"}
+    assert rows["verify-all"]["drafts verified / row-step"] == "5.00"
+    assert all(r["identical to engine"] == "True" for r in rows.values())
+    assert all(float(r["decode tok/s median"]) > 0 for r in rows.values())
+    assert "verify cost table" in out
