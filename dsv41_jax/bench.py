@@ -29,12 +29,16 @@ from .config import get_preset
 HBM_BW = {"H200": 4.8e12, "H100": 3.35e12, "MI350X": 8.0e12, "MI355X": 8.0e12}
 
 
-def bench_config(preset: str, routed_experts: int | None, engram_vocab: int | None, probe_layers: bool = False):
+def bench_config(preset: str, routed_experts: int | None, engram_vocab: int | None, *, dspark: bool = False,
+                 probe_layers: bool = False):
+    """The preset with only the routed experts / Engram table rows reduced; the DSpark stages are
+    dropped unless ``dspark`` (``python -m dsv41_jax.spec_bench`` keeps them); ``probe_layers``: 7
+    real-width layers, one of each kind, for profiling. Returns (cfg, notes)."""
     from .engram_hash import EngramLayout
 
     cfg = get_preset(preset)
-    kw = {"n_mtp_layers": 0, "compress_ratios": cfg.compress_ratios[: cfg.n_layers], "dspark_block_size": 0,
-          "dspark_target_layer_ids": ()}
+    kw = {} if dspark else {"n_mtp_layers": 0, "compress_ratios": cfg.compress_ratios[: cfg.n_layers],
+                            "dspark_block_size": 0, "dspark_target_layer_ids": ()}
     notes = []
     if routed_experts and routed_experts != cfg.n_routed_experts:
         kw["n_routed_experts"] = routed_experts
@@ -48,8 +52,9 @@ def bench_config(preset: str, routed_experts: int | None, engram_vocab: int | No
         kw["engram_num_embeddings"] = rows
         notes.append(f"Engram table rows reduced {cfg.engram_num_embeddings} -> {rows} (prime buckets from "
                      f"{engram_vocab}; 24 rows per layer per token read either way)")
-    notes.append("DSpark stages not built (no speculative decoding in this benchmark)")
-    if probe_layers and cfg.family == "v41" and cfg.n_layers >= 21:
+    if not dspark:
+        notes.append("DSpark stages not built (no speculative decoding in this benchmark)")
+    if probe_layers and cfg.family == "v41" and cfg.n_layers >= 21 and not dspark:
         # one layer of each kind at real width, for profiling only: ratio 0 (incl. an Engram layer),
         # a ratio-2 KV + index source and a ratio-2 reader, a ratio-1 source that also picks the
         # candidate blocks, a ratio-1 reader and a ratio-1 index source that uses the candidates
@@ -173,7 +178,7 @@ def run(args) -> dict:
     from .sampling import SamplingParams
 
     enable_compilation_cache()
-    cfg, notes = bench_config(args.preset, args.routed_experts, args.engram_vocab, args.probe_layers)
+    cfg, notes = bench_config(args.preset, args.routed_experts, args.engram_vocab, probe_layers=args.probe_layers)
     for n in notes:
         print(f"note: {n}", flush=True)
     kind, bw = device_bandwidth()

@@ -110,6 +110,17 @@ def init_mtp_cache(cfg: ModelConfig, batch: int, max_seq_len: int, opts: RunOpti
     return {"pos": jnp.zeros((batch,), jnp.int32), "layers": layers}
 
 
+def reset_row(tree, fresh, slot):
+    """``tree`` with batch row ``slot`` (traced int32) replaced by the one row of ``fresh``, a batch-1
+    tree of the same structure (e.g. ``init_cache(cfg, 1, ...)``: zeros, unit scales, -inf scores,
+    ``pos`` 0). Pure; the one row-reset used by every slot-recycling cache (backbone, DSpark)."""
+
+    def put(a, f):
+        return jax.lax.dynamic_update_index_in_dim(a, f.astype(a.dtype), slot, axis=0)
+
+    return jax.tree.map(put, tree, fresh)
+
+
 def cache_capacity(cache: dict, cfg: ModelConfig) -> int:
     """The max_seq_len a cache was made for (from a KV source's compressed capacity)."""
     for l in cfg.kv_source_layers:

@@ -74,7 +74,7 @@ from sharding.mesh import mesh_sizes
 from sharding.rules import cache_shardings, init_cache_sharded, shard_params, use_mesh
 from sharding.step import batch_sharding, data_parallel, row_offset
 
-from .cache import init_cache, tree_bytes
+from .cache import init_cache, reset_row, tree_bytes
 from .config import ModelConfig
 from .engram import gather_rows
 from .engram_hash import ngram_hash_ids
@@ -96,15 +96,11 @@ def reset_slot(cache, slot, *, cfg: ModelConfig, opts: RunOptions, max_seq_len: 
     :func:`_reset_program`). Pure; the initial row comes from :func:`init_cache` (zeros, unit
     scales, -inf scores)."""
     B = cache["pos"].shape[0]
-    fresh = init_cache(cfg, 1, max_seq_len, opts)
     here = (slot >= 0) & (slot < B)
     row = jnp.clip(slot, 0, B - 1)
-
-    def put(a, f):
-        old = jax.lax.dynamic_index_in_dim(a, row, axis=0, keepdims=True)
-        return jax.lax.dynamic_update_index_in_dim(a, jnp.where(here, f.astype(a.dtype), old), row, axis=0)
-
-    return jax.tree.map(put, cache, fresh)
+    old = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row, axis=0, keepdims=True), cache)
+    fresh = jax.tree.map(lambda f, o: jnp.where(here, f.astype(o.dtype), o), init_cache(cfg, 1, max_seq_len, opts), old)
+    return reset_row(cache, fresh, row)
 
 
 # Every program below takes ``mesh`` (static; None = one device). On a mesh the body runs once

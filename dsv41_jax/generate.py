@@ -268,6 +268,8 @@ def run(argv=None) -> int:
     if a.batch_size % dp:
         raise UsageError(f"--batch-size {a.batch_size} is not a multiple of dp={dp} in --mesh {a.mesh} "
                          f"(each data-parallel group decodes an equal share of the rows)")
+    if a.speculative and mesh is not None:
+        raise UsageError("--speculative dspark runs on one device; it does not take --mesh yet")
     t0 = time.perf_counter()
     if a.checkpoint:
         from .checkpoint import load_checkpoint

@@ -1,13 +1,27 @@
-"""``python -m dsv41_jax.spec_bench``: batch-1 decode tok/s with and without DSpark speculation.
+"""``python -m dsv41_jax.spec_bench``: decode tok/s with and without DSpark speculation, and the
+verify-all vs confidence scheduling policies side by side.
 
     python -m dsv41_jax.spec_bench --checkpoint tests/fixtures/v41_tiny_a --dtype float32 \\
         --kv-cache-dtype float32 --prompt-len 64 --new-tokens 64
+    python -m dsv41_jax.spec_bench --preset v41-flash --routed-experts 96 --engram-vocab 16000   # GPU
 
-Rows: the plain engine (no DSpark), then :class:`dsv41_jax.speculative.SpeculativeGenerator` with
-verify-all (greedy; checked token-identical to the engine), the simulated-acceptance protocol of the
-published numbers (``--simulate 5.5``: 4 or 5 drafts forced accepted per step, not lossless), T=1
-sampling, and the confidence scheduler (after measuring each verify width). Prompt: BOS + random ids
-(``--seed``). Best of ``--runs`` timed runs after one warm-up run each.
+Rows (``--rows``, comma-separated):
+
+* ``engine``: the plain engine (no DSpark, S = 1 decode steps);
+* ``all``: :class:`dsv41_jax.speculative.SpeculativeGenerator` verifying every draft (greedy;
+  checked token-identical to the engine);
+* ``simulate``: the simulated-acceptance protocol of the published numbers (``--simulate 5.5``: 4 or
+  5 drafts forced accepted per step; not lossless);
+* ``sampled``: verify-all with T = 1 sampling;
+* ``policies``: verify-all and the confidence policy (after :meth:`calibrate` measures each verify
+  width), alternating run by run, reported in one table: acceptance length, drafts verified per
+  row-step, decode tok/s (median and every run), verify widths used, plus the cost table the policy
+  decided from. Both are greedy and checked token-identical to the engine.
+
+Prompts: ``--num-prompts`` (default ``--batch-size``) of BOS + random ids (``--seed``) on
+``--batch-size`` slots (more prompts than slots: continuous batching); no stop token, so every run
+decodes exactly ``--new-tokens`` per prompt. Each row: one warm-up run, then ``--runs`` timed runs;
+tok/s figures are medians (the best in brackets).
 """
 
 from __future__ import annotations
@@ -17,70 +31,139 @@ import argparse
 import numpy as np
 
 
+def _table(rows):
+    """Markdown table from a list of dicts (same keys)."""
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m dsv41_jax.spec_bench")
     ap.add_argument("--checkpoint", default=None)
-    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--preset", default="tiny", help="random weights (tiny | v41-flash), when no --checkpoint")
+    ap.add_argument("--routed-experts", type=int, default=None,
+                    help="with --preset: routed experts per layer (DSpark stages included), to fit the device")
+    ap.add_argument("--engram-vocab", type=int, default=None, help="with --preset: Engram prime-bucket start")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kv-cache-dtype", default="reference")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--num-prompts", type=int, default=None, help="default: --batch-size")
+    ap.add_argument("--max-seq-len", type=int, default=None,
+                    help="cache capacity (default: prompt + new tokens + gamma + 1, rounded up to 16)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="default: the prompt length (at most 256)")
     ap.add_argument("--simulate", type=float, default=5.5)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rows", default="engine,all,simulate,sampled,confidence")
+    ap.add_argument("--rows", default="engine,all,simulate,sampled,policies")
     a = ap.parse_args(argv)
 
+    from .compile_cache import enable_compilation_cache
     from .engine import Engine, Request
     from .model import Model
     from .options import RunOptions
     from .sampling import SamplingParams
     from .speculative import SpeculativeGenerator
 
-    model = Model.from_checkpoint(a.checkpoint) if a.checkpoint else Model.from_preset(a.preset, seed=a.seed)
+    enable_compilation_cache()  # ~/.cache/dsv41_jax/jax (DSV41_COMPILE_CACHE=off disables)
+    if a.checkpoint:
+        model = Model.from_checkpoint(a.checkpoint)
+    else:
+        from .bench import bench_config
+        from .params import init_params
+
+        cfg, notes = bench_config(a.preset, a.routed_experts, a.engram_vocab, dspark=True)
+        for note in notes:
+            print(f"note: {note}", flush=True)
+        model = Model(cfg, init_params(cfg, seed=a.seed))
     cfg = model.cfg
     opts = RunOptions(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype)
     rng = np.random.default_rng(a.seed)
-    prompt = [0] + [int(t) for t in rng.integers(3, cfg.vocab_size, a.prompt_len - 1)]
-    cap = a.prompt_len + a.new_tokens + cfg.dspark_block_size + 1
-    cap += -cap % 16
+    B = a.batch_size
+    n = a.num_prompts or B
+    prompts = [[0] + [int(t) for t in rng.integers(3, cfg.vocab_size, a.prompt_len - 1)] for _ in range(n)]
+    need = a.prompt_len + a.new_tokens + cfg.dspark_block_size + 1
+    cap = need + (-need % 16)
+    if a.max_seq_len is not None:
+        if a.max_seq_len < need:
+            ap.error(f"--max-seq-len must be at least prompt + new tokens + gamma + 1 = {need}")
+        cap = a.max_seq_len
+    chunk = a.prefill_chunk or min(a.prompt_len, 256)
     rows = a.rows.split(",")
+    print(f"{cfg.name}, dtype {a.dtype}, kv {a.kv_cache_dtype}, {n} prompts x {a.prompt_len} tokens on {B} slots, "
+          f"{a.new_tokens} new tokens each, {a.runs} timed runs per row", flush=True)
     base = None
+
+    def med(xs):
+        return f"{np.median(xs):.1f} (best {max(xs):.1f})"
+
     if "engine" in rows:
-        eng = Engine(model, batch_size=1, max_seq_len=cap, opts=opts, prefill_chunk=a.prompt_len)
-        eng.generate([Request(prompt, a.new_tokens)])
-        best = 0.0
+        eng = Engine(model, batch_size=B, max_seq_len=cap, opts=opts, prefill_chunk=chunk, stop_ids=())
+        reqs = [Request(p, a.new_tokens) for p in prompts]
+        eng.generate(reqs)
+        tps = []
         for _ in range(a.runs):
             eng.stats = type(eng.stats)()
-            base = eng.generate([Request(prompt, a.new_tokens)])[0].output_ids
-            best = max(best, eng.stats.decode_tokens / eng.stats.decode_s)
-        print(f"engine, no DSpark: decode {best:.1f} tok/s", flush=True)
+            base = [r.output_ids for r in eng.generate(reqs)]
+            tps.append(eng.stats.decode_tokens / eng.stats.decode_s)
+        print(f"engine, no DSpark: decode tok/s {med(tps)}", flush=True)
 
-    def run(name, sampling=None, **kw):
-        g = SpeculativeGenerator(model, batch_size=1, max_seq_len=cap, opts=opts, prefill_chunk=a.prompt_len, **kw)
+    def make(sampling=None, **kw):
+        g = SpeculativeGenerator(model, batch_size=B, max_seq_len=cap, opts=opts, prefill_chunk=chunk, stop_ids=(),
+                                 **kw)
         if kw.get("policy") == "confidence":
-            cost = g.calibrate(sampling)
-            print("  verify step s by width: " + ", ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in cost.items()))
-        g.generate([prompt], a.new_tokens, sampling)
-        best, line, out = 0.0, "", None
-        for _ in range(a.runs):
-            g.stats = type(g.stats)()
-            out = g.generate([prompt], a.new_tokens, sampling)
-            t = g.stats.committed / g.stats.decode_s
-            if t > best:
-                best, line = t, g.stats.summary()
-        same = "" if base is None or sampling is not None or "simulate_accept" in kw else \
-            f"; identical to engine: {out[0] == base}"
-        print(f"{name}: best {best:.1f} tok/s | {line}{same}", flush=True)
+            g.calibrate(sampling)
+        g.generate(prompts, a.new_tokens, sampling)  # warm-up: compiles every width the run will use
+        return g
+
+    def once(g, sampling=None):
+        g.stats = type(g.stats)()
+        out = g.generate(prompts, a.new_tokens, sampling)
+        return g.stats, out
+
+    def same(out, check):
+        return "" if base is None or not check else f"; identical to engine: {out == base}"
+
+    def run(name, sampling=None, check=True, **kw):
+        g = make(sampling, **kw)
+        res = [once(g, sampling) for _ in range(a.runs)]
+        st, out = res[-1]
+        print(f"{name}: decode tok/s {med([s.decode_tps for s, _ in res])} | {st.summary()}{same(out, check)}",
+              flush=True)
 
     if "all" in rows:
         run("dspark verify-all, greedy", policy="all")
     if "simulate" in rows:
-        run(f"dspark verify-all, simulated acceptance {a.simulate}", policy="all", simulate_accept=a.simulate)
+        run(f"dspark verify-all, simulated acceptance {a.simulate}", check=False, policy="all",
+            simulate_accept=a.simulate)
     if "sampled" in rows:
-        run("dspark verify-all, T=1", SamplingParams(temperature=1.0, seed=a.seed), policy="all")
-    if "confidence" in rows:
-        run("dspark confidence scheduler, greedy", policy="confidence")
+        run("dspark verify-all, T=1", SamplingParams(temperature=1.0, seed=a.seed), check=False, policy="all")
+    if "policies" in rows or "confidence" in rows:
+        gens = {"verify-all": make(policy="all"), "confidence": make(policy="confidence")}
+        res = {k: [] for k in gens}
+        for _ in range(a.runs):  # alternate, so load changes on a shared host hit both alike
+            for k, g in gens.items():
+                res[k].append(once(g))
+        table = []
+        for k, rs in res.items():
+            sts = [s for s, _ in rs]
+            widths: dict = {}
+            for s in sts:
+                for w, c in s.widths.items():
+                    widths[w] = widths.get(w, 0) + c
+            table.append({"policy": k, "acceptance length": f"{np.mean([s.acceptance_length for s in sts]):.2f}",
+                          "drafts verified / row-step": f"{np.mean([s.verified_per_step for s in sts]):.2f}",
+                          "decode tok/s median": f"{np.median([s.decode_tps for s in sts]):.1f}",
+                          "runs": " ".join(f"{s.decode_tps:.1f}" for s in sts),
+                          "verify widths (steps)": dict(sorted(widths.items())),
+                          "identical to engine": "-" if base is None else all(o == base for _, o in rs)})
+        print(f"policy comparison (greedy, {a.runs} alternating runs each):\n{_table(table)}", flush=True)
+        cost = gens["confidence"].cost
+        print("confidence policy's verify cost table (ms by width S = 1 + drafts): "
+              + ", ".join(f"{S}: {t * 1e3:.1f}" for S, t in cost.items()), flush=True)
 
 
 if __name__ == "__main__":

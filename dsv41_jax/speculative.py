@@ -33,15 +33,25 @@ One device program per step (:func:`spec_step`, jitted per verify width ``S = 1 
    per step: the host needs the drafts to hash the Engram ids of the next verify chunk).
 
 Scheduling (:class:`SpeculativeGenerator`, ``policy``): ``"all"`` verifies every draft (always
-correct, the baseline); ``"confidence"`` picks the width ``k`` maximizing the expected committed
-tokens per second ``sum_b (1 + sum_{i<=k} a_{b,i}) / t(1+k)`` with ``a_{b,i} = prod_{j<=i}
-sigmoid(conf_{b,j})`` (prefix survival, DSPARK Alg. 1) and ``t(S)`` the measured time of a verify
-step of width S; ``"fixed:k"`` always verifies k.
+correct, the baseline); ``"confidence"`` (:func:`choose_width`) picks the width ``k`` maximizing the
+expected committed tokens per second ``sum_b (1 + sum_{i<=k} a_{b,i}) / t(1+k)`` with ``a_{b,i} =
+prod_{j<=i} sigmoid(conf_{b,j})`` (prefix survival, DSPARK Alg. 1) and ``t(S)`` the measured time of
+a verify step of width S (:meth:`SpeculativeGenerator.calibrate`); ties go to the larger k, so with a
+flat ``t`` (weight-bandwidth-bound steps) it verifies everything; ``"fixed:k"`` always verifies k.
+One k for the whole batch: the step's cost depends on its width, and at a given width verifying
+every draft a row has never lowers its expected yield.
+
+Continuous batching (:meth:`SpeculativeGenerator.generate`): more prompts than slots; a finished
+slot is reset (backbone row via :func:`dsv41_jax.engine.reset_slot`, DSpark rings via
+:func:`dsv41_jax.dspark.reset_dspark_slot`, its Engram history on the host) and takes the next prompt,
+prefilled chunk by chunk between the other slots' verify steps. Random keys come from (seed, request
+index, the request's own step), so a request's tokens do not depend on its slot or neighbours.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import jax
@@ -53,12 +63,13 @@ from pallas_kernels.mhc import hc_collapse
 from .attention import scatter_rows, select_rows, take_rows, compress
 from .cache import init_cache
 from .config import ModelConfig
-from .dspark import dspark_draft, dspark_update, init_dspark_cache
+from .dspark import dspark_draft, dspark_update, init_dspark_cache, reset_dspark_slot
+from .engine import reset_slot
 from .engram import engram, gather_rows
 from .engram_hash import ngram_hash_ids
 from .layers import norm
 from .options import RunOptions
-from .sampling import SamplingParams, filter_logits
+from .sampling import SamplingParams, filter_logits, request_keys
 from .transformer import forward_step
 
 # ---------------------------------------------------------------------------------------------
@@ -234,6 +245,43 @@ def first_token(params, dcache, logits, keys, temperature, top_k, top_p, *, cfg,
 first_token_jit = jax.jit(first_token, static_argnames=("cfg", "opts", "sampler"))
 
 
+def reset_slot_pair(cache, dcache, slot, *, cfg, opts, max_seq_len):
+    """Slot ``slot``'s backbone cache row (:func:`dsv41_jax.engine.reset_slot`) and DSpark rings
+    (:func:`dsv41_jax.dspark.reset_dspark_slot`) back to their initial state, ``pos`` 0 in both."""
+    return (reset_slot(cache, slot, cfg=cfg, opts=opts, max_seq_len=max_seq_len),
+            reset_dspark_slot(dcache, slot, cfg=cfg, opts=opts))
+
+
+reset_slot_pair_jit = jax.jit(reset_slot_pair, static_argnames=("cfg", "opts", "max_seq_len"),
+                              donate_argnames=("cache", "dcache"))
+request_keys_jit = jax.jit(request_keys)
+
+
+# ---------------------------------------------------------------------------------------------
+# scheduling (how many drafts to verify)
+# ---------------------------------------------------------------------------------------------
+
+
+def expected_tokens(conf, active):
+    """Expected tokens one verify step commits, summed over the ``active`` rows [B], for k = 0..G
+    drafts verified: ``sum_b 1 + sum_{i<=k} prod_{j<=i} sigmoid(conf[b, j])`` (prefix survival,
+    DSPARK Alg. 1). conf [B, G] raw confidence logits. Returns float64 [G + 1]."""
+    conf = np.asarray(conf, np.float64)
+    a = np.cumprod(0.5 * (1.0 + np.tanh(0.5 * conf)), axis=1)  # sigmoid (no overflow); P(1..i accepted) [B, G]
+    per_row = 1.0 + np.concatenate([np.zeros((conf.shape[0], 1)), np.cumsum(a, 1)], 1)  # [B, G + 1]
+    return (per_row * np.asarray(active, np.float64)[:, None]).sum(0)
+
+
+def choose_width(conf, active, cost) -> int:
+    """The confidence policy: the number of drafts k (0..G) maximizing expected committed tokens per
+    second, ``expected_tokens(conf, active)[k] / cost[1 + k]`` (``cost[S]``: seconds of a verify step
+    of width S, as :meth:`SpeculativeGenerator.calibrate` measures). Ties go to the larger k, so a
+    flat cost table (a weight-bandwidth-bound step, batch-1 on a GPU) always verifies every draft."""
+    tot = expected_tokens(conf, active)
+    rate = np.array([tot[k] / cost[k + 1] for k in range(len(tot))])
+    return int(np.flatnonzero(rate == rate.max()).max())
+
+
 # ---------------------------------------------------------------------------------------------
 # host loop
 # ---------------------------------------------------------------------------------------------
@@ -246,9 +294,10 @@ class SpecStats:
     committed: int = 0  # tokens emitted by verify steps (accepted drafts + one new token per row-step)
     drafted: int = 0  # drafts put up for verification
     accepted: int = 0
-    decode_s: float = 0.0
-    prefill_s: float = 0.0
+    decode_s: float = 0.0  # wall time of verify steps
+    prefill_s: float = 0.0  # wall time of prompt chunks and first tokens
     compile_s: float = 0.0
+    admitted: int = 0  # requests admitted into a slot
     widths: dict = field(default_factory=dict)
 
     @property
@@ -256,26 +305,49 @@ class SpecStats:
         """Mean tokens committed per row per verify step (accepted drafts + 1)."""
         return self.committed / max(self.row_steps, 1)
 
+    @property
+    def verified_per_step(self) -> float:
+        """Mean drafts put up for verification per row per verify step (the policy's choice)."""
+        return self.drafted / max(self.row_steps, 1)
+
+    @property
+    def decode_tps(self) -> float:
+        return self.committed / self.decode_s if self.decode_s > 0 else 0.0
+
     def summary(self) -> str:
-        tps = self.committed / self.decode_s if self.decode_s > 0 else 0.0
         return (f"speculative dspark: acceptance length {self.acceptance_length:.2f} "
-                f"({self.accepted}/{self.drafted} drafts accepted, {self.steps} verify steps), decode "
-                f"{self.committed} tokens {tps:.1f} tok/s")
+                f"({self.accepted}/{self.drafted} drafts accepted, {self.verified_per_step:.2f} verified per row-step, "
+                f"{self.steps} verify steps), decode {self.committed} tokens {self.decode_tps:.1f} tok/s")
+
+
+@dataclass
+class _Slot:
+    index: int  # the request's index in the generate call
+    sample_id: int  # its id in the random keys
+    prompt: np.ndarray
+    max_new: int
+    cursor: int = 0  # prompt tokens fed
+    out: list = field(default_factory=list)
+    steps: int = 0  # verify steps run (the random-key step of the next one is steps + 1)
 
 
 class SpeculativeGenerator:
-    """Batch generation with DSpark drafts (static batch: every row starts together and idles once
-    finished). ``policy``: ``all`` | ``confidence`` | ``fixed:k``."""
+    """Generation with DSpark drafts and continuous batching: ``batch_size`` slots; when a sequence
+    finishes (a stop token / its ``max_new_tokens``) its slot is reset (backbone cache row, DSpark
+    rings, Engram history: :func:`reset_slot_pair`) and takes the next waiting prompt, whose chunks
+    are prefilled between the verify steps of the other slots. ``policy``: ``all`` | ``confidence``
+    | ``fixed:k``."""
 
     def __init__(self, model, *, batch_size: int, max_seq_len: int, opts: RunOptions | None = None,
                  prefill_chunk: int = 64, policy: str = "all", stop_ids=(1,), propose=None,
                  simulate_accept: float | None = None, pad_width: bool = False):
-        """``propose(row, pos, tokens_row) -> tokens_row`` (tests): replaces a row's verify chunk
-        ``[anchor, drafts...]`` on the host before verification (e.g. oracle drafts). ``simulate_accept``
-        (benchmarks, not lossless): force the accepted-draft count per step to floor/ceil of
-        ``simulate_accept - 1`` at random with that mean (e.g. 5.5 -> 4 or 5 drafts, 5 or 6 tokens).
-        ``pad_width``: always run the verify program at width ``gamma + 1`` (rows verifying fewer drafts
-        are padded; one compiled program instead of one per width: tests, compile-bound hosts)."""
+        """``propose(request, pos, tokens_row) -> tokens_row`` (tests): replaces a request's verify
+        chunk ``[anchor, drafts...]`` on the host before verification (e.g. oracle drafts).
+        ``simulate_accept`` (benchmarks, not lossless): force the accepted-draft count per step to
+        floor/ceil of ``simulate_accept - 1`` at random with that mean (e.g. 5.5 -> 4 or 5 drafts, 5
+        or 6 tokens). ``pad_width``: always run the verify program at width ``gamma + 1`` (rows
+        verifying fewer drafts are padded; one compiled program instead of one per width: tests,
+        compile-bound hosts)."""
         self.cfg: ModelConfig = model.cfg
         cfg = self.cfg
         if not (cfg.n_mtp_layers and cfg.dspark_block_size and "mtp" in model.params):
@@ -285,6 +357,8 @@ class SpeculativeGenerator:
             raise ValueError("dspark_block_size + 1 must not exceed window_size")
         if not (policy in ("all", "confidence") or policy.startswith("fixed:")):
             raise ValueError(f"policy must be all, confidence or fixed:k, got {policy!r}")
+        if int(batch_size) < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.policy = policy
         self.model = model
         self.opts = opts or RunOptions()
@@ -294,7 +368,7 @@ class SpeculativeGenerator:
         self.params = jax.tree.map(lambda a: jnp.asarray(a) if isinstance(a, np.ndarray) else a, model.params)
         self.hasher = model.hasher if cfg.engram_layer_ids else None
         self.J = cfg.engram_max_ngram_size if cfg.engram_layer_ids else 1
-        self.cost = {S: 1.0 + 0.0 * S for S in range(1, self.G + 2)}  # seconds per verify width (measured)
+        self.cost = {S: 1.0 for S in range(1, self.G + 2)}  # seconds per verify width (calibrate measures)
         self.stats = SpecStats()
         self.propose = propose
         self.simulate_accept = simulate_accept
@@ -319,10 +393,13 @@ class SpeculativeGenerator:
         ids = ngram_hash_ids(comp, lpos, self.hasher.layout, self.hasher.pad_compressed_id).astype(np.int32)
         return {str(l): jnp.asarray(ids[:, :, i]) for i, l in enumerate(self.cfg.engram_layer_ids)}
 
-    def _keys(self, seed, step):
-        base = jax.random.PRNGKey(seed)
-        return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(base, r), step))(
-            jnp.arange(self.B, dtype=jnp.uint32))
+    @staticmethod
+    def _keys(sp: SamplingParams, rid, steps):
+        """Random keys [B, 2] from (seed, request index, the request's own step): a request draws the
+        same numbers in any slot, next to any neighbours. None when greedy (no randomness)."""
+        if sp.greedy:
+            return None
+        return request_keys_jit(jnp.int32(sp.seed), jnp.asarray(rid, jnp.int32), jnp.asarray(steps, jnp.int32))
 
     def _choose(self, conf, active, room):
         """Drafts to verify per row [B] (host)."""
@@ -332,19 +409,19 @@ class SpeculativeGenerator:
         elif self.policy.startswith("fixed:"):
             k = np.full(self.B, int(self.policy.split(":")[1]))
         else:
-            a = np.cumprod(1.0 / (1.0 + np.exp(-conf.astype(np.float64))), axis=1)  # prefix survival [B,G]
-            exp_tok = 1.0 + np.concatenate([np.zeros((self.B, 1)), np.cumsum(a, 1)], 1)  # [B, G+1], k = 0..G
-            tot = (exp_tok * active[:, None]).sum(0)
-            rate = [tot[kk] / self.cost[kk + 1] for kk in range(G + 1)]
-            k = np.full(self.B, int(np.argmax(rate)))
+            k = np.full(self.B, choose_width(conf, active, self.cost))
         return np.clip(np.minimum(k, room), 0, G)
 
     def calibrate(self, sampling: SamplingParams | None = None, reps: int = 5):
-        """Compile every verify width and measure its step time on an idle batch (for the policy)."""
+        """Compile every verify width and measure its step time on an all-active batch (fresh
+        caches; the median of ``reps`` runs after a compiling one) into ``self.cost`` (for the
+        confidence policy). With ``pad_width`` every width runs the ``gamma + 1`` program, so that
+        one is measured for all."""
         sp = sampling or SamplingParams()
         sampler = sp.static_key(self.cfg.vocab_size)
         V = self.cfg.vocab_size
-        for S in range(1, self.G + 2):
+        widths = [self.G + 1] if self.pad_width else list(range(1, self.G + 2))
+        for S in widths:
             ts = []
             for r in range(reps + 1):
                 tok = np.zeros((self.B, S), np.int64)
@@ -357,7 +434,8 @@ class SpeculativeGenerator:
                                     None)
                 out = spec_step_jit(self.params, cache, dcache, jnp.asarray(tok, jnp.int32),
                                     jnp.full((self.B,), S - 1, jnp.int32), jnp.asarray(act),
-                                    jnp.zeros((self.B, self.G, V), jnp.float32), eids, None, self._keys(sp.seed, 0),
+                                    jnp.zeros((self.B, self.G, V), jnp.float32), eids, None,
+                                    self._keys(sp, np.zeros(self.B), np.zeros(self.B)),
                                     jnp.float32(max(sp.temperature, 1e-30)), jnp.int32(sp.top_k),
                                     jnp.float32(sp.top_p), cfg=self.cfg, opts=self.opts, sampler=sampler)
                 jax.block_until_ready(out)
@@ -367,6 +445,8 @@ class SpeculativeGenerator:
                 else:
                     ts.append(dt)
             self.cost[S] = float(np.median(ts))
+        if self.pad_width:
+            self.cost = {S: self.cost[self.G + 1] for S in range(1, self.G + 2)}
         # a wider verify never costs less: keep the measured table non-decreasing (timing noise)
         for S in range(2, self.G + 2):
             self.cost[S] = max(self.cost[S], self.cost[S - 1])
@@ -374,105 +454,164 @@ class SpeculativeGenerator:
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, max_new_tokens, sampling: SamplingParams | None = None, *,
-                 return_state: bool = False, trace: list | None = None):
-        """Generate for ``len(prompts) <= batch_size`` prompts; ``max_new_tokens`` an int or one per
-        prompt. Returns a list of token lists (and, with ``return_state``, the final ``(cache, dcache,
-        committed histories, positions)``). ``trace``: a list that receives the host copies of
-        ``(draft ids [B,G+1], draft logits [B,G,V], confidence [B,G])`` after the first token and after
-        every verify step (entry s >= 1: drafted after verifying the chunk at the s-th step)."""
+                 return_state: bool = False, trace: list | None = None, on_finish=None, sample_ids=None):
+        """Generate for any number of prompts with continuous batching over ``batch_size`` slots;
+        ``max_new_tokens`` an int or one per prompt. Returns one token list per prompt, in input order
+        (ending at its first stop token, at most ``max_new_tokens`` long).
+
+        Each loop iteration: waiting prompts take the free slots (a slot used before is reset
+        first); one prompt chunk is prefilled for the slots still in their prompt (rows whose prompt
+        ends get their first token and first drafts); one verify step runs for the slots in decode.
+        ``on_finish(index, tokens, reason)`` when a request ends (reason ``stop`` | ``length``).
+        ``sample_ids``: each prompt's id in its random keys (default: its index in this call; as
+        :class:`dsv41_jax.engine.Request.sample_id`, so a prompt samples the same tokens in any call).
+        ``return_state``: also return the final ``(cache, dcache, committed histories, positions)`` of
+        the slots. ``trace``: a list that receives host copies of ``(draft ids [B,G+1], draft logits
+        [B,G,V], confidence [B,G])`` after every first-token call and every verify step (rows not
+        concerned keep their previous values)."""
         cfg, B, G, V = self.cfg, self.B, self.G, self.cfg.vocab_size
         sp = sampling or SamplingParams()
         sampler = sp.static_key(V)
         n = len(prompts)
-        if not 0 < n <= B:
-            raise ValueError(f"need 1..{B} prompts, got {n}")
-        plen = np.array([len(p) for p in prompts] + [1] * (B - n), np.int64)
+        if n < 1:
+            raise ValueError("need at least one prompt")
+        plen = np.array([len(p) for p in prompts], np.int64)
+        if (plen < 1).any():
+            raise ValueError("empty prompt")
         mnt = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (n,))
         if (mnt < 1).any():
             raise ValueError("max_new_tokens must be >= 1")
-        if (plen[:n] + mnt + G + 1 > self.max_seq_len).any():
+        if (plen + mnt + G + 1 > self.max_seq_len).any():
             raise ValueError("prompt + max_new_tokens + gamma + 1 exceeds max_seq_len")
         hist = np.zeros((B, self.max_seq_len + G + 2), np.int64)  # committed tokens (Engram history)
-        for b, p in enumerate(prompts):
-            hist[b, :len(p)] = p
         cache = init_cache(cfg, B, self.max_seq_len, self.opts)
         dcache = init_dspark_cache(cfg, B, self.opts)
         temp, topk, topp = jnp.float32(max(sp.temperature, 1e-30)), jnp.int32(sp.top_k), jnp.float32(sp.top_p)
-        # ---- prefill
-        t0 = time.perf_counter()
         pos = np.zeros(B, np.int64)
-        last = jnp.zeros((B, V), jnp.float32)
-        while (pos < plen).any():
-            lens = np.minimum(plen - pos, self.chunk)
-            S = self.chunk
-            tok = np.zeros((B, S), np.int64)
+        last = jnp.zeros((B, V), jnp.float32)  # each row's last prompt logits
+        ids = np.zeros((B, G + 1), np.int64)  # [anchor, drafts] per row
+        conf = np.zeros((B, G), np.float32)
+        dl = jnp.zeros((B, G, V), jnp.float32)
+        slots: list[_Slot | None] = [None] * B
+        used = np.zeros(B, bool)
+        waiting = deque(range(n))
+        outs: list = [None] * n
+        sid = list(range(n)) if sample_ids is None else [int(x) for x in sample_ids]
+        if len(sid) != n:
+            raise ValueError("sample_ids needs one id per prompt")
+
+        def admit():
+            nonlocal cache, dcache
             for b in range(B):
-                tok[b, :lens[b]] = hist[b, pos[b]:pos[b] + lens[b]]
-            eids = self._engram(hist, pos, tok, lens)
-            lg, cache, dcache = prefill_step_jit(self.params, cache, dcache, jnp.asarray(tok, jnp.int32),
-                                                 jnp.asarray(lens, jnp.int32), eids, None, cfg=cfg, opts=self.opts)
-            last = jnp.where(jnp.asarray(lens > 0)[:, None], lg, last)
-            pos += lens
-        nxt, ids, dl, conf = first_token_jit(self.params, dcache, last, self._keys(sp.seed, 0), temp, topk, topp,
-                                             cfg=cfg, opts=self.opts, sampler=sampler)
-        nxt, ids, conf = np.asarray(nxt), np.asarray(ids), np.asarray(conf)
-        if trace is not None:
-            trace.append((ids, np.asarray(dl), conf))
-        self.stats.prefill_s += time.perf_counter() - t0
-        out = [[int(nxt[b])] for b in range(n)]
-        active = np.array([b < n for b in range(B)])
-        for b in range(n):
-            if out[b][-1] in self.stop_ids or len(out[b]) >= mnt[b]:
-                active[b] = False
-        # ---- speculative decode
-        step = 1
-        t0 = time.perf_counter()
-        while active.any():
-            room = self.max_seq_len - pos - 1
-            k = self._choose(conf, active, room)
-            S = self.G + 1 if self.pad_width else 1 + int(k[active].max())
-            tok = ids[:, :S].astype(np.int64)
-            lens = np.where(active, 1 + k, 0)
-            if self.propose is not None:
-                for b in range(n):
-                    if active[b]:
-                        tok[b] = self.propose(b, int(pos[b]), tok[b].copy())
-            force = None
-            if self.simulate_accept is not None:
-                f = self.simulate_accept - 1.0
-                lo = int(np.floor(f))
-                force = jnp.asarray(lo + (self._rng.random(B) < f - lo), jnp.int32)
-            eids = self._engram(hist, pos, tok, lens)
-            n_acc, nxt, cache, dcache, ids_d, dl, conf_d = spec_step_jit(
-                self.params, cache, dcache, jnp.asarray(tok, jnp.int32), jnp.asarray(np.minimum(k, S - 1), jnp.int32),
-                jnp.asarray(active), dl, eids, None, self._keys(sp.seed, step), temp, topk, topp, force, cfg=cfg,
-                opts=self.opts, sampler=sampler)
-            n_acc, nxt, ids, conf = np.asarray(n_acc), np.asarray(nxt), np.asarray(ids_d), np.asarray(conf_d)
-            if trace is not None:
-                trace.append((ids, np.asarray(dl), conf))
-            self.stats.widths[S] = self.stats.widths.get(S, 0) + 1
-            self.stats.steps += 1
-            step += 1
-            for b in range(n):
-                if not active[b]:
-                    continue
-                c = int(n_acc[b])
-                hist[b, pos[b]:pos[b] + c + 1] = tok[b, :c + 1]
-                pos[b] += c + 1
-                self.stats.row_steps += 1
-                self.stats.drafted += int(k[b])
-                self.stats.accepted += c
-                new = [int(t) for t in tok[b, 1:c + 1]] + [int(nxt[b])]
-                for t in new:
-                    out[b].append(t)
-                    self.stats.committed += 1
-                    if t in self.stop_ids or len(out[b]) >= mnt[b]:
-                        active[b] = False
-                        break
-        self.stats.decode_s += time.perf_counter() - t0
+                if slots[b] is None and waiting:
+                    i = waiting.popleft()
+                    if used[b]:
+                        cache, dcache = reset_slot_pair_jit(cache, dcache, jnp.int32(b), cfg=cfg, opts=self.opts,
+                                                            max_seq_len=self.max_seq_len)
+                    used[b] = True
+                    hist[b] = 0
+                    hist[b, :plen[i]] = prompts[i]
+                    pos[b] = 0
+                    slots[b] = _Slot(i, sid[i], np.asarray(prompts[i], np.int64), int(mnt[i]))
+                    self.stats.admitted += 1
+
+        def emit(b, toks) -> int:
+            """Append tokens to slot b's output up to a stop token / its budget; frees the slot when
+            it ends. Returns the number appended."""
+            s = slots[b]
+            for c, t in enumerate(toks):
+                s.out.append(int(t))
+                reason = "stop" if t in self.stop_ids else "length" if len(s.out) >= s.max_new else None
+                if reason:
+                    outs[s.index] = s.out
+                    slots[b] = None
+                    if on_finish is not None:
+                        on_finish(s.index, s.out, reason)
+                    return c + 1
+            return len(toks)
+
+        admit()
+        while any(s is not None for s in slots):
+            # ---- one prompt chunk for the slots still in their prompt
+            pre = [b for b, s in enumerate(slots) if s is not None and s.cursor < len(s.prompt)]
+            if pre:
+                t0 = time.perf_counter()
+                lens = np.zeros(B, np.int64)
+                tok = np.zeros((B, self.chunk), np.int64)
+                for b in pre:
+                    s = slots[b]
+                    lens[b] = min(self.chunk, len(s.prompt) - s.cursor)
+                    tok[b, :lens[b]] = s.prompt[s.cursor:s.cursor + lens[b]]
+                eids = self._engram(hist, pos, tok, lens)
+                lg, cache, dcache = prefill_step_jit(self.params, cache, dcache, jnp.asarray(tok, jnp.int32),
+                                                     jnp.asarray(lens, jnp.int32), eids, None, cfg=cfg, opts=self.opts)
+                last = jnp.where(jnp.asarray(lens > 0)[:, None], lg, last)
+                pos += lens
+                ready = np.zeros(B, bool)
+                for b in pre:
+                    slots[b].cursor += int(lens[b])
+                    ready[b] = slots[b].cursor == len(slots[b].prompt)
+                if ready.any():  # first token + first drafts of the rows whose prompt just ended
+                    rid = np.array([s.sample_id if s is not None else 0 for s in slots])
+                    nxt_f, ids_f, dl_f, conf_f = first_token_jit(self.params, dcache, last,
+                                                                 self._keys(sp, rid, np.zeros(B)), temp, topk, topp,
+                                                                 cfg=cfg, opts=self.opts, sampler=sampler)
+                    nxt_f, ids_f, conf_f = np.asarray(nxt_f), np.asarray(ids_f), np.asarray(conf_f)
+                    ids[ready], conf[ready] = ids_f[ready], conf_f[ready]
+                    dl = jnp.where(jnp.asarray(ready)[:, None, None], dl_f, dl)
+                    if trace is not None:
+                        trace.append((ids.copy(), np.asarray(dl), conf.copy()))
+                    for b in np.flatnonzero(ready):
+                        emit(b, [int(nxt_f[b])])
+                else:
+                    jax.block_until_ready(last)
+                self.stats.prefill_s += time.perf_counter() - t0
+            # ---- one verify step for the slots in decode
+            active = np.array([s is not None and s.cursor == len(s.prompt) for s in slots])
+            if active.any():
+                t0 = time.perf_counter()
+                room = self.max_seq_len - pos - 1
+                k = self._choose(conf, active, room)
+                S = G + 1 if self.pad_width else 1 + int(k[active].max())
+                tok = ids[:, :S].astype(np.int64)
+                lens = np.where(active, 1 + k, 0)
+                rid = np.array([s.sample_id if s is not None else 0 for s in slots])
+                stp = np.array([s.steps + 1 if s is not None else 0 for s in slots])
+                if self.propose is not None:
+                    for b in np.flatnonzero(active):
+                        tok[b] = self.propose(slots[b].index, int(pos[b]), tok[b].copy())
+                force = None
+                if self.simulate_accept is not None:
+                    f = self.simulate_accept - 1.0
+                    lo = int(np.floor(f))
+                    force = jnp.asarray(lo + (self._rng.random(B) < f - lo), jnp.int32)
+                eids = self._engram(hist, pos, tok, lens)
+                n_acc, nxt, cache, dcache, ids_d, dl_d, conf_d = spec_step_jit(
+                    self.params, cache, dcache, jnp.asarray(tok, jnp.int32),
+                    jnp.asarray(np.minimum(k, S - 1), jnp.int32), jnp.asarray(active), dl, eids, None,
+                    self._keys(sp, rid, stp), temp, topk, topp, force, cfg=cfg, opts=self.opts, sampler=sampler)
+                n_acc, nxt, ids_d, conf_d = np.asarray(n_acc), np.asarray(nxt), np.asarray(ids_d), np.asarray(conf_d)
+                # rows not in decode keep their drafts (a row mid-prompt gets its first ones with its first token)
+                ids[active], conf[active] = ids_d[active], conf_d[active]
+                dl = jnp.where(jnp.asarray(active)[:, None, None], dl_d, dl)
+                if trace is not None:
+                    trace.append((ids.copy(), np.asarray(dl), conf.copy()))
+                self.stats.widths[S] = self.stats.widths.get(S, 0) + 1
+                self.stats.steps += 1
+                for b in np.flatnonzero(active):
+                    c = int(n_acc[b])
+                    hist[b, pos[b]:pos[b] + c + 1] = tok[b, :c + 1]
+                    pos[b] += c + 1
+                    slots[b].steps += 1
+                    self.stats.row_steps += 1
+                    self.stats.drafted += int(k[b])
+                    self.stats.accepted += c
+                    self.stats.committed += emit(b, [int(t) for t in tok[b, 1:c + 1]] + [int(nxt[b])])
+                self.stats.decode_s += time.perf_counter() - t0
+            admit()
         if return_state:
-            return out, (cache, dcache, hist, pos)
-        return out
+            return outs, (cache, dcache, hist, pos)
+        return outs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,8 +621,8 @@ class SpeculativeGenerator:
 
 def run_cli(a, model, prompts, tok, opts: RunOptions, sampling: SamplingParams, max_seq_len: int) -> int:
     """The ``--speculative dspark`` path of :mod:`dsv41_jax.generate`: same outputs (records / texts,
-    summary on stderr) from :class:`SpeculativeGenerator` in groups of ``--batch-size`` prompts; the
-    summary adds the measured acceptance length."""
+    summary on stderr) from one continuous-batching :meth:`SpeculativeGenerator.generate` over all
+    prompts on ``--batch-size`` slots; the summary adds the measured acceptance length."""
     import json
     import sys
 
@@ -499,38 +638,33 @@ def run_cli(a, model, prompts, tok, opts: RunOptions, sampling: SamplingParams, 
     policy = getattr(a, "speculative_policy", "all") or "all"
     gen = SpeculativeGenerator(model, batch_size=B, max_seq_len=cap, opts=opts,
                                prefill_chunk=min(a.prefill_chunk, cap), policy=policy, stop_ids=(cfg.eos_token_id,))
-    print(f"speculative: DSpark, block {G}, policy {policy}, batch {B}", file=err, flush=True)
+    print(f"speculative: DSpark, block {G}, policy {policy}, batch {B} slots for {len(prompts)} prompts "
+          f"(continuous batching)", file=err, flush=True)
     if policy == "confidence":
         cost = gen.calibrate(sampling)
         print("verify step cost (s) by width: " + ", ".join(f"{k}: {v:.4f}" for k, v in cost.items()), file=err)
-    out_f = open(a.output, "w", encoding="utf-8") if a.output else None
+    mnt = [max(1, min(a.max_new_tokens, cap - G - 1 - len(p))) for p in prompts]
+    done: dict = {}
     t_gen = time.perf_counter()
-    results = []
-    for g0 in range(0, len(prompts), B):
-        group = prompts[g0:g0 + B]
-        mnt = [max(1, min(a.max_new_tokens, cap - G - 1 - len(p))) for p in group]
-        ts = time.perf_counter()
-        outs = gen.generate([list(p) for p in group], mnt, sampling)
-        dt = time.perf_counter() - ts
-        for i, (p, o) in enumerate(zip(group, outs)):
-            o = o[:mnt[i]]
-            reason = "stop" if o and o[-1] == cfg.eos_token_id else "length"
-            results.append({"index": g0 + i, "output_ids": o, "finish_reason": reason, "prompt_tokens": len(p),
-                            "timings": {"total_s": round(dt, 6)}})
+    outs = gen.generate([list(p) for p in prompts], mnt, sampling,
+                        on_finish=lambda i, o, reason: done.__setitem__(i, (reason, time.perf_counter() - t_gen)))
     wall = time.perf_counter() - t_gen
-    for r in results:
-        ids = r["output_ids"]
-        ids = ids[:-1] if ids and ids[-1] == cfg.eos_token_id else ids
-        rec = {"index": r["index"], "text": decode(tok, ids), **{k: v for k, v in r.items() if k != "index"}}
+    out_f = open(a.output, "w", encoding="utf-8") if a.output else None
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        reason, t_end = done[i]
+        ids = o[:-1] if o and o[-1] == cfg.eos_token_id else o
+        rec = {"index": i, "text": decode(tok, ids), "output_ids": o, "finish_reason": reason,
+               "prompt_tokens": len(p), "timings": {"total_s": round(t_end, 6)}}
         if out_f is not None:
             out_f.write(json.dumps(rec, ensure_ascii=False) + "\n")
         else:
-            print(f"=== [{r['index']}] ({r['finish_reason']}, {len(r['output_ids'])} tokens)")
+            print(f"=== [{i}] ({reason}, {len(o)} tokens)")
             print(rec["text"])
     if out_f is not None:
         out_f.close()
     st = gen.stats
-    n_gen = sum(len(r["output_ids"]) for r in results)
-    print(f"summary: {len(results)} prompts, {sum(len(p) for p in prompts)} prompt tokens, {n_gen} generated tokens "
-          f"in {wall:.2f} s; {st.summary()} (batch {B}, widths {dict(sorted(st.widths.items()))})", file=err)
+    n_gen = sum(len(o) for o in outs)
+    print(f"summary: {len(prompts)} prompts, {sum(len(p) for p in prompts)} prompt tokens, {n_gen} generated tokens "
+          f"in {wall:.2f} s; {st.summary()} (batch {B}, {st.admitted} admissions, "
+          f"widths {dict(sorted(st.widths.items()))})", file=err)
     return 0

@@ -12,7 +12,16 @@ tests/test_dspark.py).
   tokens (no slot excepted: rejected blocks' compressed/index-key entries are restored too);
 * the sampled acceptance rule reproduces the target distribution exactly (chi-square on synthetic
   p / q, fixed keys);
-* the confidence scheduler picks long blocks when confident, short ones when not.
+* the confidence scheduler picks long blocks when confident, short ones when not; on a given
+  step-cost table it picks the draft count maximizing expected tokens per second (checked against a
+  brute-force evaluation), and verify-all when the costs are flat;
+* continuous batching: five requests of different prompt lengths and max_new_tokens on two slots
+  give the plain Engine's greedy tokens for every request (real drafter, oracle drafts with a
+  stop token, confidence policy); a request admitted into a recycled slot ends with the same
+  output and the same slot state (backbone and DSpark caches, Engram history, position) as when
+  run alone in a fresh generator; sampled requests draw the same tokens alone and in recycled
+  slots; the CLI (``--speculative dspark``, 5 prompts, ``--batch-size 2``) goes through it;
+* spec_bench prints verify-all and the confidence policy side by side (slow).
 """
 
 import numpy as np
@@ -20,9 +29,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from dsv41_jax.engine import Engine, Request
 from dsv41_jax.model import Model
 from dsv41_jax.options import RunOptions
-from dsv41_jax.speculative import SpeculativeGenerator, accept
+from dsv41_jax.speculative import SpeculativeGenerator, accept, choose_width, expected_tokens
 from tests.test_model_fixture import FIX, read_fixture
 
 F32 = RunOptions(dtype="float32", kv_cache_dtype="float32")
@@ -157,18 +167,228 @@ def test_confidence_policy(model):
     assert gen._choose(np.full((2, 5), 8.0), act, np.array([3, 100])).tolist() == [3, 5]
 
 
-def test_cli_speculative_dspark(tmp_path, prompts, plain, capsys):
+def _logit(p):
+    p = np.asarray(p, np.float64)
+    return np.log(p / (1 - p))
+
+
+def test_choose_width_hand_example():
+    """Acceptance probabilities 0.9, 0.8, 0.5, 0.2, 0.1 -> prefix survival .9, .72, .36, .072, .0072,
+    expected tokens for k = 0..5: 1, 1.9, 2.62, 2.98, 3.052, 3.0592."""
+    conf = _logit([[0.9, 0.8, 0.5, 0.2, 0.1]])
+    act = np.array([True])
+    np.testing.assert_allclose(expected_tokens(conf, act), [1, 1.9, 2.62, 2.98, 3.052, 3.0592], rtol=1e-12)
+    # t(S) = 1 + 0.25 (S-1): tokens/s 1, 1.52, 1.747, 1.703, 1.526, 1.360 -> verify 2
+    assert choose_width(conf, act, {S: 1 + 0.25 * (S - 1) for S in range(1, 7)}) == 2
+    assert choose_width(conf, act, {S: float(S) for S in range(1, 7)}) == 0  # t grows like S: no drafting
+    assert choose_width(conf, act, {S: 0.02 for S in range(1, 7)}) == 5  # flat: verify all
+    # each verified draft adds 10 % to the step: sure drafts -> all 5 (5.995 / 1.5 > 4.996 / 1.4); p = 0.3
+    # -> 1 (1.3 / 1.1 beats 1 and 1.39 / 1.2); p = 0.05 -> none (1.05 / 1.1 < 1)
+    lin = {S: 1 + 0.1 * (S - 1) for S in range(1, 7)}
+    assert choose_width(_logit([[0.999] * 5]), act, lin) == 5
+    assert choose_width(_logit([[0.3] * 5]), act, lin) == 1
+    assert choose_width(_logit([[0.05] * 5]), act, lin) == 0
+    # the batch's rows add up: one sure row and one hopeless row still verify all
+    assert choose_width(_logit([[0.999] * 5, [0.05] * 5]), np.array([True, True]), lin) == 5
+    assert choose_width(_logit([[0.999] * 5, [0.05] * 5]), np.array([False, True]), lin) == 0
+
+
+def test_choose_width_maximizes_expected_tokens_per_second():
+    """Random step-cost tables (non-decreasing in width, as calibrate keeps them) and confidences:
+    the choice attains the brute-force maximum of expected tokens per second (evaluated here with
+    explicit products), the larger k on ties; flat costs always give verify-all."""
+    rng = np.random.default_rng(0)
+    G = 5
+    for _ in range(300):
+        B = int(rng.integers(1, 5))
+        conf = rng.normal(0.0, 4.0, (B, G))
+        conf[rng.random((B, G)) < 0.1] = -800.0  # sigmoid underflows to 0: exact ties in expected tokens
+        active = rng.random(B) < 0.8
+        cost = dict(zip(range(1, G + 2), np.cumsum(rng.uniform(0.0, 0.5, G + 1) * (rng.random(G + 1) < 0.7)) + 1.0))
+        sig = 1.0 / (1.0 + np.exp(-np.maximum(conf, -700.0)))
+        tok = []
+        for k in range(G + 1):
+            e = 0.0
+            for b in range(B):
+                if active[b]:
+                    e += 1.0 + sum(float(np.prod(sig[b, :i + 1])) for i in range(k))
+            tok.append(e)
+        rate = np.array([tok[k] / cost[k + 1] for k in range(G + 1)])
+        k = choose_width(conf, active, cost)
+        assert rate[k] >= rate.max() * (1 - 1e-12)
+        assert not (rate[k + 1:] >= rate[k] * (1 - 1e-12)).any()  # ties go to the larger count
+        assert choose_width(conf, active, {S: 0.7 for S in range(1, G + 2)}) == G
+
+
+def test_confidence_policy_lossless_under_a_cost_table(model, prompts, plain):
+    """With a cost table that makes the chosen count vary with the drafter's confidence, greedy
+    output is still the plain decode's (the policy only changes how much is verified)."""
+    gen = _gen(model, policy="confidence")
+    gen.cost = {S: 1.0 + 0.02 * (S - 1) for S in range(1, 7)}
+    assert gen.generate(prompts, NEW) == plain
+    assert gen.stats.drafted > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# continuous batching
+# ---------------------------------------------------------------------------------------------
+
+CB_LENS = (13, 30, 7, 21, 17)
+CB_NEW = (24, 9, 17, 5, 12)
+
+
+@pytest.fixture(scope="module")
+def cb_prompts():
+    ids = read_fixture()["input_ids"]
+    return [[int(t) for t in ids[i % 2, 3 * i:3 * i + L]] for i, L in enumerate(CB_LENS)]
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    """The plain engine (batch 2, chunk 8, max_seq_len 160: the programs of tests/test_engine.py)."""
+    return Engine(model, batch_size=2, max_seq_len=160, opts=F32, prefill_chunk=8)
+
+
+def _engine_greedy(engine, prompts, new, stop_ids=(1,)):
+    engine.stop_ids = frozenset(stop_ids)
+    try:
+        return [r.output_ids for r in engine.generate([Request(p, n) for p, n in zip(prompts, new)])]
+    finally:
+        engine.stop_ids = frozenset((1,))
+
+
+def test_continuous_batching_real_drafter_equals_engine(model, engine, cb_prompts):
+    want = _engine_greedy(engine, cb_prompts, CB_NEW)
+    gen = _gen(model)
+    finished = []
+    got = gen.generate(cb_prompts, list(CB_NEW), on_finish=lambda i, o, r: finished.append(i))
+    assert got == want
+    assert sorted(finished) == list(range(5)) and gen.stats.admitted == 5
+    assert finished != sorted(finished) or len(set(CB_NEW)) == 1  # requests end out of order
+
+
+def test_continuous_batching_oracle_drafts_with_stop_token(model, engine, cb_prompts):
+    """High acceptance (every accepted count 0..5) in recycled slots, and a stop token that ends two
+    requests early (a token the plain run emits mid-sequence)."""
+    base = _engine_greedy(engine, cb_prompts, CB_NEW)
+    stop = base[0][5]
+    stops = (1, stop)
+    want = _engine_greedy(engine, cb_prompts, CB_NEW, stops)
+    assert sum(w[-1] == stop and len(w) < n for w, n in zip(want, CB_NEW)) >= 1  # the stop token is exercised
+    full = [p + w for p, w in zip(cb_prompts, want)]
+    state = {"step": 0, "cut": []}
+
+    def propose(i, pos, tok):
+        f = full[i]
+        assert tok[0] == f[pos]
+        cut = (state["step"] // 2 + 3 * i) % 6
+        state["step"] += 1
+        state["cut"].append(cut)
+        for j in range(1, len(tok)):
+            tok[j] = f[pos + j] if pos + j < len(f) else 0
+            if j - 1 == cut:
+                tok[j] = (tok[j] + 1) % 192
+        return tok
+
+    reasons = {}
+    gen = _gen(model, propose=propose, stop_ids=stops)
+    got = gen.generate(cb_prompts, list(CB_NEW), on_finish=lambda i, o, r: reasons.__setitem__(i, r))
+    assert got == want
+    assert set(state["cut"]) == set(range(6))
+    assert gen.stats.acceptance_length > 2.0
+    assert [reasons[i] for i in range(5)] == ["stop" if w[-1] in stops else "length" for w in want]
+
+
+def test_recycled_slot_keeps_nothing_of_its_previous_occupant(model, cb_prompts):
+    """Request C enters the slot of a finished request (a 30-token prompt that wrote window rings,
+    compressed entries and DSpark rings well past C's positions). Its output and, at the end, the
+    whole slot state (backbone cache row, DSpark rings, Engram history row, position) equal a run
+    of C alone in a fresh generator."""
+    A, Bq, C = cb_prompts[0], cb_prompts[1], cb_prompts[2]
+    gen = _gen(model)
+    out, (cache, dcache, hist, pos) = gen.generate([A, Bq, C], [24, 9, 10], return_state=True)
+    slot = [b for b in range(2) if list(hist[b, :len(C)]) == C and int(pos[b]) < len(Bq) + 9]
+    assert len(slot) == 1 and gen.stats.admitted == 3
+    b = slot[0]
+    alone = _gen(model)
+    out1, (cache1, dcache1, hist1, pos1) = alone.generate([C], [10], return_state=True)
+    assert out[2] == out1[0]
+    assert int(pos[b]) == int(pos1[0])
+    np.testing.assert_array_equal(hist[b], hist1[0])
+    for tree, ref in ((cache, cache1), (dcache, dcache1)):
+        got, want = _leaves(tree), _leaves(ref)
+        assert [p for p, _ in got] == [p for p, _ in want]
+        for (path, x), (_, y) in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(x, np.float32)[b], np.asarray(y, np.float32)[0],
+                                          err_msg=jax.tree_util.keystr(path))
+
+
+def test_sampled_tokens_do_not_depend_on_the_slot(model, cb_prompts):
+    """T = 1 with top-k / top-p: random keys come from (seed, request, the request's own step), so each
+    request samples the same tokens alone as among five requests cycling through two slots."""
+    from dsv41_jax.sampling import SamplingParams
+
+    sp = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=5)
+    new = [8, 3, 6, 4, 7]
+    gen = _gen(model)
+    crowd = gen.generate(cb_prompts, new, sp)
+    assert gen.stats.accepted > 0  # sampled drafts do get accepted: multi-token commits in recycled slots
+    alone = [_gen(model).generate([p], [m], sp, sample_ids=[i])[0] for i, (p, m) in enumerate(zip(cb_prompts, new))]
+    assert crowd == alone
+    assert [len(c) for c in crowd] == new or any(c[-1] == 1 for c in crowd)
+
+
+def test_cli_speculative_dspark_continuous_batching(tmp_path, engine, cb_prompts, capsys):
+    """Five prompts on two slots through ``python -m dsv41_jax.generate --speculative dspark``."""
     import json
 
     from dsv41_jax import generate
 
+    new = 10
+    want = _engine_greedy(engine, cb_prompts, [new] * 5)
     src = tmp_path / "p.jsonl"
-    src.write_text("".join(json.dumps({"input_ids": [int(t) for t in p]}) + "\n" for p in prompts))
+    src.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in cb_prompts))
     out = tmp_path / "o.jsonl"
-    rc = generate.main(["--checkpoint", FIX, "--prompts", str(src), "--output", str(out), "--max-new-tokens", str(NEW),
+    rc = generate.main(["--checkpoint", FIX, "--prompts", str(src), "--output", str(out), "--max-new-tokens", str(new),
                         "--dtype", "float32", "--kv-cache-dtype", "float32", "--batch-size", "2", "--prefill-chunk", "8",
                         "--max-seq-len", "154", "--speculative", "dspark", "--no-progress"])
-    assert rc == 0
+    err = capsys.readouterr().err
+    assert rc == 0, err
     recs = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["output_ids"] for r in recs] == plain
-    assert "acceptance length" in capsys.readouterr().err
+    assert [r["index"] for r in recs] == list(range(5))
+    assert [r["output_ids"] for r in recs] == want
+    assert [r["prompt_tokens"] for r in recs] == list(CB_LENS)
+    assert all(r["finish_reason"] == ("stop" if r["output_ids"][-1] == 1 else "length") for r in recs)
+    assert "acceptance length" in err and "batch 2 slots for 5 prompts" in err and "5 admissions" in err
+
+
+def test_cli_speculative_refuses_mesh(capsys):
+    """The speculative loop runs on one device: --mesh is refused in one line, not ignored."""
+    from dsv41_jax import generate
+
+    rc = generate.main(["--checkpoint", FIX, "--prompt", "x", "--speculative", "dspark", "--mesh", "dp=1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--mesh" in err[0] and err[0].startswith("error: ")
+
+@pytest.mark.slow
+def test_spec_bench_policy_comparison(capsys):
+    """``python -m dsv41_jax.spec_bench --rows engine,policies``: verify-all and the confidence policy
+    in one table (acceptance length, drafts verified, tok/s), both token-identical to the engine;
+    3 prompts on 2 slots (continuous batching)."""
+    from dsv41_jax import spec_bench
+
+    spec_bench.main(["--checkpoint", FIX, "--dtype", "float32", "--kv-cache-dtype", "float32", "--prompt-len", "9",
+                     "--new-tokens", "6", "--batch-size", "2", "--num-prompts", "3", "--max-seq-len", "160",
+                     "--prefill-chunk", "8", "--runs", "1", "--rows", "engine,policies"])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("| policy |"))
+    cols = [c.strip() for c in lines[head].strip("|").split("|")]
+    assert {"acceptance length", "drafts verified / row-step", "decode tok/s median"} <= set(cols)
+    rows = {r[0]: dict(zip(cols, r)) for r in ([c.strip() for c in ln.strip("|").split("|")]
+                                                for ln in lines[head + 2:head + 4])}
+    assert set(rows) == {"verify-all", "confidence"}
+    assert rows["verify-all"]["drafts verified / row-step"] == "5.00"
+    assert all(r["identical to engine"] == "True" for r in rows.values())
+    assert all(float(r["decode tok/s median"]) > 0 for r in rows.values())
+    assert "verify cost table" in out
