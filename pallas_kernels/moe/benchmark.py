@@ -155,6 +155,14 @@ def check():
 def debug(n_exp=16, interpret=False):
     """Localise a GPU-only mismatch: kernel A's h rows against the reference h per (token, slot),
     then the whole op with the h act-quant in kernel A vs in XLA, for FP8, MXFP4 and bf16 experts."""
+    saved = dict(pallas_triton.DEBUG)
+    try:
+        return _debug(n_exp, interpret)
+    finally:  # the switches are module state: leave them as found (later calls in one process)
+        pallas_triton.DEBUG.update(saved)
+
+
+def _debug(n_exp, interpret):
     from dsv41_jax.quant import Fp8Tensor, act_quant
     from pallas_kernels.quantized_matmul.reference import quantized_matmul as qref
 

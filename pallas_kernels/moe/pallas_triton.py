@@ -214,7 +214,10 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     h = pl.pallas_call(
         functools.partial(_gate_up_kernel, fmt=fmt, bt=bt, bi=bi, bk=bk_a, steps=d // bk_a, op_dtype=op,
                           x_dtype=x.dtype, limit=limit, quant=in_kernel),
-        out_shape=jax.ShapeDtypeStruct((nb * bt, i_dim), op),
+        # h leaves kernel A in x.dtype (the reference act-quantizes h.astype(x.dtype)); only the
+        # in-kernel act-quant may store bf16 (its e4m3 values are exact there). Storing f32 h as bf16
+        # before the XLA act_quant double-rounded and broke f32 parity.
+        out_shape=jax.ShapeDtypeStruct((nb * bt, i_dim), op if in_kernel else x.dtype),
         grid=(nb, i_dim // bi),
         compiler_params=params,
         interpret=interpret,
