@@ -92,11 +92,12 @@ def max_rel_err(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-def random_fp8(key, n, k):
+def random_fp8(key, n, k, block=32, lead=()):
+    """Random e4m3 data with random e8m0 scales per ``block`` x ``block`` (32: V4.1, 128: V4)."""
     k1, k2 = jax.random.split(key)
-    data = (jax.random.normal(k1, (n, k), jnp.float32) * 64).astype(jnp.float8_e4m3fn)
-    s = jax.random.randint(k2, (n // 32, k // 32), 112, 120).astype(jnp.uint8)
-    return Fp8Tensor(data=data, scale=jax.lax.bitcast_convert_type(s, jnp.float8_e8m0fnu), block=(32, 32))
+    data = (jax.random.normal(k1, (*lead, n, k), jnp.float32) * 64).astype(jnp.float8_e4m3fn)
+    s = jax.random.randint(k2, (*lead, -(-n // block), -(-k // block)), 112, 120).astype(jnp.uint8)
+    return Fp8Tensor(data=data, scale=jax.lax.bitcast_convert_type(s, jnp.float8_e8m0fnu), block=(block, block))
 
 
 def random_fp4(key, shape):

@@ -16,10 +16,11 @@ def _kernel():
 def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, implementation=None):
     """x [N,D]; weights [N,k] f32; indices [N,k] int32; w1/w3 [E,I,D], w2 [E,D,I] stacked (Fp4Tensor,
     Fp8Tensor or plain). Returns sum over slots of the weighted expert outputs, [N,D] f32. The shared
-    expert is not included."""
+    expert is not included. ``act_block``: the activation fake-quant block (32 V4.1, 128 V4)."""
     kernel, interpret = dispatch.choose(
         "moe_experts", implementation, _kernel,
-        lambda k: k.unsupported_reason(x, weights, indices, w1, w2, w3), lambda k: k.auto_reason())
+        lambda k: k.unsupported_reason(x, weights, indices, w1, w2, w3, act_block),
+        lambda k: k.auto_reason(w1, act_block))
     if kernel is not None:
         return kernel.moe_experts(x, weights, indices, w1, w2, w3, swiglu_limit=swiglu_limit, act_block=act_block,
                                   interpret=interpret)

@@ -19,6 +19,13 @@ Kernel B, grid (blocks, D / bd): H rows x W2[e] rows [bd, I], rounded to x.dtype
 GEMM output) and stored to the pair's row of Y [N*k + 1, D]. XLA then sums the k slots in fp32.
 
 Unused blocks skip all loads (``pl.when``). Numerics equal the reference up to fp32 summation order.
+
+Formats: V4.1 (MXFP4 or FP8 32x32 experts, act_block 32) and V4 (MXFP4 experts with act_block 128;
+FP8 experts with 128x128 blocks, read as in the quantized matmul: a 64-row tile or 64-wide K step
+inside a 128 block uses one scale row / column). The act-quant of x and h is an XLA op, so the
+activation block does not reach the kernels. The V4 variants match the reference in interpret mode
+and lower for cuda and rocm but have not run on a GPU (``auto_reason`` keeps plain ``auto`` on the
+reference for them).
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ from jax.experimental.pallas import triton as pltriton
 from dsv41_jax.quant import act_quant, is_quantized
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
 from pallas_kernels.quantized_matmul.pallas_triton import (
+    act_block_reason,
     act_fake_quant_tile,
+    fp8_block,
     load_weight_tiles,
     operand_dtype,
     pick_block,
@@ -64,8 +73,6 @@ def unsupported_reason(x, weights, indices, w1, w2, w3, act_block=32):
     fmts = {weight_format(w) for w in (w1, w2, w3)}
     if len(fmts) != 1:
         return f"w1, w2, w3 must share one format, got {sorted(fmts)}"
-    if any(is_quantized(w) for w in (w1, w2, w3)) and act_block != 32:
-        return f"act_block must be 32, got {act_block}"
     s1, s2, s3 = (weight_logical_shape(w) for w in (w1, w2, w3))
     if len(s1) != 3 or s1 != s3:
         return f"w1 and w3 must both be [E, I, D], got {s1} and {s3}"
@@ -75,15 +82,22 @@ def unsupported_reason(x, weights, indices, w1, w2, w3, act_block=32):
     if d != x.shape[1]:
         return f"x has D={x.shape[1]} but the experts have D={d}"
     for name, w in (("w1", w1), ("w2", w2), ("w3", w3)):
-        r = weight_reason(w)
+        r = weight_reason(w) or act_block_reason(w, act_block)
         if r is not None:
             return f"{name}: {r}"
     return None
 
 
-def auto_reason():
-    """Plain 'auto' picks the fused MoE: with h act-quantized by XLA between the two kernels it
-    matched the reference on an H200 (MXFP4 at 1, 8, 64, 300 tokens; FP8 at 8), BENCHMARKS.md."""
+def auto_reason(w1=None, act_block=32):
+    """Plain 'auto' picks the fused MoE for V4.1's formats: with h act-quantized by XLA between the
+    two kernels it matched the reference on an H200 (MXFP4 at 1, 8, 64, 300 tokens; FP8 32x32 at 8),
+    BENCHMARKS.md. V4's act_block 128 (MXFP4 experts; same kernels, only the XLA act-quant block
+    differs) and FP8 128x128 experts have not run on a GPU yet (``benchmark.py --check`` covers
+    them)."""
+    if w1 is not None and fp8_block(w1) != 32:
+        return f"FP8 {w1.block[0]}x{w1.block[1]} expert blocks (V4) not yet verified on an H200"
+    if w1 is not None and is_quantized(w1) and act_block != 32:
+        return f"act_block {act_block} (V4) not yet verified on an H200"
     return None
 
 
@@ -134,7 +148,7 @@ def group_pairs(indices, weights, n_exp: int, bt: int):
 
 
 def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
-                    fmt, bt, bi, bk, steps, op_dtype, x_dtype, limit, quant):
+                    fmt, bt, bi, bk, steps, op_dtype, x_dtype, limit, quant, wblock=32, act_block=32):
     b = pl.program_id(0)
     j = pl.program_id(1)
     e = be_ref[b]
@@ -150,8 +164,8 @@ def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_r
             g, u = carry
             k0 = pl.multiple_of(i * bk, bk)
             xt = x_ref[tok, pl.ds(k0, bk)]
-            w1t = load_weight_tiles(fmt, w1_ref, s1_ref, (e,), rows, row0, bi, k0, bk, op_dtype)
-            w3t = load_weight_tiles(fmt, w3_ref, s3_ref, (e,), rows, row0, bi, k0, bk, op_dtype)
+            w1t = load_weight_tiles(fmt, w1_ref, s1_ref, (e,), rows, row0, bi, k0, bk, op_dtype, wblock)
+            w3t = load_weight_tiles(fmt, w3_ref, s3_ref, (e,), rows, row0, bi, k0, bk, op_dtype, wblock)
             return g + tile_dot(fmt, xt, w1t, op_dtype), u + tile_dot(fmt, xt, w3t, op_dtype)
 
         z = jnp.zeros((bt, bi), jnp.float32)
@@ -164,11 +178,11 @@ def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_r
         h = g * jax.nn.sigmoid(g) * u * wt_ref[hrows][:, None]
         h = h.astype(x_dtype).astype(jnp.float32)
         if quant:
-            h = act_fake_quant_tile(h, 32)
+            h = act_fake_quant_tile(h, act_block)
         h_ref[hrows, rows] = h.astype(h_ref.dtype)
 
 
-def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd, bk, steps, op_dtype):
+def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd, bk, steps, op_dtype, wblock=32):
     b = pl.program_id(0)
     j = pl.program_id(1)
     e = be_ref[b]
@@ -181,7 +195,7 @@ def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd,
         def body(i, acc):
             k0 = pl.multiple_of(i * bk, bk)
             ht = h_ref[hrows, pl.ds(k0, bk)]
-            wt = load_weight_tiles(fmt, w2_ref, s2_ref, (e,), rows, row0, bd, k0, bk, op_dtype)
+            wt = load_weight_tiles(fmt, w2_ref, s2_ref, (e,), rows, row0, bd, k0, bk, op_dtype, wblock)
             return acc + tile_dot(fmt, ht, wt, op_dtype)
 
         acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bt, bd), jnp.float32))
@@ -210,11 +224,17 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     limit = float(swiglu_limit or 0.0)
     params = pltriton.CompilerParams(num_warps=warps, num_stages=3)
     in_kernel = quant and DEBUG["act_quant_in_kernel"]
+    if in_kernel and bi % act_block:
+        raise ValueError(f"moe_experts (pallas): DEBUG act_quant_in_kernel needs I tiles (bi={bi}) that are "
+                         f"multiples of act_block {act_block}")
 
     h = pl.pallas_call(
         functools.partial(_gate_up_kernel, fmt=fmt, bt=bt, bi=bi, bk=bk_a, steps=d // bk_a, op_dtype=op,
-                          x_dtype=x.dtype, limit=limit, quant=in_kernel),
-        out_shape=jax.ShapeDtypeStruct((nb * bt, i_dim), op),
+                          x_dtype=x.dtype, limit=limit, quant=in_kernel, wblock=fp8_block(w1), act_block=act_block),
+        # h leaves kernel A in x.dtype (the reference act-quantizes h.astype(x.dtype)); only the
+        # in-kernel act-quant may store bf16 (its e4m3 values are exact there). Storing f32 h as bf16
+        # before the XLA act_quant double-rounded and broke f32 parity.
+        out_shape=jax.ShapeDtypeStruct((nb * bt, i_dim), op if in_kernel else x.dtype),
         grid=(nb, i_dim // bi),
         compiler_params=params,
         interpret=interpret,
@@ -226,7 +246,8 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
         return h, block_pair
 
     y = pl.pallas_call(
-        functools.partial(_down_kernel, fmt=fmt, bt=bt, bd=bd, bk=bk_b, steps=i_dim // bk_b, op_dtype=op),
+        functools.partial(_down_kernel, fmt=fmt, bt=bt, bd=bd, bk=bk_b, steps=i_dim // bk_b, op_dtype=op,
+                          wblock=fp8_block(w1)),
         out_shape=jax.ShapeDtypeStruct((p + 1, d), x.dtype),
         grid=(nb, d // bd),
         compiler_params=params,

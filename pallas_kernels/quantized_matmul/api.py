@@ -14,8 +14,9 @@ def _kernel():
 
 
 def quantized_matmul(x, w, *, act_block=32, out_dtype=None, implementation=None):
-    """y = x @ W.T. x [..., K]; w an Fp8Tensor [N, K], Fp4Tensor [N, K] (packed [N, K/2]) or a plain
-    [N, K] array. Quantized weights get DeepSeek's FP8 activation fake-quant per ``act_block``."""
+    """y = x @ W.T. x [..., K]; w an Fp8Tensor [N, K] (32x32 blocks: V4.1, 128x128: V4), Fp4Tensor
+    [N, K] (packed [N, K/2]) or a plain [N, K] array. Quantized weights get DeepSeek's FP8 activation
+    fake-quant per ``act_block`` (32 in V4.1, 128 in V4; equal to the FP8 weight block)."""
     kernel, interpret = dispatch.choose(
         "quantized_matmul", implementation, _kernel,
         lambda k: k.unsupported_reason(x, w, act_block=act_block), lambda k: k.auto_reason(x, w))

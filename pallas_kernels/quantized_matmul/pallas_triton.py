@@ -1,4 +1,5 @@
-"""Pallas-Triton kernels for ``y = x @ W.T`` with FP8 (e4m3 + e8m0 32x32), MXFP4 or plain weights.
+"""Pallas-Triton kernels for ``y = x @ W.T`` with FP8 (e4m3 + e8m0 32x32 blocks for V4.1, 128x128
+for V4), MXFP4 or plain weights.
 
 Same numerics as :mod:`.reference`: x is fake-quantized per ``act_block`` along K (DeepSeek's
 ``act_quant``; the values are exact in bf16), the weight tile is decoded in registers to bf16
@@ -15,8 +16,15 @@ dots, no scratch, e4m3fn, packed FP4 decoded with integer ops):
 
 Weight tiles:
 
-* FP8: ``data`` [N, K] e4m3 and ``scale`` [N/32, K/32] e8m0 (read as uint8). The scale tile
-  [BN/32, BK/32] is expanded to [BN, BK] by broadcast + reshape and multiplied in fp32.
+* FP8: ``data`` [N, K] e4m3 and ``scale`` [ceil(N/B), ceil(K/B)] e8m0 (read as uint8), B = 32
+  (V4.1) or 128 (V4). The scale tile [BN/B, BK/B] is expanded to [BN, BK] by broadcast + reshape
+  and multiplied in fp32. A tile dim smaller than B (BN = 64 < 128 in the GEMV, BK = 64 < 128 in the
+  tiled GEMM) lies inside one block (tiles are powers of two aligned to their size) and loads one
+  scale row / column, still as a [1, .] / [., 1] block (no squeezed dims), so every load is in
+  bounds, also for a partial last block (N or K not a multiple of B). The activation block equals
+  the weight block (32 or 128, the combinations the checkpoints use). The 128x128 variant matches
+  the reference in interpret mode and lowers for cuda and rocm, but has not run on a GPU yet
+  (``auto_reason`` keeps plain ``auto`` on the reference for it).
 * MXFP4: ``data`` [N, K/2] uint8 (element 2k in the low nibble) and ``scale`` [N, K/32] e8m0.
   Each nibble is turned into the bits of an e4m3 byte equal to ``e2m1 * 2**-6`` (sign to bit 7,
   the 3 magnitude bits to bits 4..2), converted by the hardware, then scaled by ``2**(s - 127 + 6)``. Even and odd elements give two [BN, BK/2] tiles; the activation tile is
@@ -42,10 +50,12 @@ from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, act_quant, is_quantized
 warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*", category=DeprecationWarning)
 
 GEMV_MAX_ROWS = 64
+FP8_BLOCKS = (32, 128)  # square FP8 weight blocks the kernels read: V4.1 (32x32) and V4 (128x128)
+ACT_BLOCKS = (32, 128)  # activation fake-quant blocks (V4.1 / V4); done by XLA before the kernel
 # how weight scales are applied in-kernel (read at trace time; the benchmark sweeps them):
 # fp8 "expand" (scale tile broadcast to [bn, bk], bf16 dot), "gather" (per-row scale gather on a
-# [bn, bk/32, 32] view), "mma8" (experimental: e4m3 tensor-core dots per 32-wide K block, scales on
-# the partials); fp4 "expand" / "view3d"
+# [bn, bk/B, B] view, B = the weight block or bk if smaller), "mma8" (experimental, 32x32 blocks
+# only: e4m3 tensor-core dots per 32-wide K block, scales on the partials); fp4 "expand" / "view3d"
 SCALE_MODE = {"fp8": "expand", "fp4": "expand"}
 N_SM_DEFAULT = 132
 
@@ -91,6 +101,11 @@ def weight_logical_shape(w) -> tuple[int, ...]:
     return tuple(w.shape) if is_quantized(w) else tuple(jnp.shape(w))
 
 
+def fp8_block(w) -> int:
+    """Square block size of an FP8 weight (32 for V4.1, 128 for V4); 32 for other formats (unused)."""
+    return int(w.block[0]) if isinstance(w, Fp8Tensor) else 32
+
+
 def weight_reason(w, *, rows_block: int = 32, k_block: int = 64) -> str | None:
     """Shape/format checks common to every weight the kernels stream ([..., N, K] logical)."""
     shape = weight_logical_shape(w)
@@ -98,12 +113,16 @@ def weight_reason(w, *, rows_block: int = 32, k_block: int = 64) -> str | None:
         return f"weight must be at least 2-D, got shape {shape}"
     n, k = shape[-2:]
     if isinstance(w, Fp8Tensor):
-        if tuple(w.block) != (32, 32):
-            return f"FP8 weight blocks must be (32, 32), got {w.block}"
+        if tuple(w.block) not in ((b, b) for b in FP8_BLOCKS):
+            return f"FP8 weight blocks must be (32, 32) (V4.1) or (128, 128) (V4), got {w.block}"
         if w.data.dtype != jnp.float8_e4m3fn:
             return f"FP8 weight data must be float8_e4m3fn, got {w.data.dtype}"
         if w.scale.dtype != jnp.float8_e8m0fnu:
             return f"FP8 weight scale must be float8_e8m0fnu, got {w.scale.dtype}"
+        b = fp8_block(w)
+        want = (-(-n // b), -(-k // b))
+        if tuple(w.scale.shape[-2:]) != want:
+            return f"FP8 scale shape {tuple(w.scale.shape)} does not match {b}x{b} blocks of [{n}, {k}] (want [..., {want[0]}, {want[1]}])"
     elif isinstance(w, Fp4Tensor):
         if w.block != 32:
             return f"MXFP4 weight block must be 32, got {w.block}"
@@ -117,6 +136,23 @@ def weight_reason(w, *, rows_block: int = 32, k_block: int = 64) -> str | None:
         return f"weight rows N={n} must be a multiple of {rows_block}"
     if k % k_block:
         return f"reduction dim K={k} must be a multiple of {k_block}"
+    return None
+
+
+def act_block_reason(w, act_block: int) -> str | None:
+    """The activation fake-quant block a quantized weight can be used with: FP8 needs act_block equal
+    to its (square) weight block (V4.1 32/32, V4 128/128); MXFP4 takes 32 (V4.1) or 128 (V4). K must
+    be a multiple of it. None for plain weights (no activation quant)."""
+    if not is_quantized(w):
+        return None
+    if isinstance(w, Fp8Tensor) and act_block != fp8_block(w):
+        return (f"act_block must equal the FP8 weight block ({fp8_block(w)}: V4.1 uses 32/32x32, V4 128/128x128), "
+                f"got {act_block}")
+    if act_block not in ACT_BLOCKS:
+        return f"act_block must be 32 (V4.1) or 128 (V4), got {act_block}"
+    k = weight_logical_shape(w)[-1]
+    if k % act_block:
+        return f"reduction dim K={k} must be a multiple of the activation block {act_block}"
     return None
 
 
@@ -161,29 +197,38 @@ def _fp4_decode(nib):
     return jax.lax.bitcast_convert_type(bits.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32)
 
 
-def load_weight_tiles(fmt, w_ref, s_ref, lead, rows, row0, bn, k0, bk, op_dtype):
+def load_weight_tiles(fmt, w_ref, s_ref, lead, rows, row0, bn, k0, bk, op_dtype, wblock=32):
     """Decode one weight tile to ``op_dtype``.
 
     ``lead``: tuple of leading (expert) indices; ``rows``: a ``pl.ds`` over N of size ``bn`` starting
-    at ``row0`` (a multiple of 32 for FP8). Returns [bn, bk] (one tile) for FP8/plain and the
-    (even, odd) pair of [bn, bk/2] tiles for MXFP4.
+    at ``row0`` (a multiple of ``bn``). ``wblock``: the FP8 weight block (32 or 128); ``bn`` and
+    ``bk`` are powers of two, so a tile dim is either a multiple of the block or lies inside one
+    block. Returns [bn, bk] (one tile) for FP8/plain and the (even, odd) pair of [bn, bk/2] tiles
+    for MXFP4.
     """
     if fmt == "fp8":
+        wb = wblock
         w = w_ref[(*lead, rows, pl.ds(k0, bk))]
         if SCALE_MODE["fp8"] == "gather":
-            # scale row of every weight row gathered by index vector; applied on a [bn, bk/32, 32] view
-            ridx = (row0 + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)) // 32
-            s = s_ref[(*lead, ridx, pl.ds(k0 // 32, bk // 32))]
+            # scale row of every weight row gathered by index vector; applied on a [bn, bk/cb, cb] view
+            cb = min(bk, wb)  # K columns per scale in this tile
+            ridx = (row0 + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)) // wb
+            s = s_ref[(*lead, ridx, pl.ds(k0 // wb, bk // cb))]
             sf = _e8m0_to_f32(s)
-            w3 = w.astype(jnp.float32).reshape(bn, bk // 32, 32) * sf[:, :, None]
+            w3 = w.astype(jnp.float32).reshape(bn, bk // cb, cb) * sf[:, :, None]
             return (w3.astype(op_dtype).reshape(bn, bk),)
-        srows = pl.ds(row0 // 32, max(bn // 32, 1))
-        s = s_ref[(*lead, srows, pl.ds(k0 // 32, bk // 32))]
-        sf = _e8m0_to_f32(s)
-        if bn >= 32:
-            sf = _expand_rows_cols(sf, 32, 32)
-        else:  # fewer than 32 rows in the tile: one scale row
-            sf = jnp.broadcast_to(_expand_cols(sf, 32), (bn, bk))
+        srows = pl.ds(row0 // wb, max(bn // wb, 1))
+        if bk >= wb:
+            s = s_ref[(*lead, srows, pl.ds(k0 // wb, bk // wb))]
+            sf = _e8m0_to_f32(s)
+            if bn >= wb:
+                sf = _expand_rows_cols(sf, wb, wb)
+            else:  # fewer rows in the tile than in a block: one scale row
+                sf = jnp.broadcast_to(_expand_cols(sf, wb), (bn, bk))
+        else:  # the K tile lies inside one block column (128x128 blocks, bk = 64): one scale column
+            s = s_ref[(*lead, srows, pl.ds(k0 // wb, 1))]
+            sf = _e8m0_to_f32(s)
+            sf = _expand_rows_cols(sf, wb, bk) if bn >= wb else jnp.broadcast_to(sf, (bn, bk))
         return ((w.astype(jnp.float32) * sf).astype(op_dtype),)
     if fmt == "fp4":
         b = w_ref[(*lead, rows, pl.ds(k0 // 2, bk // 2))].astype(jnp.int32)
@@ -262,7 +307,7 @@ def _config(m: int, n: int, k: int, fmt: str):
     return bm, bn, bk, 1, 8 if bn >= 128 else 4, 3
 
 
-def _mm_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt, bm, bn, bk, steps, op_dtype, split):
+def _mm_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt, bm, bn, bk, steps, op_dtype, split, wblock=32):
     # All refs are whole arrays (x padded to a multiple of bm rows by the wrapper): no partial
     # blocks, no bounds masks, no squeezed block dims. (Partial-block masked BlockSpecs and squeezed
     # output blocks gave wrong results on the H200 with jax 0.11.2, see BENCHMARKS.md.)
@@ -277,7 +322,7 @@ def _mm_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt, bm, bn, bk, steps, op_dtype, 
     def body(i, acc):
         k0 = pl.multiple_of(kbase + i * bk, bk)
         xt = x_ref[mrows, pl.ds(k0, bk)]
-        wts = load_weight_tiles(fmt, w_ref, s_ref, (), rows, row0, bn, k0, bk, op_dtype)
+        wts = load_weight_tiles(fmt, w_ref, s_ref, (), rows, row0, bn, k0, bk, op_dtype, wblock)
         return acc + tile_dot(fmt, xt, wts, op_dtype)
 
     acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
@@ -289,8 +334,6 @@ def _mm_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt, bm, bn, bk, steps, op_dtype, 
 
 def unsupported_reason(x, w, *, act_block=32):
     """None if the Pallas kernel supports this call, else a readable reason."""
-    if is_quantized(w) and act_block != 32:
-        return f"act_block must be 32 (V4.1), got {act_block}"
     shape = weight_logical_shape(w)
     if len(shape) != 2:
         return f"weight must be 2-D [N, K], got shape {shape}"
@@ -298,7 +341,13 @@ def unsupported_reason(x, w, *, act_block=32):
         return f"x has K={x.shape[-1]} but the weight has K={shape[-1]}"
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         return f"x dtype must be bf16 or f32, got {x.dtype}"
-    return weight_reason(w)
+    reason = weight_reason(w)
+    if reason is None:
+        reason = act_block_reason(w, act_block)
+    if reason is None and isinstance(w, Fp8Tensor) and SCALE_MODE["fp8"] == "mma8" and (fp8_block(w), act_block) != (32, 32):
+        reason = (f"the experimental 'mma8' FP8 scale mode supports only 32x32 weight blocks with act_block 32 "
+                  f"(got {w.block}, act_block {act_block}); use the 'expand' or 'gather' mode")
+    return reason
 
 
 def _mm8_kernel(x8_ref, xs_ref, w_ref, s_ref, o_ref, *, bm, bn, bk, steps, split):
@@ -348,11 +397,14 @@ def _act_quant_codes(x2, block=32):
 
 def auto_reason(x, w):
     """Why plain 'auto' dispatch should not pick this kernel on a GPU yet (None: pick it). Only the
-    FP8 weight-streaming GEMV (<= 64 rows) has been checked against the reference on an H200
-    (BENCHMARKS.md, Pallas kernels II); the MXFP4 decode and the tiled prefill configuration have
-    not. implementation='pallas' (argument, context or DSV41_KERNELS) still runs every path."""
+    FP8 weight-streaming GEMV (<= 64 rows) with V4.1's 32x32 blocks has been checked against the
+    reference on an H200 (BENCHMARKS.md, Pallas kernels II); the 128x128 (V4) blocks, the MXFP4
+    decode and the tiled prefill configuration have not (``benchmark.py --check`` covers them).
+    implementation='pallas' (argument, context or DSV41_KERNELS) still runs every path."""
     if weight_format(w) != "fp8":
         return "only the FP8 GEMV path has been verified on an H200"
+    if fp8_block(w) != 32:
+        return f"FP8 {w.block[0]}x{w.block[1]} blocks (V4) not yet verified on an H200"
     if math.prod(x.shape[:-1]) > GEMV_MAX_ROWS:
         return "the tiled (prefill) configuration has not been verified on an H200"
     return None
@@ -379,7 +431,7 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, con
         scale = jnp.zeros((1, 1), jnp.uint8)  # unused
     steps = k // bk // splits
     kernel = functools.partial(_mm_kernel, fmt=fmt, bm=bm, bn=bn, bk=bk, steps=steps, op_dtype=op,
-                               split=splits > 1)
+                               split=splits > 1, wblock=fp8_block(w))
     operands = (xq, data, scale)
     if fmt == "fp8" and SCALE_MODE["fp8"] == "mma8":
         x8, xs = _act_quant_codes(x2, act_block)

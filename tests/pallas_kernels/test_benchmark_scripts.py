@@ -28,3 +28,4 @@ def test_moe_debug_runs_in_interpret_mode(monkeypatch):
     assert len(results) == 3 * 2 * 3  # fp8 / mxfp4 / bf16 x 1 and 8 tokens x (2 placements + kernel A rows)
     assert any("act_quant_in_kernel=True" in s for s in labels) and any("kernel A" in s for s in labels)
     assert all(err == 0.0 for _, err in results), results
+    assert bm.pallas_triton.DEBUG == {"act_quant_in_kernel": False, "return_h": False}  # switches restored

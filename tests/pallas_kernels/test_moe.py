@@ -1,6 +1,7 @@
 """Fused MoE Pallas-Triton kernels: interpret-mode parity with the reference on fresh random inputs
 (every element), grouping invariants, shape-support reasons, and cross-lowering for cuda (H200) and
-rocm (gfx950) at the real V4.1 expert shapes (E=384, I=2304, D=5120, top-6)."""
+rocm (gfx950) at the real V4.1 expert shapes (E=384, I=2304, D=5120, top-6); V4 formats (act_block
+128, FP8 128x128 experts) at V4-Flash shapes (E=256, I=2048, D=4096)."""
 
 import dsv41_jax  # noqa: F401  (import order: dsv41_jax before pallas_kernels)
 import jax
@@ -104,3 +105,103 @@ def test_cross_lowering_real_shapes(target):
                             S((n, RD), jnp.bfloat16), S((n, RK), jnp.float32), S((n, RK), jnp.int32),
                             mk(RE, RI, RD), mk(RE, RD, RI), mk(RE, RI, RD)).as_text()
             assert txt.count(pltriton.CUSTOM_CALL_TARGET_NAME) == 2  # gate/up + down
+
+
+# --------------------------------------------------------------------------------------------------
+# V4 formats: activation fake-quant per 128 (MXFP4 experts, the released V4 checkpoints) and FP8
+# experts with 128x128 blocks (the kernels' FP8 path with V4's block; Flash-Base's float32 scales are
+# not an Fp8Tensor and stay on the reference). I and D are multiples of 128.
+
+VI, VD = 128, 256
+
+
+def make_v4(fmt, seed, n, dtype):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 9)
+    x = jax.random.normal(ks[0], (n, VD), dtype)
+    wts = jax.random.uniform(ks[1], (n, K), jnp.float32, 0.05, 1.0)
+    idx = jnp.argsort(jax.random.uniform(ks[2], (n, E)), axis=1)[:, :K].astype(jnp.int32)
+
+    def w(key, kf, shape):
+        # per-128-block factors 2^-3..2^3 so a scale taken from the wrong block shows
+        e_, r, c = shape
+        f = jax.random.randint(kf, (e_, r // 128, c // 128), -3, 4)
+        f = jnp.exp2(jnp.repeat(jnp.repeat(f, 128, 1), 128, 2).astype(jnp.float32))
+        wf = jax.random.normal(key, shape, jnp.float32) * 0.2 * f
+        return quantize_fp8(wf, (128, 128)) if fmt == "fp8" else quantize_mxfp4(wf)
+
+    return (x, wts, idx, w(ks[3], ks[6], (E, VI, VD)), w(ks[4], ks[7], (E, VD, VI)), w(ks[5], ks[8], (E, VI, VD)))
+
+
+# Same tolerance as test_parity_interpret. n = 1 / 6: 16-row blocks (64-row weight tiles inside one
+# 128-row block, K tiles of 256 / 128); n = 300: 64-row blocks (128-row tiles, K stepped 64 = half a
+# block column per step).
+@pytest.mark.parametrize("fmt,n,dtype", [
+    ("fp8", 1, jnp.bfloat16), ("fp8", 6, jnp.float32), ("fp8", 300, jnp.bfloat16),
+    ("fp4", 6, jnp.bfloat16), ("fp4", 40, jnp.float32),
+])
+def test_parity_interpret_v4_act_block_128(fmt, n, dtype):
+    seed = np.random.randint(1 << 30)
+    x, wts, idx, w1, w2, w3 = make_v4(fmt, seed, n, dtype)
+    assert pallas_triton.unsupported_reason(x, wts, idx, w1, w2, w3, 128) is None
+    y = api.moe_experts(x, wts, idx, w1, w2, w3, swiglu_limit=10.0, act_block=128, implementation="interpret")
+    yr = reference.moe_experts(x, wts, idx, w1, w2, w3, swiglu_limit=10.0, act_block=128)
+    assert y.shape == (n, VD) and y.dtype == jnp.float32
+    tol = 2.0**-7 if dtype == jnp.bfloat16 else 1e-5
+    y, yr = np.asarray(y), np.asarray(yr)
+    assert np.all(np.isfinite(y))
+    np.testing.assert_allclose(y, yr, rtol=tol, atol=tol * float(np.max(np.abs(yr))))
+
+
+def test_v4_reasons_and_auto_gate(monkeypatch):
+    x, wts, idx, w1, w2, w3 = make_v4("fp8", 0, 2, jnp.bfloat16)
+    assert "act_block must equal the FP8 weight block (128" in pallas_triton.unsupported_reason(x, wts, idx, w1, w2, w3, 32)
+    x4, wts4, idx4, a, b, c = make_v4("fp4", 0, 2, jnp.bfloat16)
+    assert pallas_triton.unsupported_reason(x4, wts4, idx4, a, b, c, 128) is None
+    assert "act_block must be 32 (V4.1) or 128 (V4)" in pallas_triton.unsupported_reason(x4, wts4, idx4, a, b, c, 64)
+    # the api passes act_block to the support check: an explicit call with a bad one raises the reason
+    with pytest.raises(ValueError, match="act_block"):
+        api.moe_experts(x, wts, idx, w1, w2, w3, swiglu_limit=1.0, act_block=32, implementation="interpret")
+    # plain 'auto' on a GPU keeps the reference for V4 formats until a GPU run checks them
+    assert "not yet verified on an H200" in pallas_triton.auto_reason(w1, 128)
+    assert "not yet verified on an H200" in pallas_triton.auto_reason(a, 128)
+    assert pallas_triton.auto_reason(quantize_mxfp4(jnp.ones((E, 64, 128))), 32) is None  # V4.1: verified
+    monkeypatch.delenv("DSV41_KERNELS", raising=False)
+    monkeypatch.setattr(api.dispatch.jax, "default_backend", lambda: "gpu")
+    y = api.moe_experts(x4, wts4, idx4, a, b, c, swiglu_limit=10.0, act_block=128)  # Pallas would need a GPU
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(
+        reference.moe_experts(x4, wts4, idx4, a, b, c, swiglu_limit=10.0, act_block=128)))
+
+
+V4E, V4I, V4D = 256, 2048, 4096  # V4-Flash experts, top-6
+
+
+def fp8_128(e, r, c):
+    return Fp8Tensor(S((e, r, c), jnp.float8_e4m3fn), S((e, r // 128, c // 128), jnp.float8_e8m0fnu), (128, 128))
+
+
+@pytest.mark.parametrize("target", ["cuda", "rocm"])
+def test_cross_lowering_v4_shapes(target):
+    from jax.experimental.pallas import triton as pltriton
+
+    for mk, ns in ((fp4, (1, 8, 2048)), (fp8_128, (8, 2048))):
+        for n in ns:
+            txt = lower_for(target, lambda x, w, i, a, b, c: pallas_triton.moe_experts(x, w, i, a, b, c, swiglu_limit=10.0,
+                                                                                       act_block=128),
+                            S((n, V4D), jnp.bfloat16), S((n, RK), jnp.float32), S((n, RK), jnp.int32),
+                            mk(V4E, V4I, V4D), mk(V4E, V4D, V4I), mk(V4E, V4I, V4D)).as_text()
+            assert txt.count(pltriton.CUSTOM_CALL_TARGET_NAME) == 2
+
+
+def test_benchmark_check_v4_runs_in_interpret_mode(monkeypatch):
+    """The GPU ``--check`` covers V4 (act_block 128 MXFP4, FP8 128x128); run that code on a tiny
+    shape in interpret mode."""
+    import functools
+
+    import pallas_kernels.moe.benchmark as bm
+
+    monkeypatch.setattr(bm, "V4_SHAPE", (8, 128, 256))
+    monkeypatch.setattr(bm.pallas_triton, "moe_experts", functools.partial(pallas_triton.moe_experts, interpret=True))
+    lines = []
+    monkeypatch.setattr(bm, "log", lambda *a: lines.append(" ".join(map(str, a))))
+    assert bm.check_v4(jax.random.PRNGKey(0)), lines
+    assert len(lines) == 5 and all(s.startswith("PASS") for s in lines), lines
