@@ -1,5 +1,9 @@
 """Test utilities shared by every kernel package.
 
+``assert_close(y, yr)`` checks a kernel output against its reference element by element with the
+kernels' stated tolerances (``GEMM_TOL``: bf16 outputs rtol 2^-7 + 2^-9 of max|ref|, f32 rtol 1e-5
++ 1e-6 of max|ref|), after checking shape, dtype and finiteness.
+
 ``lower_for(target, fn, *specs)`` runs the full Pallas -> Triton-IR lowering on a CPU-only host for
 one GPU target (``"cuda"`` = an NVIDIA H200, ``"rocm"`` = an AMD MI350X, gfx950), under an abstract
 mesh whose abstract device names that GPU (see ``shared/spec/pallas_triton.md`` §5, method A). No
@@ -37,3 +41,19 @@ def lower_for(target: str, fn, *specs):
         raise ValueError(f"unknown target {target!r}; expected one of {sorted(TARGETS)}")
     with jax.sharding.use_abstract_mesh(abstract_mesh(target)):
         return jax.jit(fn).trace(*specs).lower(lowering_platforms=(target,))
+
+
+GEMM_TOL = {"bfloat16": (2.0**-7, 2.0**-9), "float32": (1e-5, 1e-6)}
+
+
+def assert_close(y, yr, tol=None):
+    """Every element of ``y`` within ``rtol * |yr| + atol_rel * max|yr|`` of ``yr`` (same shape and
+    dtype, all finite); ``tol`` {dtype name: (rtol, atol_rel)} defaults to :data:`GEMM_TOL`."""
+    import numpy as np
+
+    assert y.shape == yr.shape and y.dtype == yr.dtype, (y.shape, y.dtype, yr.shape, yr.dtype)
+    rtol, atol_rel = (tol or GEMM_TOL)[str(np.dtype(yr.dtype))]
+    yf = np.asarray(y, np.float32)
+    rf = np.asarray(yr, np.float32)
+    assert np.all(np.isfinite(yf))
+    np.testing.assert_allclose(yf, rf, rtol=rtol, atol=atol_rel * float(np.max(np.abs(rf))))

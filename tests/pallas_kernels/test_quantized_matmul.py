@@ -11,14 +11,13 @@ import pytest
 from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, quantize_fp8, quantize_mxfp4
 from pallas_kernels import dispatch
 from pallas_kernels.quantized_matmul import api, pallas_triton, reference
-from pallas_kernels.testing import lower_for
+from pallas_kernels.testing import assert_close as check_close, lower_for
 
 # Tolerances. The kernel forms exactly the same products as the reference (fake-quantized x and
 # decoded W are exact in bf16; bf16 x bf16 products are exact in fp32) and differs only in the fp32
 # summation order: |diff| <= ~K * 2^-24 * sum|x w|. After rounding to the output dtype that is at
 # most one ulp of the output: bf16 rtol 2^-7, f32 rtol 1e-5 (plus an absolute term relative to the
 # output scale for elements near zero).
-TOL = {jnp.bfloat16: (2.0**-7, 2.0**-9), jnp.float32: (1e-5, 1e-6)}
 
 
 def make_weight(fmt, key, n, k, dtype=jnp.float32):
@@ -28,15 +27,6 @@ def make_weight(fmt, key, n, k, dtype=jnp.float32):
     if fmt == "fp4":
         return quantize_mxfp4(wf)
     return wf.astype(dtype)
-
-
-def check_close(y, yr):
-    assert y.shape == yr.shape and y.dtype == yr.dtype
-    rtol, atol_rel = TOL[jnp.dtype(yr.dtype).type]
-    yf = np.asarray(y, np.float32)
-    rf = np.asarray(yr, np.float32)
-    assert np.all(np.isfinite(yf))
-    np.testing.assert_allclose(yf, rf, rtol=rtol, atol=atol_rel * float(np.max(np.abs(rf))))
 
 
 @pytest.mark.parametrize("fmt,dtype,m,n,k", [

@@ -17,7 +17,7 @@ import pytest
 from dsv41_jax.quant import Fp8Tensor, quantize_fp8, quantize_mxfp4
 from pallas_kernels import dispatch
 from pallas_kernels.quantized_matmul import api, pallas_triton, reference
-from pallas_kernels.testing import lower_for
+from pallas_kernels.testing import assert_close as check_close, lower_for
 
 B = 128  # V4's FP8 weight block and activation block
 
@@ -25,7 +25,6 @@ B = 128  # V4's FP8 weight block and activation block
 # (fake-quantized x and decoded W are exact in bf16, bf16 x bf16 products exact in fp32) and differs
 # only in the fp32 summation order, i.e. at most about one ulp of the output after rounding:
 # bf16 rtol 2^-7, f32 rtol 1e-5, plus an absolute term relative to max|y| for elements near zero.
-TOL = {jnp.bfloat16: (2.0**-7, 2.0**-9), jnp.float32: (1e-5, 1e-6)}
 
 
 def make_weight(key, n, k, block=B):
@@ -36,15 +35,6 @@ def make_weight(key, n, k, block=B):
     e = jax.random.randint(k2, (-(-n // block), -(-k // block)), -6, 7)
     f = jnp.exp2(jnp.repeat(jnp.repeat(e, block, 0), block, 1)[:n, :k].astype(jnp.float32))
     return quantize_fp8(wf * f, (block, block))
-
-
-def check_close(y, yr):
-    assert y.shape == yr.shape and y.dtype == yr.dtype
-    rtol, atol_rel = TOL[jnp.dtype(yr.dtype).type]
-    yf = np.asarray(y, np.float32)
-    rf = np.asarray(yr, np.float32)
-    assert np.all(np.isfinite(yf))
-    np.testing.assert_allclose(yf, rf, rtol=rtol, atol=atol_rel * float(np.max(np.abs(rf))))
 
 
 # V4-Flash projections scaled down by 8-32 (K and N multiples of 128): wq_a [1024, 4096] -> [256, 512],
