@@ -62,21 +62,30 @@ def plain(model, prompts):
 
 
 @pytest.fixture(scope="module")
+def oracle_proposer(full, state):
+    """Drafts from the known greedy continuation ``full[i]`` of request ``i``, with the first wrong
+    draft at a position that cycles through 0..5 (5 = all right) from step to step and request to
+    request, so every accepted count occurs; ``state["cut"]`` records the cuts."""
+
+    def propose(i, pos, tok):
+        f = full[i]
+        assert tok[0] == f[pos]  # the anchor is the committed next token
+        cut = (state["step"] // 2 + 3 * i) % 6  # first wrong draft (5 = all right)
+        state["step"] += 1
+        state["cut"].append(cut)
+        for j in range(1, len(tok)):
+            tok[j] = f[pos + j] if pos + j < len(f) else 0
+            if j - 1 == cut:
+                tok[j] = (tok[j] + 1) % 192
+        return tok
+
+    return propose
+
+
 def oracle_run(model, prompts, plain):
     full = [prompts[b] + plain[b] for b in range(2)]
     state = {"step": 0, "cut": []}
-
-    def propose(b, pos, tok):
-        f = full[b]
-        assert tok[0] == f[pos]  # the anchor is the committed next token
-        cut = (state["step"] // 2 + 3 * b) % 6  # first wrong draft (5 = all right)
-        state["step"] += 1
-        state["cut"].append(cut)
-        for i in range(1, len(tok)):
-            tok[i] = f[pos + i] if pos + i < len(f) else 0
-            if i - 1 == cut:
-                tok[i] = (tok[i] + 1) % 192
-        return tok
+    propose = oracle_proposer(full, state)
 
     gen = _gen(model, propose=propose)
     out, st = gen.generate(prompts, NEW, return_state=True)
@@ -277,18 +286,7 @@ def test_continuous_batching_oracle_drafts_with_stop_token(model, engine, cb_pro
     assert sum(w[-1] == stop and len(w) < n for w, n in zip(want, CB_NEW)) >= 1  # the stop token is exercised
     full = [p + w for p, w in zip(cb_prompts, want)]
     state = {"step": 0, "cut": []}
-
-    def propose(i, pos, tok):
-        f = full[i]
-        assert tok[0] == f[pos]
-        cut = (state["step"] // 2 + 3 * i) % 6
-        state["step"] += 1
-        state["cut"].append(cut)
-        for j in range(1, len(tok)):
-            tok[j] = f[pos + j] if pos + j < len(f) else 0
-            if j - 1 == cut:
-                tok[j] = (tok[j] + 1) % 192
-        return tok
+    propose = oracle_proposer(full, state)
 
     reasons = {}
     gen = _gen(model, propose=propose, stop_ids=stops)
