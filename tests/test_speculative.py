@@ -61,7 +61,6 @@ def plain(model, prompts):
     return _gen(model, policy="fixed:0").generate(prompts, NEW)
 
 
-@pytest.fixture(scope="module")
 def oracle_proposer(full, state):
     """Drafts from the known greedy continuation ``full[i]`` of request ``i``, with the first wrong
     draft at a position that cycles through 0..5 (5 = all right) from step to step and request to
@@ -82,6 +81,7 @@ def oracle_proposer(full, state):
     return propose
 
 
+@pytest.fixture(scope="module")
 def oracle_run(model, prompts, plain):
     full = [prompts[b] + plain[b] for b in range(2)]
     state = {"step": 0, "cut": []}
