@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import mmap
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -295,12 +296,24 @@ def _orbax_name(path) -> str:
 
 def _aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
     """An uninitialised C-contiguous array whose data is ``align``-byte aligned: XLA's CPU client
-    adopts such a numpy buffer as the device buffer instead of copying it."""
+    adopts such a numpy buffer as the device buffer instead of copying it.
+
+    Arrays of 4 MiB and more get their own anonymous ``mmap`` (page aligned, unmapped when the
+    last reference goes) rather than ``np.empty``: numpy asks for transparent huge pages for such
+    allocations (``madvise(MADV_HUGEPAGE)``), and on the benchmark VM faulting in gigabytes of
+    fresh huge pages cost 2-3x the CPU time of ordinary pages (see BENCHMARKS.md); the mapping
+    follows the system's THP setting like any malloc'd memory (XLA's own buffers included)."""
     dtype = np.dtype(dtype)
     n = math.prod(shape) * dtype.itemsize
+    if n >= _MMAP_MIN:
+        m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return np.frombuffer(m, np.uint8).view(dtype).reshape(shape)
     raw = np.empty(n + align, np.uint8)
     off = (-raw.ctypes.data) % align
     return raw[off : off + n].view(dtype).reshape(shape)
+
+
+_MMAP_MIN = 4 << 20
 
 
 def _box(index, shape) -> tuple[slice, ...]:
