@@ -175,8 +175,17 @@ def test_orbax_roundtrip_and_atomicity(tiny, tmp_path, monkeypatch):
     assert not os.path.exists(dst + ".partial")
     restored = restore_params(dst, cfg)
     assert_trees_bit_equal(params, restored)
-    # restored in many partial-restore groups of <= 1 MB
-    assert_trees_bit_equal(params, restore_params(dst, cfg, host_budget_bytes=1 << 20))
+    # a budget of 1 MB (few reads in flight), one thread; TensorStore reads; Orbax's own restore in
+    # many partial-restore groups of <= 1 MB
+    assert_trees_bit_equal(params, restore_params(dst, cfg, host_budget_bytes=1 << 20, threads=1))
+    assert_trees_bit_equal(params, restore_params(dst, cfg, method="tensorstore"))
+    # the default restore reads every array of a save_params checkpoint directly (no TensorStore)
+    from dsv41_jax.checkpoint.ocdbt_direct import OcdbtIndex
+
+    idx = OcdbtIndex(os.path.join(dst, "params"))
+    names = {k.rsplit("/", 1)[0] for k in idx.values}
+    assert len(names) > 100 and all(idx.array(n) is not None for n in names)
+    assert_trees_bit_equal(params, restore_params(dst, cfg, method="orbax", host_budget_bytes=1 << 20))
     assert isinstance(restored["layers"]["4"]["engram"]["embed"].data, np.memmap)
     with pytest.raises(CheckpointError, match="already exists"):
         save_params(params, dst, cfg)
@@ -196,6 +205,67 @@ def test_orbax_roundtrip_and_atomicity(tiny, tmp_path, monkeypatch):
     assert not os.path.exists(bad)
     with pytest.raises(CheckpointError, match="interrupted"):
         restore_params(bad, cfg)
+
+
+def _resave(src: str, dst: str, **save_kw) -> None:
+    """Copy of the Orbax checkpoint ``src`` with its arrays re-written by Orbax with other options."""
+    import orbax.checkpoint as ocp
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("params"))
+    ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    tree = ckptr.restore(os.path.join(src, "params"))
+    handler = ocp.PyTreeCheckpointHandler(use_compression=save_kw.pop("use_compression", False))
+    sa = jax.tree.map(lambda _: ocp.SaveArgs(**save_kw), tree)
+    ocp.Checkpointer(handler).save(os.path.join(dst, "params"), args=ocp.args.PyTreeSave(tree, save_args=sa))
+
+
+def test_orbax_restore_other_layouts(tiny, tmp_path):
+    """The direct reader handles several chunks per array (split on any axis) and leaves arrays
+    it cannot read directly (zstd-compressed) to TensorStore; all bit-exact."""
+    from dsv41_jax.checkpoint import orbax_io
+
+    cfg, params = tiny
+    dst = str(tmp_path / "orbax")
+    save_params(params, dst, cfg)
+    chunked = str(tmp_path / "chunked")
+    _resave(dst, chunked, chunk_byte_size=4096)  # Orbax splits the largest axes first
+    idx = orbax_io.OcdbtIndex(os.path.join(chunked, "params"))
+    w = idx.array("layers.0.ffn.experts.w1.data")
+    assert w is not None and any(c < n for c, n in zip(w.chunks[1:], w.shape[1:]))  # not whole rows
+    assert_trees_bit_equal(params, restore_params(chunked, cfg))
+    compressed = str(tmp_path / "zstd")
+    _resave(dst, compressed, use_compression=True)
+    assert orbax_io.OcdbtIndex(os.path.join(compressed, "params")).array("embed.weight") is None
+    assert_trees_bit_equal(params, restore_params(compressed, cfg))
+
+
+def test_ocdbt_index_walks_a_deep_btree(tmp_path):
+    """read_values against TensorStore's own reads on a database with a B+tree of several levels,
+    inline and out-of-line values."""
+    import tensorstore as ts
+
+    from dsv41_jax.checkpoint.ocdbt_direct import read_values
+
+    root = str(tmp_path / "db")
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{root}/",
+                          "config": {"max_decoded_node_bytes": 256, "max_inline_value_bytes": 16}}).result()
+    want = {f"p/{'x' * (i % 3)}key{i:03d}/0.{i % 2}": bytes([i]) * (1 + (i * 7) % 40) for i in range(80)}
+    with ts.Transaction() as txn:
+        for k, v in want.items():
+            kv.with_transaction(txn)[k] = v
+    got = read_values(root)
+    assert sorted(got) == sorted(want)
+    for k, v in got.items():
+        if v.inline is not None:
+            data = v.inline
+        else:
+            with open(v.file, "rb") as f:
+                f.seek(v.offset)
+                data = f.read(v.length)
+        assert data == want[k], k
+    assert any(v.inline is None for v in got.values()) and any(v.inline is not None for v in got.values())
+    manifest = ts.ocdbt.dump(ts.KvStore.open(f"file://{root}/").result()).result()
+    assert manifest["versions"][-1]["root_height"] >= 2
 
 
 _MESH_SCRIPT = textwrap.dedent(
@@ -250,6 +320,25 @@ _MESH_SCRIPT = textwrap.dedent(
     r1 = restore_params(out, cfg, shardings=jax.sharding.SingleDeviceSharding(jax.devices()[5]))
     same(ref, r1)
     assert r1["head"]["weight"].devices() == {jax.devices()[5]}
+    # onto a (4, 2) mesh split along the last axis (reads a box, slices it per device), and the
+    # TensorStore / Orbax restore paths onto the same target
+    m42 = jax.make_mesh((4, 2), ("a", "b"))
+    def last(name, sds):
+        if sds.shape and sds.shape[-1] % 2 == 0:
+            return NamedSharding(m42, P(*([None] * (len(sds.shape) - 1)), "b"))
+        return NamedSharding(m42, P())
+    for method in ("direct", "tensorstore", "orbax"):
+        r2 = restore_params(out, cfg, shardings=last, method=method, engram_on_host=False)
+        same(ref, r2)
+        e = r2["embed"]["weight"]
+        assert e.sharding.spec == P(None, "b") and e.addressable_shards[0].data.shape == (e.shape[0], e.shape[1] // 2)
+    # large replicated leaves in row blocks joined on the devices (the accelerator path)
+    from dsv41_jax.checkpoint import loader
+    loader.CHUNK_ON_CPU = True
+    r3 = restore_params(out, cfg, mesh=m42, host_budget_bytes=1 << 16)
+    loader.CHUNK_ON_CPU = False
+    same(ref, r3)
+    assert r3["embed"]["weight"].sharding.is_fully_replicated
     print("MESH_OK")
     """
 )

@@ -3,11 +3,15 @@ Orbax, then measure load time and peak host RSS of (a) the safetensors loader an
 restore, each in a fresh subprocess (``resource.getrusage(RUSAGE_SELF).ru_maxrss``).
 
     python -m dsv41_jax.checkpoint.benchmark --dir /tmp/ckbench [--experts 32] [--layers 4] [--keep]
+        [--repeat 5] [--methods safetensors,orbax,orbax-tensorstore,orbax-grouped]
 
 The model has the real V4.1-Flash widths (dim 5120, 64 heads x 512, q_lora 1280, o_lora 8x1024,
 MoE inter 2304, FP8 32x32 weights, MXFP4 experts) with fewer layers / experts, a 16k vocab and
 small Engram tables. "cold" runs evict the files from the page cache first (posix_fadvise
-DONTNEED); "warm" runs read from the page cache.
+DONTNEED); "warm" runs read from the page cache. Loads: ``safetensors`` (:func:`load_checkpoint`),
+``orbax`` (:func:`restore_params`, default method "direct"), ``orbax-tensorstore`` and
+``orbax-grouped`` (its "tensorstore" and "orbax" methods). With ``--repeat N`` every load runs N
+times, interleaved (so a noisy machine affects all of them alike), and the medians are reported.
 
 On a CPU-only host the loaded parameters themselves live in host memory, so the figure that says
 whether the loader streams is ``overhead = peak RSS - RSS before loading - bytes of the loaded
@@ -51,6 +55,8 @@ def bench_config(layers: int = 4, experts: int = 32, vocab: int = 16384, engram_
 
 
 BENCH_HOST_BUDGET = 128 << 20  # host bytes in flight (the library default is 1 GiB, for real sizes)
+METHODS = {"orbax": "direct", "orbax-tensorstore": "tensorstore", "orbax-grouped": "orbax"}
+KINDS = ("safetensors", *METHODS)
 
 
 def _maxrss() -> int:
@@ -117,16 +123,18 @@ def _child_load(d: str, kind: str, cold: bool) -> dict:
         _evict(src)
     base_rss = _curr_rss()
     base_peak = _maxrss()
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
     t = time.time()
     budget = BENCH_HOST_BUDGET
     if kind == "safetensors":
         _, params = load_checkpoint(src, host_budget_bytes=budget)
     else:
-        params = restore_params(src, host_budget_bytes=budget)
+        params = restore_params(src, host_budget_bytes=budget, method=METHODS[kind])
     leaves = jax.tree.leaves(params)
     dev = [x for x in leaves if isinstance(x, jax.Array)]
     jax.block_until_ready(dev)
     dt = time.time() - t
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
     on_device = sum(x.nbytes for x in dev)
     host = sum(x.nbytes for x in leaves if isinstance(x, np.ndarray))
     peak = _maxrss()
@@ -141,6 +149,7 @@ def _child_load(d: str, kind: str, cold: bool) -> dict:
         "kind": kind,
         "cold": cold,
         "load_s": dt,
+        "cpu_s": (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime),
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0].device_kind),
         "rss_before": base_rss,
@@ -162,6 +171,38 @@ def _run_child(args: list[str], a) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def _summary(loads: list[dict], ckpt_bytes: int) -> list[dict]:
+    """Median time / CPU time and worst overhead per (load, cache state)."""
+    import statistics
+
+    out = []
+    for kind in dict.fromkeys(r["kind"] for r in loads):
+        for cold in (True, False):
+            rs = [r for r in loads if r["kind"] == kind and r["cold"] == cold]
+            if not rs:
+                continue
+            t = [r["load_s"] for r in rs]
+            out.append({
+                "kind": kind, "cache": "cold" if cold else "warm", "n": len(rs),
+                "load_s": statistics.median(t), "min_s": min(t), "max_s": max(t),
+                "cpu_s": statistics.median(r["cpu_s"] for r in rs),
+                "rss_before_gb": statistics.median(r["rss_before"] for r in rs) / 1e9,
+                "peak_rss_gb": max(r["peak_rss"] for r in rs) / 1e9,
+                "overhead_gb": max(r["overhead"] for r in rs) / 1e9,
+                "overhead_frac": max(r["overhead"] for r in rs) / ckpt_bytes,
+            })
+    return out
+
+
+def _git_commit() -> str:
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        r = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"], capture_output=True, text=True)
+        return r.stdout.strip() or "?"
+    except OSError:
+        return "?"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", default="/tmp/dsv41_ckbench")
@@ -171,6 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse", action="store_true", help="reuse files already in --dir")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     ap.add_argument("--out", help="write the JSON results here")
+    ap.add_argument("--repeat", type=int, default=1, help="run every load this many times (interleaved); report medians")
+    ap.add_argument("--methods", default="safetensors,orbax", help=f"comma-separated loads among {', '.join(KINDS)}")
     a = ap.parse_args(argv)
     if a.child:
         what = a.child[0]
@@ -196,6 +239,8 @@ def main(argv=None) -> int:
         "versions": {"python": sys.version.split()[0], "jax": jax.__version__, "numpy": numpy.__version__,
                      "orbax": getattr(orbax.checkpoint, "__version__", "?"), "safetensors": safetensors.__version__},
         "cpus": os.cpu_count(),
+        "commit": _git_commit(),
+        "budget": BENCH_HOST_BUDGET,
     }
     os.makedirs(a.dir, exist_ok=True)
     try:
@@ -205,14 +250,25 @@ def main(argv=None) -> int:
         if not (a.reuse and os.path.exists(os.path.join(a.dir, "orbax"))):
             res["convert"] = _run_child(["convert"], a)
         res["orbax_bytes"] = _dir_bytes(os.path.join(a.dir, "orbax"))
+        kinds = [k.strip() for k in a.methods.split(",") if k.strip()]
+        bad = [k for k in kinds if k not in KINDS]
+        if bad:
+            raise SystemExit(f"unknown --methods {bad}; choose among {KINDS}")
         res["loads"] = []
-        for kind in ("safetensors", "orbax"):
-            for cold in ("cold", "warm"):
-                r = _run_child([kind, cold], a)
-                r["peak_frac_of_ckpt"] = r["peak_rss"] / res["official_bytes"]
-                r["overhead_frac_of_ckpt"] = r["overhead"] / res["official_bytes"]
-                res["loads"].append(r)
-                print(json.dumps(r), flush=True)
+        for rep in range(a.repeat):
+            for kind in kinds:
+                for cold in ("cold", "warm"):
+                    r = _run_child([kind, cold], a)
+                    r["repeat"] = rep
+                    r["peak_frac_of_ckpt"] = r["peak_rss"] / res["official_bytes"]
+                    r["overhead_frac_of_ckpt"] = r["overhead"] / res["official_bytes"]
+                    res["loads"].append(r)
+                    print(json.dumps(r), flush=True)
+        res["summary"] = _summary(res["loads"], res["official_bytes"])
+        for row in res["summary"]:
+            print(f"{row['kind']:18s} {row['cache']:4s} median {row['load_s']:6.2f} s (min {row['min_s']:.2f}, max "
+                  f"{row['max_s']:.2f}, n={row['n']}), cpu {row['cpu_s']:.2f} s, overhead {row['overhead_gb']:.3f} GB "
+                  f"({100 * row['overhead_frac']:.1f} %)", flush=True)
     finally:
         if not a.keep:
             shutil.rmtree(a.dir, ignore_errors=True)
