@@ -182,7 +182,7 @@ def check_v4(key):
     return ok
 
 
-def debug(n_exp=16, interpret=False):
+def debug(n_exp=16, interpret=False, formats=("fp8", "mxfp4", "bf16"), sizes=(1, 8)):
     """Localise a GPU-only mismatch: kernel A's h rows against the reference h per (token, slot),
     then the whole op with the h act-quant in kernel A vs in XLA, for FP8, MXFP4 and bf16 experts."""
     saved = dict(pallas_triton.DEBUG)
@@ -212,7 +212,9 @@ def _debug(n_exp, interpret):
             "bf16": [plain(k, n_exp, *s) for k, s in ((k1, (I, D)), (k2, (D, I)), (k3, (I, D)))]}
     results = []
     for label, (a, b, c) in sets.items():
-        for n in (1, 8):
+        if label not in formats:
+            continue
+        for n in sizes:
             kr = jax.random.fold_in(key, n)
             idx = jnp.argsort(jax.random.uniform(kr, (n, n_exp)), axis=1)[:, :TOPK].astype(jnp.int32)
             w = jax.random.uniform(jax.random.fold_in(kr, 1), (n, TOPK), jnp.float32, 0.05, 0.5)

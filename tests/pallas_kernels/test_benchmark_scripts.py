@@ -23,9 +23,9 @@ def test_moe_debug_runs_in_interpret_mode(monkeypatch):
 
     monkeypatch.setattr(bm, "I", 64)
     monkeypatch.setattr(bm, "D", 128)
-    results = bm.debug(n_exp=8, interpret=True)
+    results = bm.debug(n_exp=8, interpret=True, formats=("mxfp4",), sizes=(8,))
     labels = [r[0] for r in results]
-    assert len(results) == 3 * 2 * 3  # fp8 / mxfp4 / bf16 x 1 and 8 tokens x (2 placements + kernel A rows)
+    assert len(results) == 3  # 2 placements of h's act-quant + kernel A's rows
     assert any("act_quant_in_kernel=True" in s for s in labels) and any("kernel A" in s for s in labels)
     assert all(err == 0.0 for _, err in results), results
     assert bm.pallas_triton.DEBUG == {"act_quant_in_kernel": False, "return_h": False}  # switches restored
