@@ -187,12 +187,12 @@ def debug(n_exp=16, interpret=False, formats=("fp8", "mxfp4", "bf16"), sizes=(1,
     then the whole op with the h act-quant in kernel A vs in XLA, for FP8, MXFP4 and bf16 experts."""
     saved = dict(pallas_triton.DEBUG)
     try:
-        return _debug(n_exp, interpret)
+        return _debug(n_exp, interpret, formats, sizes)
     finally:  # the switches are module state: leave them as found (later calls in one process)
         pallas_triton.DEBUG.update(saved)
 
 
-def _debug(n_exp, interpret):
+def _debug(n_exp, interpret, formats, sizes):
     from dsv41_jax.quant import Fp8Tensor, act_quant
     from pallas_kernels.quantized_matmul.reference import quantized_matmul as qref
 
