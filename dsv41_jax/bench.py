@@ -139,7 +139,7 @@ def profile_generate(eng, reqs, new_tokens: int, outdir: str) -> dict:
     import os
     import re
 
-    from .profiling import format_report, summarize, trace
+    from .profiling import format_report, set_executions, summarize, trace
     from .sampling import SamplingParams
 
     short = [dataclasses.replace(r, max_new_tokens=new_tokens) for r in reqs]
@@ -154,14 +154,7 @@ def profile_generate(eng, reqs, new_tokens: int, outdir: str) -> dict:
     progs = [p for p in rep["programs"] if p["executions"] == 1 and "engine_step" in p["module"]]
     if len(progs) >= 2:
         launches = lambda p: sum(k["launches"] for k in p["kernels"])  # noqa: E731
-        dec = max(progs, key=launches)
-        n = max(new_tokens - 1, 1)
-        dec["executions"] = n
-        dec["busy_ms"] /= n
-        dec["parts_ms"] = {k: v / n for k, v in dec["parts_ms"].items()}
-        for k in dec["kernels"]:
-            k["ms"] /= n
-            k["launches"] /= n
+        dec = set_executions(max(progs, key=launches), max(new_tokens - 1, 1))
         dec["note"] = "decode program: per-step figures from the step count (the trace kept no execution ids)"
     print(format_report(rep), flush=True)
     return rep

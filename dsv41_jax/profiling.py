@@ -169,6 +169,19 @@ def summarize(xplane_path: str, hlo_dump_dir: str | None = None, top: int = 25,
     return {"programs": out}
 
 
+def set_executions(prog: dict, n: int) -> dict:
+    """Re-express a :func:`summarize` program entry per one of ``n`` executions, for traces that kept
+    no execution ids (its figures are then totals over every execution)."""
+    scale = prog["executions"] / n
+    prog["executions"] = n
+    prog["busy_ms"] *= scale
+    prog["parts_ms"] = {k: v * scale for k, v in prog["parts_ms"].items()}
+    for k in prog["kernels"]:
+        k["ms"] *= scale
+        k["launches"] *= scale
+    return prog
+
+
 def format_report(rep: dict, max_programs: int = 3) -> str:
     lines = []
     for p in rep["programs"][:max_programs]:

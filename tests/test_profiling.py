@@ -45,3 +45,14 @@ def test_summarize_splits_programs_and_parts(tmp_path):
     assert abs(sum(progs["jit_f"]["parts_ms"].values()) - progs["jit_f"]["busy_ms"]) < 1e-9
     text = format_report(rep)
     assert "jit_f" in text and "moe" in text
+
+
+def test_set_executions_rescales_totals():
+    from dsv41_jax.profiling import set_executions
+
+    prog = {"executions": 1, "busy_ms": 40.0, "parts_ms": {"moe": 30.0, "head": 10.0},
+            "kernels": [{"kernel": "k", "ms": 30.0, "launches": 120.0, "hlo": ""}]}
+    set_executions(prog, 10)
+    assert prog["executions"] == 10 and prog["busy_ms"] == 4.0
+    assert prog["parts_ms"] == {"moe": 3.0, "head": 1.0}
+    assert prog["kernels"][0]["ms"] == 3.0 and prog["kernels"][0]["launches"] == 12.0
