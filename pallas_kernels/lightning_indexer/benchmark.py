@@ -51,7 +51,6 @@ def floor_bytes(b, s, nc, *, hi=32, di=128, k=512):
 
 def check(log):
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from pallas_kernels.lightning_indexer import pallas_triton as pt

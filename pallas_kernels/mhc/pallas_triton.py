@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.quantized_matmul.pallas_triton import next_pow2, pick_block
+from pallas_kernels.quantized_matmul.pallas_triton import pick_block
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
 
 

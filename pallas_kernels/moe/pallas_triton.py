@@ -31,7 +31,6 @@ reference for them).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp

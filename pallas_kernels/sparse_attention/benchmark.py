@@ -96,7 +96,6 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     import jax
-    import jax.numpy as jnp
 
     from pallas_kernels.sparse_attention import pallas_triton as pt
     from pallas_kernels.sparse_attention import reference as ref
