@@ -234,13 +234,13 @@ def run(args) -> dict:
 def table(out: dict) -> str:
     lines = [f"device {out['device']}, jax {out['jax']}, config {out['config']}"]
     lines += [f"note: {n}" for n in out["notes"]]
-    lines.append("| batch | decode tok/s (median) | floor tok/s | ratio | GB/step | peak GB |")
-    lines.append("|---:|---:|---:|---:|---:|---:|")
+    lines.append("| batch | decode tok/s (median) | floor tok/s | ratio | GB/step | peak GB | compile s |")
+    lines.append("|---:|---:|---:|---:|---:|---:|---:|")
     for r in out["decode"]:
         fl = f"{r['floor_tok_s']:.0f}" if r["floor_tok_s"] else "n/a"
         ra = f"{r['ratio_to_floor']:.3f}" if r["ratio_to_floor"] else "n/a"
         pk = f"{r['peak_bytes'] / 1e9:.1f}" if r["peak_bytes"] else "n/a"
-        lines.append(f"| {r['batch']} | {r['median_tok_s']:.2f} | {fl} | {ra} | {r['bytes_per_step'] / 1e9:.2f} | {pk} |")
+        lines.append(f"| {r['batch']} | {r['median_tok_s']:.2f} | {fl} | {ra} | {r['bytes_per_step'] / 1e9:.2f} | {pk} | {r['compile_s']:.1f} |")
     if out["prefill"]:
         lines.append("| prompt | prefill s (median) | prefill tok/s | peak GB |")
         lines.append("|---:|---:|---:|---:|")

@@ -178,7 +178,7 @@ CHECK_PLAIN = (1024, 4096)  # a wo_a group, dequantized to bf16
 CHECK_TOL = 8e-3  # max|diff| / max|ref| for bf16 outputs (fp32 summation order vs cuBLAS, then bf16)
 
 
-def check():
+def check(only: str | None = None, with_mma8: bool = False):
     """Correctness only (no timing), every path at real shapes, fresh random inputs; PASS/FAIL
     lines. Run this first on a GPU; the 'auto' gates (auto_reason) can be lifted for what passes.
     V4's FP8 128x128 blocks (act_block 128) are checked in the expand and gather modes; 'mma8' must
@@ -196,8 +196,11 @@ def check():
     n, k = CHECK_PLAIN
     wb = (jax.random.normal(key, (n, k), jnp.float32) * 0.05).astype(jnp.bfloat16)
     cases += [(f"plain bf16 {n}x{k}", wb, m, 32) for m in (1, 256)]
+    if only:
+        cases = [c for c in cases if only in c[0]]
+    fp8_modes = ["expand", "gather"] + (["mma8"] if with_mma8 else [])
     for label, w, m, ab in cases:
-        for mode in (["expand", "gather", "mma8"] if label.startswith("fp8") else ["expand", "view3d"] if label.startswith("mxfp4") else ["-"]):
+        for mode in (fp8_modes if label.startswith("fp8") else ["expand", "view3d"] if label.startswith("mxfp4") else ["-"]):
             fmt = "fp8" if label.startswith("fp8") else "fp4"
             if mode != "-":
                 pallas_triton.SCALE_MODE[fmt] = mode
@@ -225,10 +228,12 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--check", action="store_true", help="correctness only, every path, then exit")
+    ap.add_argument("--only", default=None, help="with --check: only cases whose label contains this (e.g. fp8-128)")
+    ap.add_argument("--with-mma8", action="store_true", help="with --check: also the experimental mma8 FP8 mode")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
     if a.check:
-        return 0 if check() else 1
+        return 0 if check(a.only, a.with_mma8) else 1
     run(quick=a.quick, out_dir=a.out, tune=a.tune)
 
 
