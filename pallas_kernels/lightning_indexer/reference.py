@@ -25,19 +25,41 @@ class IndexerResult(NamedTuple):
     block_scores: jax.Array | None  # [B,S,NB] f32 block maxima of the masked scores
 
 
+SCORE_BUDGET = 1 << 25  # elements of the [B,S,G,Nc] f32 head-group intermediate (128 MiB)
+
+
+def head_group(b: int, sq: int, nh: int, n: int, budget: int | None = None) -> int:
+    """How many heads one step of :func:`index_scores` scores at once: the largest divisor of ``nh``
+    whose [B,S,G,Nc] intermediate fits ``budget`` (default ``SCORE_BUDGET``) elements (at least 1)."""
+    budget = SCORE_BUDGET if budget is None else budget
+    g = nh
+    while g > 1 and (b * sq * g * n > budget or nh % g):
+        g -= 1
+    return g
+
+
 def index_scores(q, weights, keys, visible, *, candidate_blocks=None, block_size=8):
     qf = dequantize(q, jnp.float32)
     kf = dequantize(keys, jnp.float32)
     w = weights.astype(jnp.float32)
-
-    def head(acc, h):  # one head at a time: never an [B,S,HI,Nc] intermediate
-        qh = jax.lax.dynamic_index_in_dim(qf, h, axis=2, keepdims=False)
-        wh = jax.lax.dynamic_index_in_dim(w, h, axis=2, keepdims=True)
-        sh = jnp.einsum("bsd,bnd->bsn", qh, kf, precision=jax.lax.Precision.HIGHEST)
-        return acc + jax.nn.relu(sh) * wh, None
-
     b, sq, nh, _ = qf.shape
-    s, _ = jax.lax.scan(head, jnp.zeros((b, sq, kf.shape[1]), jnp.float32), jnp.arange(nh))  # [B,S,Nc]
+    g = head_group(b, sq, nh, kf.shape[1])
+
+    def group(h0):  # heads h0 .. h0+g-1 at once: an [B,S,g,Nc] intermediate within SCORE_BUDGET
+        qh = jax.lax.dynamic_slice_in_dim(qf, h0, g, axis=2)
+        wh = jax.lax.dynamic_slice_in_dim(w, h0, g, axis=2)
+        sh = jnp.einsum("bshd,bnd->bshn", qh, kf, precision=jax.lax.Precision.HIGHEST)
+        return jnp.sum(jax.nn.relu(sh) * wh[..., None], axis=2)
+
+    if nh // g <= 8:
+        # Decode and small prefill chunks: at most 8 groups, unrolled. No ``while`` loop: on a GPU each
+        # iteration of one waits for the host to read the loop condition (a device->host sync), which
+        # left the device idle for half of a decode step (session 3 profile, BENCHMARKS.md).
+        s = group(0)
+        for h0 in range(g, nh, g):
+            s = s + group(h0)
+    else:  # long prefill chunks: a loop over head groups, never more than the budget in flight
+        s = jax.lax.fori_loop(1, nh // g, lambda i, acc: acc + group(i * g), group(0))  # [B,S,Nc]
     n = s.shape[-1]
     pos = jnp.arange(n, dtype=jnp.int32)
     s = jnp.where(pos[None, None, :] < visible[..., None], s, -jnp.inf)

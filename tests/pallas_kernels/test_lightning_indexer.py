@@ -182,3 +182,39 @@ def test_cross_lowering(target, shape, wbs):
 
     text = lower_for(target, f, *_real_specs(*shape)).as_text()
     assert "triton" in text
+
+
+@pytest.mark.parametrize("budget", [1 << 25, 3 * 200 * 2, 200])
+def test_index_scores_head_groups_equal_per_head_float64(budget, monkeypatch):
+    """The scores, whatever the head grouping (all heads at once, unrolled groups, the loop over
+    single heads), equal sum_h w_h relu(q_h . k_j) computed per head in float64 (rel 1e-6)."""
+    monkeypatch.setattr(reference, "SCORE_BUDGET", budget)
+    rng = np.random.default_rng()
+    b, s, hi, di, nc = 1, 3, 16, 64, 200
+    q = _mx(jnp.asarray(rng.normal(size=(b, s, hi, di)), jnp.float32))
+    k = _mx(jnp.asarray(rng.normal(size=(b, nc, di)), jnp.float32))
+    w = jnp.asarray(rng.uniform(size=(b, s, hi)), jnp.float32)
+    vis = jnp.array([[nc, 150, 7]], jnp.int32)
+    from dsv41_jax.quant import dequantize
+
+    qf, kf = np.asarray(dequantize(q, jnp.float32), np.float64), np.asarray(dequantize(k, jnp.float32), np.float64)
+    want = np.einsum("bsh,bshn->bsn", np.asarray(w, np.float64),
+                     np.maximum(np.einsum("bshd,bnd->bshn", qf, kf), 0.0))
+    want = np.where(np.arange(nc)[None, None] < np.asarray(vis)[..., None], want, -np.inf)
+    # a fresh function per case: jit / make_jaxpr cache traces by function, and the budget is a global
+    got = np.asarray(jax.jit(lambda *a: reference.index_scores(*a))(q, w, k, vis))
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=1e-6, atol=1e-6 * np.abs(want[fin]).max())
+    g = reference.head_group(b, s, hi, nc, budget)
+    jaxpr = str(jax.make_jaxpr(lambda *a: reference.index_scores(*a))(q, w, k, vis))
+    # decode-sized problems (<= 8 head groups) must not compile to a while loop (a host sync per
+    # iteration on a GPU); only the long-prefill fallback loops
+    loops = "while" in jaxpr or "scan" in jaxpr  # fori_loop with static bounds is a scan in the jaxpr
+    assert loops == (hi // g > 8), (g, budget)
+
+
+def test_head_group_sizes():
+    assert reference.head_group(1, 1, 32, 2048) == 32  # decode: every head in one einsum
+    assert reference.head_group(8, 1, 32, 1 << 19) == 8  # 1M context at ratio 2, batch 8: 4 groups
+    assert reference.head_group(1, 4096, 32, 16384) == 1  # 64K prefill chunk: one head at a time

@@ -139,17 +139,23 @@ def test_mma8_rejects_128_blocks(monkeypatch):
     assert pallas_triton.unsupported_reason(x, quantize_fp8(jnp.ones((128, 256)))) is None  # 32x32 still allowed
 
 
-def test_auto_gate_on_gpu_keeps_reference_for_128(monkeypatch):
+def test_auto_gate_on_gpu_takes_the_gemv_for_128(monkeypatch):
+    """V4's 128x128 GEMV passed --check on an H200 (session 3): plain 'auto' on a GPU takes it at
+    decode sizes and keeps the reference for the (untimed) tiled prefill configuration."""
     monkeypatch.delenv("DSV41_KERNELS", raising=False)
     monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
     assert dispatch.resolve(None) == "pallas"
     x = jnp.ones((2, 256), jnp.bfloat16)
     w = make_weight(jax.random.PRNGKey(1), 128, 256)
-    assert "not yet verified on an H200" in pallas_triton.auto_reason(x, w)
-    assert pallas_triton.auto_reason(x, quantize_fp8(jnp.ones((128, 256)))) is None  # V4.1 GEMV: verified
-    y = api.quantized_matmul(x, w, act_block=B)  # would need a GPU if it took the Pallas path
-    np.testing.assert_array_equal(np.asarray(y, np.float32),
-                                  np.asarray(reference.quantized_matmul(x, w, act_block=B), np.float32))
+    assert pallas_triton.auto_reason(x, w) is None
+    assert "tiled" in pallas_triton.auto_reason(jnp.ones((65, 256), jnp.bfloat16), w)
+    seen = []
+    monkeypatch.setattr(pallas_triton, "quantized_matmul", lambda x, w, **k: seen.append(k.get("act_block")) or "kernel")
+    assert api.quantized_matmul(x, w, act_block=B) == "kernel"
+    assert seen == [B]
+    y = api.quantized_matmul(jnp.ones((65, 256), jnp.bfloat16), w, act_block=B)  # prefill size: the reference
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(
+        reference.quantized_matmul(jnp.ones((65, 256), jnp.bfloat16), w, act_block=B), np.float32))
 
 
 S = jax.ShapeDtypeStruct
@@ -204,7 +210,10 @@ def test_benchmark_check_list_runs_in_interpret_mode(monkeypatch):
                         functools.partial(pallas_triton.quantized_matmul, interpret=True))
     lines = []
     monkeypatch.setattr(bm, "log", lambda *a: lines.append(" ".join(map(str, a))))
-    assert bm.check()
+    assert bm.check(with_mma8=True)
     v4 = [s for s in lines if "fp8-128" in s]
     assert sum(s.startswith("PASS") for s in v4) == 8  # 4 row counts x expand/gather
     assert sum(s.startswith("SKIP") and "mma8" in s for s in v4) == 4
+    lines.clear()  # --only picks cases by label; mma8 runs only when asked for
+    assert bm.check(only="fp8-128")
+    assert len(lines) == 9 and all("fp8-128" in s for s in lines[:-1]) and not any("mma8" in s for s in lines)
