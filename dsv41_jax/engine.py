@@ -147,15 +147,16 @@ _reset_slot_jit = jax.jit(_reset_program, static_argnames=("cfg", "opts", "max_s
 
 
 def _engine_step(params, cache, tokens, lengths, engram_ids, engram_rows, seed, request_ids, steps,
-                 temperature, top_k, top_p, *, cfg, opts, max_seq_len=None, mesh=None):
+                 temperature, top_k, top_p, *, cfg, opts, max_seq_len=None, mesh=None, greedy=None):
     """forward_step (last-token logits) + sampling, one program for every sampling setting (they
-    are traced). Returns (next [B] int32, logits [B, V] f32, new cache)."""
+    are traced; ``greedy`` static: see :func:`sample_traced`). Returns (next [B] int32, logits [B, V]
+    f32, new cache)."""
     def body(params, cache, tokens, lengths, engram_ids, engram_rows, seed, request_ids, steps, temperature,
              top_k, top_p):
         logits, cache = forward_step(params, cache, tokens, lengths, engram_ids, engram_rows, cfg=cfg, opts=opts,
                                      logits_mode="last")
         keys = request_keys(seed, request_ids, steps)
-        nxt = sample_traced(logits, keys, temperature, top_k, top_p)
+        nxt = sample_traced(logits, keys, temperature, top_k, top_p, greedy)
         return nxt, logits, cache
 
     body = data_parallel(body, mesh, tokens.shape[0], out_rows=(_ROW, _ROW, _ROW),
@@ -167,7 +168,7 @@ def _engine_step(params, cache, tokens, lengths, engram_ids, engram_rows, seed, 
 
 
 _engine_step_jit = jax.jit(_flat_params(_engine_step), donate_argnums=(1,),
-                           static_argnames=("cfg", "opts", "max_seq_len", "mesh", "param_tree"))
+                           static_argnames=("cfg", "opts", "max_seq_len", "mesh", "param_tree", "greedy"))
 
 
 def device_hash_tables(hasher):
@@ -219,7 +220,7 @@ def device_ngram_ids(ht, win, first_pos, S: int):
 
 
 def _engine_step_pipe(params, cache, ehist, ht, tokens, lengths, use_prev, prev, seed, request_ids, steps,
-                      temperature, top_k, top_p, *, cfg, opts, max_seq_len=None, mesh=None):
+                      temperature, top_k, top_p, *, cfg, opts, max_seq_len=None, mesh=None, greedy=None):
     """The pipelined step: decode rows (``use_prev``) take their token from the previous step's
     output ``prev`` without a host round trip, and the Engram ids are hashed on the device from
     ``ehist`` [B, J-1] (compressed ids of each row's last J-1 tokens). Returns (next, logits, cache,
@@ -239,7 +240,7 @@ def _engine_step_pipe(params, cache, ehist, ht, tokens, lengths, use_prev, prev,
         logits, cache = forward_step(params, cache, tokens, lengths, eids, None, cfg=cfg, opts=opts,
                                      logits_mode="last")
         keys = request_keys(seed, request_ids, steps)
-        nxt = sample_traced(logits, keys, temperature, top_k, top_p)
+        nxt = sample_traced(logits, keys, temperature, top_k, top_p, greedy)
         return nxt, logits, cache, ehist
 
     body = data_parallel(body, mesh, tokens.shape[0], out_rows=(_ROW, _ROW, _ROW, _ROW),
@@ -250,8 +251,14 @@ def _engine_step_pipe(params, cache, ehist, ht, tokens, lengths, use_prev, prev,
     return nxt, logits, cache, ehist
 
 
+def _is_greedy(sampling: SamplingParams | None) -> bool:
+    """The static sampling branch of a step program (greedy for no SamplingParams, as
+    :meth:`Engine._put_step_inputs` defaults)."""
+    return (sampling or SamplingParams()).temperature <= 0
+
+
 _engine_step_pipe_jit = jax.jit(_flat_params(_engine_step_pipe), donate_argnums=(1, 2),
-                                static_argnames=("cfg", "opts", "max_seq_len", "mesh", "param_tree"))
+                                static_argnames=("cfg", "opts", "max_seq_len", "mesh", "param_tree", "greedy"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -521,7 +528,8 @@ class Engine:
         t0 = time.perf_counter()
         args = self._step_inputs(tokens, lengths, sampling, request_ids, steps)
         self.stats.host_s += time.perf_counter() - t0
-        nxt, logits, self.cache = self._dispatch(_engine_step_jit, self.params, self.cache, *args)
+        nxt, logits, self.cache = self._dispatch(_engine_step_jit, self.params, self.cache, *args,
+                                                 greedy=_is_greedy(sampling))
         self.pos = self.pos + np.asarray(lengths, np.int64)
         self.stats.steps += 1
         return nxt, logits
@@ -584,9 +592,11 @@ class Engine:
             kw["param_tree"] = self._param_tree
         return args, kw
 
-    def _dispatch(self, program, *args):
-        """Run one of the jitted programs with the engine's static arguments, under the mesh."""
+    def _dispatch(self, program, *args, **static):
+        """Run one of the jitted programs with the engine's static arguments (and ``static``), under
+        the mesh."""
         args, kw = self._program_args(args)
+        kw.update(static)
         with self._on_mesh():
             return program(*args, **kw)
 
@@ -597,7 +607,8 @@ class Engine:
         """Dispatch one pipelined step (see :func:`_engine_step_pipe`); rows with ``use_prev`` feed
         ``prev[b]`` (a device array) as their single token. Returns device (next, logits)."""
         nxt, logits, self.cache, self.ehist = self._dispatch(
-            _engine_step_pipe_jit, *self._pipe_inputs(tokens, lengths, use_prev, prev, sampling, request_ids, steps))
+            _engine_step_pipe_jit, *self._pipe_inputs(tokens, lengths, use_prev, prev, sampling, request_ids, steps),
+            greedy=_is_greedy(sampling))
         self.pos = self.pos + np.asarray(lengths, np.int64)
         self.stats.steps += 1
         return nxt, logits
@@ -631,7 +642,7 @@ class Engine:
             prog, args = _engine_step_jit, (self.params, self.cache, *self._step_inputs(*zeros, None, None, None))
         args, kw = self._program_args(args)
         with self._on_mesh():
-            return prog.lower(*args, **kw).compile().as_text()
+            return prog.lower(*args, **kw, greedy=True).compile().as_text()
 
     # ------------------------------------------------------------------ generation loop
     def generate(self, requests: Sequence[Request], sampling: SamplingParams | None = None, *,

@@ -94,14 +94,20 @@ def sample(logits, keys, temperature, top_k, top_p, *, greedy: bool, use_top_k: 
     return jnp.argmax(scaled + g, axis=-1).astype(jnp.int32)
 
 
-def sample_traced(logits, keys, temperature, top_k, top_p):
+def sample_traced(logits, keys, temperature, top_k, top_p, greedy: bool | None = None):
     """:func:`sample` with every setting traced (one compiled program for greedy and any
     temperature / top-k / top-p): greedy when ``temperature <= 0``; top-k off when ``top_k <= 0``;
-    top-p off when ``top_p >= 1``. The sort and the noise run only on the sampling branch."""
+    top-p off when ``top_p >= 1``. The sort and the noise run only on the sampling branch.
+
+    ``greedy`` (static) picks the branch at trace time instead: True -> argmax, False -> the
+    sampling branch (``temperature`` must then be > 0). The engine passes it: a ``lax.cond`` on a
+    traced predicate makes the GPU runtime read the predicate on the host in the middle of the
+    step, which stalls the dispatch of the next step (``temperature``'s value still comes traced,
+    so one sampled program serves every temperature)."""
     logits = logits.astype(jnp.float32)
     V = logits.shape[-1]
 
-    def greedy(_):
+    def greedy_(_):
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sampled(_):
@@ -112,4 +118,8 @@ def sample_traced(logits, keys, temperature, top_k, top_p):
         g = jax.vmap(lambda kk: jax.random.gumbel(kk, (V,), jnp.float32))(keys)
         return jnp.argmax(f + g, axis=-1).astype(jnp.int32)
 
-    return jax.lax.cond(temperature <= 0, greedy, sampled, None)
+    if greedy is True:
+        return greedy_(None)
+    if greedy is False:
+        return sampled(None)
+    return jax.lax.cond(temperature <= 0, greedy_, sampled, None)

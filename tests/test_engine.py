@@ -90,7 +90,7 @@ def test_stop_token_and_cache_full(model, requests, alone):
 def test_sampled_tokens_independent_of_slot_and_batch(model, requests):
     """A request's random keys come from (seed, sample_id, step): same tokens in any slot, order or
     batch size. The batch-3 engine is the one of test_batch_size_and_chunk_independent (greedy and
-    sampling share one program)."""
+    sampling compile one program each; every temperature / top-k / top-p shares the sampled one)."""
     sp = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=11)
     reqs = [Request(r.prompt_ids, r.max_new_tokens, sample_id=100 + i) for i, r in enumerate(requests)]
     eng = Engine(model, batch_size=3, max_seq_len=160, opts=F32, prefill_chunk=1, stop_ids=())
@@ -103,6 +103,13 @@ def test_sampled_tokens_independent_of_slot_and_batch(model, requests):
     # batch size 2 (another program) samples the same tokens
     eng2 = Engine(model, batch_size=2, max_seq_len=160, opts=F32, prefill_chunk=8, stop_ids=())
     assert [r.output_ids for r in eng2.generate(reqs[:3], sp)] == crowd[:3]
+
+
+def test_decode_program_has_no_conditional(pipe_engine):
+    """The sampling branch is chosen at trace time: a traced ``lax.cond`` in the step makes the GPU
+    runtime read its predicate on the host mid-step, stalling the next step's dispatch."""
+    text = pipe_engine.compiled_text(decode=True)
+    assert "ENTRY" in text and " conditional(" not in text
 
 
 def test_reset_slot_restores_one_row(model):
