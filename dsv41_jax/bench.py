@@ -196,7 +196,7 @@ def run(args) -> dict:
                      prefill_chunk=args.prefill_chunk, stop_ids=())
         reqs = [Request(random_prompt(args.prompt_len, args.seed + i, cfg.vocab_size), max_new_tokens=args.new_tokens,
                         sample_id=i) for i in range(B)]
-        rates = []
+        rates, prefill_s = [], []
         for r in range(args.warmup + args.runs):
             res = eng.generate(reqs, SamplingParams())
             # decode rate: tokens after the first, over the time from the first token to the last
@@ -206,7 +206,9 @@ def run(args) -> dict:
             rate = n / max(t_last - t_first, 1e-9)
             if r >= args.warmup:
                 rates.append(rate)
-            print(f"  batch {B} run {r}{' (warm-up)' if r < args.warmup else ''}: {rate:.2f} tok/s", flush=True)
+                prefill_s.append(t_first)
+            print(f"  batch {B} run {r}{' (warm-up)' if r < args.warmup else ''}: {rate:.2f} tok/s, prefill "
+                  f"{t_first:.3f} s (compile so far {eng.stats.compile_s:.1f} s)", flush=True)
         med = statistics.median(rates)
         prof = None
         if args.profile_tokens:
@@ -216,7 +218,9 @@ def run(args) -> dict:
         floor = B * bw / step_bytes if bw else None
         row = {"batch": B, "median_tok_s": med, "runs": rates, "bytes_per_step": step_bytes,
                "floor_tok_s": floor, "ratio_to_floor": med / floor if floor else None, "peak_bytes": mem(),
-               "compile_s": eng.stats.compile_s, "profile": prof}
+               "compile_s": eng.stats.compile_s, "profile": prof,
+               # the prompts' prefill in the same runs (B x prompt_len tokens, until every row's first token)
+               "prefill_tok_s": B * args.prompt_len / statistics.median(prefill_s)}
         out["decode"].append(row)
 
     for L in args.prefill_lens:
@@ -234,13 +238,13 @@ def run(args) -> dict:
 def table(out: dict) -> str:
     lines = [f"device {out['device']}, jax {out['jax']}, config {out['config']}"]
     lines += [f"note: {n}" for n in out["notes"]]
-    lines.append("| batch | decode tok/s (median) | floor tok/s | ratio | GB/step | peak GB | compile s |")
-    lines.append("|---:|---:|---:|---:|---:|---:|---:|")
+    lines.append("| batch | decode tok/s (median) | floor tok/s | ratio | GB/step | peak GB | compile s | prompt prefill tok/s |")
+    lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in out["decode"]:
         fl = f"{r['floor_tok_s']:.0f}" if r["floor_tok_s"] else "n/a"
         ra = f"{r['ratio_to_floor']:.3f}" if r["ratio_to_floor"] else "n/a"
         pk = f"{r['peak_bytes'] / 1e9:.1f}" if r["peak_bytes"] else "n/a"
-        lines.append(f"| {r['batch']} | {r['median_tok_s']:.2f} | {fl} | {ra} | {r['bytes_per_step'] / 1e9:.2f} | {pk} | {r['compile_s']:.1f} |")
+        lines.append(f"| {r['batch']} | {r['median_tok_s']:.2f} | {fl} | {ra} | {r['bytes_per_step'] / 1e9:.2f} | {pk} | {r['compile_s']:.1f} | {r['prefill_tok_s']:.0f} |")
     if out["prefill"]:
         lines.append("| prompt | prefill s (median) | prefill tok/s | peak GB |")
         lines.append("|---:|---:|---:|---:|")
@@ -248,6 +252,11 @@ def table(out: dict) -> str:
             pk = f"{r['peak_bytes'] / 1e9:.1f}" if r["peak_bytes"] else "n/a"
             lines.append(f"| {r['prompt_len']} | {r['median_s']:.3f} | {r['tok_s']:.1f} | {pk} |")
     return "\n".join(lines)
+
+
+def _ints_or_off(s: str) -> list[int]:
+    """``0`` (or ``none``): no prefill rows; otherwise :func:`_ints`."""
+    return [] if s.strip().lower() in ("0", "none", "") else _ints(s)
 
 
 def _ints(s: str) -> list[int]:
@@ -268,7 +277,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32])
-    ap.add_argument("--prefill-lens", type=_ints, default=[4096, 65536])
+    ap.add_argument("--prefill-lens", type=_ints_or_off, default=[4096, 65536],
+                    help="prompt lengths of the prefill rows (0: none; the decode rows report their prompts' prefill too)")
     ap.add_argument("--prefill-chunk", type=int, default=4096)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--runs", type=int, default=6)
@@ -285,8 +295,6 @@ def main(argv=None) -> int:
                          "of the time)")
     ap.add_argument("--profile-dir", default=None, help="where the profiler traces go (default /tmp/dsv41_prof_b<B>)")
     args = ap.parse_args(argv)
-    if args.prefill_lens == [0]:
-        args.prefill_lens = []
     try:
         out = run(args)
     except (ValueError, MemoryError) as e:
