@@ -35,8 +35,15 @@ def get_config(preset: str):
     from dsv41_jax.config import get_preset
 
     if preset == "tiny-wide":
+        from dsv41_jax.engram_hash import EngramLayout
+
         c = get_preset("tiny")
-        return dataclasses.replace(c, name="tiny-wide", compress_ratios=c.compress_ratios[:c.n_layers], **WIDE)
+        c = dataclasses.replace(c, name="tiny-wide", compress_ratios=c.compress_ratios[:c.n_layers], **WIDE)
+        # the Engram table rows follow from the (now 8) heads' prime buckets
+        lay = EngramLayout.build(c.engram_layer_ids, c.engram_max_ngram_size, c.engram_n_heads, c.engram_vocab_size,
+                                 c.engram_compressed_vocab_size, None)
+        rows = tuple(int(sum(p for ng in layer for p in ng)) for layer in lay.primes)
+        return dataclasses.replace(c, engram_num_embeddings=rows)
     return get_preset(preset)
 
 
