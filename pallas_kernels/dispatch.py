@@ -81,6 +81,40 @@ def choose(op: str, implementation: str | None, load_kernel, unsupported, auto=N
     return kernel, impl == "interpret"
 
 
+def _auto_mesh_axes():
+    """(mesh, axes) when traced under a context mesh (``jax.set_mesh``) with automatic (GSPMD) axes
+    of size > 1, else (None, ())."""
+    try:
+        m = jax.sharding.get_abstract_mesh()
+    except Exception:  # pragma: no cover - no mesh API
+        return None, ()
+    if m is None or getattr(m, "empty", False) or not getattr(m, "axis_names", ()):
+        return None, ()
+    from jax.sharding import AxisType
+
+    axes = tuple(n for n, t, k in zip(m.axis_names, m.axis_types, m.axis_sizes) if t != AxisType.Manual and k > 1)
+    return (m, axes) if axes else (None, ())
+
+
+def call_kernel(fn, *args, **static):
+    """``fn(*args, **static)``, on whole operands. A ``pallas_call`` is an opaque custom call to
+    XLA's SPMD partitioner: under a mesh with automatic axes (GSPMD) it must not see operands that
+    are split over devices. On an H200 pair, a real-width forward step on ``tp=2`` with the Pallas
+    kernels gave logits off by 3.6 (of 4.9) from one GPU while the same step on ``ep=2`` (kernels
+    only inside the expert ``shard_map``) was bit-identical (BENCHMARKS.md, sharding). So under such
+    a mesh the kernel runs inside a ``shard_map`` over those axes with every operand replicated:
+    XLA gathers the operands, each device computes the whole result, and the caller's sharding
+    constraints slice it again. Inside a ``shard_map`` that is already manual over every axis (the
+    expert-parallel MoE) the kernel runs as it is. ``static``: non-array keyword arguments."""
+    mesh, axes = _auto_mesh_axes()
+    if mesh is None:
+        return fn(*args, **static)
+    from jax.sharding import PartitionSpec as P
+
+    return jax.shard_map(lambda *a: fn(*a, **static), mesh=mesh, in_specs=P(), out_specs=P(),
+                         axis_names=frozenset(axes), check_vma=False)(*args)
+
+
 @contextlib.contextmanager
 def use_implementation(name: str):
     """Run a block (and everything traced inside it) with one implementation for every op."""

@@ -28,8 +28,10 @@ def lightning_indexer(q, weights, keys, visible, *, top_k, candidate_blocks=None
                                        block_size=block_size),
         lambda k: k.auto_reason(q))
     if kernel is not None:
-        return kernel.lightning_indexer(q, weights, keys, visible, top_k=top_k, candidate_blocks=candidate_blocks,
-                                        block_size=block_size, want_block_scores=want_block_scores,
-                                        interpret=interpret)
+        return dispatch.call_kernel(
+            lambda q, w, k, v, c: kernel.lightning_indexer(q, w, k, v, top_k=top_k, candidate_blocks=c,
+                                                           block_size=block_size,
+                                                           want_block_scores=want_block_scores, interpret=interpret),
+            q, weights, keys, visible, candidate_blocks)
     return reference.lightning_indexer(q, weights, keys, visible, top_k=top_k, candidate_blocks=candidate_blocks,
                                        block_size=block_size, want_block_scores=want_block_scores)

@@ -18,8 +18,8 @@ def hc_mixes(x, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters, implementa
     kernel, interpret = dispatch.choose("hc_mixes", implementation, _kernel, lambda k: k.unsupported_reason(x, fn),
                                         lambda k: k.auto_reason("hc_mixes"))
     if kernel is not None:
-        return kernel.hc_mixes(x, fn, scale, base, norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters,
-                               interpret=interpret)
+        return dispatch.call_kernel(kernel.hc_mixes, x, fn, scale, base, norm_eps=norm_eps, hc_eps=hc_eps,
+                                    sinkhorn_iters=sinkhorn_iters, interpret=interpret)
     return reference.hc_mixes(x, fn, scale, base, norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters)
 
 
@@ -27,7 +27,7 @@ def hc_collapse(x, pre, *, implementation=None):
     kernel, interpret = dispatch.choose("hc_collapse", implementation, _kernel, lambda k: k.collapse_reason(x, pre),
                                         lambda k: k.auto_reason("hc_collapse"))
     if kernel is not None:
-        return kernel.hc_collapse(x, pre, interpret=interpret)
+        return dispatch.call_kernel(kernel.hc_collapse, x, pre, interpret=interpret)
     return reference.hc_collapse(x, pre)
 
 
@@ -36,5 +36,5 @@ def hc_expand(f, residual, post, comb, *, implementation=None):
                                         lambda k: k.expand_reason(f, residual, post, comb),
                                         lambda k: k.auto_reason("hc_expand"))
     if kernel is not None:
-        return kernel.hc_expand(f, residual, post, comb, interpret=interpret)
+        return dispatch.call_kernel(kernel.hc_expand, f, residual, post, comb, interpret=interpret)
     return reference.hc_expand(f, residual, post, comb)

@@ -22,6 +22,6 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
         lambda k: k.unsupported_reason(x, weights, indices, w1, w2, w3, act_block),
         lambda k: k.auto_reason(w1, act_block))
     if kernel is not None:
-        return kernel.moe_experts(x, weights, indices, w1, w2, w3, swiglu_limit=swiglu_limit, act_block=act_block,
-                                  interpret=interpret)
+        return dispatch.call_kernel(kernel.moe_experts, x, weights, indices, w1, w2, w3, swiglu_limit=swiglu_limit,
+                                    act_block=act_block, interpret=interpret)
     return reference.moe_experts(x, weights, indices, w1, w2, w3, swiglu_limit=swiglu_limit, act_block=act_block)

@@ -21,5 +21,6 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, implementation=None)
         "quantized_matmul", implementation, _kernel,
         lambda k: k.unsupported_reason(x, w, act_block=act_block), lambda k: k.auto_reason(x, w))
     if kernel is not None:
-        return kernel.quantized_matmul(x, w, act_block=act_block, out_dtype=out_dtype, interpret=interpret)
+        return dispatch.call_kernel(kernel.quantized_matmul, x, w, act_block=act_block, out_dtype=out_dtype,
+                                    interpret=interpret)
     return reference.quantized_matmul(x, w, act_block=act_block, out_dtype=out_dtype)

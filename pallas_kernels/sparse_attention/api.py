@@ -23,6 +23,8 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
         "sparse_attention", implementation, _kernel,
         lambda k: k.unsupported_reason(q, kv, kv_idx, comp_kv, comp_idx), lambda k: k.auto_reason(q))
     if kernel is not None:
-        return kernel.sparse_attention(q, kv, kv_idx, sink, scale=scale, comp_kv=comp_kv, comp_idx=comp_idx,
-                                       interpret=interpret)
+        return dispatch.call_kernel(
+            lambda q, kv, kv_idx, sink, comp_kv, comp_idx: kernel.sparse_attention(
+                q, kv, kv_idx, sink, scale=scale, comp_kv=comp_kv, comp_idx=comp_idx, interpret=interpret),
+            q, kv, kv_idx, sink, comp_kv, comp_idx)
     return reference.sparse_attention(q, kv, kv_idx, sink, scale=scale, comp_kv=comp_kv, comp_idx=comp_idx)

@@ -1,0 +1,68 @@
+"""Pallas kernels under a mesh with automatic (GSPMD) axes run inside a ``shard_map`` on whole
+operands (``pallas_kernels.dispatch.call_kernel``): on two H200s a real-width ``tp=2`` step with the
+kernels called on split operands was wrong (BENCHMARKS.md, sharding). Checked on 4 virtual CPU
+devices (a subprocess: the device count must be set before JAX is imported) with the kernels in
+interpret mode: the traced program wraps every kernel call in a shard_map over the automatic axes
+(none inside a shard_map that is already manual over them), and the results equal one device's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = r'''
+import dsv41_jax, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from dsv41_jax.quant import quantize_fp8
+from pallas_kernels import dispatch
+from pallas_kernels.mhc import hc_collapse
+from pallas_kernels.quantized_matmul import quantized_matmul
+from sharding.mesh import make_mesh
+from sharding.rules import use_mesh
+
+assert jax.device_count() == 4
+rng = np.random.default_rng()
+x = jnp.asarray(rng.normal(size=(3, 256)), jnp.float32)
+w = quantize_fp8(jnp.asarray(rng.normal(size=(128, 256)) * 0.05, jnp.float32))
+h = jnp.asarray(rng.normal(size=(1, 3, 4, 256)), jnp.float32)
+pre = jnp.asarray(rng.uniform(size=(1, 3, 4)), jnp.float32)
+
+def f(x, w, h, pre):
+    y = quantized_matmul(x, w, implementation="interpret")
+    c = hc_collapse(h, pre, implementation="interpret")
+    return y, c
+
+want = jax.jit(f)(x, w, h, pre)
+mesh = make_mesh("dp=2,tp=2")
+with use_mesh(mesh):
+    ws = jax.device_put(w, NamedSharding(mesh, P("tp", None)))  # output features split, like wq_b
+    hs = jax.device_put(h, NamedSharding(mesh, P(None, None, None, "tp")))
+    jaxpr = str(jax.make_jaxpr(f)(x, ws, hs, pre))
+    got = jax.jit(f)(x, ws, hs, pre)
+assert jaxpr.count("shard_map") == 2, jaxpr.count("shard_map")
+for g, r in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+
+# inside a shard_map that is manual over every axis (the expert-parallel MoE): no second wrapper
+def inner(x, w):
+    return quantized_matmul(x, w, implementation="interpret")
+with use_mesh(mesh):
+    sm = jax.shard_map(inner, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
+    jaxpr2 = str(jax.make_jaxpr(sm)(x, w))
+    got2 = jax.jit(sm)(x, w)
+assert jaxpr2.count("shard_map") == 1, jaxpr2.count("shard_map")
+np.testing.assert_array_equal(np.asarray(got2), np.asarray(want[0]))
+# no mesh: the kernel is called as it is
+assert "shard_map" not in str(jax.make_jaxpr(f)(x, w, h, pre))
+print("OK")
+'''
+
+
+def test_kernels_run_on_whole_operands_under_a_mesh():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-2000:] + r.stderr[-4000:]
