@@ -17,6 +17,7 @@ says so. Beside every result: the HBM-bandwidth floor for the same configuration
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -65,17 +66,29 @@ def bench_config(preset: str, routed_experts: int | None, engram_vocab: int | No
     return cfg.replace(name=f"{preset}-bench", **kw), notes
 
 
-def _stored_bytes(node) -> int:
+def _stored_bytes(node, per_device: bool = False) -> int:
+    """Bytes of the arrays in ``node``; ``per_device``: of one device's shard (the whole array for
+    host arrays and single-device ones)."""
     import jax
 
-    return int(sum(np.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(node)))
+    def shape(a):
+        sh = getattr(a, "sharding", None)
+        return sh.shard_shape(a.shape) if per_device and sh is not None else a.shape
+
+    return int(sum(np.prod(shape(a)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(node)))
 
 
-def decode_bytes(cfg, params, batch: int, context: int) -> float:
+def decode_bytes(cfg, params, batch: int, context: int, dp: int | None = None) -> float:
     """HBM bytes one decode step must read for ``batch`` sequences at ``context`` tokens: every
     weight except the routed experts, the Engram tables and the embedding table (one row per token),
     plus the routed experts touched (expected distinct experts under uniform routing), plus the KV /
-    index-key reads (window + top-k compressed entries per layer, indexer keys scanned)."""
+    index-key reads (window + top-k compressed entries per layer, indexer keys scanned).
+
+    ``dp``: the parameters are placed on a mesh with this many data-parallel groups; the result is
+    then one device's bytes: its shard of every weight (replicated weights whole; the touched
+    experts spread evenly over the ep/tp shards) and its dp group's share of the KV reads."""
+    per_dev = dp is not None
+    _bytes = functools.partial(_stored_bytes, per_device=per_dev)
     total = 0
     per_expert = 0
     for l in range(cfg.n_layers):
@@ -84,14 +97,14 @@ def decode_bytes(cfg, params, batch: int, context: int) -> float:
             if k == "ffn":
                 for kk, vv in v.items():
                     if kk == "experts":
-                        per_expert = _stored_bytes(vv) / cfg.n_routed_experts
+                        per_expert = _bytes(vv) / cfg.n_routed_experts
                     else:
-                        total += _stored_bytes(vv)
+                        total += _bytes(vv)
             elif k == "engram":
-                total += _stored_bytes({kk: vv for kk, vv in v.items() if kk != "embed"})
+                total += _bytes({kk: vv for kk, vv in v.items() if kk != "embed"})
             else:
-                total += _stored_bytes(v)
-    total += _stored_bytes(params["head"]) + _stored_bytes(params["norm"])
+                total += _bytes(v)
+    total += _bytes(params["head"]) + _bytes(params["norm"])
     e, k = cfg.n_routed_experts, cfg.n_activated_experts
     distinct = e * (1 - (1 - k / e) ** batch)
     total += cfg.n_layers * distinct * per_expert
@@ -110,7 +123,7 @@ def decode_bytes(cfg, params, batch: int, context: int) -> float:
                 if cfg.uses_candidates(l):
                     n = min(n, cfg.candidate_topk_blocks * cfg.candidate_block_size)
                 kv += n * idx
-    return total + batch * kv
+    return total + batch * kv / (dp or 1)
 
 
 def device_bandwidth() -> tuple[str, float | None]:
@@ -176,24 +189,39 @@ def run(args) -> dict:
         print(f"note: {n}", flush=True)
     kind, bw = device_bandwidth()
     bw = args.hbm_bw or bw
+    mesh, dp = None, None
+    if args.mesh:
+        from sharding.mesh import describe, make_mesh, mesh_sizes
+
+        mesh = make_mesh(args.mesh)
+        dp = mesh_sizes(mesh)["dp"]
+        notes.append(f"mesh {describe(mesh)}: floors use one device's bytes (its weight shards, its dp share of KV)")
+        if any(B % dp for B in args.batch_sizes):
+            raise ValueError(f"--batch-sizes {args.batch_sizes}: every batch size must be a multiple of dp={dp} "
+                             f"(--mesh {args.mesh})")
     t = time.perf_counter()
-    params = init_params(cfg, seed=args.seed)
+    params = init_params(cfg, seed=args.seed, mesh=mesh)
     jax.block_until_ready(params)
-    print(f"random weights in the real formats: {time.perf_counter() - t:.1f} s on {kind}", flush=True)
+    n_dev = len(mesh.devices.flat) if mesh is not None else 1
+    print(f"random weights in the real formats: {time.perf_counter() - t:.1f} s on {n_dev} x {kind}", flush=True)
     model = Model(cfg, params)
     opts = RunOptions(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
-    out = {"device": kind, "jax": jax.__version__, "config": cfg.name, "notes": notes, "decode": [], "prefill": []}
+    out = {"device": kind if n_dev == 1 else f"{n_dev} x {kind} ({args.mesh})", "jax": jax.__version__,
+           "config": cfg.name, "notes": notes, "decode": [], "prefill": []}
 
     def mem():
+        """Peak bytes in use on the busiest device (None on CPU)."""
+        devs = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
         try:
-            st = jax.devices()[0].memory_stats() or {}
-            return st.get("peak_bytes_in_use")
+            peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devs]
         except Exception:  # noqa: BLE001 - CPU has no memory stats
             return None
+        peaks = [p for p in peaks if p is not None]
+        return max(peaks) if peaks else None
 
     for B in args.batch_sizes:
         eng = Engine(model, batch_size=B, max_seq_len=args.prompt_len + args.new_tokens + 1, opts=opts,
-                     prefill_chunk=args.prefill_chunk, stop_ids=())
+                     prefill_chunk=args.prefill_chunk, stop_ids=(), mesh=mesh)
         reqs = [Request(random_prompt(args.prompt_len, args.seed + i, cfg.vocab_size), max_new_tokens=args.new_tokens,
                         sample_id=i) for i in range(B)]
         rates, prefill_s = [], []
@@ -214,7 +242,7 @@ def run(args) -> dict:
         if args.profile_tokens:
             prof = profile_generate(eng, reqs, args.profile_tokens, args.profile_dir or f"/tmp/dsv41_prof_b{B}")
         ctx = args.prompt_len + args.new_tokens // 2
-        step_bytes = decode_bytes(cfg, params, B, ctx)
+        step_bytes = decode_bytes(cfg, params, B, ctx, dp=dp)
         floor = B * bw / step_bytes if bw else None
         row = {"batch": B, "median_tok_s": med, "runs": rates, "bytes_per_step": step_bytes,
                "floor_tok_s": floor, "ratio_to_floor": med / floor if floor else None, "peak_bytes": mem(),
@@ -224,7 +252,8 @@ def run(args) -> dict:
         out["decode"].append(row)
 
     for L in args.prefill_lens:
-        eng = Engine(model, batch_size=1, max_seq_len=L + 2, opts=opts, prefill_chunk=args.prefill_chunk, stop_ids=())
+        eng = Engine(model, batch_size=dp or 1, max_seq_len=L + 2, opts=opts, prefill_chunk=args.prefill_chunk,
+                     stop_ids=(), mesh=mesh)
         times = []
         for r in range(args.warmup + max(1, args.runs // 3)):
             res = eng.generate([Request(random_prompt(L, args.seed, cfg.vocab_size), max_new_tokens=1)], SamplingParams())
@@ -271,7 +300,10 @@ def _ints(s: str) -> list[int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dsv41_jax.bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="v41-flash", choices=["v41-flash", "tiny"])
+    ap.add_argument("--preset", default="v41-flash", choices=["v41-flash", "v4-flash", "v4-pro", "tiny", "tiny-v4"])
+    ap.add_argument("--mesh", default=None, metavar="SPEC",
+                    help="run on a device mesh, e.g. 'ep=2' or 'dp=1,tp=2,ep=2' (parameters are built on their "
+                         "shardings, never whole on one device)")
     ap.add_argument("--routed-experts", type=int, default=None, help="reduce routed experts per layer to fit")
     ap.add_argument("--engram-vocab", type=int, default=None, help="Engram prime-bucket start (reduces table rows)")
     ap.add_argument("--prompt-len", type=int, default=4096)

@@ -310,13 +310,34 @@ _BIG = 1 << 24  # elements: a leaf this large is drawn on the device, one compil
 _GROUP = 1 << 26  # smaller leaves are drawn on the host and quantized together, this many per call
 
 
-def init_params(cfg: ModelConfig, seed: int = 0) -> dict:
+def init_params(cfg: ModelConfig, seed: int = 0, mesh=None) -> dict:
     """Random weights at the config's shapes, in the checkpoint's formats (FP8 e4m3 + e8m0 32x32,
     MXFP4 experts, bf16/fp32 elsewhere), with the fixture's init recipes. Deterministic in
     ``seed``. Small leaves are drawn with numpy and quantized together in one compiled call; large
-    ones are drawn on the device one at a time (peak memory: one leaf's float32 draft)."""
+    ones are drawn on the device one at a time (peak memory: one leaf's float32 draft).
+
+    ``mesh``: place every leaf on its sharding (``sharding.rules.param_shardings``) as soon as it is
+    made, so that a model larger than one device's memory (full-size V4-Flash on two H200s) is
+    built without ever being whole on one device. The values do not depend on the mesh."""
     layout = param_layout(cfg)
     leaves, treedef = jax.tree.flatten(layout, is_leaf=_is_leaf)
+    place = lambda i, v: v  # noqa: E731
+    if mesh is not None:
+        from sharding.rules import param_shardings
+
+        shard_leaves = jax.tree.leaves(param_shardings(cfg, mesh), is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+        by_leaf = []  # one Sharding per layout leaf (a quantized leaf has one per part: data, scale)
+        pos = 0
+        for leaf in leaves:
+            n = len(jax.tree.leaves(leaf.spec()))
+            by_leaf.append(shard_leaves[pos:pos + n])
+            pos += n
+        if pos != len(shard_leaves):
+            raise ValueError(f"init_params: {len(shard_leaves)} shardings for {pos} parameter arrays")
+
+        def place(i, v):
+            parts, tdef = jax.tree.flatten(v)
+            return jax.tree.unflatten(tdef, [jax.device_put(a, sh) for a, sh in zip(parts, by_leaf[i])])
     hc_dim = cfg.hc_mult * cfg.dim
     out: list = [None] * len(leaves)
     group: list[int] = []
@@ -328,13 +349,13 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> dict:
         if group:
             made = _finish_group(tuple(leaves[i] for i in group), drafts, hc_dim)
             for i, v in zip(group, made):
-                out[i] = v
+                out[i] = place(i, v)
         group, drafts, size = [], [], 0
 
     for i, leaf in enumerate(leaves):
         n = int(np.prod(leaf.shape))
         if n >= _BIG:
-            out[i] = _make_on_device(leaf, jax.random.fold_in(jax.random.PRNGKey(seed), i), hc_dim)
+            out[i] = place(i, _make_on_device(leaf, jax.random.fold_in(jax.random.PRNGKey(seed), i), hc_dim))
             continue
         if size + n > _GROUP:
             flush()

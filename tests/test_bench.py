@@ -37,3 +37,40 @@ def test_bad_flag_value_exits_cleanly(capsys):
         main(["--batch-sizes", "1,x"])
     assert e.value.code == 2
     assert "comma-separated integers" in capsys.readouterr().err
+
+
+class _Split:
+    """A sharding stand-in: ``shard_shape`` divides the leading dim by ``n``."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def shard_shape(self, shape):
+        return (shape[0] // self.n, *shape[1:])
+
+
+class _Leaf:
+    def __init__(self, sds, n):
+        self.shape, self.dtype, self.sharding = sds.shape, sds.dtype, _Split(n)
+
+
+def test_per_device_bytes_on_a_mesh():
+    """With ``dp`` given, decode_bytes counts one device's shards: routed experts split 2-way (ep=2)
+    halve the expert bytes, replicated weights count whole, and the KV reads split over dp."""
+    import jax
+
+    cfg, _ = bench_config("v41-flash", 96, 16000)
+    specs = param_specs(cfg)
+    whole = decode_bytes(cfg, specs, 8, 4096)
+    one = lambda n: jax.tree.map(lambda a: _Leaf(a, n), specs)  # noqa: E731
+    assert decode_bytes(cfg, one(1), 8, 4096, dp=1) == pytest.approx(whole)
+
+    def experts_split(path, a):
+        return _Leaf(a, 2 if "['experts']" in jax.tree_util.keystr(path) else 1)
+
+    ep2 = jax.tree_util.tree_map_with_path(experts_split, specs)
+    b_ep2 = decode_bytes(cfg, ep2, 8, 4096, dp=1)
+    experts = whole - decode_bytes(cfg.replace(n_activated_experts=0), specs, 8, 4096)
+    assert b_ep2 == pytest.approx(whole - experts / 2, rel=1e-6)
+    kv = whole - decode_bytes(cfg, specs, 8, 0)  # context 0: no KV reads
+    assert decode_bytes(cfg, one(1), 8, 4096, dp=2) == pytest.approx(whole - kv / 2, rel=1e-6)
