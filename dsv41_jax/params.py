@@ -321,7 +321,7 @@ def init_params(cfg: ModelConfig, seed: int = 0, mesh=None) -> dict:
     built without ever being whole on one device. The values do not depend on the mesh."""
     layout = param_layout(cfg)
     leaves, treedef = jax.tree.flatten(layout, is_leaf=_is_leaf)
-    place = lambda i, v: v  # noqa: E731
+    by_leaf = None
     if mesh is not None:
         from sharding.rules import param_shardings
 
@@ -335,9 +335,12 @@ def init_params(cfg: ModelConfig, seed: int = 0, mesh=None) -> dict:
         if pos != len(shard_leaves):
             raise ValueError(f"init_params: {len(shard_leaves)} shardings for {pos} parameter arrays")
 
-        def place(i, v):
-            parts, tdef = jax.tree.flatten(v)
-            return jax.tree.unflatten(tdef, [jax.device_put(a, sh) for a, sh in zip(parts, by_leaf[i])])
+    def place(i, v):
+        if by_leaf is None:
+            return v
+        parts, tdef = jax.tree.flatten(v)
+        return jax.tree.unflatten(tdef, [jax.device_put(a, sh) for a, sh in zip(parts, by_leaf[i])])
+
     hc_dim = cfg.hc_mult * cfg.dim
     out: list = [None] * len(leaves)
     group: list[int] = []

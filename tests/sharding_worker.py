@@ -60,7 +60,6 @@ def fast_init_params(cfg, seed=0):
 
     rng = np.random.default_rng(seed)
     hc_dim = cfg.hc_mult * cfg.dim
-    gains = {"linear": None, "norm": 0.1, "sink": 0.5, "hc_base": 0.5, "gate_bias": 0.5, "engram_table": 0.5}
 
     def f32(leaf):
         n = rng.standard_normal(leaf.shape, np.float32)
@@ -336,15 +335,11 @@ def main(argv=None):
     import dataclasses
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from dsv41_jax.cache import init_cache
     from dsv41_jax.options import RunOptions
     from dsv41_jax.transformer import forward_step
-    from sharding.mesh import describe, make_mesh
-    from sharding.rules import explain, init_cache_sharded, param_partition_specs, shard_params
-    from sharding.step import sharded_forward_step
 
     cfg = get_config(a.preset)
     if a.override:
