@@ -98,13 +98,14 @@ def _auto_mesh_axes():
 
 def call_kernel(fn, *args, **static):
     """``fn(*args, **static)``, on whole operands. A ``pallas_call`` is an opaque custom call to
-    XLA's SPMD partitioner: under a mesh with automatic axes (GSPMD) it must not see operands that
-    are split over devices. On an H200 pair, a real-width forward step on ``tp=2`` with the Pallas
-    kernels gave logits off by 3.6 (of 4.9) from one GPU while the same step on ``ep=2`` (kernels
-    only inside the expert ``shard_map``) was bit-identical (BENCHMARKS.md, sharding). So under such
-    a mesh the kernel runs inside a ``shard_map`` over those axes with every operand replicated:
-    XLA gathers the operands, each device computes the whole result, and the caller's sharding
-    constraints slice it again. Inside a ``shard_map`` that is already manual over every axis (the
+    XLA's SPMD partitioner, which cannot split its work; what it does with operands split over
+    devices is not something to rely on. So under a mesh with automatic (GSPMD) axes the kernel
+    runs inside a ``shard_map`` over those axes with every operand replicated: XLA gathers the
+    operands, each device computes the whole result, and the caller's sharding constraints slice
+    it again -- correct by construction, though the op itself is then not split. (Session 3, two
+    H200s: a real-width ``tp=2`` run without this wrapper decoded other greedy tokens than one GPU,
+    but one GPU's own tokens also changed between processes, so that run shows no fault; see
+    BENCHMARKS.md, sharding.) Inside a ``shard_map`` that is already manual over every axis (the
     expert-parallel MoE) the kernel runs as it is. ``static``: non-array keyword arguments."""
     mesh, axes = _auto_mesh_axes()
     if mesh is None:
