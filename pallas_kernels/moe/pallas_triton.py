@@ -208,7 +208,9 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     quant = is_quantized(w1)
     op = operand_dtype(x.dtype, w1)
     p = n * k
-    bt, bi, bk_a, bd, bk_b, warps = config or _config(p, n_exp, i_dim, d)
+    cfg = tuple(config or _config(p, n_exp, i_dim, d))
+    bt, bi, bk_a, bd, bk_b, warps = cfg[:6]
+    stages = cfg[6] if len(cfg) > 6 else 3  # optional 7th entry: software-pipelining stages
     block_expert, block_pair, block_token, block_weight = group_pairs(indices, weights, n_exp, bt)
     nb = block_expert.shape[0]
     xq = (act_quant(x, act_block) if quant else x).astype(op)
@@ -218,7 +220,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     if s1 is None:
         s1 = s2 = s3 = jnp.zeros((1, 1, 1), jnp.uint8)
     limit = float(swiglu_limit or 0.0)
-    params = pltriton.CompilerParams(num_warps=warps, num_stages=3)
+    params = pltriton.CompilerParams(num_warps=warps, num_stages=stages)
     in_kernel = quant and DEBUG["act_quant_in_kernel"]
     if in_kernel and bi % act_block:
         raise ValueError(f"moe_experts (pallas): DEBUG act_quant_in_kernel needs I tiles (bi={bi}) that are "

@@ -95,6 +95,29 @@ def fp8(e, r, c):
     return Fp8Tensor(S((e, r, c), jnp.float8_e4m3fn), S((e, r // 32, c // 32), jnp.float8_e8m0fnu), (32, 32))
 
 
+@pytest.mark.parametrize("config", [(16, 16, 64, 16, 32, 2), (16, 32, 128, 32, 64, 4, 2)])
+def test_tune_configs_interpret(config):
+    """The benchmark's sweep configurations (small tiles, an explicit pipelining depth as a 7th
+    entry) give the reference's result."""
+    x, wts, idx, w1, w2, w3 = make("fp4", np.random.randint(1 << 30), 2, jnp.bfloat16)
+    y = pallas_triton.moe_experts(x, wts, idx, w1, w2, w3, swiglu_limit=1.0, interpret=True, config=config)
+    yr = np.asarray(reference.moe_experts(x, wts, idx, w1, w2, w3, swiglu_limit=1.0))
+    np.testing.assert_allclose(np.asarray(y), yr, rtol=2.0**-7, atol=2.0**-7 * float(np.max(np.abs(yr))))
+
+
+@pytest.mark.parametrize("target", ["cuda", "rocm"])
+def test_tune_configs_lower(target):
+    """Every configuration of ``benchmark.py --tune`` lowers at the real decode shape."""
+    from pallas_kernels.moe.benchmark import TUNE_CONFIGS as cfgs
+
+    assert len(cfgs) >= 8
+    for cfg in cfgs:
+        lower_for(target, lambda x, w, i, a, b, c, cfg=cfg: pallas_triton.moe_experts(
+            x, w, i, a, b, c, swiglu_limit=10.0, config=cfg),
+            S((1, RD), jnp.bfloat16), S((1, RK), jnp.float32), S((1, RK), jnp.int32),
+            fp4(RE, RI, RD), fp4(RE, RD, RI), fp4(RE, RI, RD))
+
+
 @pytest.mark.parametrize("target", ["cuda", "rocm"])
 def test_cross_lowering_real_shapes(target):
     from jax.experimental.pallas import triton as pltriton
