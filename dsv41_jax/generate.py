@@ -268,8 +268,9 @@ def run(argv=None) -> int:
     if a.batch_size % dp:
         raise UsageError(f"--batch-size {a.batch_size} is not a multiple of dp={dp} in --mesh {a.mesh} "
                          f"(each data-parallel group decodes an equal share of the rows)")
-    if a.speculative and mesh is not None:
-        raise UsageError("--speculative dspark runs on one device; it does not take --mesh yet")
+    if a.speculative and dp != 1:
+        raise UsageError(f"--speculative dspark does not split rows over dp (got dp={dp} in --mesh {a.mesh}); "
+                         f"split the experts with ep and the heads with tp")
     t0 = time.perf_counter()
     if a.checkpoint:
         from .checkpoint import load_checkpoint
@@ -293,7 +294,7 @@ def run(argv=None) -> int:
         if not (cfg.n_mtp_layers and cfg.dspark_block_size and "mtp" in model.params):
             raise UsageError("--speculative dspark: the model has no DSpark stages (mtp.*)")
         from .speculative import run_cli
-        return run_cli(a, model, prompts, tok, opts, sampling, max_seq_len)
+        return run_cli(a, model, prompts, tok, opts, sampling, max_seq_len, mesh=mesh)
     slots = min(a.batch_size, -(-len(prompts) // dp) * dp)  # no more slots than prompts, a multiple of dp
     eng = Engine(model, batch_size=slots, max_seq_len=max_seq_len, opts=opts,
                  prefill_chunk=min(a.prefill_chunk, max_seq_len), stop_ids=(cfg.eos_token_id,), mesh=mesh)

@@ -59,6 +59,8 @@ def main(argv=None):
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rows", default="engine,all,simulate,sampled,policies")
+    ap.add_argument("--mesh", default=None, metavar="SPEC",
+                    help="run on a device mesh with dp=1, e.g. 'ep=2' (random parameters are built on their shardings)")
     a = ap.parse_args(argv)
 
     from .compile_cache import enable_compilation_cache
@@ -69,6 +71,17 @@ def main(argv=None):
     from .speculative import SpeculativeGenerator
 
     enable_compilation_cache()  # ~/.cache/dsv41_jax/jax (DSV41_COMPILE_CACHE=off disables)
+    mesh = None
+    if a.mesh:
+        from sharding.mesh import MeshSpecError, describe, make_mesh, mesh_sizes
+
+        try:
+            mesh = make_mesh(a.mesh)
+        except MeshSpecError as e:
+            ap.error(f"--mesh {a.mesh}: {e}")
+        if mesh_sizes(mesh)["dp"] != 1:
+            ap.error(f"--mesh {a.mesh}: DSpark runs with dp=1 (split experts with ep, heads with tp)")
+        print(f"mesh {describe(mesh)}", flush=True)
     if a.checkpoint:
         model = Model.from_checkpoint(a.checkpoint)
     else:
@@ -78,7 +91,7 @@ def main(argv=None):
         cfg, notes = bench_config(a.preset, a.routed_experts, a.engram_vocab, dspark=True)
         for note in notes:
             print(f"note: {note}", flush=True)
-        model = Model(cfg, init_params(cfg, seed=a.seed))
+        model = Model(cfg, init_params(cfg, seed=a.seed, mesh=mesh))
     cfg = model.cfg
     opts = RunOptions(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype)
     rng = np.random.default_rng(a.seed)
@@ -101,7 +114,7 @@ def main(argv=None):
         return f"{np.median(xs):.1f} (best {max(xs):.1f})"
 
     if "engine" in rows:
-        eng = Engine(model, batch_size=B, max_seq_len=cap, opts=opts, prefill_chunk=chunk, stop_ids=())
+        eng = Engine(model, batch_size=B, max_seq_len=cap, opts=opts, prefill_chunk=chunk, stop_ids=(), mesh=mesh)
         reqs = [Request(p, a.new_tokens) for p in prompts]
         eng.generate(reqs)
         tps = []
@@ -113,7 +126,7 @@ def main(argv=None):
 
     def make(sampling=None, **kw):
         g = SpeculativeGenerator(model, batch_size=B, max_seq_len=cap, opts=opts, prefill_chunk=chunk, stop_ids=(),
-                                 **kw)
+                                 mesh=mesh, **kw)
         if kw.get("policy") == "confidence":
             g.calibrate(sampling)
         g.generate(prompts, a.new_tokens, sampling)  # warm-up: compiles every width the run will use

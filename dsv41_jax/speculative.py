@@ -50,6 +50,7 @@ index, the request's own step), so a request's tokens do not depend on its slot 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -331,16 +332,32 @@ class _Slot:
     steps: int = 0  # verify steps run (the random-key step of the next one is steps + 1)
 
 
+def _on_mesh(method):
+    """Run a generator method under its mesh (``use_mesh``), so that every program it traces shards
+    as the partition rules say (the routed experts through the expert-parallel ``shard_map``)."""
+    @functools.wraps(method)
+    def run(self, *args, **kw):
+        if self.mesh is None:
+            return method(self, *args, **kw)
+        from sharding.rules import use_mesh
+
+        with use_mesh(self.mesh):
+            return method(self, *args, **kw)
+
+    return run
+
+
 class SpeculativeGenerator:
     """Generation with DSpark drafts and continuous batching: ``batch_size`` slots; when a sequence
     finishes (a stop token / its ``max_new_tokens``) its slot is reset (backbone cache row, DSpark
     rings, Engram history: :func:`reset_slot_pair`) and takes the next waiting prompt, whose chunks
     are prefilled between the verify steps of the other slots. ``policy``: ``all`` | ``confidence``
-    | ``fixed:k``."""
+    | ``fixed:k``. ``mesh``: run on a ``sharding.make_mesh`` mesh with ``dp = 1`` (parameters on
+    their partition-rule shardings, the routed experts over ``ep``; caches and rows replicated)."""
 
     def __init__(self, model, *, batch_size: int, max_seq_len: int, opts: RunOptions | None = None,
                  prefill_chunk: int = 64, policy: str = "all", stop_ids=(1,), propose=None,
-                 simulate_accept: float | None = None, pad_width: bool = False):
+                 simulate_accept: float | None = None, pad_width: bool = False, mesh=None):
         """``propose(request, pos, tokens_row) -> tokens_row`` (tests): replaces a request's verify
         chunk ``[anchor, drafts...]`` on the host before verification (e.g. oracle drafts).
         ``simulate_accept`` (benchmarks, not lossless): force the accepted-draft count per step to
@@ -366,6 +383,16 @@ class SpeculativeGenerator:
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         # every leaf on the device (Engram tables included: rows are gathered inside the programs)
         self.params = jax.tree.map(lambda a: jnp.asarray(a) if isinstance(a, np.ndarray) else a, model.params)
+        self.mesh = mesh
+        if mesh is not None:
+            from sharding.mesh import mesh_sizes
+            from sharding.rules import shard_params
+
+            dp = mesh_sizes(mesh)["dp"]
+            if dp != 1:
+                raise ValueError(f"DSpark speculative decoding on a mesh needs dp=1 (rows are not split), got dp={dp} "
+                                 f"(--mesh: use ep / tp)")
+            self.params = shard_params(self.params, cfg, mesh, keep_host=False)
         self.hasher = model.hasher if cfg.engram_layer_ids else None
         self.J = cfg.engram_max_ngram_size if cfg.engram_layer_ids else 1
         self.cost = {S: 1.0 for S in range(1, self.G + 2)}  # seconds per verify width (calibrate measures)
@@ -412,6 +439,7 @@ class SpeculativeGenerator:
             k = np.full(self.B, choose_width(conf, active, self.cost))
         return np.clip(np.minimum(k, room), 0, G)
 
+    @_on_mesh
     def calibrate(self, sampling: SamplingParams | None = None, reps: int = 5):
         """Compile every verify width and measure its step time on an all-active batch (fresh
         caches; the median of ``reps`` runs after a compiling one) into ``self.cost`` (for the
@@ -453,6 +481,7 @@ class SpeculativeGenerator:
         return dict(self.cost)
 
     # ------------------------------------------------------------------ generation
+    @_on_mesh
     def generate(self, prompts, max_new_tokens, sampling: SamplingParams | None = None, *,
                  return_state: bool = False, trace: list | None = None, on_finish=None, sample_ids=None):
         """Generate for any number of prompts with continuous batching over ``batch_size`` slots;
@@ -619,7 +648,7 @@ class SpeculativeGenerator:
 # ---------------------------------------------------------------------------------------------
 
 
-def run_cli(a, model, prompts, tok, opts: RunOptions, sampling: SamplingParams, max_seq_len: int) -> int:
+def run_cli(a, model, prompts, tok, opts: RunOptions, sampling: SamplingParams, max_seq_len: int, mesh=None) -> int:
     """The ``--speculative dspark`` path of :mod:`dsv41_jax.generate`: same outputs (records / texts,
     summary on stderr) from one continuous-batching :meth:`SpeculativeGenerator.generate` over all
     prompts on ``--batch-size`` slots; the summary adds the measured acceptance length."""
@@ -637,7 +666,8 @@ def run_cli(a, model, prompts, tok, opts: RunOptions, sampling: SamplingParams, 
     cap = min(cap, cfg.max_position_embeddings)
     policy = getattr(a, "speculative_policy", "all") or "all"
     gen = SpeculativeGenerator(model, batch_size=B, max_seq_len=cap, opts=opts,
-                               prefill_chunk=min(a.prefill_chunk, cap), policy=policy, stop_ids=(cfg.eos_token_id,))
+                               prefill_chunk=min(a.prefill_chunk, cap), policy=policy, stop_ids=(cfg.eos_token_id,),
+                               mesh=mesh)
     print(f"speculative: DSpark, block {G}, policy {policy}, batch {B} slots for {len(prompts)} prompts "
           f"(continuous batching)", file=err, flush=True)
     if policy == "confidence":

@@ -360,11 +360,17 @@ def test_cli_speculative_dspark_continuous_batching(tmp_path, engine, cb_prompts
     assert "acceptance length" in err and "batch 2 slots for 5 prompts" in err and "5 admissions" in err
 
 
-def test_cli_speculative_refuses_mesh(capsys):
-    """The speculative loop runs on one device: --mesh is refused in one line, not ignored."""
+def test_cli_speculative_mesh(capsys):
+    """The speculative loop takes a mesh without dp (dp=1 here, one device); a dp split it cannot
+    honour is refused in one line that names --mesh, not ignored. (ep=2 on two devices:
+    tests/test_speculative_mesh.py.)"""
     from dsv41_jax import generate
 
-    rc = generate.main(["--checkpoint", FIX, "--prompt", "x", "--speculative", "dspark", "--mesh", "dp=1"])
+    rc = generate.main(["--checkpoint", FIX, "--prompt", "x", "--speculative", "dspark", "--mesh", "dp=1",
+                        "--max-new-tokens", "3", "--no-progress"])
+    out = capsys.readouterr()
+    assert rc == 0 and "acceptance length" in out.err
+    rc = generate.main(["--checkpoint", FIX, "--prompt", "x", "--speculative", "dspark", "--mesh", "dp=2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "--mesh" in err[0] and err[0].startswith("error: ")
 

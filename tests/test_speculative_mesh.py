@@ -1,0 +1,48 @@
+"""DSpark speculative decoding on a mesh (``SpeculativeGenerator(..., mesh=)``, ``spec_bench
+--mesh``): on 2 virtual CPU devices (a subprocess: the device count must be set before JAX is
+imported) the fixture model with its routed experts split over ``ep=2`` generates exactly the
+single-device tokens (float32), with the experts really split; ``dp > 1`` is refused with the flag
+to change."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = r'''
+import os, jax, numpy as np
+from dsv41_jax.model import Model
+from dsv41_jax.options import RunOptions
+from dsv41_jax.speculative import SpeculativeGenerator
+from sharding.mesh import make_mesh
+
+assert jax.device_count() == 2
+model = Model.from_checkpoint(os.path.join("tests", "fixtures", "v41_tiny_a"))
+opts = RunOptions(dtype="float32", kv_cache_dtype="float32")
+rng = np.random.default_rng(5)
+prompts = [[0] + rng.integers(3, model.cfg.vocab_size, n).tolist() for n in (19, 33, 7)]
+kw = dict(batch_size=2, max_seq_len=96, opts=opts, prefill_chunk=16, stop_ids=())
+one = SpeculativeGenerator(model, **kw).generate(prompts, 10)
+mesh = make_mesh("ep=2")
+g = SpeculativeGenerator(model, mesh=mesh, **kw)
+w1 = jax.tree.leaves(g.params["layers"]["3"]["ffn"]["experts"]["w1"])[0]  # [E, I, D] (fixture: plain f32)
+assert not w1.sharding.is_fully_replicated and w1.sharding.shard_shape(w1.shape)[0] == w1.shape[0] // 2
+two = g.generate(prompts, 10)
+assert two == one, (two, one)
+try:
+    SpeculativeGenerator(model, mesh=make_mesh("dp=2"), **kw)
+    raise SystemExit("dp=2 was accepted")
+except ValueError as e:
+    assert "dp=1" in str(e) and "--mesh" in str(e), e
+print("OK")
+'''
+
+
+def test_dspark_on_an_ep_mesh_equals_one_device():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-2000:] + r.stderr[-4000:]
