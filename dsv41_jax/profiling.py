@@ -56,16 +56,38 @@ def _key(name: str) -> str:
     return re.sub(r"[.\-]", "_", name)
 
 
+_KERNEL_NAME = re.compile(r'\\?"name\\?"\s*:\s*\\?"([\w.\-]+)\\?"|\bname\s*=\s*\\?"([\w.\-]+)\\?"')
+
+
 def parse_hlo_text(text: str, table: dict | None = None) -> dict[str, tuple[str, str]]:
-    """{hlo instruction: (op_name metadata, result type)} of an optimized HLO module's text."""
+    """{hlo instruction: (op_name metadata, result type)} of an optimized HLO module's text. A
+    Pallas-Triton custom call is also entered under its kernel's name (``name`` in its backend
+    config, e.g. ``moe_gate_up_fp4``): the profiler names the kernel so, and the first call of that
+    name gives its name stack."""
     table = {} if table is None else table
     for line in text.splitlines():
         mm = _HLO_ANY.match(line)
         if not mm:
             continue
         on = re.search(r'op_name="([^"]*)"', line)
-        table.setdefault(_key(mm.group(1)), (on.group(1) if on else "", mm.group(2)[:48]))
+        entry = (on.group(1) if on else "", mm.group(2)[:48])
+        table.setdefault(_key(mm.group(1)), entry)
+        if "xla.gpu.triton" in line:
+            kn = _KERNEL_NAME.search(line[line.index("backend_config"):] if "backend_config" in line else line)
+            if kn:
+                table.setdefault(_key(kn.group(1) or kn.group(2)), entry)
     return table
+
+
+def lookup(table: dict, hlo_op: str, kernel: str) -> tuple[str, str]:
+    """(op_name, type) of a kernel event: by its HLO op; else by the kernel's own name (the kernel of
+    a fusion is named after it; inside a command buffer the event's HLO op can be the buffer's),
+    also without the ``__N`` suffix that tells apart kernels of one name."""
+    for k in (hlo_op, kernel, re.sub(r"__\d+$", "", kernel)):
+        hit = table.get(_key(k))
+        if hit is not None:
+            return hit
+    return ("", "")
 
 
 def hlo_tables(dump_dir: str | None) -> list[tuple[str, dict]]:
@@ -98,7 +120,7 @@ def _pick_table(tables, module: str, hlo_ops: set) -> dict:
     for name, t in tables:
         if not (name == module or name.endswith(module) or module.endswith(name)):
             continue
-        sc = sum(1 for o in hlo_ops if _key(o) in t)
+        sc = sum(1 for o, n in hlo_ops if lookup(t, o, n)[1])
         if sc > score:
             best, score = t, sc
     return best
@@ -142,7 +164,7 @@ def summarize(xplane_path: str, hlo_dump_dir: str | None = None, top: int = 25,
     out = []
     for (dev, pid), evs in events.items():
         mod = evs[0][3]
-        table = _pick_table(tables, mod, {e[2] for e in evs})
+        table = _pick_table(tables, mod, {(e[2], e[0]) for e in evs})
         runs = module_runs.get((dev, pid)) or len({e[4] for e in evs if e[4] is not None}) or 1
         parts: collections.Counter = collections.Counter()
         kern: collections.Counter = collections.Counter()
@@ -150,7 +172,7 @@ def summarize(xplane_path: str, hlo_dump_dir: str | None = None, top: int = 25,
         what: dict = {}
         busy = 0
         for name, dur, hop, _, _, tf in evs:
-            op_name, typ = table.get(_key(hop), ("", ""))
+            op_name, typ = lookup(table, hop, name)
             stack = tf if "/" in tf else op_name
             part = part_of(stack)
             parts[part] += dur

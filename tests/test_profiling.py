@@ -56,3 +56,24 @@ def test_set_executions_rescales_totals():
     assert prog["executions"] == 10 and prog["busy_ms"] == 4.0
     assert prog["parts_ms"] == {"moe": 3.0, "head": 1.0}
     assert prog["kernels"][0]["ms"] == 3.0 and prog["kernels"][0]["launches"] == 12.0
+
+
+def test_kernel_events_map_by_kernel_name():
+    """A Pallas-Triton kernel is found under its backend-config name (escaped or not, with the
+    ``__N`` suffix the runtime adds to tell kernels of one name apart), and a fusion's kernel under
+    its own name when the event's HLO op is something else (e.g. a command buffer)."""
+    from dsv41_jax.profiling import lookup, parse_hlo_text
+
+    text = "\n".join([
+        '  %fusion.7 = f32[8]{0} fusion(f32[8]{0} %p), kind=kLoop, metadata={op_name="jit(s)/attention/indexer/add"}',
+        '  %custom-call.3 = bf16[16,64]{1,0} custom-call(bf16[16,64]{1,0} %a), custom_call_target="__gpu$xla.gpu.triton", '
+        'metadata={op_name="jit(s)/moe/routed_experts/pallas_call"}, backend_config={"name":"moe_gate_up_fp4","ir":"x"}',
+        '  %custom-call.4 = bf16[1,64]{1,0} custom-call(bf16[1,64]{1,0} %b), custom_call_target="__gpu$xla.gpu.triton", '
+        'metadata={op_name="jit(s)/attention/pallas_call"}, backend_config="{\\"name\\":\\"qmm_fp8\\",\\"ir\\":\\"y\\"}"',
+    ])
+    t = parse_hlo_text(text)
+    assert lookup(t, "command_buffer.1", "fusion_7")[0].endswith("indexer/add")
+    assert "routed_experts" in lookup(t, "?", "moe_gate_up_fp4")[0]
+    assert lookup(t, "?", "qmm_fp8__4")[0] == "jit(s)/attention/pallas_call"
+    assert lookup(t, "custom-call.3", "whatever")[0] == "jit(s)/moe/routed_experts/pallas_call"
+    assert lookup(t, "nothing", "unknown_kernel") == ("", "")
