@@ -81,15 +81,19 @@ def run(quick=False, out_dir=None):
     return rows
 
 
-def check():
-    """Correctness only (hc_mixes, hc_collapse, hc_expand separately) at T = 1, 8, 64, 300."""
+CHECK_DIMS = (5120, 4096, 7168)  # V4.1-Flash, V4-Flash, V4-Pro hidden sizes
+
+
+def check(dims=CHECK_DIMS, tokens=(1, 8, 64, 300)):
+    """Correctness only (hc_mixes, hc_collapse, hc_expand separately) at T = 1, 8, 64, 300 for
+    each model width in ``dims``."""
     ok = True
     mix = (2 + HC) * HC
-    for t in (1, 8, 64, 300):
-        ks = jax.random.split(jax.random.PRNGKey(50 + t), 6)
-        x = jax.random.normal(ks[0], (t, HC, D), jnp.bfloat16)
-        f = jax.random.normal(ks[1], (t, D), jnp.bfloat16)
-        fn = jax.random.normal(ks[3], (mix, HC * D), jnp.float32) * 0.02
+    for d, t in [(d, t) for d in dims for t in tokens]:
+        ks = jax.random.split(jax.random.PRNGKey(50 + t + d), 6)
+        x = jax.random.normal(ks[0], (t, HC, d), jnp.bfloat16)
+        f = jax.random.normal(ks[1], (t, d), jnp.bfloat16)
+        fn = jax.random.normal(ks[3], (mix, HC * d), jnp.float32) * 0.02
         scale = jax.random.uniform(ks[4], (3,), jnp.float32, 0.5, 2.0)
         base = jax.random.normal(ks[5], (mix,), jnp.float32)
         try:
@@ -107,7 +111,7 @@ def check():
             res = [("mhc", False, f"{type(e).__name__}: {str(e)[:200]}")]
         for name, good, msg in res:
             ok &= bool(good)
-            log(f"{'PASS' if good else 'FAIL'} {name} T={t}: {msg}")
+            log(f"{'PASS' if good else 'FAIL'} {name} D={d} T={t}: {msg}")
     log(f"mhc check: {'ALL PASS' if ok else 'FAILURES'}")
     return ok
 

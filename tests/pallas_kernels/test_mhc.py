@@ -90,3 +90,19 @@ def test_cross_lowering_real_shapes(target):
         txt = lower_for(target, pallas_triton.hc_expand, S((t, 5120), jnp.bfloat16), S((t, HC, 5120), jnp.bfloat16),
                         S((t, HC), jnp.float32), S((t, HC, HC), jnp.float32)).as_text()
         assert txt.count(name) == 1
+
+
+def test_benchmark_check_covers_v4_widths_in_interpret_mode(monkeypatch):
+    """The GPU ``--check`` runs every model width (V4.1 5120, V4-Flash 4096, V4-Pro 7168); its code
+    path here on a small width, kernels in interpret mode."""
+    import functools
+
+    import pallas_kernels.mhc.benchmark as bm
+
+    assert set(bm.CHECK_DIMS) == {5120, 4096, 7168}
+    for name in ("hc_mixes", "hc_collapse", "hc_expand"):
+        monkeypatch.setattr(bm.pallas_triton, name, functools.partial(getattr(pallas_triton, name), interpret=True))
+    lines = []
+    monkeypatch.setattr(bm, "log", lambda *a: lines.append(" ".join(map(str, a))))
+    assert bm.check(dims=(256,), tokens=(1, 3))
+    assert sum(s.startswith("PASS") and "D=256" in s for s in lines) == 6
