@@ -54,7 +54,8 @@ def bench_config(preset: str, routed_experts: int | None, engram_vocab: int | No
         notes.append(f"Engram table rows reduced {cfg.engram_num_embeddings} -> {rows} (prime buckets from "
                      f"{engram_vocab}; 24 rows per layer per token read either way)")
     if not dspark:
-        notes.append("DSpark stages not built (no speculative decoding in this benchmark)")
+        what = "MTP block" if cfg.family == "v4" else "DSpark stages"
+        notes.append(f"{what} not built (no speculative decoding in this benchmark)")
     if probe_layers and cfg.family == "v41" and cfg.n_layers >= 21 and not dspark:
         # one layer of each kind at real width, for profiling only: ratio 0 (incl. an Engram layer),
         # a ratio-2 KV + index source and a ratio-2 reader, a ratio-1 source that also picks the

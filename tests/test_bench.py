@@ -74,3 +74,12 @@ def test_per_device_bytes_on_a_mesh():
     assert b_ep2 == pytest.approx(whole - experts / 2, rel=1e-6)
     kv = whole - decode_bytes(cfg, specs, 8, 0)  # context 0: no KV reads
     assert decode_bytes(cfg, one(1), 8, 4096, dp=2) == pytest.approx(whole - kv / 2, rel=1e-6)
+
+
+def test_v4_flash_reads_11_gb_per_decoded_token():
+    """Full-size V4-Flash (the 2-GPU comparison with SGLang): performance.md §5b gives 11.0 GB per
+    token at batch 1; the MTP block is left out and the note says so."""
+    cfg, notes = bench_config("v4-flash", None, None)
+    assert cfg.n_layers == 43 and cfg.n_mtp_layers == 0 and cfg.n_routed_experts == 256
+    assert any(n.startswith("MTP block not built") for n in notes)
+    assert abs(decode_bytes(cfg, param_specs(cfg), 1, 4096) / 1e9 - 11.0) < 0.35
