@@ -223,7 +223,7 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
     act = cfg.fp8_block_size
 
     qr = norm(linear(x, p["wq_a"], act_block=act), p["q_norm"], cfg.norm_eps)
-    q = linear(qr, p["wq_b"], act_block=act).reshape(B, S, H, Dh)
+    q = linear(qr, p["wq_b"], act_block=act, path="attn.wq_b").reshape(B, S, H, Dh)
     if cfg.is_v4:
         q = head_rms_norm(q, cfg.norm_eps)
     q = apply_rope(q, ang)
@@ -263,7 +263,7 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
         comp_kv = src_cache["comp"]
         if l in cfg.index_source_layers:
             ix = p["indexer"]
-            qi = linear(qr, ix["wq_b"], act_block=act).reshape(B, S, cfg.index_n_heads, cfg.index_head_dim)
+            qi = linear(qr, ix["wq_b"], act_block=act, path="attn.indexer.wq_b").reshape(B, S, cfg.index_n_heads, cfg.index_head_dim)
             qi = apply_rope(qi, ang)
             qi = cache_store(qi, "index", opts) if opts.quantized_kv else qi
             wscale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
@@ -291,7 +291,7 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
         wo_a = dequantize(weight_of(p["wo_a"]), dtype).reshape(G, Lo, -1)
         o = o.reshape(B, S, G, -1)
         o = jnp.einsum("bsgd,grd->bsgr", o, wo_a, preferred_element_type=jnp.float32, precision=_HI).astype(dtype)
-    out = linear(o.reshape(B, S, G * Lo), p["wo_b"], act_block=act)
+    out = linear(o.reshape(B, S, G * Lo), p["wo_b"], act_block=act, path="attn.wo_b")
     return out, cache_layers, shared
 
 
@@ -321,7 +321,7 @@ def _v4_compressed(p, x, qr, l, m, cfg: ModelConfig, opts: RunOptions, lc, pos0,
             k = hadamard(k)
         lc["index_k"] = scatter_rows(lc["index_k"], dst, _store_v4(k, "index", opts, cfg.rope_head_dim))
         lc.update(istate)
-        qi = linear(qr, ix["wq_b"], act_block=act).reshape(B, S, cfg.index_n_heads, cfg.index_head_dim)
+        qi = linear(qr, ix["wq_b"], act_block=act, path="attn.indexer.wq_b").reshape(B, S, cfg.index_n_heads, cfg.index_head_dim)
         qi = apply_rope(qi, ang)
         if opts.hadamard:
             qi = hadamard(qi)

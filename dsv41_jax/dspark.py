@@ -115,7 +115,7 @@ def _stage_attention(pa, x, ring, P, layer: int, cfg: ModelConfig, opts: RunOpti
     positions = P[:, None] + jnp.arange(G, dtype=jnp.int32)[None, :]
     ang = rope_angles(positions, layer_frequencies(cfg, layer))
     qr = norm(linear(x, pa["wq_a"], act_block=act), pa["q_norm"], cfg.norm_eps)
-    q = apply_rope(linear(qr, pa["wq_b"], act_block=act).reshape(B, G, H, Dh), ang)
+    q = apply_rope(linear(qr, pa["wq_b"], act_block=act, path="attn.wq_b").reshape(B, G, H, Dh), ang)
     kv_blk = cache_store(_stage_kv(pa, x, positions, layer, cfg), "window", opts)
     kv = concat_rows(ring, kv_blk)
     r = jnp.arange(W, dtype=jnp.int32)
@@ -128,7 +128,7 @@ def _stage_attention(pa, x, ring, P, layer: int, cfg: ModelConfig, opts: RunOpti
     wo_a = dequantize(weight_of(pa["wo_a"]), x.dtype).reshape(Gr, Lo, -1)
     o = jnp.einsum("bsgd,grd->bsgr", o.reshape(B, G, Gr, -1), wo_a, preferred_element_type=jnp.float32,
                    precision=_HI).astype(x.dtype)
-    return linear(o.reshape(B, G, Gr * Lo), pa["wo_b"], act_block=act)
+    return linear(o.reshape(B, G, Gr * Lo), pa["wo_b"], act_block=act, path="attn.wo_b")
 
 
 def _stage(p, h, pre, layer, ring, P, cfg, opts):

@@ -22,10 +22,19 @@ def weight_of(node):
     return node if is_quantized(node) else node["weight"]
 
 
-def linear(x: jax.Array, node, *, act_block: int = 32, out_dtype=None) -> jax.Array:
+def linear(x: jax.Array, node, *, act_block: int = 32, out_dtype=None, path: str | None = None) -> jax.Array:
     """DeepSeek's ``linear()``: FP8/FP4 weights get the FP8 activation fake-quant per ``act_block``;
-    plain weights are a plain matmul. fp32 accumulation, output in ``out_dtype`` (default x.dtype)."""
-    return quantized_matmul(x, weight_of(node), act_block=act_block, out_dtype=out_dtype)
+    plain weights are a plain matmul. fp32 accumulation, output in ``out_dtype`` (default x.dtype).
+    ``path``: the weight's name in the partition-rule table (``"attn.wq_b"``); under a mesh with
+    ``tp`` the Pallas kernel then runs on each device's shard (``sharding.tensor_parallel``)."""
+    w = weight_of(node)
+    if path is not None:
+        from sharding.tensor_parallel import tp_linear
+
+        y = tp_linear(x, w, path=path, act_block=act_block, out_dtype=out_dtype)
+        if y is not None:
+            return y
+    return quantized_matmul(x, w, act_block=act_block, out_dtype=out_dtype)
 
 
 def norm(x, node, eps):

@@ -42,13 +42,13 @@ def route(p_gate, x, cfg: ModelConfig, topk: int, tokens=None):
 
 def shared_expert(p, x, cfg: ModelConfig):
     act = cfg.fp8_block_size
-    g = linear(x, p["w1"], act_block=act).astype(jnp.float32)
-    u = linear(x, p["w3"], act_block=act).astype(jnp.float32)
+    g = linear(x, p["w1"], act_block=act, path="ffn.shared_experts.w1").astype(jnp.float32)
+    u = linear(x, p["w3"], act_block=act, path="ffn.shared_experts.w3").astype(jnp.float32)
     if cfg.swiglu_limit > 0:
         u = jnp.clip(u, -cfg.swiglu_limit, cfg.swiglu_limit)
         g = jnp.minimum(g, cfg.swiglu_limit)
     h = (jax.nn.silu(g) * u).astype(x.dtype)
-    return linear(h, p["w2"], act_block=act)
+    return linear(h, p["w2"], act_block=act, path="ffn.shared_experts.w2")
 
 
 def moe(p, x, layer: int, cfg: ModelConfig, *, return_routing: bool = False, tokens=None):

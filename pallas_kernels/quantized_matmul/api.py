@@ -24,3 +24,12 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, implementation=None)
         return dispatch.call_kernel(kernel.quantized_matmul, x, w, act_block=act_block, out_dtype=out_dtype,
                                     interpret=interpret)
     return reference.quantized_matmul(x, w, act_block=act_block, out_dtype=out_dtype)
+
+
+def uses_kernel(x, w, *, act_block=32, implementation=None) -> bool:
+    """Whether :func:`quantized_matmul` with these arguments would run the Pallas kernel (the same
+    dispatch decision, without running anything)."""
+    kernel, _ = dispatch.choose(
+        "quantized_matmul", implementation, _kernel,
+        lambda k: k.unsupported_reason(x, w, act_block=act_block), lambda k: k.auto_reason(x, w))
+    return kernel is not None
