@@ -6,11 +6,10 @@ virtual CPU devices in a subprocess (the device count must be set before JAX is 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from multi_device import ROOT, env, run_script
 
 SCRIPT = r'''
 import jax, numpy as np
@@ -34,26 +33,19 @@ for x, y, s in zip(la, lb, want):
     assert x.dtype == y.dtype and x.shape == y.shape
     assert x.tobytes() == y.tobytes()
 assert split > 50, split
-print("OK", split)
+print(split, "OK")
 '''
 
 
-def _env():
-    return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-
 def test_init_params_on_a_mesh_equals_one_device():
-    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    run_script(SCRIPT, devices=4, timeout=600)
 
 
 def test_bench_on_a_mesh(tmp_path):
     out = tmp_path / "b.json"
     r = subprocess.run([sys.executable, "-m", "dsv41_jax.bench", "--preset", "tiny", "--mesh", "dp=2,tp=2",
                         "--batch-sizes", "2", "--new-tokens", "4", "--runs", "1", "--prompt-len", "16",
-                        "--prefill-lens", "0", "--json", str(out)], cwd=ROOT, env=_env(), capture_output=True,
+                        "--prefill-lens", "0", "--json", str(out)], cwd=ROOT, env=env(4), capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     res = json.loads(out.read_text())
@@ -63,5 +55,5 @@ def test_bench_on_a_mesh(tmp_path):
     assert any("mesh dp=2" in n for n in res["notes"])
     # a batch that does not split over dp is refused with the flag to fix
     r = subprocess.run([sys.executable, "-m", "dsv41_jax.bench", "--preset", "tiny", "--mesh", "dp=2",
-                        "--batch-sizes", "3"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+                        "--batch-sizes", "3"], cwd=ROOT, env=env(4), capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "multiple of dp=2" in r.stderr and "Traceback" not in r.stderr

@@ -7,11 +7,7 @@ interpret mode: the traced program wraps every kernel call in a shard_map over t
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from multi_device import run_script
 
 SCRIPT = r'''
 import dsv41_jax, jax, jax.numpy as jnp, numpy as np
@@ -62,7 +58,4 @@ print("OK")
 
 
 def test_kernels_run_on_whole_operands_under_a_mesh():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-2000:] + r.stderr[-4000:]
+    run_script(SCRIPT, devices=4, timeout=600)

@@ -7,11 +7,7 @@ the XLA reference (plain ``auto`` on a CPU) nothing changes (GSPMD splits the do
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from multi_device import run_script
 
 SCRIPT = r'''
 import dsv41_jax, jax, jax.numpy as jnp, numpy as np
@@ -52,7 +48,4 @@ print("OK")
 
 
 def test_tp_linears_run_the_kernel_per_shard():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-2000:] + r.stderr[-4000:]
+    run_script(SCRIPT, devices=4, timeout=600)
