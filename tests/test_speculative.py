@@ -396,3 +396,26 @@ def test_spec_bench_policy_comparison(capsys):
     assert all(r["identical to engine"] == "True" for r in rows.values())
     assert all(float(r["decode tok/s median"]) > 0 for r in rows.values())
     assert "verify cost table" in out
+
+
+def test_spec_bench_text_prompts(tmp_path):
+    """``spec_bench --text-file``: natural-text prompts are BOS + consecutive pieces of the text's
+    tokens (wrapping around a short text); a text shorter than one prompt, or a tokenizer whose ids
+    the model cannot embed, is refused with a message naming the flag."""
+    import pytest as _pytest
+
+    from dsv41_jax.spec_bench import text_prompts
+    from dsv41_jax.tokenizer import encode, load_tokenizer
+
+    text = "The quick brown fox jumps over the lazy dog. " * 3 + "Speculative decoding drafts tokens."
+    f = tmp_path / "t.txt"
+    f.write_text(text, encoding="utf-8")
+    ids = encode(load_tokenizer(), text)
+    ps = text_prompts(str(f), None, 3, 9, 129280)
+    assert [len(p) for p in ps] == [9, 9, 9] and all(p[0] == 0 for p in ps)
+    flat = [t for p in ps for t in p[1:]]
+    assert flat == [ids[i % len(ids)] for i in range(24)]
+    with _pytest.raises(SystemExit, match="--prompt-len"):
+        text_prompts(str(f), None, 1, len(ids) + 5, 129280)
+    with _pytest.raises(SystemExit, match="outside the model's vocabulary"):
+        text_prompts(str(f), None, 1, 5, 10)
