@@ -148,3 +148,22 @@ def test_cross_lowering_f32_plain():
     specs = (SD((2, 1, h, d), jnp.float32), SD((2, 128, d), jnp.float32), SD((2, 1, 128), jnp.int32), SD((h,), jnp.float32))
     for target in ("cuda", "rocm"):
         lower_for(target, lambda q, kv, i, s: pallas_triton.sparse_attention(q, kv, i, s, scale=0.04), *specs)
+
+
+def test_reference_bf16_logits_equal_float32_logits():
+    """With bf16 q and keys exact in bf16 (FP8 window, FP4 compressed), the reference takes bf16 rows
+    and one bf16 dot with fp32 accumulation; the same keys as float32 stores take the fp32 path. The
+    two agree within the output's bf16 rounding (the logits differ only in fp32 summation order)."""
+    q, kv, widx, sink, ck, cidx = make_case(jax.random.PRNGKey(np.random.randint(1 << 30)), d=128)
+    kv32, ck32 = kv.dequantize(jnp.float32), ck.dequantize(jnp.float32)
+    assert reference._exact_in_bf16(kv) and reference._exact_in_bf16(ck) and not reference._exact_in_bf16(kv32)
+    low = _ref(q, kv, widx, sink, ck, cidx, 0.1)
+    full = _ref(q, kv32, widx, sink, ck32, cidx, 0.1)
+    def dots(*args):
+        jx = jax.make_jaxpr(lambda *a: reference.sparse_attention(*a[:4], scale=0.1, comp_kv=a[4], comp_idx=a[5]))(*args)
+        return [[str(v.aval.dtype) for v in e.invars] for e in jx.jaxpr.eqns if e.primitive.name == "dot_general"]
+
+    assert dots(q, kv, widx, sink, ck, cidx)[0] == ["bfloat16", "bfloat16"]  # logits: bf16 x bf16
+    assert dots(q, kv32, widx, sink, ck32, cidx)[0] == ["float32", "float32"]
+    check_close(low, full)
+    assert np.array_equal(np.asarray(low[0, 0], np.float32), np.zeros_like(np.asarray(low[0, 0], np.float32)))
