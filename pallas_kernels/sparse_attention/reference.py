@@ -49,21 +49,29 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None)
     # (the fp32 path ran as a SIMT fp32 GEMM: 3.7 ms per layer of a 4096-token prefill on an H200)
     low = dtype == jnp.bfloat16 and _exact_in_bf16(kv) and (not has_comp or _exact_in_bf16(comp_kv))
     rdt = jnp.bfloat16 if low else jnp.float32
-    rows = gather_rows(kv, kv_idx, rdt)
-    idx = kv_idx
+    # the two key sets stay apart (no [B, S, K, D] concatenation of gathered rows): logits per set,
+    # one softmax over both, P.V per set summed in fp32
+    sets = [(gather_rows(kv, kv_idx, rdt), kv_idx)]
     if has_comp:
-        rows = jnp.concatenate([rows, gather_rows(comp_kv, comp_idx, rdt)], axis=2)
-        idx = jnp.concatenate([kv_idx, comp_idx], axis=-1)
-    valid = idx >= 0  # [B,S,K]
-    if low:
-        logits = jnp.einsum("bshd,bskd->bshk", q, rows, preferred_element_type=jnp.float32) * scale
-    else:
-        logits = jnp.einsum("bshd,bskd->bshk", q.astype(jnp.float32), rows, precision=_HI) * scale
+        sets.append((gather_rows(comp_kv, comp_idx, rdt), comp_idx))
+
+    def qk(rows):
+        if low:
+            return jnp.einsum("bshd,bskd->bshk", q, rows, preferred_element_type=jnp.float32)
+        return jnp.einsum("bshd,bskd->bshk", q.astype(jnp.float32), rows, precision=_HI)
+
+    logits = jnp.concatenate([qk(r) for r, _ in sets], axis=-1) * scale
+    valid = jnp.concatenate([i for _, i in sets], axis=-1) >= 0  # [B,S,K]
     logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     e = jnp.exp(logits - m)
     den = jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink.astype(jnp.float32)[None, None, :, None] - m)
     p = (e / den).astype(dtype)
-    out = jnp.einsum("bshk,bskd->bshd", p, rows.astype(dtype), preferred_element_type=jnp.float32, precision=_HI)
+    out, k0 = 0.0, 0
+    for rows, i in sets:
+        k = i.shape[-1]
+        out = out + jnp.einsum("bshk,bskd->bshd", p[..., k0:k0 + k], rows.astype(dtype),
+                               preferred_element_type=jnp.float32, precision=_HI)
+        k0 += k
     return out.astype(dtype)
