@@ -6,7 +6,9 @@ candidate-block mask (level two of the hierarchical indexer) excludes j. The top
 returned in ascending position order, -1 padded (a pick with a ``-inf`` score is no pick).
 
 Decision (spec unsure): the reference computes the einsum in the activation dtype (bf16 on GPU);
-we score in fp32 — tighter, and identical to the fp32 fixture. Ties are broken toward the lower
+we score in fp32 — tighter, and identical to the fp32 fixture. Dequantized MXFP4 q and k are bf16
+numbers exactly, so the dot runs as bf16 x bf16 with fp32 accumulation: the same fp32 products,
+summed in fp32 (only the order differs from an fp32 GEMM). Ties are broken toward the lower
 position (``lax.top_k``); torch's order is unspecified (attention.md §12).
 """
 
@@ -17,7 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.quant import dequantize
+from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, dequantize
 
 
 class IndexerResult(NamedTuple):
@@ -38,9 +40,19 @@ def head_group(b: int, sq: int, nh: int, n: int, budget: int | None = None) -> i
     return g
 
 
+def _exact_in_bf16(x) -> bool:
+    """Quantized q / keys (e2m1 or e4m3 times a power-of-two or e4m3 scale: at most 5 significant
+    bits) and bf16 arrays dequantize to bf16 numbers exactly; float32 arrays do not."""
+    return isinstance(x, (Fp4Tensor, Fp8Tensor)) or x.dtype == jnp.bfloat16
+
+
 def index_scores(q, weights, keys, visible, *, candidate_blocks=None, block_size=8):
-    qf = dequantize(q, jnp.float32)
-    kf = dequantize(keys, jnp.float32)
+    # exact-in-bf16 operands: one bf16 x bf16 dot with fp32 accumulation per head group -- the
+    # products are exact in fp32, so the scores equal the fp32 ones up to summation order, on the
+    # tensor cores instead of an fp32 SIMT GEMM
+    low = _exact_in_bf16(q) and _exact_in_bf16(keys)
+    qf = dequantize(q, jnp.bfloat16 if low else jnp.float32)
+    kf = dequantize(keys, jnp.bfloat16 if low else jnp.float32)
     w = weights.astype(jnp.float32)
     b, sq, nh, _ = qf.shape
     g = head_group(b, sq, nh, kf.shape[1])
@@ -48,7 +60,10 @@ def index_scores(q, weights, keys, visible, *, candidate_blocks=None, block_size
     def group(h0):  # heads h0 .. h0+g-1 at once: an [B,S,g,Nc] intermediate within SCORE_BUDGET
         qh = jax.lax.dynamic_slice_in_dim(qf, h0, g, axis=2)
         wh = jax.lax.dynamic_slice_in_dim(w, h0, g, axis=2)
-        sh = jnp.einsum("bshd,bnd->bshn", qh, kf, precision=jax.lax.Precision.HIGHEST)
+        if low:
+            sh = jnp.einsum("bshd,bnd->bshn", qh, kf, preferred_element_type=jnp.float32)
+        else:
+            sh = jnp.einsum("bshd,bnd->bshn", qh, kf, precision=jax.lax.Precision.HIGHEST)
         return jnp.sum(jax.nn.relu(sh) * wh[..., None], axis=2)
 
     if nh // g <= 8:

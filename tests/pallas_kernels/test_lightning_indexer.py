@@ -218,3 +218,20 @@ def test_head_group_sizes():
     assert reference.head_group(1, 1, 32, 2048) == 32  # decode: every head in one einsum
     assert reference.head_group(8, 1, 32, 1 << 19) == 8  # 1M context at ratio 2, batch 8: 4 groups
     assert reference.head_group(1, 4096, 32, 16384) == 1  # 64K prefill chunk: one head at a time
+
+
+def test_index_scores_dot_is_bf16_for_mxfp4_and_fp32_otherwise():
+    """MXFP4 q and k dequantize exactly to bf16: the score dot takes bf16 operands (fp32
+    accumulation, tensor cores); float32 operands keep the fp32 dot."""
+    rng = np.random.default_rng()
+    q = jnp.asarray(rng.normal(size=(1, 1, 4, 64)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(1, 40, 64)), jnp.float32)
+    w = jnp.ones((1, 1, 4), jnp.float32)
+    vis = jnp.array([[40]], jnp.int32)
+
+    def dots(q, k):
+        jx = jax.make_jaxpr(lambda *a: reference.index_scores(*a))(q, w, k, vis)
+        return [[str(v.aval.dtype) for v in e.invars] for e in jx.jaxpr.eqns if e.primitive.name == "dot_general"]
+
+    assert dots(_mx(q), _mx(k)) == [["bfloat16", "bfloat16"]]
+    assert dots(q, k) == [["float32", "float32"]]
