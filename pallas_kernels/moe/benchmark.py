@@ -79,20 +79,30 @@ def run(quick=False, out_dir=None, tune=False):
         rows.append(rec)
     if tune:
         log("\n# MoE config sweep (bt, bi, bk_a, bd, bk_b, warps[, stages]); Pallas only")
-        cfgs = TUNE_CONFIGS
-        for n in (1, 8):
+        for n, cfgs in ((1, TUNE_CONFIGS), (8, TUNE_CONFIGS), (2048, TUNE_CONFIGS_PREFILL)):
             args = []
             for r in range(5):
                 kr = jax.random.fold_in(key, 777 * n + r)
                 w, idx = routing(kr, n)
                 args.append((jax.random.normal(jax.random.fold_in(kr, 7), (n, D), jnp.bfloat16), w, idx))
+            yr = jax.jit(lambda x, w, idx, a, b, c: reference.moe_experts(x, w, idx, a, b, c, swiglu_limit=LIMIT))(
+                *args[0], w1, w2, w3)
             for cfg in cfgs:
                 try:
-                    t, _ = time_op(lambda x, w, idx, a, b, c: pallas_triton.moe_experts(x, w, idx, a, b, c, swiglu_limit=LIMIT,
-                                                                                       config=cfg),
-                                   args, (w1, w2, w3), reps=(2, 5))
-                    log(f"  n={n} cfg={cfg}: {fmt_us(t)} us")
-                    rows.append(dict(op="tune_moe", tokens=n, config=cfg, pallas_s=t))
+                    f = lambda x, w, idx, a, b, c, cfg=cfg: pallas_triton.moe_experts(  # noqa: E731
+                        x, w, idx, a, b, c, swiglu_limit=LIMIT, config=cfg)
+                    # a wrong config is never the pick: a tiling fault moves many elements (session 1:
+                    # 15% by > 1%), while bf16 rounding flips of g/u/h (the kernels sum in another order
+                    # than XLA; exact in float32) move a few elements by one e4m3 step of one h entry
+                    y = jax.jit(f)(*args[0], w1, w2, w3)
+                    err = max_rel_err(y, yr)
+                    d = np.abs(np.asarray(y, np.float32) - np.asarray(yr, np.float32))
+                    frac = float(np.mean(d > 0.01 * float(np.max(np.abs(np.asarray(yr, np.float32))))))
+                    t, _ = time_op(f, args, (w1, w2, w3), reps=(2, 5))
+                    log(f"  n={n} cfg={cfg}: {fmt_us(t)} us, rel err {err:.2e}, {frac:.4f} of elements > 1%"
+                        f"{'' if frac <= TUNE_MAX_FRAC else '  WRONG'}")
+                    rows.append(dict(op="tune_moe", tokens=n, config=cfg, pallas_s=t, rel_err=err, frac_gt_1pct=frac,
+                                     ok=frac <= TUNE_MAX_FRAC))
                 except Exception as e:
                     log(f"  n={n} cfg={cfg} FAILED {type(e).__name__}: {str(e)[:200]}")
     if out_dir:
@@ -109,6 +119,13 @@ TUNE_CONFIGS = [(16, 64, 256, 64, 256, 4), (16, 32, 256, 32, 256, 4), (16, 16, 2
                 (16, 32, 512, 32, 512, 4), (16, 64, 256, 64, 256, 8), (16, 32, 256, 32, 256, 8),
                 (16, 16, 512, 16, 512, 2), (16, 32, 256, 32, 256, 4, 2), (16, 32, 256, 32, 256, 4, 4),
                 (16, 128, 256, 128, 256, 4), (16, 128, 256, 128, 256, 8)]
+TUNE_MAX_FRAC = 1e-2  # at most this share of output elements off by > 1% of max|y|
+
+# Prefill (2048 tokens, ~128 rows per expert): the 4096-token prefill profile had the two kernels at
+# 10.4 + 5.1 ms per layer, about 112 TFLOP/s (14% of the bf16 peak); bigger tiles, more warps.
+TUNE_CONFIGS_PREFILL = [(64, 128, 64, 128, 64, 4), (64, 128, 64, 128, 64, 8), (128, 128, 64, 128, 64, 8),
+                        (64, 128, 128, 128, 128, 8), (128, 64, 64, 64, 64, 4), (64, 256, 64, 256, 64, 8),
+                        (128, 128, 64, 128, 64, 8, 4), (64, 128, 64, 128, 64, 4, 4)]
 
 
 def check_case(label, x, w, idx, a, b, c, *, act_block=32, frac_limit=1e-3):
