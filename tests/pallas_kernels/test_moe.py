@@ -241,3 +241,20 @@ def test_prefill_blocking_float32_exact_interpret():
     y = np.asarray(api.moe_experts(x, wts, idx, w1, w2, w3, swiglu_limit=1.0, implementation="interpret"))
     yr = np.asarray(reference.moe_experts(x, wts, idx, w1, w2, w3, swiglu_limit=1.0))
     np.testing.assert_allclose(y, yr, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(yr))))
+
+
+def test_benchmark_check_v41_runs_in_interpret_mode(monkeypatch):
+    """The GPU ``--check`` for V4.1 (MXFP4 at decode sizes, the prefill blocking in bf16 and float32,
+    FP8 experts) and V4, on a small shape in interpret mode: every row passes."""
+    import functools
+
+    import pallas_kernels.moe.benchmark as bm
+
+    for name, v in (("E", 8), ("I", 64), ("D", 128), ("TOPK", 2), ("CHECK_PREFILL_TOKENS", 512),
+                    ("V4_SHAPE", (8, 128, 256))):
+        monkeypatch.setattr(bm, name, v)
+    monkeypatch.setattr(bm.pallas_triton, "moe_experts", functools.partial(pallas_triton.moe_experts, interpret=True))
+    lines = []
+    monkeypatch.setattr(bm, "log", lambda *a: lines.append(" ".join(map(str, a))))
+    assert bm.check(), lines
+    assert sum("prefill blocking" in s and s.startswith("PASS") for s in lines) == 2, lines
