@@ -360,19 +360,32 @@ def test_cli_speculative_dspark_continuous_batching(tmp_path, engine, cb_prompts
     assert "acceptance length" in err and "batch 2 slots for 5 prompts" in err and "5 admissions" in err
 
 
-def test_cli_speculative_mesh(capsys):
-    """The speculative loop takes a mesh without dp (dp=1 here, one device); a dp split it cannot
-    honour is refused in one line that names --mesh, not ignored. (ep=2 on two devices:
-    tests/test_speculative_mesh.py.)"""
-    from dsv41_jax import generate
+def test_cli_speculative_mesh(capsys, monkeypatch):
+    """The speculative loop takes a mesh without dp (here dp=1 on one device: the CLI hands the mesh
+    to the generator); a dp split it cannot honour is refused in one line that names --mesh, not
+    ignored. (DSpark on ep=2 over two devices: tests/test_speculative_mesh.py.)"""
+    from dsv41_jax import generate, speculative
 
-    rc = generate.main(["--checkpoint", FIX, "--prompt", "x", "--speculative", "dspark", "--mesh", "dp=1",
-                        "--max-new-tokens", "3", "--no-progress"])
-    out = capsys.readouterr()
-    assert rc == 0 and "acceptance length" in out.err
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake(model, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(speculative, "SpeculativeGenerator", fake)
+    monkeypatch.setenv("DSV41_DEBUG", "1")  # let the stand-in's exception through main()
+    with pytest.raises(Stop):
+        generate.main(["--checkpoint", FIX, "--prompt", "x", "--speculative", "dspark", "--mesh", "dp=1",
+                       "--max-new-tokens", "3", "--no-progress"])
+    monkeypatch.delenv("DSV41_DEBUG")
+    assert seen["mesh"] is not None and seen["mesh"].devices.size == 1
     rc = generate.main(["--checkpoint", FIX, "--prompt", "x", "--speculative", "dspark", "--mesh", "dp=2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "--mesh" in err[0] and err[0].startswith("error: ")
+
 
 @pytest.mark.slow
 def test_spec_bench_policy_comparison(capsys):
