@@ -324,6 +324,8 @@ def main(argv=None):
     ap.add_argument("--profile", type=int, default=0, help="profile this many extra decode steps per run")
     ap.add_argument("--prof-dir", default="/tmp/dsv41_sharding_prof")
     ap.add_argument("--keep-going", action="store_true", help="report a failing mesh and continue")
+    ap.add_argument("--repeat-single", action="store_true",
+                    help="run the single-device generation twice in this process and report whether it is bit-identical")
     a = ap.parse_args(argv)
     if a.moe_unit:
         return moe_unit([s for s in a.meshes.split(";") if s.strip()])
@@ -365,7 +367,16 @@ def main(argv=None):
     ref_logits, ref_gen, ref_t, ref_state = run_generation(ref_step, params, init_cache(cfg, B, a.max_seq_len, opts), prompt,
                                                 a.new, ids_fn, sync)
     row = {"event": "single", "s": round(time.perf_counter() - t0, 2), "tokens": ref_gen.tolist(),
-           "decode_ms": [round(1e3 * t, 3) for t in ref_t]}
+           "decode_ms": [round(1e3 * t, 3) for t in ref_t],
+           # a digest of every logit, to compare one device's result between processes
+           "logits_sha1": __import__("hashlib").sha1(b"".join(np.asarray(x).tobytes() for x in ref_logits)).hexdigest()}
+    if a.repeat_single:
+        # the same compiled program again in this process: must be bit-identical (a difference means a
+        # non-deterministic kernel, e.g. a race or a read of uninitialised memory)
+        again = run_generation(ref_step, params, init_cache(cfg, B, a.max_seq_len, opts), prompt, a.new, ids_fn, sync,
+                               force=ref_gen)[0]
+        row["repeat_bit_identical"] = all(np.array_equal(x, y) for x, y in zip(again, ref_logits))
+        row["repeat_max_abs_diff"] = max(float(np.max(np.abs(x - y))) for x, y in zip(again, ref_logits))
     if a.profile:
         row["profile"] = profile_decode(ref_step, params, ref_state, a.profile, ids_fn, os.path.join(a.prof_dir, "single"))
     print(json.dumps(row), flush=True)
