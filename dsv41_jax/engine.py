@@ -148,8 +148,9 @@ _reset_slot_jit = jax.jit(_reset_program, static_argnames=("cfg", "opts", "max_s
 
 def _engine_step(params, cache, tokens, lengths, engram_ids, engram_rows, seed, request_ids, steps,
                  temperature, top_k, top_p, *, cfg, opts, max_seq_len=None, mesh=None, greedy=None):
-    """forward_step (last-token logits) + sampling, one program for every sampling setting (they
-    are traced; ``greedy`` static: see :func:`sample_traced`). Returns (next [B] int32, logits [B, V]
+    """forward_step (last-token logits) + sampling: one program for greedy decoding and one for every
+    sampled setting (temperature / top-k / top-p are traced; ``greedy`` is static, see
+    :func:`sample_traced`). Returns (next [B] int32, logits [B, V]
     f32, new cache)."""
     def body(params, cache, tokens, lengths, engram_ids, engram_rows, seed, request_ids, steps, temperature,
              top_k, top_p):

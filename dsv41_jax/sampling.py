@@ -44,7 +44,8 @@ class SamplingParams:
 
     def static_key(self, vocab_size: int) -> tuple[bool, bool, bool]:
         """(greedy, use_top_k, use_top_p): a specialised sampler's compile-time shape (the engine
-        uses the traced :func:`sample_traced` instead, one program for every setting)."""
+        uses the traced :func:`sample_traced` instead: one program for greedy, one for every sampled
+        setting)."""
         if self.greedy:
             return (True, False, False)
         return (False, 0 < self.top_k < vocab_size, self.top_p < 1.0)
