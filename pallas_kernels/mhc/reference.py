@@ -29,7 +29,12 @@ def hc_mixes(x, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters):
         c = c / (jnp.sum(c, axis=-1, keepdims=True) + hc_eps)
         return c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
 
-    c = jax.lax.fori_loop(0, sinkhorn_iters - 1, round_, c)  # a loop, not 19 unrolled copies in the HLO
+    # On a CPU a loop (not 19 unrolled copies in the HLO: compile time). On a GPU unrolled: each
+    # iteration of an XLA while loop there waits for the host to read its condition (the indexer's
+    # head loop left an H200 idle half of each decode step), and the reference path
+    # (DSV41_KERNELS=reference, or shapes the kernels do not take) has two mHC sites per layer.
+    unroll = jax.default_backend() not in ("cpu",)
+    c = jax.lax.fori_loop(0, sinkhorn_iters - 1, round_, c, unroll=unroll)
     return pre, post, c
 
 

@@ -106,3 +106,20 @@ def test_benchmark_check_covers_v4_widths_in_interpret_mode(monkeypatch):
     monkeypatch.setattr(bm, "log", lambda *a: lines.append(" ".join(map(str, a))))
     assert bm.check(dims=(256,), tokens=(1, 3))
     assert sum(s.startswith("PASS") and "D=256" in s for s in lines) == 6
+
+
+def test_reference_sinkhorn_unrolled_on_gpu(monkeypatch):
+    """The reference's Sinkhorn rounds are a loop on a CPU (compile time) and unrolled on a GPU (a
+    while loop there syncs with the host every iteration); both give the same mixes."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 4, 64), jnp.float32)
+    fn = jax.random.normal(jax.random.PRNGKey(1), (24, 256), jnp.float32) * 0.05
+    scale, base = jnp.array([1.0, 0.5, 2.0]), jax.random.normal(jax.random.PRNGKey(2), (24,))
+    f = lambda *a: reference.hc_mixes(*a, norm_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20)  # noqa: E731
+    cpu = jax.jit(f).lower(x, fn, scale, base).as_text()
+    want = jax.jit(f)(x, fn, scale, base)
+    monkeypatch.setattr(reference.jax, "default_backend", lambda: "gpu")
+    g = lambda *a: reference.hc_mixes(*a, norm_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20)  # noqa: E731
+    gpu = jax.jit(g).lower(x, fn, scale, base).as_text()
+    assert "stablehlo.while" in cpu and "stablehlo.while" not in gpu
+    for a, b in zip(jax.jit(g)(x, fn, scale, base), want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
