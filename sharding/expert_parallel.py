@@ -40,7 +40,7 @@ def moe_experts(*args, **kw):
     return f(*args, **kw)
 
 from .mesh import mesh_sizes
-from .rules import PARAM_RULES, context_mesh, node_specs, rule_for
+from .rules import PARAM_RULES, auto_axes, context_mesh, node_specs, rule_for
 
 
 def _default_path() -> str:
@@ -75,7 +75,7 @@ def routed_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=3
                    mesh=None, path=None):
     """``moe_experts`` with the experts split over the mesh (context mesh by default)."""
     m = mesh if mesh is not None else context_mesh()
-    if m is None or not (set(_auto_axes(m)) & {"ep", "tp"}):
+    if m is None or not (set(auto_axes(m)) & {"ep", "tp"}):
         return moe_experts(x, weights, indices, w1, w2, w3, swiglu_limit=swiglu_limit, act_block=act_block,
                            implementation=implementation)
     sizes = mesh_sizes(m)
@@ -84,16 +84,6 @@ def routed_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=3
                            implementation=implementation)
     return expert_parallel_moe(x, weights, indices, w1, w2, w3, mesh=m, swiglu_limit=swiglu_limit,
                                act_block=act_block, implementation=implementation, path=path)
-
-
-def _auto_axes(m) -> tuple[str, ...]:
-    """Mesh axes not already manual (inside a shard_map over dp, only ep and tp are left)."""
-    try:
-        from jax.sharding import AxisType
-
-        return tuple(n for n, t in zip(m.axis_names, m.axis_types) if t != AxisType.Manual)
-    except (ImportError, AttributeError):  # pragma: no cover
-        return tuple(m.axis_names)
 
 
 def expert_parallel_moe(x, weights, indices, w1, w2, w3, *, mesh, swiglu_limit, act_block=32,
@@ -107,7 +97,7 @@ def expert_parallel_moe(x, weights, indices, w1, w2, w3, *, mesh, swiglu_limit, 
     n_exp = jax.tree.leaves(w1)[0].shape[0]
     e_loc = n_exp // sizes["ep"] if e_split else n_exp
     N = x.shape[0]
-    free = _auto_axes(mesh)
+    free = auto_axes(mesh)
     dp = sizes["dp"] if "dp" in free else 1  # under data_parallel(), dp is already manual
     tok_dp = "dp" if dp > 1 and N % dp == 0 else None
     names = frozenset(a for a in ("dp", "ep", "tp") if a in free)

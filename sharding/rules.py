@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import re
 from contextlib import contextmanager
-from typing import Any, Iterable
+from typing import Iterable
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -329,13 +329,19 @@ def constrain(x, *axes: str | None):
     return jax.lax.with_sharding_constraint(x, spec)
 
 
-def _manual(m) -> bool:
+def auto_axes(m) -> tuple[str, ...]:
+    """Mesh axes not already manual (inside a shard_map over dp, only ep and tp are left)."""
     try:
         from jax.sharding import AxisType
 
-        return any(t == AxisType.Manual for t in m.axis_types)
-    except Exception:  # pragma: no cover
-        return False
+        return tuple(n for n, t in zip(m.axis_names, m.axis_types) if t != AxisType.Manual)
+    except (ImportError, AttributeError):  # pragma: no cover
+        return tuple(m.axis_names)
+
+
+def _manual(m) -> bool:
+    """Whether some axis of ``m`` is manual (inside a shard_map)."""
+    return auto_axes(m) != tuple(m.axis_names)
 
 
 @contextmanager

@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .mesh import AXES, mesh_sizes
-from .rules import cache_shardings, context_mesh, logical_spec, use_mesh
+from .rules import auto_axes, cache_shardings, context_mesh, logical_spec, use_mesh
 
 
 def batch_sharding(mesh, batch: int, ndim: int = 1) -> NamedSharding:
@@ -71,12 +71,7 @@ def row_offset(local_batch: int):
 
 def _dp_is_manual() -> bool:
     m = context_mesh()
-    try:
-        from jax.sharding import AxisType
-
-        return m is not None and m.axis_types[m.axis_names.index("dp")] == AxisType.Manual
-    except (ImportError, AttributeError, ValueError):  # pragma: no cover - older JAX / no dp axis
-        return False
+    return m is not None and "dp" in m.axis_names and "dp" not in auto_axes(m)
 
 
 def sharded_forward_step(cfg, opts, mesh, *, batch: int, max_seq_len: int, logits_mode: str = "all",

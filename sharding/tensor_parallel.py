@@ -25,13 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from .mesh import mesh_sizes
-from .rules import PARAM_RULES, context_mesh, node_specs, rule_for
-
-
-def _auto_axes(m) -> tuple[str, ...]:
-    from jax.sharding import AxisType
-
-    return tuple(n for n, t in zip(m.axis_names, m.axis_types) if t != AxisType.Manual)
+from .rules import PARAM_RULES, auto_axes, context_mesh, node_specs, rule_for
 
 
 def _tp_dim(spec, nd: int) -> int | None:
@@ -52,7 +46,7 @@ def tp_linear(x, w, *, path: str, act_block: int = 32, out_dtype=None, implement
     from pallas_kernels.quantized_matmul import quantized_matmul, uses_kernel
 
     m = context_mesh()
-    if m is None or "tp" not in _auto_axes(m) or mesh_sizes(m)["tp"] == 1:
+    if m is None or "tp" not in auto_axes(m) or mesh_sizes(m)["tp"] == 1:
         return None
     if not uses_kernel(x, w, act_block=act_block, implementation=implementation):
         return None
@@ -67,7 +61,7 @@ def tp_linear(x, w, *, path: str, act_block: int = 32, out_dtype=None, implement
         return None
     # manual over every automatic axis at once (a kernel inside must not open a second shard_map: XLA
     # wants nested manual axes in mesh order); rows stay split over dp when dp is automatic here
-    auto = _auto_axes(m)
+    auto = auto_axes(m)
     sizes = mesh_sizes(m)
     row = "dp" if "dp" in auto and sizes["dp"] > 1 and x.ndim >= 2 and x.shape[0] % sizes["dp"] == 0 else None
     lead = (row,) + (None,) * (x.ndim - 2) if x.ndim >= 2 else ()

@@ -11,6 +11,7 @@ share one compiled step: every call feeds S=CHUNK tokens per row, decode calls w
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -369,7 +370,7 @@ def main(argv=None):
     row = {"event": "single", "s": round(time.perf_counter() - t0, 2), "tokens": ref_gen.tolist(),
            "decode_ms": [round(1e3 * t, 3) for t in ref_t],
            # a digest of every logit, to compare one device's result between processes
-           "logits_sha1": __import__("hashlib").sha1(b"".join(np.asarray(x).tobytes() for x in ref_logits)).hexdigest()}
+           "logits_sha1": hashlib.sha1(b"".join(np.asarray(x).tobytes() for x in ref_logits)).hexdigest()}
     if a.repeat_single:
         # the same compiled program again in this process: must be bit-identical (a difference means a
         # non-deterministic kernel, e.g. a race or a read of uninitialised memory)

@@ -75,6 +75,14 @@ def is_quantized(x) -> bool:
     return isinstance(x, (Fp8Tensor, Fp4Tensor))
 
 
+def exact_in_bf16(x) -> bool:
+    """Whether every (dequantized) value of ``x`` is a bf16 number: FP8 e4m3 (3 mantissa bits) or
+    e2m1 (1 bit) times a power-of-two or e4m3 scale has at most 5 significant bits, and a bf16 array
+    is one already; float32 arrays are not. A bf16 x bf16 dot with fp32 accumulation over such
+    values has the fp32 products exactly (only the summation order differs from an fp32 GEMM)."""
+    return is_quantized(x) or x.dtype == jnp.bfloat16
+
+
 def dequantize(x, dtype=jnp.float32) -> jax.Array:
     """Dequantize a quantized tensor, or cast a plain array."""
     if is_quantized(x):

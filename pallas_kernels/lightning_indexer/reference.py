@@ -19,7 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, dequantize
+from dsv41_jax.quant import dequantize, exact_in_bf16
 
 
 class IndexerResult(NamedTuple):
@@ -40,17 +40,11 @@ def head_group(b: int, sq: int, nh: int, n: int, budget: int | None = None) -> i
     return g
 
 
-def _exact_in_bf16(x) -> bool:
-    """Quantized q / keys (e2m1 or e4m3 times a power-of-two or e4m3 scale: at most 5 significant
-    bits) and bf16 arrays dequantize to bf16 numbers exactly; float32 arrays do not."""
-    return isinstance(x, (Fp4Tensor, Fp8Tensor)) or x.dtype == jnp.bfloat16
-
-
 def index_scores(q, weights, keys, visible, *, candidate_blocks=None, block_size=8):
     # exact-in-bf16 operands: one bf16 x bf16 dot with fp32 accumulation per head group -- the
     # products are exact in fp32, so the scores equal the fp32 ones up to summation order, on the
     # tensor cores instead of an fp32 SIMT GEMM
-    low = _exact_in_bf16(q) and _exact_in_bf16(keys)
+    low = exact_in_bf16(q) and exact_in_bf16(keys)
     qf = dequantize(q, jnp.bfloat16 if low else jnp.float32)
     kf = dequantize(keys, jnp.bfloat16 if low else jnp.float32)
     w = weights.astype(jnp.float32)

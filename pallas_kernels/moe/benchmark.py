@@ -27,6 +27,12 @@ E, I, D, TOPK = 384, 2304, 5120, 6
 LIMIT = 10.0
 
 
+def frac_off(y, yr, rel: float = 0.01) -> float:
+    """Share of the output elements off by more than ``rel`` of max|yr|."""
+    y, yr = np.asarray(y, np.float32), np.asarray(yr, np.float32)
+    return float(np.mean(np.abs(y - yr) > rel * float(np.max(np.abs(yr)))))
+
+
 def routing(key, n):
     k1, k2 = jax.random.split(key)
     idx = jnp.argsort(jax.random.uniform(k1, (n, E)), axis=1)[:, :TOPK].astype(jnp.int32)
@@ -67,8 +73,7 @@ def run(quick=False, out_dir=None, tune=False):
             rec["rel_err"] = max_rel_err(y, yr)
             rec["pallas_s"], rec["pallas_raw_s"] = time_op(fp, args, (w1, w2, w3), reps=reps)
             rec["xla_s"], rec["xla_raw_s"] = time_op(fr, args, (w1, w2, w3), reps=reps, iters=3)
-            d = np.abs(np.asarray(y) - np.asarray(yr))
-            rec["frac_gt_1pct"] = float(np.mean(d > 0.01 * float(np.max(np.abs(np.asarray(yr))))))
+            rec["frac_gt_1pct"] = frac_off(y, yr)
             log(f"{n:6d} {rec['experts_touched']:8.1f} {rec['experts_touched'] * expert_bytes / 1e6:8.1f} {fmt_us(floor)} "
                 f"{fmt_us(rec['pallas_s'])} {fmt_us(rec['xla_s'])} {100 * floor / rec['pallas_s']:7.1f}% "
                 f"{100 * floor / rec['xla_s']:7.1f}% {rec['xla_s'] / rec['pallas_s']:8.2f} {rec['rel_err']:9.2e} "
@@ -95,9 +100,7 @@ def run(quick=False, out_dir=None, tune=False):
                     # 15% by > 1%), while bf16 rounding flips of g/u/h (the kernels sum in another order
                     # than XLA; exact in float32) move a few elements by one e4m3 step of one h entry
                     y = jax.jit(f)(*args[0], w1, w2, w3)
-                    err = max_rel_err(y, yr)
-                    d = np.abs(np.asarray(y, np.float32) - np.asarray(yr, np.float32))
-                    frac = float(np.mean(d > 0.01 * float(np.max(np.abs(np.asarray(yr, np.float32))))))
+                    err, frac = max_rel_err(y, yr), frac_off(y, yr)
                     t, _ = time_op(f, args, (w1, w2, w3), reps=(2, 5))
                     log(f"  n={n} cfg={cfg}: {fmt_us(t)} us, rel err {err:.2e}, {frac:.4f} of elements > 1%"
                         f"{'' if frac <= TUNE_MAX_FRAC else '  WRONG'}")
@@ -141,9 +144,7 @@ def check_case(label, x, w, idx, a, b, c, *, act_block=32, frac_limit=1e-3, max_
             x, w, idx, a, b, c)
         yr = jax.jit(lambda *t: reference.moe_experts(*t, swiglu_limit=LIMIT, act_block=act_block))(
             x, w, idx, a, b, c)
-        err = max_rel_err(y, yr)
-        d = np.abs(np.asarray(y) - np.asarray(yr))
-        frac = float(np.mean(d > 0.01 * float(np.max(np.abs(np.asarray(yr))))))
+        err, frac = max_rel_err(y, yr), frac_off(y, yr)
         good = bool(err <= max_err and frac <= frac_limit)
         msg = f"rel err {err:.2e}, {frac:.4f} of elements > 1%"
     except Exception as e:  # noqa: BLE001

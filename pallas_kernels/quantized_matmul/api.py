@@ -13,13 +13,17 @@ def _kernel():
     return pallas_triton
 
 
+def _choose(x, w, act_block, implementation):
+    return dispatch.choose(
+        "quantized_matmul", implementation, _kernel,
+        lambda k: k.unsupported_reason(x, w, act_block=act_block), lambda k: k.auto_reason(x, w))
+
+
 def quantized_matmul(x, w, *, act_block=32, out_dtype=None, implementation=None):
     """y = x @ W.T. x [..., K]; w an Fp8Tensor [N, K] (32x32 blocks: V4.1, 128x128: V4), Fp4Tensor
     [N, K] (packed [N, K/2]) or a plain [N, K] array. Quantized weights get DeepSeek's FP8 activation
     fake-quant per ``act_block`` (32 in V4.1, 128 in V4; equal to the FP8 weight block)."""
-    kernel, interpret = dispatch.choose(
-        "quantized_matmul", implementation, _kernel,
-        lambda k: k.unsupported_reason(x, w, act_block=act_block), lambda k: k.auto_reason(x, w))
+    kernel, interpret = _choose(x, w, act_block, implementation)
     if kernel is not None:
         return dispatch.call_kernel(kernel.quantized_matmul, x, w, act_block=act_block, out_dtype=out_dtype,
                                     interpret=interpret)
@@ -29,7 +33,4 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, implementation=None)
 def uses_kernel(x, w, *, act_block=32, implementation=None) -> bool:
     """Whether :func:`quantized_matmul` with these arguments would run the Pallas kernel (the same
     dispatch decision, without running anything)."""
-    kernel, _ = dispatch.choose(
-        "quantized_matmul", implementation, _kernel,
-        lambda k: k.unsupported_reason(x, w, act_block=act_block), lambda k: k.auto_reason(x, w))
-    return kernel is not None
+    return _choose(x, w, act_block, implementation)[0] is not None

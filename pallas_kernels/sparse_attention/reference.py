@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.quant import Fp4Tensor, Fp8Tensor
+from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, exact_in_bf16
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -31,15 +31,6 @@ def gather_rows(store, idx: jax.Array, dtype) -> jax.Array:
     return take(store).astype(dtype)
 
 
-def _exact_in_bf16(store) -> bool:
-    """Whether every dequantized value of ``store`` is a bf16 number: FP8 e4m3 (3 mantissa bits) or
-    e2m1 (1 bit) times a power-of-two / e4m3 scale has at most 5 significant bits, and a bf16 store
-    is one already. (Float32 stores are not.)"""
-    if isinstance(store, (Fp8Tensor, Fp4Tensor)):
-        return True
-    return store.dtype == jnp.bfloat16
-
-
 def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None):
     dtype = q.dtype
     has_comp = comp_kv is not None and comp_idx is not None and comp_idx.shape[-1] > 0
@@ -47,7 +38,7 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None)
     # bf16 x bf16 dot with fp32 accumulation -- every product is exact in fp32, so this equals the
     # fp32 logits up to the fp32 summation order, at half the gathered bytes and on the tensor cores
     # (the fp32 path ran as a SIMT fp32 GEMM: 3.7 ms per layer of a 4096-token prefill on an H200)
-    low = dtype == jnp.bfloat16 and _exact_in_bf16(kv) and (not has_comp or _exact_in_bf16(comp_kv))
+    low = dtype == jnp.bfloat16 and exact_in_bf16(kv) and (not has_comp or exact_in_bf16(comp_kv))
     rdt = jnp.bfloat16 if low else jnp.float32
     # the two key sets stay apart (no [B, S, K, D] concatenation of gathered rows): logits per set,
     # one softmax over both, P.V per set summed in fp32

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, quantize_fp4_e4m3, quantize_fp8
+from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, exact_in_bf16, quantize_fp4_e4m3, quantize_fp8
 from pallas_kernels.sparse_attention import api, pallas_triton, reference
 from pallas_kernels.testing import lower_for
 
@@ -156,7 +156,7 @@ def test_reference_bf16_logits_equal_float32_logits():
     two agree within the output's bf16 rounding (the logits differ only in fp32 summation order)."""
     q, kv, widx, sink, ck, cidx = make_case(jax.random.PRNGKey(np.random.randint(1 << 30)), d=128)
     kv32, ck32 = kv.dequantize(jnp.float32), ck.dequantize(jnp.float32)
-    assert reference._exact_in_bf16(kv) and reference._exact_in_bf16(ck) and not reference._exact_in_bf16(kv32)
+    assert exact_in_bf16(kv) and exact_in_bf16(ck) and not exact_in_bf16(kv32)
     low = _ref(q, kv, widx, sink, ck, cidx, 0.1)
     full = _ref(q, kv32, widx, sink, ck32, cidx, 0.1)
     def dots(*args):
