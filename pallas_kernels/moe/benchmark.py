@@ -131,6 +131,74 @@ TUNE_CONFIGS_PREFILL = [(64, 128, 64, 128, 64, 4), (64, 128, 64, 128, 64, 8), (1
                         (128, 128, 64, 128, 64, 8, 4), (64, 128, 64, 128, 64, 4, 4)]
 
 
+def fma_configs(w1, n):
+    """Vector-unit ("fma") configs for ``n`` tokens: the default (one-row blocks) and neighbours
+    (rows per program, K groups per step, warps, pipelining; 2- and 4-row blocks from 4 tokens)."""
+    base = pallas_triton.default_fma_config(w1)
+    _, bt, bi, kga, bd, kgb, warps, stages = base
+    cands = [base, ("fma", bt, bi, kga, bd, kgb, 2, stages), ("fma", bt, bi, kga, bd, kgb, 8, stages),
+             ("fma", bt, bi // 2, kga, bd // 2, kgb, 4, stages), ("fma", bt, bi * 2, kga, bd * 2, kgb, 4, stages),
+             ("fma", bt, bi, kga // 2, bd, kgb // 2, 4, stages), ("fma", bt, bi, kga, bd, kgb, 4, 1),
+             ("fma", bt, bi // 2, kga, bd // 2, kgb, 2, stages)]
+    if n >= 4:
+        cands += [("fma", 2, bi, kga, bd, kgb, 4, stages), ("fma", 4, bi, kga, bd, kgb, 4, stages)]
+    out = []
+    for c in cands:
+        if c not in out and min(c[2:6]) >= 1 and pallas_triton.fma_reason(w1, c) is None:
+            out.append(c)
+    return out
+
+
+def fma_sweep(sizes=(1, 8)):
+    """Tensor-core kernels (default config) vs the vector-unit ("fma") kernels at decode sizes, MXFP4
+    experts at the V4.1 shape; every config checked against the reference (rel err, share of
+    elements off by > 1%) before it is timed. Prints the best per size last."""
+    key = jax.random.PRNGKey(11)
+    k1, k2, k3 = jax.random.split(key, 3)
+    w1, w2, w3 = random_fp4(k1, (E, I, D)), random_fp4(k2, (E, D, I)), random_fp4(k3, (E, I, D))
+    expert_bytes = sum(int(t.data[0].size + t.scale[0].size) for t in (w1, w2, w3))
+    rows, summary = [], []
+    log(f"# MoE fma sweep (MXFP4 E={E} I={I} D={D} top-{TOPK}), {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    for n in sizes:
+        args, touched = [], []
+        for r in range(5):
+            kr = jax.random.fold_in(key, 991 * n + r)
+            w, idx = routing(kr, n)
+            args.append((jax.random.normal(jax.random.fold_in(kr, 7), (n, D), jnp.bfloat16), w, idx))
+            touched.append(len(np.unique(np.asarray(idx))))
+        floor = float(np.mean(touched)) * expert_bytes / HBM_BYTES_PER_S
+        yr = jax.jit(lambda x, w, idx, a, b, c: reference.moe_experts(x, w, idx, a, b, c, swiglu_limit=LIMIT))(
+            *args[0], w1, w2, w3)
+        mma = pallas_triton._config(n * TOPK, E, I, D)
+        results = []
+        for cfg in [mma] + fma_configs(w1, n):
+            try:
+                f = lambda x, w, idx, a, b, c, cfg=cfg: pallas_triton.moe_experts(  # noqa: E731
+                    x, w, idx, a, b, c, swiglu_limit=LIMIT, config=cfg)
+                y = jax.jit(f)(*args[0], w1, w2, w3)
+                err, frac = max_rel_err(y, yr), frac_off(y, yr)
+                t, _ = time_op(f, args, (w1, w2, w3), reps=(2, 5))
+                ok = frac <= TUNE_MAX_FRAC and err <= 8e-3
+                log(f"  n={n} cfg={cfg}: {fmt_us(t)} us ({100 * floor / t:5.1f}% of HBM), rel err {err:.2e}, "
+                    f"{frac:.4f} of elements > 1%{'' if ok else '  WRONG'}")
+                rec = dict(op="fma_moe", tokens=n, config=cfg, pallas_s=t, floor_s=floor, rel_err=err,
+                           frac_gt_1pct=frac, ok=ok)
+                rows.append(rec)
+                results.append(rec)
+            except Exception as e:  # noqa: BLE001
+                log(f"  n={n} cfg={cfg} FAILED {type(e).__name__}: {str(e)[:300]}")
+        good = [r for r in results if r["ok"]]
+        base = next((r for r in results if r["config"] == mma), None)
+        best = min((r for r in good if r["config"][0] == "fma"), key=lambda r: r["pallas_s"], default=None)
+        summary.append((n, floor, base, best))
+    log("\n# MoE fma sweep summary: tokens, floor us, tensor-core us, best fma us (config), % of HBM")
+    for n, floor, base, best in summary:
+        log(f"  {n:4d} {fmt_us(floor)} {fmt_us(base['pallas_s']) if base else '      n/a'} "
+            f"{fmt_us(best['pallas_s']) if best else '      n/a'} {best['config'] if best else ''} "
+            f"{100 * floor / best['pallas_s'] if best else float('nan'):.1f}%")
+    return rows
+
+
 CHECK_PREFILL_TOKENS = 4096
 
 
@@ -302,12 +370,20 @@ def main(argv=None):
     ap.add_argument("--debug", action="store_true", help="localise a mismatch (kernel A rows, act-quant placement)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--fma", action="store_true", help="tensor-core vs vector-unit (fma) kernels at decode sizes")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
     if a.check:
         return 0 if check() else 1
     if a.debug:
         debug()
+        return 0
+    if a.fma:
+        rows = fma_sweep((1,) if a.quick else (1, 8))
+        if a.out:
+            os.makedirs(a.out, exist_ok=True)
+            with open(os.path.join(a.out, "moe_fma.json"), "w") as f:
+                json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
         return 0
     run(quick=a.quick, out_dir=a.out, tune=a.tune)
 

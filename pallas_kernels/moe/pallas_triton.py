@@ -39,6 +39,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.quant import act_quant, is_quantized
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
+from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
 from pallas_kernels.quantized_matmul.pallas_triton import (
     act_block_reason,
     act_fake_quant_tile,
@@ -198,6 +199,147 @@ def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd,
         y_ref[pair_ref[hrows], rows] = acc.astype(y_ref.dtype)
 
 
+def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, g, x_dtype, limit):
+    """Kernel A on the vector units (``"fma"`` configs): the block's ``bt`` rows share each decoded
+    w1 / w3 tile; one fused multiply-add per weight element and row (:mod:`pallas_triton_fma`)."""
+    x_refs = refs[:-5]
+    w1_ref, s1_ref, w3_ref, s3_ref, h_ref = refs[-5:]
+    b = pl.program_id(0)
+    j = pl.program_id(1)
+    e = be_ref[b]
+    row0 = pl.multiple_of(j * bi, bi)
+
+    @pl.when(e >= 0)
+    def _():
+        toks = [tok_ref[b * bt + r] for r in range(bt)]
+
+        def body(i, carry):
+            gs, us = carry
+            g0 = pl.multiple_of(i * kg, kg)
+            if fmt == "fp8":
+                xs = [x_refs[0][t, pl.ds(g0, kg), :] for t in toks]
+                pg = fma.fp8_tile_partial(w1_ref, s1_ref, (e,), row0, bi, g0, kg, g, xs)
+                pu = fma.fp8_tile_partial(w3_ref, s3_ref, (e,), row0, bi, g0, kg, g, xs)
+            else:
+                xs = [(x_refs[0][t, pl.ds(g0, kg), :], x_refs[1][t, pl.ds(g0, kg), :]) for t in toks]
+                pg = fma.fp4_tile_partial(w1_ref, s1_ref, (e,), row0, bi, g0, kg, xs)
+                pu = fma.fp4_tile_partial(w3_ref, s3_ref, (e,), row0, bi, g0, kg, xs)
+            return tuple(a + p for a, p in zip(gs, pg)), tuple(a + p for a, p in zip(us, pu))
+
+        z = tuple(jnp.zeros((bi,), jnp.float32) for _ in range(bt))
+        gs, us = jax.lax.fori_loop(0, steps, body, (z, z))
+        for r in range(bt):
+            gr = gs[r].astype(x_dtype).astype(jnp.float32)
+            ur = us[r].astype(x_dtype).astype(jnp.float32)
+            if limit > 0:
+                ur = jnp.clip(ur, -limit, limit)
+                gr = jnp.minimum(gr, limit)
+            h = gr * jax.nn.sigmoid(gr) * ur * wt_ref[b * bt + r]
+            h_ref[b * bt + r, pl.ds(row0, bi)] = h.astype(h_ref.dtype)
+
+
+def _down_fma_kernel(be_ref, pair_ref, *refs, fmt, bt, bd, kg, steps, g):
+    """Kernel B on the vector units: the block's ``bt`` h rows share each decoded w2 tile."""
+    h_refs = refs[:-3]
+    w2_ref, s2_ref, y_ref = refs[-3:]
+    b = pl.program_id(0)
+    j = pl.program_id(1)
+    e = be_ref[b]
+    row0 = pl.multiple_of(j * bd, bd)
+
+    @pl.when(e >= 0)
+    def _():
+        def body(i, accs):
+            g0 = pl.multiple_of(i * kg, kg)
+            if fmt == "fp8":
+                xs = [h_refs[0][b * bt + r, pl.ds(g0, kg), :] for r in range(bt)]
+                parts = fma.fp8_tile_partial(w2_ref, s2_ref, (e,), row0, bd, g0, kg, g, xs)
+            else:
+                xs = [(h_refs[0][b * bt + r, pl.ds(g0, kg), :], h_refs[1][b * bt + r, pl.ds(g0, kg), :])
+                      for r in range(bt)]
+                parts = fma.fp4_tile_partial(w2_ref, s2_ref, (e,), row0, bd, g0, kg, xs)
+            return tuple(a + p for a, p in zip(accs, parts))
+
+        accs = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros((bd,), jnp.float32) for _ in range(bt)))
+        for r in range(bt):
+            y_ref[pair_ref[b * bt + r], pl.ds(row0, bd)] = accs[r].astype(y_ref.dtype)
+
+
+def fma_reason(w1, config) -> str | None:
+    """Why an ``"fma"`` config cannot run these experts (None: it can)."""
+    _, bt, bi, kg_a, bd, kg_b = config[:6]
+    if weight_format(w1) not in ("fp8", "fp4"):
+        return "the fma MoE kernels take FP8 or MXFP4 experts only"
+    if bt > fma.FMA_MAX_ROWS:
+        return f"the fma MoE kernels take blocks of at most {fma.FMA_MAX_ROWS} rows, got {bt}"
+    _, i_dim, d = weight_logical_shape(w1)
+    g = fma.group_size(w1)
+    if weight_format(w1) == "fp8" and max(bi, bd) > g:
+        return f"FP8 rows per program (bi={bi}, bd={bd}) must be <= the weight block {g}"
+    for name, total, blk in (("I", i_dim, bi), ("D", d, bd)):
+        if total % blk:
+            return f"{name}={total} must be a multiple of its row tile {blk}"
+    for name, kdim, kg in (("D", d, kg_a), ("I", i_dim, kg_b)):
+        if kdim % g or (kdim // g) % kg:
+            return f"reduction dim {name}={kdim} must split into steps of {kg} groups of {g}"
+    return None
+
+
+def default_fma_config(w1, rows_per_expert: float = 1.0) -> tuple:
+    """("fma", bt, bi, kg_a, bd, kg_b, warps, stages): blocks of 1, 2 or 4 rows by the expected rows
+    per expert (pairs / min(experts, pairs))."""
+    _, i_dim, d = weight_logical_shape(w1)
+    g = fma.group_size(w1)
+    bi = 16 if weight_format(w1) == "fp4" else min(32, g)
+
+    def kg_for(kdim):
+        kg = 1
+        while kg * 2 * g <= 512 and (kdim // g) % (kg * 2) == 0:
+            kg *= 2
+        return kg
+
+    bt = 1 if rows_per_expert <= 1.5 else 2 if rows_per_expert <= 3 else 4
+    return ("fma", bt, pick_block(i_dim, bi), kg_for(d), pick_block(d, bi), kg_for(i_dim), 4, 3)
+
+
+def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cfg):
+    reason = fma_reason(w1, cfg)
+    if reason is not None:
+        raise ValueError(f"moe_experts (pallas, fma): {reason}")
+    _, bt, bi, kg_a, bd, kg_b, warps, stages = cfg
+    n, k = indices.shape
+    n_exp, i_dim, d = weight_logical_shape(w1)
+    fmt = weight_format(w1)
+    g = fma.group_size(w1)
+    p = n * k
+    block_expert, block_pair, block_token, block_weight = group_pairs(indices, weights, n_exp, bt)
+    nb = block_expert.shape[0]
+    xs = fma.act_view(act_quant(x, act_block), w1)
+    (d1, s1), (d2, s2), (d3, s3) = (fma.weight_view(w) for w in (w1, w2, w3))
+    params = pltriton.CompilerParams(num_warps=warps, num_stages=stages)
+    h = pl.pallas_call(
+        functools.partial(_gate_up_fma_kernel, fmt=fmt, bt=bt, bi=bi, kg=kg_a, steps=d // g // kg_a, g=g,
+                          x_dtype=x.dtype, limit=limit),
+        out_shape=jax.ShapeDtypeStruct((nb * bt, i_dim), x.dtype),
+        grid=(nb, i_dim // bi),
+        compiler_params=params,
+        interpret=interpret,
+        name=f"moe_gate_up_fma_{fmt}",
+    )(block_expert, block_token, block_weight, *xs, d1, s1, d3, s3)
+    hs = fma.act_view(act_quant(h, act_block), w1)
+    if DEBUG["return_h"]:
+        return h, block_pair
+    y = pl.pallas_call(
+        functools.partial(_down_fma_kernel, fmt=fmt, bt=bt, bd=bd, kg=kg_b, steps=i_dim // g // kg_b, g=g),
+        out_shape=jax.ShapeDtypeStruct((p + 1, d), x.dtype),
+        grid=(nb, d // bd),
+        compiler_params=params,
+        interpret=interpret,
+        name=f"moe_down_fma_{fmt}",
+    )(block_expert, block_pair, *hs, d2, s2)
+    return jnp.sum(y[:p].reshape(n, k, d).astype(jnp.float32), axis=1)
+
+
 def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, interpret=False, config=None):
     reason = unsupported_reason(x, weights, indices, w1, w2, w3, act_block)
     if reason is not None:
@@ -208,6 +350,12 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     quant = is_quantized(w1)
     op = operand_dtype(x.dtype, w1)
     p = n * k
+    limit = float(swiglu_limit or 0.0)
+    if config is None and fmt != "plain" and p <= fma.FMA_MOE_MAX_PAIRS and fma.DECODE_GEMV["moe"] == "fma":
+        config = default_fma_config(w1, p / max(1, min(n_exp, p)))
+    if config is not None and config[0] == "fma":  # vector-unit decode kernels (no tensor cores)
+        return _moe_fma(x, weights, indices, w1, w2, w3, limit=limit, act_block=act_block, interpret=interpret,
+                        cfg=tuple(config))
     cfg = tuple(config or _config(p, n_exp, i_dim, d))
     bt, bi, bk_a, bd, bk_b, warps = cfg[:6]
     stages = cfg[6] if len(cfg) > 6 else 3  # optional 7th entry: software-pipelining stages
@@ -219,7 +367,6 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     d3, s3 = weight_operands(w3)
     if s1 is None:
         s1 = s2 = s3 = jnp.zeros((1, 1, 1), jnp.uint8)
-    limit = float(swiglu_limit or 0.0)
     params = pltriton.CompilerParams(num_warps=warps, num_stages=stages)
     in_kernel = quant and DEBUG["act_quant_in_kernel"]
     if in_kernel and bi % act_block:

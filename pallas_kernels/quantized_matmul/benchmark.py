@@ -53,7 +53,7 @@ PREFILL_M = 4096
 PREFILL = ["wq_b", "wo_b", "shared_w2"]
 
 
-def gemv_case(rows, label, w0, m, key, *, reps=(3, 9), config=None, extra=None):
+def gemv_case(rows, label, w0, m, key, *, reps=(3, 9), config=None, extra=None, xla=None):
     """Check (every element vs the reference) and time one GEMV case; append a record; log a line."""
     wbytes = tree_bytes(w0)
     n, k = w0.shape
@@ -66,7 +66,7 @@ def gemv_case(rows, label, w0, m, key, *, reps=(3, 9), config=None, extra=None):
     try:
         rec["rel_err"] = max_rel_err(jax.jit(fp)(xs[0], w0), jax.jit(fr)(xs[0], w0))
         rec["pallas_s"], rec["pallas_raw_s"] = time_op(fp, args, reps=reps)
-        if config is None:
+        if config is None if xla is None else xla:
             rec["xla_s"], rec["xla_raw_s"] = time_op(fr, args, reps=reps)
     except Exception as e:  # keep going; report the failure
         rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -169,6 +169,54 @@ def tune_gemv(key):
     return rows
 
 
+FMA_SWEEP = ("wq_a", "wq_b", "wo_b", "idx_wq_b", "shared_w1/w3", "shared_w2")  # the decode step's FP8 GEMVs
+FMA_SWEEP_M4 = ("wq_b", "wo_b")
+
+
+def fma_variants(m, w):
+    """The vector-unit GEMV configs the ``--fma`` sweep times: the default and its neighbours
+    (rows per program, K groups per step, split factor, warps)."""
+    from pallas_kernels.quantized_matmul.pallas_triton_fma import default_config, unsupported_reason
+
+    n, k = w.shape
+    base = default_config(m, n, k, w)
+    _, bn, kg, splits, warps, stages = base
+    cands = [base, ("fma", bn, kg, splits, 2, stages), ("fma", bn, kg, splits, 8, stages),
+             ("fma", bn // 2, kg, splits, 4, stages), ("fma", bn, kg * 2, splits, 4, stages),
+             ("fma", bn, kg, splits * 2, 4, stages)]
+    out = []
+    for c in cands:
+        if c not in out and c[1] >= 1 and unsupported_reason(m, w, c) is None:
+            out.append(c)
+    return out
+
+
+def fma_sweep(key, quick=False):
+    """Tensor-core GEMV (default config) vs the vector-unit ("fma") GEMV and its neighbours vs XLA, at
+    1 row (and 4 for the two largest), the V4.1 FP8 projections of a decode step; each config checked against
+    the reference on the GPU (rel err column) before it is timed."""
+    rows = []
+    log("\n# fma GEMV sweep (tensor-core default, then fma configs ('fma', bn, kg, splits, warps, stages))")
+    log(f"{'case':34s} {'M':>5s} {'MB':>8s} {'floor us':>9s} {'pallas us':>9s} {'xla us':>9s} "
+        f"{'%HBM pl':>8s} {'%HBM xla':>8s} {'pl/xla x':>8s} {'relerr':>9s} {'raw pl us':>9s}")
+    cases = [(f"fp8 {name}", random_fp8(jax.random.fold_in(key, i), n, k))
+             for i, (name, n, k) in enumerate(PROJECTIONS) if name in FMA_SWEEP]
+    for label, w0 in cases:
+        for m in ((1,) if quick or label[4:] not in FMA_SWEEP_M4 else (1, 4)):
+            mma = pallas_triton._config(m, *w0.shape, "fp4" if "mxfp4" in label else "fp8")
+            base = gemv_case(rows, f"{label} mma {mma}", w0, m, key, config=mma, xla=True)
+            best = None
+            for cfg in fma_variants(m, w0):
+                rec = gemv_case(rows, f"{label} {cfg}", w0, m, key, config=cfg, extra=dict(mode="fma"))
+                if "pallas_s" in rec and rec["rel_err"] <= CHECK_TOL and (best is None or rec["pallas_s"] < best["pallas_s"]):
+                    best = rec
+            if best is not None and "pallas_s" in base:
+                log(f"  => {label} M={m}: best fma {best['config']} {fmt_us(best['pallas_s'])} us vs mma "
+                    f"{fmt_us(base['pallas_s'])} us vs xla {fmt_us(base.get('xla_s', float('nan')))} us "
+                    f"({100 * base['floor_s'] / best['pallas_s']:.1f}% of HBM)")
+    return rows
+
+
 CHECK_FP8 = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wo_b", 5120, 8192), ("shared_w2", 5120, 2304)]
 # V4-Flash FP8 projections (128x128 blocks, act_block 128; model.md §10.2, attention.md): not yet run on a GPU
 CHECK_FP8_V4 = [("v4 wq_a", 1024, 4096), ("v4 wq_b", 32768, 1024), ("v4 wo_b", 4096, 8192),
@@ -230,10 +278,18 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true", help="correctness only, every path, then exit")
     ap.add_argument("--only", default=None, help="with --check: only cases whose label contains this (e.g. fp8-128)")
     ap.add_argument("--with-mma8", action="store_true", help="with --check: also the experimental mma8 FP8 mode")
+    ap.add_argument("--fma", action="store_true", help="tensor-core vs vector-unit (fma) GEMV sweep, then exit")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
     if a.check:
         return 0 if check(a.only, a.with_mma8) else 1
+    if a.fma:
+        rows = fma_sweep(jax.random.PRNGKey(5), quick=a.quick)
+        if a.out:
+            os.makedirs(a.out, exist_ok=True)
+            with open(os.path.join(a.out, "qmm_fma.json"), "w") as f:
+                json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
+        return 0
     run(quick=a.quick, out_dir=a.out, tune=a.tune)
 
 

@@ -61,6 +61,7 @@ N_SM_DEFAULT = 132
 
 
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: E402,F401  (applies the fix)
+from pallas_kernels.quantized_matmul import pallas_triton_fma as fma  # noqa: E402
 N_SM = 132  # H200; only used to choose the split-K factor (a heuristic, any value is correct)
 
 
@@ -422,6 +423,12 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, con
     op = operand_dtype(x.dtype, w)
     x2 = x.reshape(m, k)
     xq = (act_quant(x2, act_block) if is_quantized(w) else x2).astype(op)
+    if config is None and fmt != "plain" and m <= fma.FMA_MAX_ROWS and fma.DECODE_GEMV["qmm"] == "fma":
+        config = fma.default_config(m, n, k, w)
+    if config is not None and config[0] == "fma":  # vector-unit GEMV for 1-4 rows (pallas_triton_fma)
+        y = fma.quantized_matmul_fma(x2, w, act_block=act_block, out_dtype=out_dtype, config=tuple(config),
+                                 interpret=interpret)
+        return y.reshape(*lead, n)
     bm, bn, bk, splits, warps, stages = config or _config(m, n, k, fmt)
     mp = -(-m // bm) * bm
     if mp != m:  # fused by XLA into the act-quant fusion

@@ -54,3 +54,42 @@ def test_moe_tune_sweep_runs_in_interpret_mode(monkeypatch):
     assert [(r["tokens"], len(r["config"])) for r in tune] == [(1, 6), (1, 7), (8, 6), (8, 7), (2048, 6)]
     assert all(r["ok"] and r["frac_gt_1pct"] <= bm.TUNE_MAX_FRAC for r in tune), \
         [(r["tokens"], r["config"], r["rel_err"], r["frac_gt_1pct"]) for r in tune]
+
+
+def test_moe_fma_sweep_runs_in_interpret_mode(monkeypatch):
+    """``moe.benchmark --fma`` end to end at a small shape (interpret mode, timing stubbed): the
+    tensor-core default and every fma config are checked against the reference and pass."""
+    import functools
+
+    import pallas_kernels.moe.benchmark as bm
+
+    monkeypatch.setattr(bm, "E", 8)
+    monkeypatch.setattr(bm, "I", 64)
+    monkeypatch.setattr(bm, "D", 256)
+    monkeypatch.setattr(bm, "TOPK", 2)
+    monkeypatch.setattr(bm, "time_op", lambda *a, **k: (1e-6, 1e-6))
+    monkeypatch.setattr(bm.pallas_triton, "moe_experts", functools.partial(bm.pallas_triton.moe_experts, interpret=True))
+    monkeypatch.setattr(bm, "log", lambda *a: None)
+    rows = bm.fma_sweep((1, 4))
+    assert {r["tokens"] for r in rows} == {1, 4}
+    fma_rows = [r for r in rows if r["config"][0] == "fma"]
+    assert any(r["config"][1] == 4 for r in fma_rows)  # 4-row blocks tried at 4 tokens
+    assert len(fma_rows) >= 8 and all(r["ok"] for r in rows), [(r["config"], r["rel_err"]) for r in rows if not r["ok"]]
+
+
+def test_qmm_fma_sweep_runs_in_interpret_mode(monkeypatch):
+    """``quantized_matmul.benchmark --fma`` at small shapes: every config is checked (rel err within
+    the check tolerance) and timed (stubbed)."""
+    import functools
+
+    import pallas_kernels.quantized_matmul.benchmark as bq
+
+    monkeypatch.setattr(bq, "PROJECTIONS", [("wq_a", 64, 512), ("wq_b", 128, 256)])
+    monkeypatch.setattr(bq, "time_op", lambda *a, **k: (1e-6, 1e-6))
+    monkeypatch.setattr(bq.pallas_triton, "quantized_matmul",
+                        functools.partial(bq.pallas_triton.quantized_matmul, interpret=True))
+    monkeypatch.setattr(bq, "log", lambda *a: None)
+    rows = bq.fma_sweep(__import__("jax").random.PRNGKey(0))
+    assert {(r["case"].split()[1], r["M"]) for r in rows} == {("wq_a", 1), ("wq_b", 1), ("wq_b", 4)}
+    assert sum(r.get("mode") == "fma" for r in rows) >= 6
+    assert all(r["rel_err"] <= bq.CHECK_TOL for r in rows), [(r["case"], r.get("rel_err")) for r in rows]

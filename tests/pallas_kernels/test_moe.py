@@ -258,3 +258,83 @@ def test_benchmark_check_v41_runs_in_interpret_mode(monkeypatch):
     monkeypatch.setattr(bm, "log", lambda *a: lines.append(" ".join(map(str, a))))
     assert bm.check(), lines
     assert sum("prefill blocking" in s and s.startswith("PASS") for s in lines) == 2, lines
+
+
+# The vector-unit ("fma") decode kernels: same products as the reference, fp32 sums in another
+# order (the per-32 power-of-two weight scale multiplies a partial sum), same tolerance as
+# test_parity_interpret. 1-, 2- and 4-row blocks; the clamp is active (limit 1.0 with weights * 0.2).
+@pytest.mark.parametrize("fmt,n,bt,dtype,limit", [
+    ("fp4", 1, 1, jnp.bfloat16, 1.0), ("fp4", 2, 1, jnp.float32, 1.0), ("fp4", 6, 2, jnp.float32, 0.0),
+    ("fp4", 9, 4, jnp.bfloat16, 1.0), ("fp8", 1, 1, jnp.float32, 1.0), ("fp8", 6, 4, jnp.bfloat16, 1.0),
+])
+def test_fma_parity_interpret(fmt, n, bt, dtype, limit):
+    seed = np.random.randint(1 << 30)
+    x, wts, idx, w1, w2, w3 = make(fmt, seed, n, dtype)
+    cfg = list(pallas_triton.default_fma_config(w1))
+    cfg[1] = bt
+    y = pallas_triton.moe_experts(x, wts, idx, w1, w2, w3, swiglu_limit=limit, interpret=True, config=tuple(cfg))
+    yr = reference.moe_experts(x, wts, idx, w1, w2, w3, swiglu_limit=limit)
+    tol = 2.0**-7 if dtype == jnp.bfloat16 else 1e-5
+    y, yr = np.asarray(y), np.asarray(yr)
+    assert np.all(np.isfinite(y)) and y.shape == (n, D)
+    np.testing.assert_allclose(y, yr, rtol=tol, atol=tol * float(np.max(np.abs(yr))))
+
+
+def test_fma_parity_interpret_v4_act_block_128():
+    """V4's MXFP4 experts with 128-wide activation blocks and FP8 128x128 experts in the fma kernels."""
+    for fmt in ("fp4", "fp8"):
+        x, wts, idx, w1, w2, w3 = make_v4(fmt, np.random.randint(1 << 30), 1, jnp.float32)
+        cfg = pallas_triton.default_fma_config(w1)
+        y = pallas_triton.moe_experts(x, wts, idx, w1, w2, w3, swiglu_limit=10.0, act_block=128, interpret=True,
+                                      config=cfg)
+        yr = reference.moe_experts(x, wts, idx, w1, w2, w3, swiglu_limit=10.0, act_block=128)
+        np.testing.assert_allclose(np.asarray(y), np.asarray(yr), rtol=1e-5, atol=1e-5 * float(np.max(np.abs(yr))))
+
+
+def test_fma_reasons():
+    x, wts, idx, w1, w2, w3 = make("plain", 0, 1, jnp.float32)
+    assert "FP8 or MXFP4" in pallas_triton.fma_reason(w1, ("fma", 1, 16, 4, 16, 2, 4, 3))
+    _, _, _, f1, _, _ = make("fp4", 0, 1, jnp.float32)
+    assert "at most 4 rows" in pallas_triton.fma_reason(f1, ("fma", 8, 16, 4, 16, 2, 4, 3))
+    assert "multiple of its row tile" in pallas_triton.fma_reason(f1, ("fma", 1, 128, 4, 16, 2, 4, 3))
+    assert "steps of 8 groups" in pallas_triton.fma_reason(f1, ("fma", 1, 16, 8, 16, 2, 4, 3))  # D=128: 4 groups
+    with pytest.raises(ValueError, match="fma"):
+        pallas_triton.moe_experts(x, wts, idx, *make("fp4", 0, 1, jnp.float32)[3:], swiglu_limit=1.0,
+                                  interpret=True, config=("fma", 1, 16, 8, 16, 2, 4, 3))
+
+
+@pytest.mark.parametrize("target", ["cuda", "rocm"])
+def test_fma_cross_lowering_real_shapes(target):
+    from jax import ShapeDtypeStruct as S
+
+    e, i, d = 384, 2304, 5120
+    w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)
+    w2 = Fp4Tensor(S((e, d, i // 2), jnp.uint8), S((e, d, i // 32), jnp.float8_e8m0fnu), 32)
+    for n, bt in ((1, 1), (8, 2)):
+        cfg = list(pallas_triton.default_fma_config(w1))
+        cfg[1] = bt
+        txt = lower_for(target, lambda x, w, idx, a, b, c: pallas_triton.moe_experts(
+            x, w, idx, a, b, c, swiglu_limit=10.0, config=tuple(cfg)),
+            S((n, d), jnp.bfloat16), S((n, 6), jnp.float32), S((n, 6), jnp.int32), w1, w2, w1).as_text()
+        from jax.experimental.pallas import triton as pltriton
+        assert txt.count(pltriton.CUSTOM_CALL_TARGET_NAME) == 2
+
+
+def test_decode_gemv_switch_moe(monkeypatch):
+    """With DECODE_GEMV moe=fma the fused MoE takes the fma kernels up to FMA_MOE_MAX_PAIRS pairs
+    (blocks of 1/2/4 rows by the expected rows per expert) and the tensor-core kernels above."""
+    from jax import ShapeDtypeStruct as S
+
+    from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
+
+    monkeypatch.setitem(fma.DECODE_GEMV, "moe", "fma")
+    e, i, d = 384, 2304, 5120
+    w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)
+    w2 = Fp4Tensor(S((e, d, i // 2), jnp.uint8), S((e, d, i // 32), jnp.float8_e8m0fnu), 32)
+    for n, want in ((1, True), (10, True), (11, False)):
+        txt = lower_for("cuda", lambda x, w, idx, a, b, c: pallas_triton.moe_experts(x, w, idx, a, b, c, swiglu_limit=10.0),
+                        S((n, d), jnp.bfloat16), S((n, 6), jnp.float32), S((n, 6), jnp.int32), w1, w2, w1).as_text()
+        assert ("moe_gate_up_fma_fp4" in txt) == want, n
+    assert pallas_triton.default_fma_config(w1, 1.0)[1] == 1
+    assert pallas_triton.default_fma_config(w1, 2.5)[1] == 2
+    assert pallas_triton.default_fma_config(w1, 5.0)[1] == 4

@@ -139,3 +139,64 @@ def test_cross_lowering_experimental_modes(target, monkeypatch):
         monkeypatch.setitem(pallas_triton.SCALE_MODE, fmt, mode)
         for m in (1, 4096):
             _lower(target, m, spec)
+
+
+@pytest.mark.parametrize("fmt,dtype,m,n,k,block", [
+    ("fp8", jnp.bfloat16, 1, 64, 512, 32), ("fp8", jnp.float32, 3, 128, 1024, 32),
+    ("fp8", jnp.float32, 2, 256, 512, 128), ("fp4", jnp.bfloat16, 1, 64, 512, 32),
+    ("fp4", jnp.float32, 4, 96, 1024, 32),
+])
+def test_fma_gemv_parity_interpret(fmt, dtype, m, n, k, block):
+    """The vector-unit GEMV ("fma" configs: default, split K, 2 warps) against the reference, every
+    element; f32 cases spread x over many binades."""
+    from pallas_kernels.quantized_matmul.pallas_triton_fma import default_config
+
+    seed = np.random.randint(1 << 30)
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
+    x = jax.random.normal(k1, (m, k), dtype) * 3
+    if dtype == jnp.float32:
+        x = x * jnp.exp2(jax.random.randint(k3, (m, k), -20, 20)).astype(dtype)
+    wf = jax.random.normal(k2, (n, k), jnp.float32) * 0.05
+    w = quantize_fp8(wf, (block, block)) if fmt == "fp8" else quantize_mxfp4(wf)
+    base = default_config(m, n, k, w)
+    ran = 0
+    for cfg in (base, base[:3] + (2,) + base[4:], base[:4] + (2, 3)):
+        try:
+            y = pallas_triton.quantized_matmul(x, w, act_block=block, interpret=True, config=cfg)
+        except ValueError as e:  # a split that does not divide this K
+            assert "must split" in str(e)
+            continue
+        check_close(y, reference.quantized_matmul(x, w, act_block=block))
+        ran += 1
+    assert ran >= 2
+
+
+@pytest.mark.parametrize("target", ["cuda", "rocm"])
+def test_fma_gemv_cross_lowering(target):
+    from pallas_kernels.quantized_matmul.pallas_triton_fma import default_config
+
+    for w in (fp8_spec(1280, 5120), fp8_spec(32768, 1280), fp8_spec(5120, 8192), fp4_spec(2304, 5120),
+              Fp8Tensor(S((4096, 8192), jnp.float8_e4m3fn), S((32, 64), jnp.float8_e8m0fnu), (128, 128))):
+        for m in (1, 4):
+            cfg = default_config(m, *w.shape, w)
+            ab = w.block[0] if isinstance(w, Fp8Tensor) else 32
+            txt = lower_for(target, lambda x, w: pallas_triton.quantized_matmul(x, w, act_block=ab, config=cfg),
+                            S((m, w.shape[1]), jnp.bfloat16), w).as_text()
+            assert pallas_triton_call_count(txt) == 1
+
+
+def test_decode_gemv_switch(monkeypatch):
+    """DSV41_DECODE_GEMV chooses the decode-size default per op; the fma GEMV takes <= 4 rows only."""
+    from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
+
+    assert fma._parse_decode_gemv("fma") == {"qmm": "fma", "moe": "fma"}
+    assert fma._parse_decode_gemv("qmm=fma,moe=mma") == {"qmm": "fma", "moe": "mma"}
+    with pytest.raises(ValueError, match="DSV41_DECODE_GEMV"):
+        fma._parse_decode_gemv("qmm=fast")
+    w = fp8_spec(1280, 5120)
+    for mode in ("mma", "fma"):
+        monkeypatch.setitem(fma.DECODE_GEMV, "qmm", mode)
+        for m, want in ((1, mode == "fma"), (4, mode == "fma"), (8, False)):
+            txt = lower_for("cuda", lambda x, w: pallas_triton.quantized_matmul(x, w), S((m, 5120), jnp.bfloat16),
+                            w).as_text()
+            assert ("qmm_fma_fp8" in txt) == want, (mode, m)

@@ -1,0 +1,233 @@
+"""Weight-streaming GEMV on the vector units (no tensor cores) for 1-4 activation rows: the
+``"fma"`` configuration of :func:`pallas_kernels.quantized_matmul.pallas_triton.quantized_matmul`,
+and the tile arithmetic the fused MoE's decode kernels share (:mod:`pallas_kernels.moe.pallas_triton`).
+
+Why a second GEMV. The tensor-core GEMV pads the rows to a 16-row MMA tile and must bring every
+decoded weight tile into the MMA operand layout; at one or two rows that costs more than the
+products themselves (session 3: the MXFP4 MoE at batch 1 ran at 0.5 TB/s, about 16 integer/float
+operations per weight element). Here each weight element is decoded once and used by one fused
+multiply-add per row, with no layout change:
+
+* the weight is viewed (by XLA, free) as ``[N, K/G, G]`` groups: G = the FP8 block (32 in V4.1,
+  128 in V4) or, for MXFP4, 16 bytes = 32 elements (one e8m0 scale);
+* a program owns ``bn`` rows and steps over K ``kg`` groups at a time; the tile ``[bn, kg, G]`` is
+  multiplied by the activation group ``[kg, G]``, summed over G (inside a thread's registers or
+  one shuffle), multiplied by the per-(row, group) power-of-two scale and summed over the groups;
+* MXFP4 bytes give even (low nibble) and odd (high nibble) elements, so the activation is split
+  into its even and odd halves by XLA before the kernel (``[M, K/32, 16]`` each);
+* K can be split across programs (fp32 partial sums added by one small XLA fusion) so that small
+  projections still fill the GPU.
+
+Numerics equal the reference up to fp32 summation order: the decoded weights and the fake-quantized
+activations are the same values as in :mod:`.reference` (products exact in fp32), and a power-of-two
+scale applied to a partial sum instead of to each product changes no rounding.
+
+FP8 rows per program: ``bn <= G`` (one scale row per tile, no in-kernel reshape).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, act_quant
+
+FMA_MAX_ROWS = 4  # activation rows one program handles (a static loop sharing each decoded tile)
+FMA_MOE_MAX_PAIRS = 64  # the fused MoE takes the fma kernels by default up to this many (token, slot) pairs
+
+
+def _parse_decode_gemv(text: str) -> dict:
+    """``DSV41_DECODE_GEMV``: "mma" / "fma" (both ops) or "qmm=fma,moe=mma"."""
+    out = {"qmm": "mma", "moe": "mma"}
+    for part in filter(None, (t.strip() for t in text.split(","))):
+        op, _, impl = part.rpartition("=")
+        ops = [op] if op else list(out)
+        if impl not in ("mma", "fma") or any(o not in out for o in ops):
+            raise ValueError(f"DSV41_DECODE_GEMV={text!r}: expected mma, fma or e.g. qmm=fma,moe=mma")
+        for o in ops:
+            out[o] = impl
+    return out
+
+
+# Which GEMV decode sizes use when no config is given (read at trace time): "mma" = the tensor-core
+# kernels, "fma" = the vector-unit kernels of this module. Per op: "qmm" (quantized_matmul, <= 4
+# rows) and "moe" (fused MoE, <= FMA_MOE_MAX_PAIRS pairs).
+DECODE_GEMV = _parse_decode_gemv(os.environ.get("DSV41_DECODE_GEMV", "mma"))
+FP4_GROUP_BYTES = 16  # one MXFP4 scale covers 32 elements = 16 packed bytes
+
+
+def fp4_decode_f32(nib):
+    """int32 e2m1 codes -> float32 ``e2m1 * 2**-6`` (see ``pallas_triton._fp4_decode``, the same
+    e4m3 bit placement: every value normal in f16/f32, exact hardware conversion)."""
+    bits = ((nib & 8) << 4) | ((nib & 7) << 2)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+def e8m0_f32(s_u8, bias_shift: int = 0):
+    e = s_u8.astype(jnp.int32) + bias_shift
+    return jax.lax.bitcast_convert_type(e << 23, jnp.float32)
+
+
+def group_size(w) -> int:
+    return int(w.block[0]) if isinstance(w, Fp8Tensor) else 2 * FP4_GROUP_BYTES
+
+
+# ------------------------------------------------------------------------------------------------
+# views (XLA, outside the kernels)
+
+
+def weight_view(w):
+    """(data [..., N, K/G, G'] , scale [..., N or N/G, K/G] uint8): FP8 data e4m3 with G' = G;
+    MXFP4 packed bytes with G' = 16. Pure reshapes of the stored arrays."""
+    if isinstance(w, Fp8Tensor):
+        g = group_size(w)
+        *lead, n, k = w.data.shape
+        return w.data.reshape(*lead, n, k // g, g), jax.lax.bitcast_convert_type(w.scale, jnp.uint8)
+    if isinstance(w, Fp4Tensor):
+        data = w.data if w.data.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(w.data, jnp.uint8)
+        *lead, n, kb = data.shape
+        return (data.reshape(*lead, n, kb // FP4_GROUP_BYTES, FP4_GROUP_BYTES),
+                jax.lax.bitcast_convert_type(w.scale, jnp.uint8))
+    raise TypeError(f"fma GEMV takes FP8 or MXFP4 weights, got {type(w).__name__}")
+
+
+def act_view(xq, w):
+    """The fake-quantized activation [M, K] as the kernel reads it (float32): FP8 -> one array
+    [M, K/G, G]; MXFP4 -> (even, odd) halves [M, K/32, 16] each."""
+    m, k = xq.shape
+    xf = xq.astype(jnp.float32)
+    if isinstance(w, Fp8Tensor):
+        g = group_size(w)
+        return (xf.reshape(m, k // g, g),)
+    pairs = xf.reshape(m, k // 32, FP4_GROUP_BYTES, 2)
+    return pairs[..., 0], pairs[..., 1]
+
+
+# ------------------------------------------------------------------------------------------------
+# tile arithmetic (inside kernels)
+
+
+def fp8_tile_partial(w_ref, s_ref, lead, row0, bn, g0, kg, g, xs):
+    """FP8 tile rows [row0, row0+bn) x groups [g0, g0+kg): for each activation group array in ``xs``
+    ([kg, G] f32) the scaled partial sums [bn]. ``bn <= g``: one scale row."""
+    w = w_ref[(*lead, pl.ds(row0, bn), pl.ds(g0, kg), slice(None))].astype(jnp.float32)  # [bn, kg, G]
+    sf = e8m0_f32(s_ref[(*lead, pl.ds(row0 // g, 1), pl.ds(g0, kg))])  # [1, kg]
+    return [jnp.sum(jnp.sum(w * x[None], axis=2) * sf, axis=1) for x in xs]
+
+
+def fp4_tile_partial(w_ref, s_ref, lead, row0, bn, g0, kg, xs):
+    """MXFP4 tile: packed bytes [bn, kg, 16]; ``xs`` a list of (even, odd) activation groups
+    ([kg, 16] f32 each). Returns the scaled partial sums [bn] per activation row."""
+    b = w_ref[(*lead, pl.ds(row0, bn), pl.ds(g0, kg), slice(None))].astype(jnp.int32)  # [bn, kg, 16]
+    lo = fp4_decode_f32(b & 15)
+    hi = fp4_decode_f32(b >> 4)
+    sf = e8m0_f32(s_ref[(*lead, pl.ds(row0, bn), pl.ds(g0, kg))], 6)  # [bn, kg]; undoes the 2**-6
+    return [jnp.sum(jnp.sum(lo * xe[None] + hi * xo[None], axis=2) * sf, axis=1) for xe, xo in xs]
+
+
+# ------------------------------------------------------------------------------------------------
+# the GEMV
+
+
+def unsupported_reason(m: int, w, config) -> str | None:
+    """Why the fma configuration cannot take this call (None: it can)."""
+    _, bn, kg, splits, _, _ = config
+    if not isinstance(w, (Fp8Tensor, Fp4Tensor)):
+        return "the fma GEMV takes FP8 or MXFP4 weights only"
+    if m > FMA_MAX_ROWS:
+        return f"the fma GEMV takes at most {FMA_MAX_ROWS} rows, got {m}"
+    n, k = w.shape
+    g = group_size(w)
+    if isinstance(w, Fp8Tensor) and bn > g:
+        return f"FP8 rows per program bn={bn} must be <= the weight block {g}"
+    if n % bn:
+        return f"N={n} must be a multiple of bn={bn}"
+    groups = k // g
+    if k % g or groups % (kg * splits):
+        return f"K={k} must split into {splits} x (a multiple of {kg}) groups of {g}"
+    return None
+
+
+def default_config(m: int, n: int, k: int, w) -> tuple:
+    """("fma", bn, kg, splits, warps, stages): 32-row programs (FP8) / 16 (MXFP4), K split until
+    about four programs per SM (132 on an H200), at least two K steps per program."""
+    g = group_size(w)
+    bn = 32 if isinstance(w, Fp8Tensor) else 16
+    while n % bn:
+        bn //= 2
+    groups = k // g
+    kg = 1
+    while kg * 2 * g <= 256 and groups % (kg * 2) == 0:  # about 256 elements per row per step
+        kg *= 2
+    steps = groups // kg
+    splits = 1
+    for cand in range(1, steps + 1):
+        if steps % cand == 0 and steps // cand >= 2:
+            splits = cand
+            if (n // bn) * cand >= 4 * 132:
+                break
+    return ("fma", bn, kg, splits, 4, 3)
+
+
+def _fma_kernel(*refs, fmt, m, bn, kg, steps, g, split):
+    x_refs = refs[:-3]
+    w_ref, s_ref, o_ref = refs[-3:]
+    i_n = pl.program_id(0)
+    i_s = pl.program_id(1)
+    row0 = pl.multiple_of(i_n * bn, bn)
+    gbase = i_s * (steps * kg)
+
+    def body(i, accs):
+        g0 = pl.multiple_of(gbase + i * kg, kg)
+        if fmt == "fp8":
+            xs = [x_refs[0][r, pl.ds(g0, kg), :] for r in range(m)]
+            parts = fp8_tile_partial(w_ref, s_ref, (), row0, bn, g0, kg, g, xs)
+        else:
+            xs = [(x_refs[0][r, pl.ds(g0, kg), :], x_refs[1][r, pl.ds(g0, kg), :]) for r in range(m)]
+            parts = fp4_tile_partial(w_ref, s_ref, (), row0, bn, g0, kg, xs)
+        return tuple(a + p for a, p in zip(accs, parts))
+
+    accs = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros((bn,), jnp.float32) for _ in range(m)))
+    for r in range(m):
+        if split:
+            o_ref[i_s, r, pl.ds(row0, bn)] = accs[r]
+        else:
+            o_ref[r, pl.ds(row0, bn)] = accs[r].astype(o_ref.dtype)
+
+
+def quantized_matmul_fma(x2, w, *, act_block, out_dtype, config, interpret=False):
+    """x2 [M, K] (M <= FMA_MAX_ROWS), w FP8/MXFP4 [N, K] -> [M, N] out_dtype."""
+    reason = unsupported_reason(x2.shape[0], w, config)
+    if reason is not None:
+        raise ValueError(f"quantized_matmul (pallas, fma): {reason}")
+    _, bn, kg, splits, warps, stages = config
+    m, k = x2.shape
+    n = w.shape[0]
+    g = group_size(w)
+    fmt = "fp8" if isinstance(w, Fp8Tensor) else "fp4"
+    xs = act_view(act_quant(x2, act_block).astype(jnp.bfloat16), w)
+    data, scale = weight_view(w)
+    steps = (k // g) // kg // splits
+    out_shape = (jax.ShapeDtypeStruct((splits, m, n), jnp.float32) if splits > 1
+                 else jax.ShapeDtypeStruct((m, n), out_dtype))
+    y = pl.pallas_call(
+        functools.partial(_fma_kernel, fmt=fmt, m=m, bn=bn, kg=kg, steps=steps, g=g, split=splits > 1),
+        out_shape=out_shape,
+        grid=(n // bn, splits),
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret,
+        name=f"qmm_fma_{fmt}",
+    )(*xs, data, scale)
+    if splits > 1:
+        y = jnp.sum(y, axis=0)
+    return y.astype(out_dtype)
+
+
+def rows_of(x) -> int:
+    return math.prod(x.shape[:-1])
