@@ -200,3 +200,19 @@ def test_decode_gemv_switch(monkeypatch):
             txt = lower_for("cuda", lambda x, w: pallas_triton.quantized_matmul(x, w), S((m, 5120), jnp.bfloat16),
                             w).as_text()
             assert ("qmm_fma_fp8" in txt) == want, (mode, m)
+
+
+def test_fp4_byte_decode_every_byte():
+    """The fma kernels' two-nibbles-per-byte MXFP4 decode equals the per-nibble decode of the
+    tensor-core kernels and the e2m1 table, for all 256 byte values (both signs of zero included)."""
+    from dsv41_jax.quant.codecs import _E2M1_LUT16
+    from pallas_kernels.quantized_matmul.pallas_triton_fma import fp4_byte_decode_f32
+
+    b = jnp.arange(256, dtype=jnp.int32)
+    lo, hi = (np.asarray(t) for t in fp4_byte_decode_f32(b))
+    np.testing.assert_array_equal(lo, np.asarray(pallas_triton._fp4_decode(b & 15)))
+    np.testing.assert_array_equal(hi, np.asarray(pallas_triton._fp4_decode(b >> 4)))
+    table = _E2M1_LUT16 * np.float32(2.0**-6)
+    np.testing.assert_array_equal(lo, table[np.arange(256) & 15])
+    np.testing.assert_array_equal(hi, table[np.arange(256) >> 4])
+    np.testing.assert_array_equal(np.signbit(hi), np.arange(256) >= 128)
