@@ -4,8 +4,8 @@ The stacked experts ``w1/w3 [E, I, D]``, ``w2 [E, D, I]`` are split as :mod:`sha
 experts over ``ep`` and the hidden dim ``I`` over ``tp`` (each where it divides). Two exact paths:
 
 * ``"psum"`` (default; decode sizes): every (ep, tp) shard of a dp group sees all of the group's
-  tokens, runs its local experts on the (token, slot) pairs routed to them (the others get weight 0
-  and contribute exactly 0) over its slice of ``I`` (SwiGLU is elementwise in ``I``, and the down
+  tokens, runs its local experts on the (token, slot) pairs routed to them (the others get index -1:
+  the kernels skip them, so a shard reads only its own experts' weights) over its slice of ``I`` (SwiGLU is elementwise in ``I``, and the down
   projection's sum over ``I`` splits), and one ``psum`` over ``ep`` and ``tp`` adds the partial
   outputs. Communication per layer: one all-reduce of ``[tokens, dim]`` f32.
 * ``"all_to_all"`` (prefill sizes): tokens are also split over ``ep``; each shard packs, for every
@@ -119,7 +119,7 @@ def expert_parallel_moe(x, weights, indices, w1, w2, w3, *, mesh, swiglu_limit, 
                 li = ids - lo
                 ok = (li >= 0) & (li < e_loc)
                 ws = jnp.where(ok, ws, 0.0)
-                ids = jnp.where(ok, li, 0)
+                ids = jnp.where(ok, li, -1)  # no local expert: the kernels skip the pair
             y = _local_experts(xs, ws, ids, a, b, c, i_split, kw)
             return jax.lax.psum(y, red) if red else y
 

@@ -114,6 +114,8 @@ def group_pairs(indices, weights, n_exp: int, bt: int):
 
     Returns (block_expert [nb] int32, -1 = unused; block_pair [nb*bt] int32, P = padding;
     block_token [nb*bt] int32 (0 for padding); block_weight [nb*bt] f32 (0 for padding)).
+    A pair whose index is negative has no expert: it lands in an unused block (its output row is
+    never written; :func:`sum_slots` drops it).
     """
     n, k = indices.shape
     p = n * k
@@ -121,27 +123,37 @@ def group_pairs(indices, weights, n_exp: int, bt: int):
     flat_w = weights.reshape(p).astype(jnp.float32)
     if n <= 2:  # each pair its own block, no sort (a token's experts are distinct)
         nb = p
-        block_expert = flat_e
+        block_expert = jnp.where(flat_e < 0, -1, flat_e)
         slot0 = (jnp.arange(nb * bt) % bt) == 0
         block_pair = jnp.where(slot0, jnp.arange(nb * bt) // bt, p).astype(jnp.int32)
     else:
-        nb = min(n_exp, p) + -(-p // bt)
-        counts = jnp.zeros((n_exp,), jnp.int32).at[flat_e].add(1)
+        # pairs without an expert (index < 0) go to an extra bucket n_exp whose blocks are unused
+        flat_b = jnp.where(flat_e < 0, n_exp, flat_e)
+        nb = min(n_exp + 1, p) + -(-p // bt)
+        counts = jnp.zeros((n_exp + 1,), jnp.int32).at[flat_b].add(1)
         nblk = (counts + bt - 1) // bt
         blk_start = jnp.cumsum(nblk) - nblk
         pos_start = jnp.cumsum(counts) - counts
-        order = jnp.argsort(flat_e, stable=True).astype(jnp.int32)
-        se = flat_e[order]
+        order = jnp.argsort(flat_b, stable=True).astype(jnp.int32)
+        se = flat_b[order]
         rank = jnp.arange(p, dtype=jnp.int32) - pos_start[se]
         blk = blk_start[se] + rank // bt
         row = blk * bt + rank % bt
         block_pair = jnp.full((nb * bt,), p, jnp.int32).at[row].set(order)
-        block_expert = jnp.full((nb,), -1, jnp.int32).at[blk].set(se)
+        block_expert = jnp.full((nb,), -1, jnp.int32).at[blk].set(jnp.where(se == n_exp, -1, se))
     valid = block_pair < p
     safe = jnp.minimum(block_pair, p - 1)
     block_token = jnp.where(valid, safe // k, 0).astype(jnp.int32)
     block_weight = jnp.where(valid, flat_w[safe], 0.0)
     return block_expert, block_pair, block_token, block_weight
+
+
+def sum_slots(y, indices):
+    """y [P + 1, D] (one row per (token, slot) pair, then the dummy row) -> [N, D] f32: the sum over
+    each token's slots, pairs without an expert (index < 0; rows never written) counted as 0."""
+    n, k = indices.shape
+    rows = y[: n * k].reshape(n, k, -1).astype(jnp.float32)
+    return jnp.sum(jnp.where((indices >= 0)[:, :, None], rows, 0.0), axis=1)
 
 
 def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
@@ -337,7 +349,7 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
         interpret=interpret,
         name=f"moe_down_fma_{fmt}",
     )(block_expert, block_pair, *hs, d2, s2)
-    return jnp.sum(y[:p].reshape(n, k, d).astype(jnp.float32), axis=1)
+    return sum_slots(y, indices)
 
 
 def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, interpret=False, config=None):
@@ -399,4 +411,4 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
         interpret=interpret,
         name=f"moe_down_{fmt}",
     )(block_expert, block_pair, h, d2, s2)
-    return jnp.sum(y[:p].reshape(n, k, d).astype(jnp.float32), axis=1)
+    return sum_slots(y, indices)

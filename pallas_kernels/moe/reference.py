@@ -7,6 +7,9 @@ Per (token n, slot s) with expert e = indices[n, s] and routing weight w = weigh
 :func:`pallas_kernels.quantized_matmul.reference.quantized_matmul` (activation fake-quant for
 quantized experts).
 
+A negative index means "no expert": that (token, slot) pair contributes nothing (expert
+parallelism marks the pairs routed to other shards this way, so the kernels skip their weights).
+
 Two evaluation orders with identical results: for few (token, slot) pairs the experts' weights are
 gathered per pair; otherwise every expert runs once over all tokens with per-token coefficients
 (tokens that did not pick it get h = 0, which contributes exactly 0).
@@ -46,13 +49,13 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     n_exp = jax.tree.leaves(w1)[0].shape[0]
     if path is None:
         path = "gather" if n * k * 4 <= n_exp else "scan"
-    weights = weights.astype(jnp.float32)
+    weights = jnp.where(indices >= 0, weights.astype(jnp.float32), 0.0)  # index < 0: no expert
     if path == "gather":
         def per_pair(xv, wv, e):
             return _one_expert(xv[None], wv[None], _take(w1, e), _take(w2, e), _take(w3, e),
                                swiglu_limit, act_block)[0]
-        ys = jax.vmap(jax.vmap(per_pair, in_axes=(None, 0, 0)), in_axes=(0, 0, 0))(x, weights, indices)
-        return jnp.sum(ys, axis=1)
+        ys = jax.vmap(jax.vmap(per_pair, in_axes=(None, 0, 0)), in_axes=(0, 0, 0))(x, weights, jnp.maximum(indices, 0))
+        return jnp.sum(jnp.where((indices >= 0)[:, :, None], ys, 0.0), axis=1)
 
     def step(acc, e):
         coef = jnp.sum(jnp.where(indices == e, weights, 0.0), axis=1)

@@ -338,3 +338,24 @@ def test_decode_gemv_switch_moe(monkeypatch):
     assert pallas_triton.default_fma_config(w1, 1.0)[1] == 1
     assert pallas_triton.default_fma_config(w1, 2.5)[1] == 2
     assert pallas_triton.default_fma_config(w1, 5.0)[1] == 4
+
+
+@pytest.mark.parametrize("n", [1, 2, 7])
+def test_negative_index_means_no_expert(n):
+    """index -1 (expert parallelism: a pair routed to another shard) contributes nothing, in the
+    reference and in both kernel families (tensor-core and fma), with and without the sort path;
+    equal to the reference with those pairs' weights set to 0 and any valid expert in their place."""
+    seed = np.random.randint(1 << 30)
+    x, wts, idx, w1, w2, w3 = make("fp4", seed, n, jnp.float32)
+    drop = jax.random.bernoulli(jax.random.PRNGKey(seed + 1), 0.5, idx.shape).at[0, 0].set(True)
+    if n == 7:
+        drop = drop.at[3].set(True)  # one token with no expert at all
+    idx_neg = jnp.where(drop, -1, idx)
+    want = reference.moe_experts(x, jnp.where(drop, 0.0, wts), idx, w1, w2, w3, swiglu_limit=1.0)
+    got_ref = reference.moe_experts(x, wts, idx_neg, w1, w2, w3, swiglu_limit=1.0)
+    np.testing.assert_array_equal(np.asarray(got_ref), np.asarray(want))
+    for cfg in (None, pallas_triton.default_fma_config(w1)):
+        y = pallas_triton.moe_experts(x, wts, idx_neg, w1, w2, w3, swiglu_limit=1.0, interpret=True, config=cfg)
+        np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5 * float(np.max(np.abs(want))))
+        if n == 7:
+            assert not np.any(np.asarray(y)[3])
