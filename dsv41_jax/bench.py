@@ -67,6 +67,32 @@ def bench_config(preset: str, routed_experts: int | None, engram_vocab: int | No
     return cfg.replace(name=f"{preset}-bench", **kw), notes
 
 
+def device_memory_limit(devices) -> int | None:
+    """The smallest memory limit of ``devices`` in bytes (None where the backend reports none: CPU)."""
+    limits = []
+    for d in devices:
+        try:
+            limits.append((d.memory_stats() or {}).get("bytes_limit"))
+        except Exception:  # noqa: BLE001 - backends without memory stats
+            return None
+    return min(limits) if limits and None not in limits else None
+
+
+def fit_problem(param_bytes: int, n_devices: int, limit: int | None, headroom: float = 0.9) -> str | None:
+    """Why random weights of ``param_bytes`` cannot fit ``n_devices`` devices of ``limit`` bytes each
+    (even split evenly, the best case of any mesh), or None. Checked before anything is allocated: a
+    model that does not fit otherwise fails deep inside XLA (session 4: the probe with the full Engram
+    table asked for a 484 GiB program)."""
+    if limit is None:
+        return None
+    per_dev = param_bytes / n_devices
+    if per_dev <= headroom * limit:
+        return None
+    return (f"the random weights need {param_bytes / 1e9:.1f} GB ({per_dev / 1e9:.1f} GB per device over {n_devices}) "
+            f"but a device holds {limit / 1e9:.1f} GB: reduce --routed-experts and/or --engram-vocab (the bytes read "
+            f"per decoded token at batch 1 stay the same), or spread the model with --mesh")
+
+
 def _stored_bytes(node, per_device: bool = False) -> int:
     """Bytes of the arrays in ``node``; ``per_device``: of one device's shard (the whole array for
     host arrays and single-device ones)."""
@@ -181,7 +207,7 @@ def run(args) -> dict:
     from .engine import Engine, Request
     from .model import Model
     from .options import RunOptions
-    from .params import init_params
+    from .params import init_params, param_specs
     from .sampling import SamplingParams
 
     enable_compilation_cache()
@@ -201,10 +227,15 @@ def run(args) -> dict:
         if any(B % dp for B in args.batch_sizes):
             raise ValueError(f"--batch-sizes {args.batch_sizes}: every batch size must be a multiple of dp={dp} "
                              f"(--mesh {args.mesh})")
+    n_dev = len(mesh.devices.flat) if mesh is not None else 1
+    devs = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    problem = fit_problem(_stored_bytes(param_specs(cfg)), n_dev,
+                          device_memory_limit(devs))
+    if problem:
+        raise ValueError(problem)
     t = time.perf_counter()
     params = init_params(cfg, seed=args.seed, mesh=mesh)
     jax.block_until_ready(params)
-    n_dev = len(mesh.devices.flat) if mesh is not None else 1
     print(f"random weights in the real formats: {time.perf_counter() - t:.1f} s on {n_dev} x {kind}", flush=True)
     model = Model(cfg, params)
     opts = RunOptions(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
@@ -223,7 +254,11 @@ def run(args) -> dict:
 
     for B in args.batch_sizes:
         eng = Engine(model, batch_size=B, max_seq_len=args.prompt_len + args.new_tokens + 1, opts=opts,
-                     prefill_chunk=args.prefill_chunk, stop_ids=(), mesh=mesh)
+                     prefill_chunk=args.prefill_chunk, stop_ids=(), mesh=mesh, prefill_tokens=args.prefill_tokens)
+        if eng.chunk < min(args.prefill_chunk, args.prompt_len):
+            out["notes"].append(f"batch {B}: prompts prefilled {eng.chunk} tokens per row per step "
+                                f"(--prefill-tokens {args.prefill_tokens} per step over the batch)")
+            print(f"note: {out['notes'][-1]}", flush=True)
         reqs = [Request(random_prompt(args.prompt_len, args.seed + i, cfg.vocab_size), max_new_tokens=args.new_tokens,
                         sample_id=i) for i in range(B)]
         rates, prefill_s = [], []
@@ -290,6 +325,16 @@ def _ints_or_off(s: str) -> list[int]:
     return [] if s.strip().lower() in ("0", "none", "") else _ints(s)
 
 
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
 def _ints(s: str) -> list[int]:
     try:
         v = [int(x) for x in s.split(",") if x.strip()]
@@ -311,6 +356,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-lens", type=_ints_or_off, default=[4096, 65536],
                     help="prompt lengths of the prefill rows (0: none; the decode rows report their prompts' prefill too)")
     ap.add_argument("--prefill-chunk", type=int, default=4096)
+    ap.add_argument("--prefill-tokens", type=_positive_int, default=4096,
+                    help="most tokens one prefill step runs over the whole batch: the chunk per row shrinks "
+                         "with the batch size, bounding the prefill program's activation memory")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--runs", type=int, default=6)
     ap.add_argument("--seed", type=int, default=42)

@@ -351,6 +351,17 @@ def cache_report(cfg: ModelConfig, opts: RunOptions, batch: int, max_seq_len: in
 # engine
 # ---------------------------------------------------------------------------------------------
 
+def prefill_chunk_for(batch_size: int, prefill_tokens: int | None) -> int:
+    """The largest power-of-two chunk per row with ``batch_size x chunk <= prefill_tokens`` (at least
+    1): a prefill step runs [batch, chunk] tokens in one program, and its activations grow with that
+    product (at 8 x 4096 tokens, full-size V4-Flash's prefill program asked XLA for 88 GiB of
+    scratch on an H200; BENCHMARKS.md, issue 11). None: no bound."""
+    if prefill_tokens is None:
+        return 1 << 62
+    per_row = max(1, int(prefill_tokens) // int(batch_size))
+    return 1 << (per_row.bit_length() - 1)
+
+
 class Engine:
     """Batch generation over a :class:`dsv41_jax.model.Model` (or anything with ``cfg``, ``params``
     and ``hasher``).
@@ -364,7 +375,7 @@ class Engine:
 
     def __init__(self, model, *, batch_size: int = 8, max_seq_len: int = 4096, opts: RunOptions | None = None,
                  prefill_chunk: int = 256, engram_mode: str = "auto", stop_ids: Sequence[int] = (EOS_ID,),
-                 mesh=None):
+                 mesh=None, prefill_tokens: int | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         dp = mesh_sizes(mesh)["dp"]
@@ -382,7 +393,9 @@ class Engine:
         self.max_seq_len = int(max_seq_len)
         if self.max_seq_len < 1 or self.max_seq_len > self.cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len must be in [1, {self.cfg.max_position_embeddings}], got {max_seq_len}")
-        self.chunk = int(min(prefill_chunk, self.max_seq_len))
+        if prefill_tokens is not None and prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
+        self.chunk = int(min(prefill_chunk, self.max_seq_len, prefill_chunk_for(self.B, prefill_tokens)))
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.stats = EngineStats()
         self._compiled: dict = {}

@@ -174,6 +174,18 @@ def run_generation(step, params, cache, prompt, n_new, ids_fn, sync, force=None)
     return logits_all, np.stack(gen, 1), times, (cache, hist, pos)
 
 
+COMM_NAMES = ("nccl", "all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute", "allreduce",
+              "alltoall", "memcpyp2p", "memcpy p2p")
+
+
+def is_comm(line_name: str, event_name: str) -> bool:
+    """Whether a profiler event is communication: an NCCL kernel or XLA collective by name, or any
+    event on a peer-to-peer copy stream (session 4: the ep=2 all-reduce showed up as ``MemcpyP2P``
+    stream activity, which the name test alone missed)."""
+    nm = event_name.lower()
+    return "memcpyp2p" in line_name.lower().replace(" ", "") or any(c in nm for c in COMM_NAMES)
+
+
 def profile_decode(step, params, state, n, ids_fn, outdir):
     """``n`` more decode steps under ``jax.profiler.trace``. Returns per-step device time split into
     collectives (NCCL kernels / XLA collective ops) and the rest, per device, in ms, plus the
@@ -219,10 +231,8 @@ def profile_decode(step, params, state, n, ids_fn, outdir):
                 [l for l in plane.lines if l.name in ("XLA Ops",)]
             for line in lines:
                 for e in line.events:
-                    nm = e.name.lower()
                     busy += e.duration_ns
-                    if "nccl" in nm or any(c in nm for c in ("all-reduce", "all-gather", "all-to-all", "reduce-scatter",
-                                                             "collective-permute", "allreduce", "alltoall")):
+                    if is_comm(line.name, e.name):
                         comm += e.duration_ns
             res["devices"][plane.name] = {"comm_ms": round(comm / n / 1e6, 4), "busy_ms": round(busy / n / 1e6, 4),
                                           "lines": sorted({l.name for l in plane.lines})[:8]}

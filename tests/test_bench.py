@@ -83,3 +83,36 @@ def test_v4_flash_reads_11_gb_per_decoded_token():
     assert cfg.n_layers == 43 and cfg.n_mtp_layers == 0 and cfg.n_routed_experts == 256
     assert any(n.startswith("MTP block not built") for n in notes)
     assert abs(decode_bytes(cfg, param_specs(cfg), 1, 4096) / 1e9 - 11.0) < 0.35
+
+
+def test_fit_problem_names_the_flags():
+    """A model that cannot fit is refused before anything is allocated, naming the flags that fix it;
+    the full V4.1-Flash (its Engram table on the device) does not fit one H200, the benchmark's
+    reduced one does."""
+    from dsv41_jax.bench import _stored_bytes, bench_config, fit_problem
+
+    h200 = 141e9
+    assert fit_problem(100e9, 1, h200) is None
+    assert fit_problem(100e9, 1, None) is None  # CPU: no limit reported
+    msg = fit_problem(200e9, 1, h200)
+    assert "--routed-experts" in msg and "--engram-vocab" in msg and "--mesh" in msg and "200.0 GB" in msg
+    assert fit_problem(200e9, 2, h200) is None
+    full = _stored_bytes(param_specs(bench_config("v41-flash", None, None)[0]))
+    reduced = _stored_bytes(param_specs(bench_config("v41-flash", 96, 16000)[0]))
+    assert fit_problem(full, 1, h200) is not None and fit_problem(reduced, 1, h200) is None
+    assert reduced < 90e9 < full
+
+
+def test_prefill_chunk_shrinks_with_the_batch():
+    from dsv41_jax.engine import prefill_chunk_for
+
+    assert prefill_chunk_for(1, 4096) == 4096 and prefill_chunk_for(8, 4096) == 512
+    assert prefill_chunk_for(32, 4096) == 128 and prefill_chunk_for(3, 4096) == 1024  # power of two below 1365
+    assert prefill_chunk_for(8192, 4096) == 1 and prefill_chunk_for(8, None) > 1 << 40
+
+
+def test_bad_prefill_tokens_exits_cleanly(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--prefill-tokens", "0"])
+    assert e.value.code == 2
+    assert "--prefill-tokens" in capsys.readouterr().err

@@ -290,3 +290,18 @@ def test_collectives_carry_only_float_activations(worker_results):
         vocab = get_preset("tiny").vocab_size
         for c in r["dp_collectives"]:
             assert c["op"] == "all-gather" and c["dtype"] == "f32" and c["shape"][-1] == vocab, (r["mesh"], c)
+
+
+def test_profile_comm_classification():
+    """The worker's profile counts NCCL kernels, XLA collectives and peer-to-peer copy streams as
+    communication, and nothing else."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sharding_worker_mod", WORKER)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.is_comm("Stream #30(MemcpyP2P)", "MemcpyP2P")
+    assert mod.is_comm("Stream #12(Compute)", "ncclDevKernel_AllReduce_Sum_f32_RING_LL")
+    assert mod.is_comm("XLA Ops", "all-reduce-start.3")
+    assert not mod.is_comm("Stream #12(Compute)", "moe_gate_up_fma_fp4")
+    assert not mod.is_comm("Stream #24(Compute,MemcpyD2D,Memset)", "loop_add_fusion")

@@ -1,7 +1,7 @@
 """Tensor-parallel Pallas linears (``sharding.tensor_parallel``): on 4 virtual CPU devices (a
 subprocess: the device count must be set before JAX is imported), mesh ``dp=2,tp=2``, kernels in
 interpret mode: a column-parallel projection (``attn.wq_b``: N split) runs the kernel on each shard
-with no collective and gives one device's result exactly; a row-parallel one (``attn.wo_b``: K
+with no collective and gives one device's result up to fp32 summation order; a row-parallel one (``attn.wo_b``: K
 split) adds the fp32 partials with one psum (one device's result up to fp32 summation order); with
 the XLA reference (plain ``auto`` on a CPU) nothing changes (GSPMD splits the dot itself)."""
 
@@ -34,12 +34,11 @@ for path, split in (("attn.wq_b", P("tp", None)), ("attn.wo_b", P(None, "tp"))):
             jaxpr = str(jax.make_jaxpr(f(path))(x, ws))
             got = np.asarray(jax.jit(f(path))(x, ws))
     assert "shard_map" in jaxpr, path
-    if path == "attn.wq_b":
-        assert "psum" not in jaxpr
-        np.testing.assert_array_equal(got, want)
-    else:
-        assert "psum" in jaxpr
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    # a shard's GEMV may take another kernel configuration than one device's (3 rows per dp shard:
+    # the fma GEMV; 6 rows on one device: the tensor-core GEMV; another K split): the same products,
+    # fp32 sums in another order
+    assert ("psum" in jaxpr) == (path == "attn.wo_b"), path
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
     # the XLA reference (auto on a CPU): left to GSPMD, no shard_map
     with use_mesh(mesh):
         assert "shard_map" not in str(jax.make_jaxpr(f(path))(x, ws))

@@ -44,7 +44,7 @@ FMA_MOE_MAX_PAIRS = 64  # the fused MoE takes the fma kernels by default up to t
 
 def _parse_decode_gemv(text: str) -> dict:
     """``DSV41_DECODE_GEMV``: "mma" / "fma" (both ops) or "qmm=fma,moe=mma"."""
-    out = {"qmm": "mma", "moe": "mma"}
+    out = {"qmm": "fma", "moe": "fma"}
     for part in filter(None, (t.strip() for t in text.split(","))):
         op, _, impl = part.rpartition("=")
         ops = [op] if op else list(out)
@@ -55,10 +55,12 @@ def _parse_decode_gemv(text: str) -> dict:
     return out
 
 
-# Which GEMV decode sizes use when no config is given (read at trace time): "mma" = the tensor-core
-# kernels, "fma" = the vector-unit kernels of this module. Per op: "qmm" (quantized_matmul, <= 4
-# rows) and "moe" (fused MoE, <= FMA_MOE_MAX_PAIRS pairs).
-DECODE_GEMV = _parse_decode_gemv(os.environ.get("DSV41_DECODE_GEMV", "mma"))
+# Which GEMV decode sizes use when no config is given (read at trace time): "fma" = the vector-unit
+# kernels of this module (default since session 4: on the H200 the 40-layer decode step went from
+# 16.7 to 11.2 ms of device time, the fused MoE from 192 to 92 us per layer at batch 1, the FP8
+# GEMVs from 3.3 to 2.2 ms per step; BENCHMARKS.md), "mma" = the tensor-core kernels. Per op:
+# "qmm" (quantized_matmul, <= 4 rows) and "moe" (fused MoE, <= FMA_MOE_MAX_PAIRS pairs).
+DECODE_GEMV = _parse_decode_gemv(os.environ.get("DSV41_DECODE_GEMV", "fma"))
 FP4_GROUP_BYTES = 16  # one MXFP4 scale covers 32 elements = 16 packed bytes
 
 

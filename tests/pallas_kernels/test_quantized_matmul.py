@@ -29,14 +29,20 @@ def make_weight(fmt, key, n, k, dtype=jnp.float32):
     return wf.astype(dtype)
 
 
-@pytest.mark.parametrize("fmt,dtype,m,n,k", [
-    ("fp8", jnp.bfloat16, 3, 128, 256), ("fp8", jnp.float32, 130, 256, 256),
-    ("fp4", jnp.bfloat16, 3, 128, 256), ("fp4", jnp.float32, 130, 256, 256),
-    ("plain", jnp.bfloat16, 3, 128, 256), ("plain", jnp.float32, 3, 128, 256),
+@pytest.mark.parametrize("fmt,dtype,m,n,k,decode_gemv", [
+    ("fp8", jnp.bfloat16, 3, 128, 256, "fma"), ("fp8", jnp.bfloat16, 3, 128, 256, "mma"),
+    ("fp8", jnp.float32, 130, 256, 256, "fma"),
+    ("fp4", jnp.bfloat16, 3, 128, 256, "fma"), ("fp4", jnp.bfloat16, 3, 128, 256, "mma"),
+    ("fp4", jnp.float32, 130, 256, 256, "fma"),
+    ("plain", jnp.bfloat16, 3, 128, 256, "fma"), ("plain", jnp.float32, 3, 128, 256, "fma"),
 ])
-def test_parity_interpret(fmt, dtype, m, n, k):
-    """GEMV (3 rows, padded to 16) and tiled (130 rows: two 128-row tiles) configurations. The f32
+def test_parity_interpret(fmt, dtype, m, n, k, decode_gemv, monkeypatch):
+    """GEMV (3 rows: the vector-unit fma kernel for quantized weights by default, or the tensor-core
+    kernel with rows padded to 16) and tiled (130 rows: two 128-row tiles) configurations. The f32
     cases also spread the activation over many binades (fake-quant scales far from 1)."""
+    from pallas_kernels.quantized_matmul import pallas_triton_fma
+
+    monkeypatch.setitem(pallas_triton_fma.DECODE_GEMV, "qmm", decode_gemv)
     seed = np.random.randint(1 << 30)  # fresh inputs every run
     k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
     x = jax.random.normal(k1, (m, k), dtype) * 3
