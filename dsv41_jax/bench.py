@@ -17,6 +17,7 @@ says so. Beside every result: the HBM-bandwidth floor for the same configuration
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import statistics
@@ -261,9 +262,14 @@ def run(args) -> dict:
             print(f"note: {out['notes'][-1]}", flush=True)
         reqs = [Request(random_prompt(args.prompt_len, args.seed + i, cfg.vocab_size), max_new_tokens=args.new_tokens,
                         sample_id=i) for i in range(B)]
-        rates, prefill_s = [], []
+        rates, prefill_s, host = [], [], []
         for r in range(args.warmup + args.runs):
+            st0 = dataclasses.replace(eng.stats)
             res = eng.generate(reqs, SamplingParams())
+            st = eng.stats
+            if r >= args.warmup and st.steps > st0.steps:  # host side per step of this run (prefill steps included)
+                n = st.steps - st0.steps
+                host.append(((st.dispatch_s - st0.dispatch_s) / n, (st.wait_s - st0.wait_s) / n))
             # decode rate: tokens after the first, over the time from the first token to the last
             t_first = max(x.timings["queue_s"] + x.timings["prefill_s"] for x in res)
             t_last = max(x.timings["total_s"] for x in res)
@@ -285,7 +291,11 @@ def run(args) -> dict:
                "floor_tok_s": floor, "ratio_to_floor": med / floor if floor else None, "peak_bytes": mem(),
                "compile_s": eng.stats.compile_s, "profile": prof,
                # the prompts' prefill in the same runs (B x prompt_len tokens, until every row's first token)
-               "prefill_tok_s": B * args.prompt_len / statistics.median(prefill_s)}
+               "prefill_tok_s": B * args.prompt_len / statistics.median(prefill_s),
+               # host side per engine step (median over the timed runs): dispatch (input copies + the
+               # jit call) and time blocked on the previous step's tokens (device still busy)
+               "host_dispatch_ms": 1e3 * statistics.median(h[0] for h in host) if host else None,
+               "host_wait_ms": 1e3 * statistics.median(h[1] for h in host) if host else None}
         out["decode"].append(row)
 
     for L in args.prefill_lens:
@@ -304,13 +314,17 @@ def run(args) -> dict:
 def table(out: dict) -> str:
     lines = [f"device {out['device']}, jax {out['jax']}, config {out['config']}"]
     lines += [f"note: {n}" for n in out["notes"]]
-    lines.append("| batch | decode tok/s (median) | floor tok/s | ratio | GB/step | peak GB | compile s | prompt prefill tok/s |")
-    lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines.append("| batch | decode tok/s (median) | floor tok/s | ratio | GB/step | peak GB | compile s | prompt prefill tok/s "
+                 "| host dispatch / wait ms per step |")
+    lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in out["decode"]:
         fl = f"{r['floor_tok_s']:.0f}" if r["floor_tok_s"] else "n/a"
         ra = f"{r['ratio_to_floor']:.3f}" if r["ratio_to_floor"] else "n/a"
         pk = f"{r['peak_bytes'] / 1e9:.1f}" if r["peak_bytes"] else "n/a"
-        lines.append(f"| {r['batch']} | {r['median_tok_s']:.2f} | {fl} | {ra} | {r['bytes_per_step'] / 1e9:.2f} | {pk} | {r['compile_s']:.1f} | {r['prefill_tok_s']:.0f} |")
+        hw = (f"{r['host_dispatch_ms']:.2f} / {r['host_wait_ms']:.2f}" if r.get("host_dispatch_ms") is not None
+              else "n/a")
+        lines.append(f"| {r['batch']} | {r['median_tok_s']:.2f} | {fl} | {ra} | {r['bytes_per_step'] / 1e9:.2f} | {pk} "
+                     f"| {r['compile_s']:.1f} | {r['prefill_tok_s']:.0f} | {hw} |")
     if out["prefill"]:
         lines.append("| prompt | prefill s (median) | prefill tok/s | peak GB |")
         lines.append("|---:|---:|---:|---:|")

@@ -313,6 +313,11 @@ class EngineStats:
     host_s: float = 0.0  # host work building step inputs (hashing, row gathers)
     compile_s: float = 0.0
     steps: int = 0
+    # pipelined generate: host time handing each step to the runtime (its inputs' copies + the jit
+    # dispatch, which returns before the device runs it) and time blocked reading the previous
+    # step's tokens (the device still busy). Dispatch >> wait: the host limits the step rate.
+    dispatch_s: float = 0.0
+    wait_s: float = 0.0
 
     def summary(self) -> str:
         pf = self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
@@ -752,15 +757,19 @@ class Engine:
                     sampled.append((b, s))
                 step = None
                 if lengths.any():
+                    t_d = time.perf_counter()
                     prev, _ = self._step_pipe(tokens, lengths, use_prev, prev, sampling=sp, request_ids=rid, steps=stp)
+                    self.stats.dispatch_s += time.perf_counter() - t_d
                     had_prompt = had_prompt or n_prompt > 0
                     self.stats.prefill_tokens += n_prompt
                     step = (prev, sampled) if sampled else None
                 elif pending is None:
                     raise RuntimeError("engine stalled: active slots but nothing to run or read")
                 if pending is not None:  # read the previous step while this one runs
+                    t_w = time.perf_counter()
                     nxt = self._to_host(pending[0])
                     now = time.perf_counter()
+                    self.stats.wait_s += now - t_w
                     dt, t_mark = now - t_mark, now
                     n_new = 0
                     for b, s in pending[1]:

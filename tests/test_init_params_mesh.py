@@ -45,7 +45,8 @@ def test_bench_on_a_mesh(tmp_path):
     out = tmp_path / "b.json"
     r = subprocess.run([sys.executable, "-m", "dsv41_jax.bench", "--preset", "tiny", "--mesh", "dp=2,tp=2",
                         "--batch-sizes", "2", "--new-tokens", "4", "--runs", "1", "--prompt-len", "16",
-                        "--prefill-lens", "0", "--json", str(out)], cwd=ROOT, env=env(4), capture_output=True,
+                        "--prefill-lens", "0", "--prefill-tokens", "16", "--json", str(out)], cwd=ROOT, env=env(4),
+                       capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     res = json.loads(out.read_text())
@@ -53,6 +54,9 @@ def test_bench_on_a_mesh(tmp_path):
     (row,) = res["decode"]
     assert row["batch"] == 2 and row["median_tok_s"] > 0 and row["prefill_tok_s"] > 0
     assert any("mesh dp=2" in n for n in res["notes"])
+    # 16 prefill tokens per step over 2 rows: 8 per row, and the bench says so
+    assert any("batch 2: prompts prefilled 8 tokens per row per step" in n for n in res["notes"]), res["notes"]
+    assert row["host_dispatch_ms"] > 0 and row["host_wait_ms"] >= 0
     # a batch that does not split over dp is refused with the flag to fix
     r = subprocess.run([sys.executable, "-m", "dsv41_jax.bench", "--preset", "tiny", "--mesh", "dp=2",
                         "--batch-sizes", "3"], cwd=ROOT, env=env(4), capture_output=True, text=True, timeout=300)

@@ -67,7 +67,7 @@ def test_moe_fma_sweep_runs_in_interpret_mode(monkeypatch):
     monkeypatch.setattr(bm, "I", 64)
     monkeypatch.setattr(bm, "D", 256)
     monkeypatch.setattr(bm, "TOPK", 2)
-    monkeypatch.setattr(bm, "time_op", lambda *a, **k: (1e-6, 1e-6))
+    monkeypatch.setattr(bm, "device_time_op", lambda *a, **k: 1e-6)
     monkeypatch.setattr(bm.pallas_triton, "moe_experts", functools.partial(bm.pallas_triton.moe_experts, interpret=True))
     monkeypatch.setattr(bm, "log", lambda *a: None)
     rows = bm.fma_sweep((1, 4))
@@ -85,7 +85,7 @@ def test_qmm_fma_sweep_runs_in_interpret_mode(monkeypatch):
     import pallas_kernels.quantized_matmul.benchmark as bq
 
     monkeypatch.setattr(bq, "PROJECTIONS", [("wq_a", 64, 512), ("wq_b", 128, 256)])
-    monkeypatch.setattr(bq, "time_op", lambda *a, **k: (1e-6, 1e-6))
+    monkeypatch.setattr(bq, "device_time_op", lambda *a, **k: 1e-6)
     monkeypatch.setattr(bq.pallas_triton, "quantized_matmul",
                         functools.partial(bq.pallas_triton.quantized_matmul, interpret=True))
     monkeypatch.setattr(bq, "log", lambda *a: None)
@@ -93,3 +93,15 @@ def test_qmm_fma_sweep_runs_in_interpret_mode(monkeypatch):
     assert {(r["case"].split()[1], r["M"]) for r in rows} == {("wq_a", 1), ("wq_b", 1), ("wq_b", 4)}
     assert sum(r.get("mode") == "fma" for r in rows) >= 6
     assert all(r["rel_err"] <= bq.CHECK_TOL for r in rows), [(r["case"], r.get("rel_err")) for r in rows]
+
+
+def test_device_time_op_sums_the_programs_kernels():
+    """The profiler-based timer: positive, per op, and about twice as long for twice the work."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.benchmarking import device_time_op
+
+    xs = [(jnp.full((256, 256), 0.01 * i),) for i in range(3)]
+    t1 = device_time_op(lambda x: x @ x, xs, reps=3, iters=3)
+    t3 = device_time_op(lambda x: ((x @ x) @ x) @ x, xs, reps=3, iters=3)
+    assert 0 < t1 < t3 and 1.5 < t3 / t1 < 6
