@@ -228,14 +228,8 @@ def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, 
         def body(i, carry):
             gs, us = carry
             g0 = pl.multiple_of(i * kg, kg)
-            if fmt == "fp8":
-                xs = [x_refs[0][t, pl.ds(g0, kg), :] for t in toks]
-                pg = fma.fp8_tile_partial(w1_ref, s1_ref, (e,), row0, bi, g0, kg, g, xs)
-                pu = fma.fp8_tile_partial(w3_ref, s3_ref, (e,), row0, bi, g0, kg, g, xs)
-            else:
-                xs = [(x_refs[0][t, pl.ds(g0, kg), :], x_refs[1][t, pl.ds(g0, kg), :]) for t in toks]
-                pg = fma.fp4_tile_partial(w1_ref, s1_ref, (e,), row0, bi, g0, kg, xs)
-                pu = fma.fp4_tile_partial(w3_ref, s3_ref, (e,), row0, bi, g0, kg, xs)
+            pg = fma.row_partials(fmt, w1_ref, s1_ref, (e,), row0, bi, g0, kg, g, x_refs, toks)
+            pu = fma.row_partials(fmt, w3_ref, s3_ref, (e,), row0, bi, g0, kg, g, x_refs, toks)
             return tuple(a + p for a, p in zip(gs, pg)), tuple(a + p for a, p in zip(us, pu))
 
         z = tuple(jnp.zeros((bi,), jnp.float32) for _ in range(bt))
@@ -263,13 +257,8 @@ def _down_fma_kernel(be_ref, pair_ref, *refs, fmt, bt, bd, kg, steps, g):
     def _():
         def body(i, accs):
             g0 = pl.multiple_of(i * kg, kg)
-            if fmt == "fp8":
-                xs = [h_refs[0][b * bt + r, pl.ds(g0, kg), :] for r in range(bt)]
-                parts = fma.fp8_tile_partial(w2_ref, s2_ref, (e,), row0, bd, g0, kg, g, xs)
-            else:
-                xs = [(h_refs[0][b * bt + r, pl.ds(g0, kg), :], h_refs[1][b * bt + r, pl.ds(g0, kg), :])
-                      for r in range(bt)]
-                parts = fma.fp4_tile_partial(w2_ref, s2_ref, (e,), row0, bd, g0, kg, xs)
+            hrows = [b * bt + r for r in range(bt)]
+            parts = fma.row_partials(fmt, w2_ref, s2_ref, (e,), row0, bd, g0, kg, g, h_refs, hrows)
             return tuple(a + p for a, p in zip(accs, parts))
 
         accs = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros((bd,), jnp.float32) for _ in range(bt)))
@@ -365,7 +354,9 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     p = n * k
     limit = float(swiglu_limit or 0.0)
     if config is None and fmt != "plain" and p <= fma.FMA_MOE_MAX_PAIRS and fma.DECODE_GEMV["moe"] == "fma":
-        config = default_fma_config(w1, p / max(1, min(n_exp, p)))
+        cand = default_fma_config(w1, p / max(1, min(n_exp, p)))
+        if fma_reason(w1, cand) is None:  # else the tensor-core kernels below
+            config = cand
     if config is not None and config[0] == "fma":  # vector-unit decode kernels (no tensor cores)
         return _moe_fma(x, weights, indices, w1, w2, w3, limit=limit, act_block=act_block, interpret=interpret,
                         cfg=tuple(config))

@@ -424,7 +424,9 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, con
     x2 = x.reshape(m, k)
     xq = (act_quant(x2, act_block) if is_quantized(w) else x2).astype(op)
     if config is None and fmt != "plain" and m <= fma.FMA_MAX_ROWS and fma.DECODE_GEMV["qmm"] == "fma":
-        config = fma.default_config(m, n, k, w)
+        cand = fma.default_config(m, n, k, w)
+        if fma.unsupported_reason(m, w, cand) is None:  # else the tensor-core GEMV below
+            config = cand
     if config is not None and config[0] == "fma":  # vector-unit GEMV for 1-4 rows (pallas_triton_fma)
         y = fma.quantized_matmul_fma(x2, w, act_block=act_block, out_dtype=out_dtype, config=tuple(config),
                                  interpret=interpret)

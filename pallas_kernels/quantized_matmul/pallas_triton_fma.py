@@ -136,6 +136,17 @@ def fp4_tile_partial(w_ref, s_ref, lead, row0, bn, g0, kg, xs):
     return [jnp.sum(jnp.sum(lo * xe[None] + hi * xo[None], axis=2) * sf, axis=1) for xe, xo in xs]
 
 
+def row_partials(fmt, w_ref, s_ref, lead, row0, bn, g0, kg, g, x_refs, rows):
+    """The scaled partial sums [bn] of one weight tile (rows [row0, row0+bn), K groups [g0, g0+kg))
+    against each activation row in ``rows`` (indices into ``x_refs``: one [M, K/G, G] array for FP8,
+    the (even, odd) halves for MXFP4); the decoded tile is shared by all rows."""
+    if fmt == "fp8":
+        xs = [x_refs[0][r, pl.ds(g0, kg), :] for r in rows]
+        return fp8_tile_partial(w_ref, s_ref, lead, row0, bn, g0, kg, g, xs)
+    xs = [(x_refs[0][r, pl.ds(g0, kg), :], x_refs[1][r, pl.ds(g0, kg), :]) for r in rows]
+    return fp4_tile_partial(w_ref, s_ref, lead, row0, bn, g0, kg, xs)
+
+
 # ------------------------------------------------------------------------------------------------
 # the GEMV
 
@@ -190,12 +201,7 @@ def _fma_kernel(*refs, fmt, m, bn, kg, steps, g, split):
 
     def body(i, accs):
         g0 = pl.multiple_of(gbase + i * kg, kg)
-        if fmt == "fp8":
-            xs = [x_refs[0][r, pl.ds(g0, kg), :] for r in range(m)]
-            parts = fp8_tile_partial(w_ref, s_ref, (), row0, bn, g0, kg, g, xs)
-        else:
-            xs = [(x_refs[0][r, pl.ds(g0, kg), :], x_refs[1][r, pl.ds(g0, kg), :]) for r in range(m)]
-            parts = fp4_tile_partial(w_ref, s_ref, (), row0, bn, g0, kg, xs)
+        parts = row_partials(fmt, w_ref, s_ref, (), row0, bn, g0, kg, g, x_refs, range(m))
         return tuple(a + p for a, p in zip(accs, parts))
 
     accs = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros((bn,), jnp.float32) for _ in range(m)))

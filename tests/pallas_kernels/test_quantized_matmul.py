@@ -222,3 +222,20 @@ def test_fp4_byte_decode_every_byte():
     np.testing.assert_array_equal(lo, table[np.arange(256) & 15])
     np.testing.assert_array_equal(hi, table[np.arange(256) >> 4])
     np.testing.assert_array_equal(np.signbit(hi), np.arange(256) >= 128)
+
+
+def test_fma_default_falls_back_where_it_cannot_run(monkeypatch):
+    """If the fma GEMV's default configuration cannot take a call (here: a default forced to 64-row
+    programs, beyond the 32-wide FP8 block), the decode path is the tensor-core GEMV, still equal to
+    the reference, instead of an error."""
+    from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
+
+    monkeypatch.setitem(fma.DECODE_GEMV, "qmm", "fma")
+    monkeypatch.setattr(fma, "default_config", lambda m, n, k, w: ("fma", 64, 1, 1, 4, 3))
+    rng = np.random.default_rng()
+    w = quantize_fp8(jnp.asarray(rng.normal(size=(64, 256)) * 0.05, jnp.float32))
+    assert "bn=64" in fma.unsupported_reason(1, w, fma.default_config(1, 64, 256, w))
+    x = jnp.asarray(rng.normal(size=(2, 256)), jnp.float32)
+    txt = str(jax.make_jaxpr(lambda x, w: pallas_triton.quantized_matmul(x, w, interpret=True))(x, w))
+    assert "qmm_fp8" in txt and "qmm_fma" not in txt
+    check_close(pallas_triton.quantized_matmul(x, w, interpret=True), reference.quantized_matmul(x, w))
