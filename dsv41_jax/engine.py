@@ -220,14 +220,36 @@ def device_ngram_ids(ht, win, first_pos, S: int):
     return jnp.concatenate(cols, -1).astype(jnp.int32) + ht["offsets"][None, None]
 
 
-def _engine_step_pipe(params, cache, ehist, ht, tokens, lengths, use_prev, prev, seed, request_ids, steps,
-                      temperature, top_k, top_p, *, cfg, opts, max_seq_len=None, mesh=None, greedy=None):
+def pack_step_rows(tokens, lengths, use_prev, request_ids, steps) -> np.ndarray:
+    """The per-row inputs of a pipelined step as one int32 array [B, S + 4] (tokens, then length,
+    use_prev, request id, step): one host-to-device copy per step instead of five."""
+    B = tokens.shape[0]
+    cols = [np.asarray(c, np.int64).reshape(B, 1) for c in (lengths, use_prev, request_ids, steps)]
+    return np.concatenate([np.asarray(tokens, np.int64), *cols], axis=1).astype(np.int32)
+
+
+def pack_sampling(sp) -> np.ndarray:
+    """(seed, temperature, top_k, top_p) as int32 [4], the floats by their bits (exact)."""
+    f = np.array([sp.temperature, sp.top_p], np.float32).view(np.int32)
+    return np.array([sp.seed, f[0], sp.top_k, f[1]], np.int32)
+
+
+def _unpack_step(packed, sampling):
+    S = packed.shape[1] - 4
+    f = jax.lax.bitcast_convert_type(sampling[jnp.array([1, 3])], jnp.float32)
+    return (packed[:, :S], packed[:, S], packed[:, S + 1] > 0, packed[:, S + 2], packed[:, S + 3],
+            sampling[0], f[0], sampling[2], f[1])
+
+
+def _engine_step_pipe(params, cache, ehist, ht, packed, prev, sampling, *, cfg, opts, max_seq_len=None, mesh=None,
+                      greedy=None):
     """The pipelined step: decode rows (``use_prev``) take their token from the previous step's
     output ``prev`` without a host round trip, and the Engram ids are hashed on the device from
-    ``ehist`` [B, J-1] (compressed ids of each row's last J-1 tokens). Returns (next, logits, cache,
-    ehist)."""
-    def body(params, cache, ehist, ht, tokens, lengths, use_prev, prev, seed, request_ids, steps, temperature,
-             top_k, top_p):
+    ``ehist`` [B, J-1] (compressed ids of each row's last J-1 tokens). ``packed`` [B, S+4]: the
+    rows' tokens, lengths, use_prev flags, request ids and steps (:func:`pack_step_rows`);
+    ``sampling`` [4] (:func:`pack_sampling`). Returns (next, logits, cache, ehist)."""
+    def body(params, cache, ehist, ht, packed, prev, sampling):
+        tokens, lengths, use_prev, request_ids, steps, seed, temperature, top_k, top_p = _unpack_step(packed, sampling)
         S = tokens.shape[1]
         first = (jnp.arange(S) == 0)[None, :] & use_prev[:, None]
         tokens = jnp.where(first, prev[:, None], tokens)
@@ -244,10 +266,9 @@ def _engine_step_pipe(params, cache, ehist, ht, tokens, lengths, use_prev, prev,
         nxt = sample_traced(logits, keys, temperature, top_k, top_p, greedy)
         return nxt, logits, cache, ehist
 
-    body = data_parallel(body, mesh, tokens.shape[0], out_rows=(_ROW, _ROW, _ROW, _ROW),
-                         in_rows=(_ALL, _ROW, _ROW, _ALL, _ROW, _ROW, _ROW, _ROW, _ALL, _ROW, _ROW, _ALL, _ALL, _ALL))
-    nxt, logits, cache, ehist = body(params, cache, ehist, ht, tokens, lengths, use_prev, prev, seed, request_ids,
-                                     steps, temperature, top_k, top_p)
+    body = data_parallel(body, mesh, packed.shape[0], out_rows=(_ROW, _ROW, _ROW, _ROW),
+                         in_rows=(_ALL, _ROW, _ROW, _ALL, _ROW, _ROW, _ALL))
+    nxt, logits, cache, ehist = body(params, cache, ehist, ht, packed, prev, sampling)
     cache, nxt, ehist = _pin_rows(mesh, cfg, opts, max_seq_len, cache, nxt, ehist)
     return nxt, logits, cache, ehist
 
@@ -642,10 +663,18 @@ class Engine:
             tokens = np.concatenate([tokens, np.zeros((self.B, S - S0), np.int64)], 1)
         if np.any(self.pos + lengths > self.max_seq_len):
             raise ValueError(f"a slot would exceed max_seq_len {self.max_seq_len}")
-        (tok, lens, rid, stp, use), (seed, temp, top_k, top_p) = self._put_step_inputs(
-            tokens, lengths, sampling, request_ids, steps, np.asarray(use_prev, bool))
-        return (self.params, self.cache, self.ehist, self._dev_hash, tok, lens, use, prev, seed, rid, stp, temp,
-                top_k, top_p)
+        B = self.B
+        rid = np.zeros(B, np.int32) if request_ids is None else request_ids
+        stp = np.zeros(B, np.int32) if steps is None else steps
+        packed = jax.device_put(pack_step_rows(tokens, lengths, use_prev, rid, stp), self._rows)
+        return self.params, self.cache, self.ehist, self._dev_hash, packed, prev, self._sampling_on_device(sampling)
+
+    def _sampling_on_device(self, sampling):
+        """The packed sampling scalars on the devices, copied once per distinct setting."""
+        key = pack_sampling(sampling or SamplingParams()).tobytes()
+        if getattr(self, "_sampling_dev", (None,))[0] != key:
+            self._sampling_dev = (key, jax.device_put(np.frombuffer(key, np.int32), self._rep))
+        return self._sampling_dev[1]
 
     def compiled_text(self, *, decode: bool = True, pipelined: bool | None = None) -> str:
         """The optimised (on a mesh: partitioned) HLO of the step program the engine runs, for

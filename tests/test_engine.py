@@ -201,3 +201,25 @@ def test_device_ngram_hash_matches_host(preset):
         got = np.asarray(f(ht, jnp.asarray(win), jnp.asarray(first), S))
         n = min(S, 40 - p0)
         np.testing.assert_array_equal(got[:, :n], ref[:, p0:p0 + n])
+
+
+def test_packed_step_inputs_round_trip():
+    """A pipelined step's row inputs travel as one int32 array and its sampling settings as one
+    int32 [4] (floats by their bits): unpacking on the device gives the values back exactly."""
+    import jax.numpy as jnp
+
+    from dsv41_jax.engine import _unpack_step, pack_sampling, pack_step_rows
+    from dsv41_jax.sampling import SamplingParams
+
+    rng = np.random.default_rng()
+    B, S = 3, 5
+    tokens = rng.integers(0, 129280, (B, S))
+    lengths, use, rid, stp = rng.integers(0, S + 1, B), rng.integers(0, 2, B).astype(bool), rng.integers(0, 99, B), \
+        rng.integers(0, 4096, B)
+    sp = SamplingParams(temperature=0.7301, top_k=37, top_p=0.913, seed=123456789)
+    out = _unpack_step(jnp.asarray(pack_step_rows(tokens, lengths, use, rid, stp)), jnp.asarray(pack_sampling(sp)))
+    for got, want in zip(out[:5], (tokens, lengths, use, rid, stp)):
+        np.testing.assert_array_equal(np.asarray(got), want)
+    seed, temp, top_k, top_p = (np.asarray(v) for v in out[5:])
+    assert seed == 123456789 and top_k == 37
+    assert temp == np.float32(0.7301) and top_p == np.float32(0.913)
