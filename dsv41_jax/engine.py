@@ -604,14 +604,15 @@ class Engine:
         (tok, lens, rid, stp), scalars = self._put_step_inputs(tokens, lengths, sampling, request_ids, steps)
         return (tok, lens, eids, erows, scalars[0], rid, stp, *scalars[1:])
 
-    def _put_step_inputs(self, tokens, lengths, sampling, request_ids, steps, *more_rows):
-        """((tokens, lengths, request ids, steps, *more_rows) over dp, (seed, temperature, top_k,
-        top_p) replicated), committed to their shardings."""
+    def _put_step_inputs(self, tokens, lengths, sampling, request_ids, steps):
+        """((tokens, lengths, request ids, steps) over dp, (seed, temperature, top_k, top_p)
+        replicated), committed to their shardings (the unpipelined step; the pipelined one packs
+        them, :func:`pack_step_rows`)."""
         sp = sampling or SamplingParams()
         B = self.B
         rid = np.zeros(B, np.int32) if request_ids is None else np.asarray(request_ids, np.int32)
         stp = np.zeros(B, np.int32) if steps is None else np.asarray(steps, np.int32)
-        rows = (np.asarray(tokens, np.int32), np.asarray(lengths, np.int32), rid, stp, *more_rows)
+        rows = (np.asarray(tokens, np.int32), np.asarray(lengths, np.int32), rid, stp)
         scalars = (np.int32(sp.seed), np.float32(sp.temperature), np.int32(sp.top_k), np.float32(sp.top_p))
         return jax.device_put(rows, self._rows), jax.device_put(scalars, self._rep)
 
