@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -169,6 +170,16 @@ def random_prompt(n: int, seed: int, vocab: int, n_special_floor: int = 128000) 
     the DeepSeek tokenizer, and ids 0-2 excluded), seeded."""
     rng = np.random.default_rng(seed)
     return rng.integers(3, min(vocab, n_special_floor), size=n).tolist()
+
+
+def with_hlo_dump(xla_flags: str, dump_dir: str) -> str:
+    """``XLA_FLAGS`` plus an optimized-HLO dump of the engine's step programs into ``dump_dir``
+    (unless a dump is already asked for): the profiler maps XLA's kernels to model parts through it.
+    Without it every XLA fusion of run H (session 4) was reported as "other"."""
+    if "--xla_dump_to" in xla_flags:
+        return xla_flags
+    extra = f"--xla_dump_to={dump_dir} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*engine_step.*"
+    return f"{xla_flags} {extra}".strip()
 
 
 def profile_generate(eng, reqs, new_tokens: int, outdir: str) -> dict:
@@ -391,6 +402,9 @@ def main(argv=None) -> int:
 
     add_mesh_argument(ap)  # --mesh: random parameters are built on their shardings, never whole on one device
     args = ap.parse_args(argv)
+    if args.profile_tokens:  # read when the backend starts (no effect if a caller already started it)
+        os.environ["XLA_FLAGS"] = with_hlo_dump(os.environ.get("XLA_FLAGS", ""),
+                                                os.path.join(args.profile_dir or "/tmp/dsv41_prof", "hlo"))
     try:
         out = run(args)
     except (ValueError, MemoryError) as e:

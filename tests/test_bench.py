@@ -116,3 +116,12 @@ def test_bad_prefill_tokens_exits_cleanly(capsys):
         main(["--prefill-tokens", "0"])
     assert e.value.code == 2
     assert "--prefill-tokens" in capsys.readouterr().err
+
+
+def test_profile_asks_for_an_hlo_dump():
+    from dsv41_jax.bench import with_hlo_dump
+
+    f = with_hlo_dump("--xla_gpu_autotune_level=0", "/tmp/p/hlo")
+    assert f.startswith("--xla_gpu_autotune_level=0 ") and "--xla_dump_to=/tmp/p/hlo" in f
+    assert "engine_step" in f and "--xla_dump_hlo_as_text" in f
+    assert with_hlo_dump("--xla_dump_to=/x", "/tmp/p/hlo") == "--xla_dump_to=/x"  # the caller's dump wins
