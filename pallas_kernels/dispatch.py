@@ -5,7 +5,8 @@ Every op's ``api.py`` calls :func:`resolve` with the caller's ``implementation``
 
 1. an explicit ``implementation=`` argument;
 2. the innermost :func:`use_implementation` context;
-3. the ``DSV41_KERNELS`` environment variable;
+3. the ``DSV41_KERNELS`` environment variable (one name for every op and/or ``op=name`` entries,
+   e.g. ``auto,mhc=reference``: :func:`parse_kernels_env`);
 4. ``"auto"``: ``"pallas"`` when JAX's default backend is a GPU, ``"reference"`` otherwise.
 
 :func:`choose` then asks the kernel module whether it can run the call (``unsupported_reason``) and,
@@ -42,16 +43,44 @@ def _check(name: str) -> str:
     return name
 
 
-def default_implementation() -> str:
+# the ops that dispatch here, and names for groups of them (DSV41_KERNELS per-op entries)
+OPS = ("quantized_matmul", "moe_experts", "hc_mixes", "hc_collapse", "hc_expand", "sparse_attention",
+       "lightning_indexer")
+OP_GROUPS = {"mhc": ("hc_mixes", "hc_collapse", "hc_expand")}
+
+
+def parse_kernels_env(text: str) -> tuple[str, dict[str, str]]:
+    """``DSV41_KERNELS``: an implementation for every op and/or ``op=implementation`` entries,
+    comma-separated, e.g. ``auto,mhc=reference`` (the mHC ops on their XLA references, the rest as
+    ``auto``). Returns (default, {op: implementation})."""
+    default, per_op = "auto", {}
+    for part in filter(None, (t.strip() for t in text.split(","))):
+        if "=" not in part:
+            default = _check(part)
+            continue
+        op, impl = (t.strip() for t in part.split("=", 1))
+        _check(impl)
+        for o in OP_GROUPS.get(op, (op,)):
+            if o not in OPS:
+                raise ValueError(f"DSV41_KERNELS={text!r}: unknown op {op!r}; expected one of "
+                                 f"{', '.join(OPS + tuple(OP_GROUPS))}")
+            per_op[o] = impl
+    return default, per_op
+
+
+def default_implementation(op: str | None = None) -> str:
+    """The implementation a call without ``implementation=`` gets: the innermost
+    :func:`use_implementation`, else ``DSV41_KERNELS`` (its entry for ``op`` if it has one)."""
     stack = getattr(_local, "stack", None)
     if stack:
         return stack[-1]
-    return _check(os.environ.get("DSV41_KERNELS", "auto"))
+    default, per_op = parse_kernels_env(os.environ.get("DSV41_KERNELS", "auto"))
+    return per_op.get(op, default)
 
 
-def resolve(implementation: str | None = None) -> str:
+def resolve(implementation: str | None = None, op: str | None = None) -> str:
     """Return the concrete implementation name ('reference', 'pallas' or 'interpret')."""
-    name = _check(implementation) if implementation is not None else default_implementation()
+    name = _check(implementation) if implementation is not None else default_implementation(op)
     if name == "auto":
         return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "reference"
     return name
@@ -61,7 +90,7 @@ def choose(op: str, implementation: str | None, load_kernel, unsupported, auto=N
     """Pick the kernel for one call: returns ``(kernel_module, interpret)`` or ``(None, False)`` for
     the reference. ``load_kernel()`` imports the op's ``pallas_triton`` module; ``unsupported(k)`` and
     ``auto(k)`` return a readable reason or None."""
-    impl = resolve(implementation)
+    impl = resolve(implementation, op)
     if impl == "reference":
         return None, False
     explicit = implementation is not None
@@ -72,7 +101,7 @@ def choose(op: str, implementation: str | None, load_kernel, unsupported, auto=N
             raise ValueError(f"{op}: no Pallas implementation is available ({e})") from None
         return None, False
     reason = unsupported(kernel)
-    if reason is None and auto is not None and not explicit and default_implementation() == "auto":
+    if reason is None and auto is not None and not explicit and default_implementation(op) == "auto":
         reason = auto(kernel)
     if reason is not None:
         if explicit:
