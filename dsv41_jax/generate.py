@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-seq-len", type=int, default=None,
                      help="cache capacity per sequence, prompt + generated (default: longest prompt + max-new-tokens)")
     gen.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill step")
+    gen.add_argument("--prefill-tokens", type=int, default=None,
+                     help="most prompt tokens one prefill step runs over all slots (the chunk per row shrinks "
+                          "with --batch-size; bounds the prefill program's memory)")
     gen.add_argument("--speculative", choices=("dspark",), default=None,
                      help="speculative decoding with the checkpoint's DSpark drafter (dsv41_jax/speculative.py)")
     gen.add_argument("--speculative-policy", default="all", choices=("all", "confidence"),
@@ -169,6 +172,8 @@ def _check_numbers(a) -> None:
         raise UsageError(f"--max-seq-len must be >= 2, got {a.max_seq_len}")
     if a.prefill_chunk < 1:
         raise UsageError(f"--prefill-chunk must be >= 1, got {a.prefill_chunk}")
+    if a.prefill_tokens is not None and a.prefill_tokens < 1:
+        raise UsageError(f"--prefill-tokens must be >= 1, got {a.prefill_tokens}")
     if a.checkpoint and a.preset:
         raise UsageError("give either --checkpoint or --preset, not both")
     if not a.prompt and not a.prompts:
@@ -297,7 +302,8 @@ def run(argv=None) -> int:
         return run_cli(a, model, prompts, tok, opts, sampling, max_seq_len, mesh=mesh)
     slots = min(a.batch_size, -(-len(prompts) // dp) * dp)  # no more slots than prompts, a multiple of dp
     eng = Engine(model, batch_size=slots, max_seq_len=max_seq_len, opts=opts,
-                 prefill_chunk=min(a.prefill_chunk, max_seq_len), stop_ids=(cfg.eos_token_id,), mesh=mesh)
+                 prefill_chunk=min(a.prefill_chunk, max_seq_len), stop_ids=(cfg.eos_token_id,), mesh=mesh,
+                 prefill_tokens=a.prefill_tokens)
     t_load = time.perf_counter() - t0
     err = sys.stderr
     print(f"model: {cfg.name} ({'checkpoint ' + a.checkpoint if a.checkpoint else 'random weights, seed ' + str(a.seed)}), "

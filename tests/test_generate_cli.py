@@ -38,8 +38,8 @@ def test_fixture_greedy_through_cli(tmp_path, capsys, fx):
     out = tmp_path / "out.jsonl"
     rc, _, err = _run(capsys, "--checkpoint", FIX, "--prompts", str(prompts), "--dtype", "float32",
                       "--kv-cache-dtype", "float32", "--max-new-tokens", "16", "--output", str(out),
-                      "--prefill-chunk", "8", "--max-seq-len", "160")
-    assert rc == 0, err
+                      "--prefill-chunk", "8", "--max-seq-len", "160", "--prefill-tokens", "8")
+    assert rc == 0, err  # 8 prompt tokens per step over the slots: 4 per row (same tokens as any chunking)
     recs = [json.loads(ln) for ln in out.read_text().splitlines()]
     assert [r["index"] for r in recs] == [0, 1]
     for b, r in enumerate(recs):
@@ -98,6 +98,7 @@ BAD_CASES = {
     "non-int top-k": (["--prompt", "x", "--top-k", "2.5"], "--top-k"),
     "zero max-new-tokens": (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens"),
     "zero batch": (["--prompt", "x", "--batch-size", "0"], "--batch-size"),
+    "zero prefill-tokens": (["--prompt", "x", "--prefill-tokens", "0"], "--prefill-tokens"),
     "bad dtype": (["--prompt", "x", "--dtype", "float16"], "--dtype"),
     "bad kv dtype": (["--prompt", "x", "--kv-cache-dtype", "int8"], "--kv-cache-dtype"),
     "bad preset": (["--prompt", "x", "--preset", "huge"], "--preset"),
