@@ -69,15 +69,15 @@ def bench_config(preset: str, routed_experts: int | None, engram_vocab: int | No
     return cfg.replace(name=f"{preset}-bench", **kw), notes
 
 
-def device_memory_limit(devices) -> int | None:
-    """The smallest memory limit of ``devices`` in bytes (None where the backend reports none: CPU)."""
-    limits = []
-    for d in devices:
-        try:
-            limits.append((d.memory_stats() or {}).get("bytes_limit"))
-        except Exception:  # noqa: BLE001 - backends without memory stats
-            return None
-    return min(limits) if limits and None not in limits else None
+def memory_stat(devices, key: str, reduce=max) -> int | None:
+    """``reduce`` over ``devices`` of one of their memory statistics (``bytes_limit``,
+    ``peak_bytes_in_use``, ...); None where the backend reports none (CPU)."""
+    try:
+        vals = [(d.memory_stats() or {}).get(key) for d in devices]
+    except Exception:  # noqa: BLE001 - backends without memory stats
+        return None
+    vals = [v for v in vals if v is not None]
+    return reduce(vals) if vals else None
 
 
 def fit_problem(param_bytes: int, n_devices: int, limit: int | None, headroom: float = 0.9) -> str | None:
@@ -239,10 +239,9 @@ def run(args) -> dict:
         if any(B % dp for B in args.batch_sizes):
             raise ValueError(f"--batch-sizes {args.batch_sizes}: every batch size must be a multiple of dp={dp} "
                              f"(--mesh {args.mesh})")
-    n_dev = len(mesh.devices.flat) if mesh is not None else 1
     devs = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
-    problem = fit_problem(_stored_bytes(param_specs(cfg)), n_dev,
-                          device_memory_limit(devs))
+    n_dev = len(devs)
+    problem = fit_problem(_stored_bytes(param_specs(cfg)), n_dev, memory_stat(devs, "bytes_limit", min))
     if problem:
         raise ValueError(problem)
     t = time.perf_counter()
@@ -256,13 +255,7 @@ def run(args) -> dict:
 
     def mem():
         """Peak bytes in use on the busiest device (None on CPU)."""
-        devs = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
-        try:
-            peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devs]
-        except Exception:  # noqa: BLE001 - CPU has no memory stats
-            return None
-        peaks = [p for p in peaks if p is not None]
-        return max(peaks) if peaks else None
+        return memory_stat(devs, "peak_bytes_in_use", max)
 
     for B in args.batch_sizes:
         eng = Engine(model, batch_size=B, max_seq_len=args.prompt_len + args.new_tokens + 1, opts=opts,

@@ -220,11 +220,13 @@ def device_ngram_ids(ht, win, first_pos, S: int):
     return jnp.concatenate(cols, -1).astype(jnp.int32) + ht["offsets"][None, None]
 
 
-def pack_step_rows(tokens, lengths, use_prev, request_ids, steps) -> np.ndarray:
+def pack_step_rows(tokens, lengths, use_prev, request_ids=None, steps=None) -> np.ndarray:
     """The per-row inputs of a pipelined step as one int32 array [B, S + 4] (tokens, then length,
-    use_prev, request id, step): one host-to-device copy per step instead of five."""
+    use_prev, request id, step; absent ids / steps are 0): one host-to-device copy per step instead
+    of five."""
     B = tokens.shape[0]
-    cols = [np.asarray(c, np.int64).reshape(B, 1) for c in (lengths, use_prev, request_ids, steps)]
+    cols = [np.zeros((B, 1), np.int64) if c is None else np.asarray(c, np.int64).reshape(B, 1)
+            for c in (lengths, use_prev, request_ids, steps)]
     return np.concatenate([np.asarray(tokens, np.int64), *cols], axis=1).astype(np.int32)
 
 
@@ -424,6 +426,7 @@ class Engine:
         self.chunk = int(min(prefill_chunk, self.max_seq_len, prefill_chunk_for(self.B, prefill_tokens)))
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.stats = EngineStats()
+        self._sampling_dev = (None, None)  # (packed sampling bytes, their device copy)
         self._compiled: dict = {}
         # where per-step inputs go: batch-leading ones (_rows: over dp on a mesh) and the rest (_rep).
         # Committed placements from the start: a step's compiled program is keyed by its inputs'
@@ -664,16 +667,13 @@ class Engine:
             tokens = np.concatenate([tokens, np.zeros((self.B, S - S0), np.int64)], 1)
         if np.any(self.pos + lengths > self.max_seq_len):
             raise ValueError(f"a slot would exceed max_seq_len {self.max_seq_len}")
-        B = self.B
-        rid = np.zeros(B, np.int32) if request_ids is None else request_ids
-        stp = np.zeros(B, np.int32) if steps is None else steps
-        packed = jax.device_put(pack_step_rows(tokens, lengths, use_prev, rid, stp), self._rows)
+        packed = jax.device_put(pack_step_rows(tokens, lengths, use_prev, request_ids, steps), self._rows)
         return self.params, self.cache, self.ehist, self._dev_hash, packed, prev, self._sampling_on_device(sampling)
 
     def _sampling_on_device(self, sampling):
         """The packed sampling scalars on the devices, copied once per distinct setting."""
         key = pack_sampling(sampling or SamplingParams()).tobytes()
-        if getattr(self, "_sampling_dev", (None,))[0] != key:
+        if self._sampling_dev[0] != key:
             self._sampling_dev = (key, jax.device_put(np.frombuffer(key, np.int32), self._rep))
         return self._sampling_dev[1]
 

@@ -349,8 +349,6 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     n, k = indices.shape
     n_exp, i_dim, d = weight_logical_shape(w1)
     fmt = weight_format(w1)
-    quant = is_quantized(w1)
-    op = operand_dtype(x.dtype, w1)
     p = n * k
     limit = float(swiglu_limit or 0.0)
     if config is None and fmt != "plain" and p <= fma.FMA_MOE_MAX_PAIRS and fma.DECODE_GEMV["moe"] == "fma":
@@ -360,6 +358,8 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     if config is not None and config[0] == "fma":  # vector-unit decode kernels (no tensor cores)
         return _moe_fma(x, weights, indices, w1, w2, w3, limit=limit, act_block=act_block, interpret=interpret,
                         cfg=tuple(config))
+    quant = is_quantized(w1)
+    op = operand_dtype(x.dtype, w1)
     cfg = tuple(config or _config(p, n_exp, i_dim, d))
     bt, bi, bk_a, bd, bk_b, warps = cfg[:6]
     stages = cfg[6] if len(cfg) > 6 else 3  # optional 7th entry: software-pipelining stages

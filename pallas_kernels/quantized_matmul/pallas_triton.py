@@ -165,12 +165,6 @@ def pick_block(total: int, cap: int) -> int:
     return b
 
 
-def _e8m0_to_f32(s_u8, bias_shift: int = 0):
-    """uint8 e8m0 bytes -> float32 2**(s - 127 + bias_shift), by writing the exponent field."""
-    e = s_u8.astype(jnp.int32) + bias_shift
-    return jax.lax.bitcast_convert_type(e << 23, jnp.float32)
-
-
 def _expand_cols(t, rep: int):
     """[R, C] -> [R, C*rep], each column repeated ``rep`` times (broadcast + reshape)."""
     r, c = t.shape
@@ -215,32 +209,32 @@ def load_weight_tiles(fmt, w_ref, s_ref, lead, rows, row0, bn, k0, bk, op_dtype,
             cb = min(bk, wb)  # K columns per scale in this tile
             ridx = (row0 + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)) // wb
             s = s_ref[(*lead, ridx, pl.ds(k0 // wb, bk // cb))]
-            sf = _e8m0_to_f32(s)
+            sf = fma.e8m0_f32(s)
             w3 = w.astype(jnp.float32).reshape(bn, bk // cb, cb) * sf[:, :, None]
             return (w3.astype(op_dtype).reshape(bn, bk),)
         srows = pl.ds(row0 // wb, max(bn // wb, 1))
         if bk >= wb:
             s = s_ref[(*lead, srows, pl.ds(k0 // wb, bk // wb))]
-            sf = _e8m0_to_f32(s)
+            sf = fma.e8m0_f32(s)
             if bn >= wb:
                 sf = _expand_rows_cols(sf, wb, wb)
             else:  # fewer rows in the tile than in a block: one scale row
                 sf = jnp.broadcast_to(_expand_cols(sf, wb), (bn, bk))
         else:  # the K tile lies inside one block column (128x128 blocks, bk = 64): one scale column
             s = s_ref[(*lead, srows, pl.ds(k0 // wb, 1))]
-            sf = _e8m0_to_f32(s)
+            sf = fma.e8m0_f32(s)
             sf = _expand_rows_cols(sf, wb, bk) if bn >= wb else jnp.broadcast_to(sf, (bn, bk))
         return ((w.astype(jnp.float32) * sf).astype(op_dtype),)
     if fmt == "fp4":
         b = w_ref[(*lead, rows, pl.ds(k0 // 2, bk // 2))].astype(jnp.int32)
         s = s_ref[(*lead, rows, pl.ds(k0 // 32, bk // 32))]
         if SCALE_MODE["fp4"] == "view3d":
-            sf = _e8m0_to_f32(s, FP4_EXP_SHIFT)[:, :, None]
+            sf = fma.e8m0_f32(s, FP4_EXP_SHIFT)[:, :, None]
             b3 = b.reshape(bn, bk // 32, 16)
             lo = (_fp4_decode(b3 & 15) * sf).astype(op_dtype).reshape(bn, bk // 2)
             hi = (_fp4_decode(b3 >> 4) * sf).astype(op_dtype).reshape(bn, bk // 2)
             return lo, hi
-        sf = _expand_cols(_e8m0_to_f32(s, FP4_EXP_SHIFT), 16)
+        sf = _expand_cols(fma.e8m0_f32(s, FP4_EXP_SHIFT), 16)
         lo = (_fp4_decode(b & 15) * sf).astype(op_dtype)
         hi = (_fp4_decode(b >> 4) * sf).astype(op_dtype)
         return lo, hi
@@ -371,7 +365,7 @@ def _mm8_kernel(x8_ref, xs_ref, w_ref, s_ref, o_ref, *, bm, bn, bk, steps, split
             part = jax.lax.dot_general(x8_ref[mrows, pl.ds(kk, 32)], w_ref[rows, pl.ds(kk, 32)], dims,
                                        preferred_element_type=jnp.float32)
             sx = xs_ref[mrows, pl.ds(kk // 32, 1)]  # [bm, 1]
-            sw = _e8m0_to_f32(s_ref[pl.ds(row0 // 32, bn // 32), pl.ds(kk // 32, 1)])  # [bn/32, 1]
+            sw = fma.e8m0_f32(s_ref[pl.ds(row0 // 32, bn // 32), pl.ds(kk // 32, 1)])  # [bn/32, 1]
             sw = jnp.broadcast_to(sw, (bn // 32, 32)).reshape(1, bn)
             acc = acc + part * sx * sw
         return acc
@@ -422,15 +416,15 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, con
     m = math.prod(lead)
     op = operand_dtype(x.dtype, w)
     x2 = x.reshape(m, k)
-    xq = (act_quant(x2, act_block) if is_quantized(w) else x2).astype(op)
     if config is None and fmt != "plain" and m <= fma.FMA_MAX_ROWS and fma.DECODE_GEMV["qmm"] == "fma":
         cand = fma.default_config(m, n, k, w)
         if fma.unsupported_reason(m, w, cand) is None:  # else the tensor-core GEMV below
             config = cand
     if config is not None and config[0] == "fma":  # vector-unit GEMV for 1-4 rows (pallas_triton_fma)
         y = fma.quantized_matmul_fma(x2, w, act_block=act_block, out_dtype=out_dtype, config=tuple(config),
-                                 interpret=interpret)
+                                     interpret=interpret)
         return y.reshape(*lead, n)
+    xq = (act_quant(x2, act_block) if is_quantized(w) else x2).astype(op)
     bm, bn, bk, splits, warps, stages = config or _config(m, n, k, fmt)
     mp = -(-m // bm) * bm
     if mp != m:  # fused by XLA into the act-quant fusion

@@ -28,7 +28,6 @@ FP8 rows per program: ``bn <= G`` (one scale row per tile, no in-kernel reshape)
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import jax
@@ -76,6 +75,8 @@ def fp4_byte_decode_f32(b):
 
 
 def e8m0_f32(s_u8, bias_shift: int = 0):
+    """uint8 e8m0 bytes -> float32 2**(s - 127 + bias_shift), by writing the exponent field (also the
+    tensor-core kernels' scale decode)."""
     e = s_u8.astype(jnp.int32) + bias_shift
     return jax.lax.bitcast_convert_type(e << 23, jnp.float32)
 
@@ -238,7 +239,3 @@ def quantized_matmul_fma(x2, w, *, act_block, out_dtype, config, interpret=False
     if splits > 1:
         y = jnp.sum(y, axis=0)
     return y.astype(out_dtype)
-
-
-def rows_of(x) -> int:
-    return math.prod(x.shape[:-1])
