@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from .config import get_preset
+from .xla_flags import apply_runtime_defaults
 
 HBM_BW = {"H200": 4.8e12, "H100": 3.35e12, "MI350X": 8.0e12, "MI355X": 8.0e12}
 
@@ -271,8 +272,8 @@ def run(args) -> dict:
             st0 = dataclasses.replace(eng.stats)
             res = eng.generate(reqs, SamplingParams())
             st = eng.stats
-            if r >= args.warmup and st.steps > st0.steps:  # host side per step of this run (prefill steps included)
-                n = st.steps - st0.steps
+            if r >= args.warmup and st.timed_decode_steps > st0.timed_decode_steps:  # host side per decode step
+                n = st.timed_decode_steps - st0.timed_decode_steps
                 host.append(((st.dispatch_s - st0.dispatch_s) / n, (st.wait_s - st0.wait_s) / n))
             # decode rate: tokens after the first, over the time from the first token to the last
             t_first = max(x.timings["queue_s"] + x.timings["prefill_s"] for x in res)
@@ -319,7 +320,7 @@ def table(out: dict) -> str:
     lines = [f"device {out['device']}, jax {out['jax']}, config {out['config']}"]
     lines += [f"note: {n}" for n in out["notes"]]
     lines.append("| batch | decode tok/s (median) | floor tok/s | ratio | GB/step | peak GB | compile s | prompt prefill tok/s "
-                 "| host dispatch / wait ms per step |")
+                 "| host dispatch / wait ms per decode step |")
     lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in out["decode"]:
         fl = f"{r['floor_tok_s']:.0f}" if r["floor_tok_s"] else "n/a"
@@ -395,6 +396,7 @@ def main(argv=None) -> int:
 
     add_mesh_argument(ap)  # --mesh: random parameters are built on their shardings, never whole on one device
     args = ap.parse_args(argv)
+    apply_runtime_defaults()
     if args.profile_tokens:  # read when the backend starts (no effect if a caller already started it)
         os.environ["XLA_FLAGS"] = with_hlo_dump(os.environ.get("XLA_FLAGS", ""),
                                                 os.path.join(args.profile_dir or "/tmp/dsv41_prof", "hlo"))

@@ -336,11 +336,14 @@ class EngineStats:
     host_s: float = 0.0  # host work building step inputs (hashing, row gathers)
     compile_s: float = 0.0
     steps: int = 0
-    # pipelined generate: host time handing each step to the runtime (its inputs' copies + the jit
-    # dispatch, which returns before the device runs it) and time blocked reading the previous
-    # step's tokens (the device still busy). Dispatch >> wait: the host limits the step rate.
+    # pipelined generate, pure decode steps only (no prompt tokens in the step dispatched, nor in the
+    # step read): host time handing each step to the runtime (its inputs' copies + the jit call; on
+    # GPU the call returns once the runtime has enqueued the step's kernels, so this includes the
+    # per-kernel launch cost of every kernel outside a CUDA graph) and time blocked reading the
+    # previous step's tokens (the device still busy). Dispatch >> wait: the host limits the step rate.
     dispatch_s: float = 0.0
     wait_s: float = 0.0
+    timed_decode_steps: int = 0
 
     def summary(self) -> str:
         pf = self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
@@ -755,6 +758,7 @@ class Engine:
         if pipe:
             prev = self._zeros_prev()
             pending = None  # (next tokens of the last dispatched step, [(slot, _Slot)] that sampled in it)
+            pending_decode = False  # the pending step had no prompt tokens
             while any(s is not None for s in slots) or pending is not None:
                 in_prompt = [s is not None and s.cursor < len(s.prompt) for s in slots]
                 S = self.chunk if any(in_prompt) else 1
@@ -786,10 +790,12 @@ class Engine:
                     s.n_sched += 1
                     sampled.append((b, s))
                 step = None
+                t_dispatch = None  # host time of this step's dispatch, when it is a pure decode step
                 if lengths.any():
                     t_d = time.perf_counter()
                     prev, _ = self._step_pipe(tokens, lengths, use_prev, prev, sampling=sp, request_ids=rid, steps=stp)
-                    self.stats.dispatch_s += time.perf_counter() - t_d
+                    if S == 1:
+                        t_dispatch = time.perf_counter() - t_d
                     had_prompt = had_prompt or n_prompt > 0
                     self.stats.prefill_tokens += n_prompt
                     step = (prev, sampled) if sampled else None
@@ -799,7 +805,10 @@ class Engine:
                     t_w = time.perf_counter()
                     nxt = self._to_host(pending[0])
                     now = time.perf_counter()
-                    self.stats.wait_s += now - t_w
+                    if t_dispatch is not None and pending_decode:  # decode step dispatched, decode step read
+                        self.stats.dispatch_s += t_dispatch
+                        self.stats.wait_s += now - t_w
+                        self.stats.timed_decode_steps += 1
                     dt, t_mark = now - t_mark, now
                     n_new = 0
                     for b, s in pending[1]:
@@ -823,7 +832,7 @@ class Engine:
                         self.stats.decode_tokens += n_new
                         self.stats.decode_s += dt
                     had_prompt = False
-                pending = step
+                pending, pending_decode = step, t_dispatch is not None
                 admit()
             return results  # type: ignore[return-value]
         while any(s is not None for s in slots):

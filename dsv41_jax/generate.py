@@ -30,6 +30,8 @@ import os
 import sys
 import time
 
+from .xla_flags import apply_runtime_defaults
+
 BOS_ID = 0
 
 
@@ -230,6 +232,7 @@ def _one_line(e: BaseException) -> str:
 
 def run(argv=None) -> int:
     a = build_parser().parse_args(argv)
+    apply_runtime_defaults()
     _check_numbers(a)
     cfg, tok = _load_config_and_tokenizer(a)
     items = [{"prompt": t, "where": f"--prompt #{i + 1}"} for i, t in enumerate(a.prompt)]

@@ -21,6 +21,7 @@ import collections
 import glob
 import os
 import re
+import statistics
 
 # most specific first: the first scope name found in an op's name stack is its part
 PARTS = ("indexer", "compressor", "sparse_attn", "wo_a", "attention", "route", "routed_experts", "shared_expert",
@@ -160,7 +161,7 @@ def summarize(xplane_path: str, hlo_dump_dir: str | None = None, top: int = 25,
                 key = (plane.name, st.get("program_id", -1))
                 events.setdefault(key, []).append((e.name, e.duration_ns, str(st["hlo_op"]),
                                                    str(st.get("hlo_module", "?")), st.get("run_id"),
-                                                   str(st.get("tf_op", "") or "")))
+                                                   str(st.get("tf_op", "") or ""), e.start_ns))
     out = []
     for (dev, pid), evs in events.items():
         mod = evs[0][3]
@@ -171,7 +172,11 @@ def summarize(xplane_path: str, hlo_dump_dir: str | None = None, top: int = 25,
         count: collections.Counter = collections.Counter()
         what: dict = {}
         busy = 0
-        for name, dur, hop, _, _, tf in evs:
+        spans: dict = {}  # run id -> (first kernel start, last kernel end)
+        for name, dur, hop, _, run, tf, t0 in evs:
+            if run is not None:
+                a, b = spans.get(run, (t0, t0 + dur))
+                spans[run] = (min(a, t0), max(b, t0 + dur))
             op_name, typ = lookup(table, hop, name)
             stack = tf if "/" in tf else op_name
             part = part_of(stack)
@@ -183,6 +188,10 @@ def summarize(xplane_path: str, hlo_dump_dir: str | None = None, top: int = 25,
             busy += dur
         out.append({
             "device": dev, "program_id": pid, "module": mod, "executions": runs, "busy_ms": busy / runs / 1e6,
+            # kernels (thunks on CPU) per execution, and the median time from an execution's first kernel's
+            # start to its last one's end: span - busy is the device idle inside a step (launch gaps)
+            "launches": len(evs) / runs,
+            "span_ms": statistics.median(b - a for a, b in spans.values()) / 1e6 if spans else None,
             "parts_ms": {k: v / runs / 1e6 for k, v in parts.most_common()},
             "kernels": [{"kernel": k, "ms": v / runs / 1e6, "launches": count[k] / runs, "hlo": what[k]}
                         for k, v in kern.most_common(top)],
@@ -198,6 +207,7 @@ def set_executions(prog: dict, n: int) -> dict:
     prog["executions"] = n
     prog["busy_ms"] *= scale
     prog["parts_ms"] = {k: v * scale for k, v in prog["parts_ms"].items()}
+    prog["launches"] = prog.get("launches", 0) * scale
     for k in prog["kernels"]:
         k["ms"] *= scale
         k["launches"] *= scale
@@ -207,8 +217,9 @@ def set_executions(prog: dict, n: int) -> dict:
 def format_report(rep: dict, max_programs: int = 3) -> str:
     lines = []
     for p in rep["programs"][:max_programs]:
+        span = f", first kernel start to last end {p['span_ms']:.3f} ms" if p.get("span_ms") else ""
         lines.append(f"program {p['program_id']} ({p['module']}, {p['device']}): {p['executions']} executions, "
-                     f"{p['busy_ms']:.3f} ms device time each")
+                     f"{p['busy_ms']:.3f} ms device time each, {p.get('launches', 0):.0f} kernels each{span}")
         lines.append("  by part: " + ", ".join(f"{k} {v:.3f}" for k, v in p["parts_ms"].items()))
         for k in p["kernels"]:
             lines.append(f"    {k['ms']:8.3f} ms  x{k['launches']:.1f}  {k['kernel']}  [{k['hlo']}]")

@@ -30,6 +30,8 @@ import argparse
 
 import numpy as np
 
+from .xla_flags import apply_runtime_defaults
+
 
 def _table(rows):
     """Markdown table from a list of dicts (same keys)."""
@@ -88,6 +90,7 @@ def main(argv=None):
 
     add_mesh_argument(ap)  # DSpark runs with dp=1: split experts with ep, heads with tp
     a = ap.parse_args(argv)
+    apply_runtime_defaults()
 
     from .compile_cache import enable_compilation_cache
     from .engine import Engine, Request

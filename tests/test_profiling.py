@@ -43,6 +43,11 @@ def test_summarize_splits_programs_and_parts(tmp_path):
     assert all(v > 0 for v in progs["jit_f"]["parts_ms"].values())
     assert set(progs["jit_g"]["parts_ms"]) == {"engram"}
     assert abs(sum(progs["jit_f"]["parts_ms"].values()) - progs["jit_f"]["busy_ms"]) < 1e-9
+    # f has at least its two matmuls per execution; the kernel count is a per-execution figure
+    f_kernels = sum(k["launches"] for k in progs["jit_f"]["kernels"])
+    assert progs["jit_f"]["launches"] >= 2 and abs(progs["jit_f"]["launches"] - f_kernels) < 1e-9
+    if progs["jit_f"]["span_ms"] is not None:  # an execution's span covers at least its kernels' busy time
+        assert progs["jit_f"]["span_ms"] > 0
     text = format_report(rep)
     assert "jit_f" in text and "moe" in text
 
@@ -50,11 +55,11 @@ def test_summarize_splits_programs_and_parts(tmp_path):
 def test_set_executions_rescales_totals():
     from dsv41_jax.profiling import set_executions
 
-    prog = {"executions": 1, "busy_ms": 40.0, "parts_ms": {"moe": 30.0, "head": 10.0},
+    prog = {"executions": 1, "busy_ms": 40.0, "parts_ms": {"moe": 30.0, "head": 10.0}, "launches": 130.0,
             "kernels": [{"kernel": "k", "ms": 30.0, "launches": 120.0, "hlo": ""}]}
     set_executions(prog, 10)
     assert prog["executions"] == 10 and prog["busy_ms"] == 4.0
-    assert prog["parts_ms"] == {"moe": 3.0, "head": 1.0}
+    assert prog["parts_ms"] == {"moe": 3.0, "head": 1.0} and prog["launches"] == 13.0
     assert prog["kernels"][0]["ms"] == 3.0 and prog["kernels"][0]["launches"] == 12.0
 
 

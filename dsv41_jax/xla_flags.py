@@ -1,0 +1,43 @@
+"""XLA runtime flags the command-line tools set before JAX starts its backend.
+
+Decode at batch 1 is bound by the host: the GPU runtime enqueues a step's kernels one by one unless
+they sit inside a CUDA graph (XLA "command buffers"). By default XLA puts only its own fusions and
+library calls into graphs, and only runs of at least a few of them, so every Pallas kernel (a custom
+call) ends a graph segment and launches on its own. On one H200 the 7-layer probe of V4.1-Flash
+decoded 2.57 ms per step with the two flags below against 2.83 ms without (device time 2.41 ms
+both; BENCHMARKS.md, session 5).
+
+``DSV41_XLA_DEFAULTS=off`` leaves ``XLA_FLAGS`` alone; a flag the user already set in ``XLA_FLAGS``
+is never overridden.
+"""
+
+from __future__ import annotations
+
+import os
+
+# flag name -> value; both are GPU-runtime options that the CPU backend parses and ignores
+GPU_RUNTIME_DEFAULTS = {
+    # capture Pallas/Triton custom calls in command buffers beside XLA's fusions and library calls
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN",
+    # capture a run of commands however short (the default leaves short runs between kernels to
+    # per-kernel launches)
+    "xla_gpu_graph_min_graph_size": "1",
+}
+
+
+def with_runtime_defaults(xla_flags: str, defaults: dict[str, str] = GPU_RUNTIME_DEFAULTS) -> str:
+    """``xla_flags`` plus every default flag it does not already set (by name, any value)."""
+    given = {tok.lstrip("-").split("=", 1)[0] for tok in xla_flags.split()}
+    extra = [f"--{k}={v}" for k, v in defaults.items() if k not in given]
+    return " ".join([xla_flags.strip()] + extra).strip()
+
+
+def apply_runtime_defaults() -> str:
+    """Set ``os.environ['XLA_FLAGS']`` to :func:`with_runtime_defaults` of itself (unless
+    ``DSV41_XLA_DEFAULTS=off``) and return it. Takes effect only if called before JAX starts a
+    backend."""
+    cur = os.environ.get("XLA_FLAGS", "")
+    if os.environ.get("DSV41_XLA_DEFAULTS", "").lower() == "off":
+        return cur
+    os.environ["XLA_FLAGS"] = with_runtime_defaults(cur)
+    return os.environ["XLA_FLAGS"]

@@ -1,0 +1,26 @@
+"""dsv41_jax.xla_flags: the CLIs' XLA runtime defaults never override what the user set."""
+
+from dsv41_jax.xla_flags import GPU_RUNTIME_DEFAULTS, apply_runtime_defaults, with_runtime_defaults
+
+
+def test_defaults_added_to_empty_flags():
+    out = with_runtime_defaults("")
+    for k, v in GPU_RUNTIME_DEFAULTS.items():
+        assert f"--{k}={v}" in out.split()
+
+
+def test_user_flag_wins_and_others_are_kept():
+    user = "--xla_gpu_enable_command_buffer= --xla_dump_to=/tmp/x"
+    out = with_runtime_defaults(user).split()
+    assert "--xla_gpu_enable_command_buffer=" in out and "--xla_dump_to=/tmp/x" in out
+    assert sum(t.startswith("--xla_gpu_enable_command_buffer") for t in out) == 1
+    assert "--xla_gpu_graph_min_graph_size=1" in out
+    assert with_runtime_defaults(" ".join(out)) == " ".join(out)  # idempotent
+
+
+def test_off_switch(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/y")
+    monkeypatch.setenv("DSV41_XLA_DEFAULTS", "off")
+    assert apply_runtime_defaults() == "--xla_dump_to=/tmp/y"
+    monkeypatch.setenv("DSV41_XLA_DEFAULTS", "")
+    assert "--xla_gpu_graph_min_graph_size=1" in apply_runtime_defaults().split()
