@@ -168,6 +168,7 @@ def summarize(xplane_path: str, hlo_dump_dir: str | None = None, top: int = 25,
         table = _pick_table(tables, mod, {(e[2], e[0]) for e in evs})
         runs = module_runs.get((dev, pid)) or len({e[4] for e in evs if e[4] is not None}) or 1
         parts: collections.Counter = collections.Counter()
+        part_launches: collections.Counter = collections.Counter()
         kern: collections.Counter = collections.Counter()
         count: collections.Counter = collections.Counter()
         what: dict = {}
@@ -181,6 +182,7 @@ def summarize(xplane_path: str, hlo_dump_dir: str | None = None, top: int = 25,
             stack = tf if "/" in tf else op_name
             part = part_of(stack)
             parts[part] += dur
+            part_launches[part] += 1
             k = f"{part}: {name[:64]}"
             kern[k] += dur
             count[k] += 1
@@ -193,6 +195,7 @@ def summarize(xplane_path: str, hlo_dump_dir: str | None = None, top: int = 25,
             "launches": len(evs) / runs,
             "span_ms": statistics.median(b - a for a, b in spans.values()) / 1e6 if spans else None,
             "parts_ms": {k: v / runs / 1e6 for k, v in parts.most_common()},
+            "parts_launches": {k: part_launches[k] / runs for k, _ in parts.most_common()},
             "kernels": [{"kernel": k, "ms": v / runs / 1e6, "launches": count[k] / runs, "hlo": what[k]}
                         for k, v in kern.most_common(top)],
         })
@@ -208,19 +211,22 @@ def set_executions(prog: dict, n: int) -> dict:
     prog["busy_ms"] *= scale
     prog["parts_ms"] = {k: v * scale for k, v in prog["parts_ms"].items()}
     prog["launches"] = prog.get("launches", 0) * scale
+    prog["parts_launches"] = {k: v * scale for k, v in prog.get("parts_launches", {}).items()}
     for k in prog["kernels"]:
         k["ms"] *= scale
         k["launches"] *= scale
     return prog
 
 
-def format_report(rep: dict, max_programs: int = 3) -> str:
+def format_report(rep: dict, max_programs: int = 3, max_kernels: int = 25) -> str:
     lines = []
     for p in rep["programs"][:max_programs]:
         span = f", first kernel start to last end {p['span_ms']:.3f} ms" if p.get("span_ms") else ""
         lines.append(f"program {p['program_id']} ({p['module']}, {p['device']}): {p['executions']} executions, "
                      f"{p['busy_ms']:.3f} ms device time each, {p.get('launches', 0):.0f} kernels each{span}")
-        lines.append("  by part: " + ", ".join(f"{k} {v:.3f}" for k, v in p["parts_ms"].items()))
-        for k in p["kernels"]:
+        pl_ = p.get("parts_launches", {})
+        lines.append("  by part (ms, kernels): " + ", ".join(
+            f"{k} {v:.3f}" + (f" ({pl_[k]:.0f})" if k in pl_ else "") for k, v in p["parts_ms"].items()))
+        for k in p["kernels"][:max_kernels]:
             lines.append(f"    {k['ms']:8.3f} ms  x{k['launches']:.1f}  {k['kernel']}  [{k['hlo']}]")
     return "\n".join(lines)

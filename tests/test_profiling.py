@@ -45,6 +45,7 @@ def test_summarize_splits_programs_and_parts(tmp_path):
     assert abs(sum(progs["jit_f"]["parts_ms"].values()) - progs["jit_f"]["busy_ms"]) < 1e-9
     # f has at least its two matmuls per execution; the kernel count is a per-execution figure
     f_kernels = sum(k["launches"] for k in progs["jit_f"]["kernels"])
+    assert abs(sum(progs["jit_f"]["parts_launches"].values()) - progs["jit_f"]["launches"]) < 1e-9
     assert progs["jit_f"]["launches"] >= 2 and abs(progs["jit_f"]["launches"] - f_kernels) < 1e-9
     if progs["jit_f"]["span_ms"] is not None:  # an execution's span covers at least its kernels' busy time
         assert progs["jit_f"]["span_ms"] > 0
