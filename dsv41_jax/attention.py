@@ -42,7 +42,7 @@ from pallas_kernels.lightning_indexer import lightning_indexer, select_candidate
 from pallas_kernels.sparse_attention import sparse_attention
 
 from .config import ModelConfig
-from .layers import linear, norm, weight_of
+from .layers import linear, linear_multi, norm, weight_of
 from .options import RunOptions
 from .quant import Fp4Tensor, Fp8Tensor, dequantize, quantize_fp4_e4m3, quantize_fp8, quantize_mxfp4
 from .quant.fake_quant import fake_quant_fp8, fake_quant_mxfp4
@@ -222,13 +222,14 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
     ang = rope_angles(positions, freqs)
     act = cfg.fp8_block_size
 
-    qr = norm(linear(x, p["wq_a"], act_block=act), p["q_norm"], cfg.norm_eps)
+    q_lat, kv_lat = linear_multi(x, [p["wq_a"], p["wkv"]], act_block=act)  # one launch at decode sizes
+    qr = norm(q_lat, p["q_norm"], cfg.norm_eps)
     q = linear(qr, p["wq_b"], act_block=act, path="attn.wq_b").reshape(B, S, H, Dh)
     if cfg.is_v4:
         q = head_rms_norm(q, cfg.norm_eps)
     q = apply_rope(q, ang)
 
-    kv = norm(linear(x, p["wkv"], act_block=act), p["kv_norm"], cfg.norm_eps)
+    kv = norm(kv_lat, p["kv_norm"], cfg.norm_eps)
     kv = apply_rope(kv, ang)
     kv_chunk = _store_v4(kv, "window", opts, cfg.rope_head_dim) if cfg.is_v4 else cache_store(kv, "window", opts)
     lc = dict(cache_layers[str(l)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quantized_matmul import quantized_matmul
+from pallas_kernels.quantized_matmul import quantized_matmul, quantized_matmul_multi
 
 from .quant import is_quantized
 
@@ -35,6 +35,20 @@ def linear(x: jax.Array, node, *, act_block: int = 32, out_dtype=None, path: str
         if y is not None:
             return y
     return quantized_matmul(x, w, act_block=act_block, out_dtype=out_dtype)
+
+
+def linear_multi(x: jax.Array, nodes, *, act_block: int = 32, out_dtype=None, paths=None) -> list:
+    """``[linear(x, node) for node in nodes]`` (same values) for linear layers that read the same input:
+    at decode sizes one kernel launch computes them all (``quantized_matmul_multi``). ``paths``: each
+    weight's partition-rule name, as for :func:`linear`; under a ``tp`` mesh weights with a path keep
+    their own tensor-parallel calls."""
+    paths = list(paths) if paths is not None else [None] * len(nodes)
+    if any(p is not None for p in paths):
+        from sharding.tensor_parallel import tp_active
+
+        if tp_active():
+            return [linear(x, n, act_block=act_block, out_dtype=out_dtype, path=p) for n, p in zip(nodes, paths)]
+    return quantized_matmul_multi(x, [weight_of(n) for n in nodes], act_block=act_block, out_dtype=out_dtype)
 
 
 def norm(x, node, eps):

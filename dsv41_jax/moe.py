@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from sharding.expert_parallel import routed_experts  # moe_experts, expert-parallel under a mesh
 
 from .config import ModelConfig
-from .layers import linear, weight_of
+from .layers import linear, linear_multi, weight_of
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -42,8 +42,8 @@ def route(p_gate, x, cfg: ModelConfig, topk: int, tokens=None):
 
 def shared_expert(p, x, cfg: ModelConfig):
     act = cfg.fp8_block_size
-    g = linear(x, p["w1"], act_block=act, path="ffn.shared_experts.w1").astype(jnp.float32)
-    u = linear(x, p["w3"], act_block=act, path="ffn.shared_experts.w3").astype(jnp.float32)
+    g, u = (y.astype(jnp.float32) for y in linear_multi(  # one launch at decode sizes
+        x, [p["w1"], p["w3"]], act_block=act, paths=["ffn.shared_experts.w1", "ffn.shared_experts.w3"]))
     if cfg.swiglu_limit > 0:
         u = jnp.clip(u, -cfg.swiglu_limit, cfg.swiglu_limit)
         g = jnp.minimum(g, cfg.swiglu_limit)

@@ -37,6 +37,13 @@ def _tp_dim(spec, nd: int) -> int | None:
     return split[0][0]
 
 
+def tp_active() -> bool:
+    """Whether the context mesh has an automatic ``tp`` axis of size > 1 (then :func:`tp_linear` may
+    split a linear layer's kernel over it)."""
+    m = context_mesh()
+    return m is not None and "tp" in auto_axes(m) and mesh_sizes(m)["tp"] > 1
+
+
 def tp_linear(x, w, *, path: str, act_block: int = 32, out_dtype=None, implementation=None):
     """``quantized_matmul(x, w)`` with the Pallas kernel on each ``tp`` shard of ``w`` (see the
     module docstring), or None when that does not apply (no context mesh with an automatic ``tp``
@@ -45,9 +52,9 @@ def tp_linear(x, w, *, path: str, act_block: int = 32, out_dtype=None, implement
     table (e.g. ``"attn.wq_b"``)."""
     from pallas_kernels.quantized_matmul import quantized_matmul, uses_kernel
 
-    m = context_mesh()
-    if m is None or "tp" not in auto_axes(m) or mesh_sizes(m)["tp"] == 1:
+    if not tp_active():
         return None
+    m = context_mesh()
     if not uses_kernel(x, w, act_block=act_block, implementation=implementation):
         return None
     quantized = hasattr(w, "data")

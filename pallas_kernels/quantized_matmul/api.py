@@ -34,3 +34,20 @@ def uses_kernel(x, w, *, act_block=32, implementation=None) -> bool:
     """Whether :func:`quantized_matmul` with these arguments would run the Pallas kernel (the same
     dispatch decision, without running anything)."""
     return _choose(x, w, act_block, implementation)[0] is not None
+
+
+def quantized_matmul_multi(x, ws, *, act_block=32, out_dtype=None, implementation=None) -> list:
+    """``[quantized_matmul(x, w) for w in ws]``, the same values, in one kernel launch where the decode
+    GEMV can take every weight together (1-4 rows, one format, block and K: the projections that read
+    the same input, such as wq_a and wkv, or the shared expert's w1 and w3). Otherwise, and on the
+    reference path, one call per weight. At batch-1 decode the host's launch cost per kernel limits
+    the step rate (BENCHMARKS.md, session 5), so each launch saved counts."""
+    ws = list(ws)
+    if len(ws) > 1:
+        kernel, interpret = _choose(x, ws[0], act_block, implementation)
+        if (kernel is not None and all(_choose(x, w, act_block, implementation)[0] is not None for w in ws[1:])
+                and kernel.fused_gemv_config(x, ws, act_block=act_block) is not None):
+            return dispatch.call_kernel(kernel.quantized_matmul_multi, x, tuple(ws), act_block=act_block,
+                                        out_dtype=out_dtype, interpret=interpret)
+    return [quantized_matmul(x, w, act_block=act_block, out_dtype=out_dtype, implementation=implementation)
+            for w in ws]

@@ -405,6 +405,37 @@ def auto_reason(x, w):
     return None
 
 
+def fused_gemv_config(x, ws, *, act_block=32) -> tuple | None:
+    """The vector-unit (fma) configuration that computes ``x @ W.T`` for every W in ``ws`` in one
+    launch, or None when this call is not that case: fewer than two weights, more than
+    ``FMA_MAX_ROWS`` rows, ``DSV41_DECODE_GEMV`` not fma for qmm, a weight this kernel module cannot
+    take, or weights of different format, block or K (the caller then makes one call per weight)."""
+    if len(ws) < 2 or fma.DECODE_GEMV["qmm"] != "fma":
+        return None
+    if any(weight_format(w) == "plain" or unsupported_reason(x, w, act_block=act_block) is not None for w in ws):
+        return None
+    m = math.prod(x.shape[:-1])
+    if m > fma.FMA_MAX_ROWS:
+        return None
+    k = weight_logical_shape(ws[0])[1]
+    cfg = fma.default_config(m, tuple(weight_logical_shape(w)[0] for w in ws), k, ws[0])
+    return cfg if fma.multi_reason(m, list(ws), cfg) is None else None
+
+
+def quantized_matmul_multi(x, ws, *, act_block=32, out_dtype=None, interpret=False, config=None) -> list:
+    """``[x @ W.T for W in ws]`` in one fma kernel launch (decode sizes; see :func:`fused_gemv_config`)."""
+    config = config or fused_gemv_config(x, ws, act_block=act_block)
+    if config is None:
+        raise ValueError("quantized_matmul_multi (pallas): these weights cannot share one launch "
+                         "(see fused_gemv_config); call quantized_matmul per weight")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    lead = x.shape[:-1]
+    k = x.shape[-1]
+    ys = fma.quantized_matmul_fma_multi(x.reshape(-1, k), list(ws), act_block=act_block, out_dtype=out_dtype,
+                                        config=tuple(config), interpret=interpret)
+    return [y.reshape(*lead, y.shape[-1]) for y in ys]
+
+
 def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, config=None):
     reason = unsupported_reason(x, w, act_block=act_block)
     if reason is not None:

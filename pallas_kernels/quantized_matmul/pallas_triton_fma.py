@@ -171,71 +171,123 @@ def unsupported_reason(m: int, w, config) -> str | None:
     return None
 
 
-def default_config(m: int, n: int, k: int, w) -> tuple:
+def default_config(m: int, n, k: int, w) -> tuple:
     """("fma", bn, kg, splits, warps, stages): 32-row programs (FP8) / 16 (MXFP4), K split until
-    about four programs per SM (132 on an H200), at least two K steps per program."""
+    about four programs per SM (132 on an H200), at least two K steps per program. ``n``: N, or the
+    tuple of every weight's N for :func:`quantized_matmul_fma_multi` (bn then divides each)."""
+    ns = tuple(n) if isinstance(n, (tuple, list)) else (n,)
     g = group_size(w)
     bn = 32 if isinstance(w, Fp8Tensor) else 16
-    while n % bn:
+    while any(v % bn for v in ns):
         bn //= 2
     groups = k // g
     kg = 1
     while kg * 2 * g <= 256 and groups % (kg * 2) == 0:  # about 256 elements per row per step
         kg *= 2
     steps = groups // kg
+    blocks = sum(v // bn for v in ns)
     splits = 1
     for cand in range(1, steps + 1):
         if steps % cand == 0 and steps // cand >= 2:
             splits = cand
-            if (n // bn) * cand >= 4 * 132:
+            if blocks * cand >= 4 * 132:
                 break
     return ("fma", bn, kg, splits, 4, 3)
 
 
-def _fma_kernel(*refs, fmt, m, bn, kg, steps, g, split):
-    x_refs = refs[:-3]
-    w_ref, s_ref, o_ref = refs[-3:]
+def multi_reason(m: int, ws, config) -> str | None:
+    """Why one launch of the fma GEMV cannot compute ``x @ W.T`` for every W in ``ws`` (None: it can):
+    each must take the configuration alone, and all must share the format, block and K."""
+    for i, w in enumerate(ws):
+        reason = unsupported_reason(m, w, config)
+        if reason is not None:
+            return f"weight {i}: {reason}"
+    w0 = ws[0]
+    for i, w in enumerate(ws[1:], 1):
+        if type(w) is not type(w0) or group_size(w) != group_size(w0) or w.shape[1] != w0.shape[1]:
+            return (f"weight {i} ({type(w).__name__} {tuple(w.shape)}, group {group_size(w)}) does not share the "
+                    f"format, block and K of weight 0 ({type(w0).__name__} {tuple(w0.shape)}, group {group_size(w0)})")
+    return None
+
+
+def _fma_kernel(*refs, fmt, m, bn, kg, steps, g, split, nblocks):
+    """Programs (i_n, i_s): output rows [i_n*bn, +bn) of the concatenation of every weight's output,
+    K part i_s. ``nblocks``: each weight's number of bn-row blocks; program i_n reads the weight whose
+    blocks hold it (a static branch per weight, one taken)."""
+    nw = len(nblocks)
+    x_refs = refs[:-(2 * nw + 1)]
+    w_refs = refs[-(2 * nw + 1):-1]
+    o_ref = refs[-1]
     i_n = pl.program_id(0)
     i_s = pl.program_id(1)
-    row0 = pl.multiple_of(i_n * bn, bn)
+    out0 = pl.multiple_of(i_n * bn, bn)
     gbase = i_s * (steps * kg)
 
-    def body(i, accs):
-        g0 = pl.multiple_of(gbase + i * kg, kg)
-        parts = row_partials(fmt, w_ref, s_ref, (), row0, bn, g0, kg, g, x_refs, range(m))
-        return tuple(a + p for a, p in zip(accs, parts))
+    def run(w_ref, s_ref, first):
+        row0 = pl.multiple_of((i_n - first) * bn, bn)
 
-    accs = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros((bn,), jnp.float32) for _ in range(m)))
-    for r in range(m):
-        if split:
-            o_ref[i_s, r, pl.ds(row0, bn)] = accs[r]
-        else:
-            o_ref[r, pl.ds(row0, bn)] = accs[r].astype(o_ref.dtype)
+        def body(i, accs):
+            g0 = pl.multiple_of(gbase + i * kg, kg)
+            parts = row_partials(fmt, w_ref, s_ref, (), row0, bn, g0, kg, g, x_refs, range(m))
+            return tuple(a + p for a, p in zip(accs, parts))
+
+        accs = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros((bn,), jnp.float32) for _ in range(m)))
+        for r in range(m):
+            if split:
+                o_ref[i_s, r, pl.ds(out0, bn)] = accs[r]
+            else:
+                o_ref[r, pl.ds(out0, bn)] = accs[r].astype(o_ref.dtype)
+
+    if nw == 1:
+        run(w_refs[0], w_refs[1], 0)
+        return
+    first = 0
+    for j, nb in enumerate(nblocks):
+        pl.when((i_n >= first) & (i_n < first + nb))(functools.partial(run, w_refs[2 * j], w_refs[2 * j + 1], first))
+        first += nb
 
 
-def quantized_matmul_fma(x2, w, *, act_block, out_dtype, config, interpret=False):
-    """x2 [M, K] (M <= FMA_MAX_ROWS), w FP8/MXFP4 [N, K] -> [M, N] out_dtype."""
-    reason = unsupported_reason(x2.shape[0], w, config)
+def quantized_matmul_fma_multi(x2, ws, *, act_block, out_dtype, config, interpret=False) -> list:
+    """x2 [M, K] (M <= FMA_MAX_ROWS), ws FP8/MXFP4 weights [N_j, K] sharing format, block and K ->
+    [x2 @ W_j.T as [M, N_j] out_dtype], in one kernel launch (plus the activation fake-quant and, when
+    K is split, one sum): the projections that read one input (wq_a and wkv; the shared expert's w1
+    and w3) cost one launch instead of one each."""
+    ws = list(ws)
+    reason = multi_reason(x2.shape[0], ws, config)
     if reason is not None:
         raise ValueError(f"quantized_matmul (pallas, fma): {reason}")
     _, bn, kg, splits, warps, stages = config
     m, k = x2.shape
-    n = w.shape[0]
-    g = group_size(w)
-    fmt = "fp8" if isinstance(w, Fp8Tensor) else "fp4"
-    xs = act_view(act_quant(x2, act_block).astype(jnp.bfloat16), w)
-    data, scale = weight_view(w)
+    ns = [w.shape[0] for w in ws]
+    n = sum(ns)
+    g = group_size(ws[0])
+    fmt = "fp8" if isinstance(ws[0], Fp8Tensor) else "fp4"
+    xs = act_view(act_quant(x2, act_block).astype(jnp.bfloat16), ws[0])
+    operands = [v for w in ws for v in weight_view(w)]
     steps = (k // g) // kg // splits
     out_shape = (jax.ShapeDtypeStruct((splits, m, n), jnp.float32) if splits > 1
                  else jax.ShapeDtypeStruct((m, n), out_dtype))
     y = pl.pallas_call(
-        functools.partial(_fma_kernel, fmt=fmt, m=m, bn=bn, kg=kg, steps=steps, g=g, split=splits > 1),
+        functools.partial(_fma_kernel, fmt=fmt, m=m, bn=bn, kg=kg, steps=steps, g=g, split=splits > 1,
+                          nblocks=tuple(v // bn for v in ns)),
         out_shape=out_shape,
         grid=(n // bn, splits),
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
-        name=f"qmm_fma_{fmt}",
-    )(*xs, data, scale)
+        name=f"qmm_fma_{fmt}" if len(ws) == 1 else f"qmm_fma_{fmt}_x{len(ws)}",
+    )(*xs, *operands)
     if splits > 1:
         y = jnp.sum(y, axis=0)
-    return y.astype(out_dtype)
+    y = y.astype(out_dtype)
+    if len(ws) == 1:
+        return [y]
+    offs = [0]
+    for v in ns:
+        offs.append(offs[-1] + v)
+    return [y[:, a:b] for a, b in zip(offs[:-1], offs[1:])]
+
+
+def quantized_matmul_fma(x2, w, *, act_block, out_dtype, config, interpret=False):
+    """x2 [M, K] (M <= FMA_MAX_ROWS), w FP8/MXFP4 [N, K] -> [M, N] out_dtype."""
+    return quantized_matmul_fma_multi(x2, [w], act_block=act_block, out_dtype=out_dtype, config=config,
+                                      interpret=interpret)[0]

@@ -239,3 +239,84 @@ def test_fma_default_falls_back_where_it_cannot_run(monkeypatch):
     txt = str(jax.make_jaxpr(lambda x, w: pallas_triton.quantized_matmul(x, w, interpret=True))(x, w))
     assert "qmm_fp8" in txt and "qmm_fma" not in txt
     check_close(pallas_triton.quantized_matmul(x, w, interpret=True), reference.quantized_matmul(x, w))
+
+
+@pytest.mark.parametrize("fmt,dtype,m,ns,k,block", [
+    ("fp8", jnp.float32, 1, (64, 96, 32), 512, 32), ("fp8", jnp.bfloat16, 3, (128, 64), 1024, 32),
+    ("fp8", jnp.float32, 2, (256, 128), 512, 128), ("fp4", jnp.float32, 4, (96, 32), 512, 32),
+])
+def test_fma_multi_gemv_parity_interpret(fmt, dtype, m, ns, k, block):
+    """One launch for several weights that read the same input (wq_a + wkv, the shared expert's w1 +
+    w3) equals one reference call per weight, every element of every output, with and without split K."""
+    from pallas_kernels.quantized_matmul.pallas_triton_fma import default_config
+
+    seed = np.random.randint(1 << 30)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(ns) + 2)
+    x = jax.random.normal(keys[0], (1, m, k), dtype) * 3
+    if dtype == jnp.float32:
+        x = x * jnp.exp2(jax.random.randint(keys[1], (1, m, k), -20, 20)).astype(dtype)
+    ws = []
+    for kk, n in zip(keys[2:], ns):
+        wf = jax.random.normal(kk, (n, k), jnp.float32) * 0.05
+        ws.append(quantize_fp8(wf, (block, block)) if fmt == "fp8" else quantize_mxfp4(wf))
+    base = pallas_triton.fused_gemv_config(x, ws, act_block=block)
+    assert base == default_config(m, ns, k, ws[0])
+    for cfg in (base, base[:3] + (1,) + base[4:]):
+        ys = pallas_triton.quantized_matmul_multi(x, ws, act_block=block, interpret=True, config=cfg)
+        assert [y.shape for y in ys] == [(1, m, n) for n in ns]
+        for y, w in zip(ys, ws):
+            check_close(y, reference.quantized_matmul(x, w, act_block=block))
+            assert y.dtype == x.dtype
+
+
+def test_multi_gemv_dispatch(monkeypatch):
+    """api.quantized_matmul_multi: one fma launch where every weight fits (the pallas path), one call per
+    weight where they cannot share it (another K, a plain weight, more than 4 rows, DSV41_DECODE_GEMV=mma)
+    and on the reference path (the kernels in interpret mode here); the values equal per-weight calls either way."""
+    from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
+
+    monkeypatch.setitem(fma.DECODE_GEMV, "qmm", "fma")
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.normal(size=(2, 256)), jnp.float32)
+    w1 = quantize_fp8(jnp.asarray(rng.normal(size=(64, 256)) * 0.05, jnp.float32))
+    w2 = quantize_fp8(jnp.asarray(rng.normal(size=(96, 256)) * 0.05, jnp.float32))
+    w_other_k = quantize_fp8(jnp.asarray(rng.normal(size=(64, 512)) * 0.05, jnp.float32))
+    plain = jnp.asarray(rng.normal(size=(64, 256)) * 0.05, jnp.float32)
+
+    def kernels(fn, *a):
+        txt = str(jax.make_jaxpr(fn)(*a))
+        return txt.count("pallas_call"), txt
+
+    with dispatch.use_implementation("interpret"):
+        n, txt = kernels(lambda x, a, b: api.quantized_matmul_multi(x, [a, b]), x, w1, w2)
+        assert n == 1 and "qmm_fma_fp8_x2" in txt
+        ys = api.quantized_matmul_multi(x, [w1, w2])
+        for y, w in zip(ys, (w1, w2)):
+            check_close(y, reference.quantized_matmul(x, w))
+        assert pallas_triton.fused_gemv_config(x, [w1, plain]) is None
+        assert pallas_triton.fused_gemv_config(jnp.zeros((8, 256)), [w1, w2]) is None  # > 4 rows
+        assert "does not share" in fma.multi_reason(2, [w1, w_other_k], fma.default_config(2, (64, 64), 256, w1))
+        n, _ = kernels(lambda x, a, b: api.quantized_matmul_multi(x, [a, b]), x, w1, plain)
+        assert n == 2  # one kernel per weight (the plain one: the tensor-core kernel, as forced here)
+        monkeypatch.setitem(fma.DECODE_GEMV, "qmm", "mma")
+        n, txt = kernels(lambda x, a, b: api.quantized_matmul_multi(x, [a, b]), x, w1, w2)
+        assert n == 2 and "qmm_fma" not in txt
+    with dispatch.use_implementation("reference"):
+        n, _ = kernels(lambda x, a, b: api.quantized_matmul_multi(x, [a, b]), x, w1, w2)
+        assert n == 0
+        for y, w in zip(api.quantized_matmul_multi(x, [w1, w2]), (w1, w2)):
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(reference.quantized_matmul(x, w)))
+
+
+@pytest.mark.parametrize("target", ["cuda", "rocm"])
+def test_fma_multi_gemv_cross_lowering(target):
+    """V4.1-Flash's wq_a + wkv (1280 and 512 rows, K = 5120) and shared expert w1 + w3 (2304 rows each)
+    lower to one Triton call for both vendors."""
+    pairs = ((fp8_spec(1280, 5120), fp8_spec(512, 5120)), (fp8_spec(2304, 5120), fp8_spec(2304, 5120)))
+    for ws in pairs:
+        for m in (1, 4):
+            x = S((1, m, 5120), jnp.bfloat16)
+            cfg = pallas_triton.fused_gemv_config(x, ws)
+            txt = lower_for(target, lambda x, a, b: pallas_triton.quantized_matmul_multi(x, [a, b], config=cfg),
+                            x, *ws).as_text()
+            assert pallas_triton_call_count(txt) == 1

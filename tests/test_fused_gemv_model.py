@@ -1,0 +1,68 @@
+"""The decode step's same-input projections share one kernel launch (wq_a + wkv, the shared expert's
+w1 + w3; ``layers.linear_multi``) and the step's logits still equal the reference path's.
+
+The weight GEMMs run on the Pallas kernels in interpret mode (every other op on its reference, to
+keep the CPU time small). A 1-token decode step is the case the fused launch exists for (the host's
+launch cost per kernel limits batch-1 decode on the H200, BENCHMARKS.md session 5); a prefill chunk
+(more than 4 rows) keeps one call per weight."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41_jax.cache import init_cache
+from dsv41_jax.config import get_preset
+from dsv41_jax.options import RunOptions
+from dsv41_jax.params import init_params
+from dsv41_jax.transformer import forward_step
+from pallas_kernels import dispatch
+
+
+def _only_qmm_kernels(monkeypatch):
+    choose = dispatch.choose
+
+    def choose_qmm(op, implementation, *a, **k):
+        return choose(op, implementation if op == "quantized_matmul" else "reference", *a, **k)
+
+    monkeypatch.setattr(dispatch, "choose", choose_qmm)
+
+
+def test_decode_step_fuses_same_input_projections(monkeypatch):
+    from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
+
+    monkeypatch.setitem(fma.DECODE_GEMV, "qmm", "fma")
+    _only_qmm_kernels(monkeypatch)
+    cfg = get_preset("tiny-v4")
+    params = init_params(cfg, seed=np.random.randint(1 << 30))
+    opts = RunOptions(dtype="float32", kv_cache_dtype="float32")
+    rng = np.random.default_rng()
+    B, P = 2, 9
+    prompt = jnp.asarray(rng.integers(3, 5000, (B, P)), jnp.int32)
+    step = jax.jit(functools.partial(forward_step, cfg=cfg, opts=opts))
+    with dispatch.use_implementation("reference"):
+        _, cache = step(params, init_cache(cfg, B, 32, opts), prompt, jnp.full((B,), P, jnp.int32))
+    tok = jnp.asarray(rng.integers(3, 5000, (B, 1)), jnp.int32)
+    one = jnp.ones((B,), jnp.int32)
+
+    def decode(impl):
+        f = functools.partial(forward_step, cfg=cfg, opts=opts)
+        with dispatch.use_implementation(impl):
+            jaxpr = str(jax.make_jaxpr(f)(params, cache, tok, one))
+            logits, _ = jax.jit(f)(params, cache, tok, one)
+        return np.asarray(logits), jaxpr
+
+    ref, ref_jaxpr = decode("reference")
+    out, jaxpr = decode("interpret")
+    assert "qmm_fma" not in ref_jaxpr
+    # per layer: wq_a + wkv in one launch, the shared expert's w1 + w3 in another
+    assert jaxpr.count("name=qmm_fma_fp8_x2") == 2 * cfg.n_layers, jaxpr.count("name=qmm_fma_fp8_x2")
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, ref, rtol=0, atol=2e-3 * float(np.max(np.abs(ref))))
+
+    # a prefill chunk (B x 9 rows > 4) keeps one launch per weight
+    with dispatch.use_implementation("interpret"):
+        pre = str(jax.make_jaxpr(functools.partial(forward_step, cfg=cfg, opts=opts))(
+            params, init_cache(cfg, B, 32, opts), prompt, jnp.full((B,), P, jnp.int32)))
+    assert "qmm_fma_fp8_x2" not in pre
