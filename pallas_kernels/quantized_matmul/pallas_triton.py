@@ -408,9 +408,9 @@ def auto_reason(x, w):
 def fused_gemv_config(x, ws, *, act_block=32) -> tuple | None:
     """The vector-unit (fma) configuration that computes ``x @ W.T`` for every W in ``ws`` in one
     launch, or None when this call is not that case: fewer than two weights, more than
-    ``FMA_MAX_ROWS`` rows, ``DSV41_DECODE_GEMV`` not fma for qmm, a weight this kernel module cannot
+    ``FMA_MAX_ROWS`` rows, ``DSV41_DECODE_GEMV`` not fma for qmm, ``DSV41_FUSED_GEMV=off``, a weight this kernel module cannot
     take, or weights of different format, block or K (the caller then makes one call per weight)."""
-    if len(ws) < 2 or fma.DECODE_GEMV["qmm"] != "fma":
+    if len(ws) < 2 or fma.DECODE_GEMV["qmm"] != "fma" or not fma.FUSED_GEMV:
         return None
     if any(weight_format(w) == "plain" or unsupported_reason(x, w, act_block=act_block) is not None for w in ws):
         return None

@@ -60,6 +60,9 @@ def _parse_decode_gemv(text: str) -> dict:
 # GEMVs from 3.3 to 2.2 ms per step; BENCHMARKS.md), "mma" = the tensor-core kernels. Per op:
 # "qmm" (quantized_matmul, <= 4 rows) and "moe" (fused MoE, <= FMA_MOE_MAX_PAIRS pairs).
 DECODE_GEMV = _parse_decode_gemv(os.environ.get("DSV41_DECODE_GEMV", "fma"))
+# Projections that read one input share one launch at decode sizes (quantized_matmul_fma_multi);
+# DSV41_FUSED_GEMV=off makes one launch per weight again (for A/B measurements of the launch count).
+FUSED_GEMV = os.environ.get("DSV41_FUSED_GEMV", "on").lower() != "off"
 FP4_GROUP_BYTES = 16  # one MXFP4 scale covers 32 elements = 16 packed bytes
 
 

@@ -271,7 +271,8 @@ def test_fma_multi_gemv_parity_interpret(fmt, dtype, m, ns, k, block):
 
 def test_multi_gemv_dispatch(monkeypatch):
     """api.quantized_matmul_multi: one fma launch where every weight fits (the pallas path), one call per
-    weight where they cannot share it (another K, a plain weight, more than 4 rows, DSV41_DECODE_GEMV=mma)
+    weight where they cannot share it (another K, a plain weight, more than 4 rows, DSV41_FUSED_GEMV=off,
+    DSV41_DECODE_GEMV=mma)
     and on the reference path (the kernels in interpret mode here); the values equal per-weight calls either way."""
     from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
 
@@ -298,6 +299,10 @@ def test_multi_gemv_dispatch(monkeypatch):
         assert "does not share" in fma.multi_reason(2, [w1, w_other_k], fma.default_config(2, (64, 64), 256, w1))
         n, _ = kernels(lambda x, a, b: api.quantized_matmul_multi(x, [a, b]), x, w1, plain)
         assert n == 2  # one kernel per weight (the plain one: the tensor-core kernel, as forced here)
+        monkeypatch.setattr(fma, "FUSED_GEMV", False)  # DSV41_FUSED_GEMV=off: one fma launch per weight
+        n, txt = kernels(lambda x, a, b: api.quantized_matmul_multi(x, [a, b]), x, w1, w2)
+        assert n == 2 and "qmm_fma_fp8_x2" not in txt and "qmm_fma_fp8" in txt
+        monkeypatch.setattr(fma, "FUSED_GEMV", True)
         monkeypatch.setitem(fma.DECODE_GEMV, "qmm", "mma")
         n, txt = kernels(lambda x, a, b: api.quantized_matmul_multi(x, [a, b]), x, w1, w2)
         assert n == 2 and "qmm_fma" not in txt
