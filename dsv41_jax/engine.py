@@ -794,7 +794,7 @@ class Engine:
                 if lengths.any():
                     t_d = time.perf_counter()
                     prev, _ = self._step_pipe(tokens, lengths, use_prev, prev, sampling=sp, request_ids=rid, steps=stp)
-                    if S == 1:
+                    if n_prompt == 0:  # (with prefill chunk 1 a prompt step has S == 1 too)
                         t_dispatch = time.perf_counter() - t_d
                     had_prompt = had_prompt or n_prompt > 0
                     self.stats.prefill_tokens += n_prompt

@@ -2,10 +2,10 @@
 
 Decode at batch 1 is bound by the host: the GPU runtime enqueues a step's kernels one by one unless
 they sit inside a CUDA graph (XLA "command buffers"). By default XLA puts only its own fusions and
-library calls into graphs, and only runs of at least a few of them, so every Pallas kernel (a custom
-call) ends a graph segment and launches on its own. On one H200 the 7-layer probe of V4.1-Flash
-decoded 2.57 ms per step with the two flags below against 2.83 ms without (device time 2.41 ms
-both; BENCHMARKS.md, session 5).
+library calls into graphs, and only runs of at least a few of them. With the two flags below the
+7-layer probe of V4.1-Flash decoded 2.57 ms per step on one H200 against 2.83 ms without (device
+time 2.41 ms both); the 40-layer model gained only 1 % (58.9 -> 59.4 tok/s), and whether the Pallas
+custom calls actually enter the graphs is not established (BENCHMARKS.md, session 5).
 
 ``DSV41_XLA_DEFAULTS=off`` leaves ``XLA_FLAGS`` alone; a flag the user already set in ``XLA_FLAGS``
 is never overridden.
@@ -17,7 +17,7 @@ import os
 
 # flag name -> value; both are GPU-runtime options that the CPU backend parses and ignores
 GPU_RUNTIME_DEFAULTS = {
-    # capture Pallas/Triton custom calls in command buffers beside XLA's fusions and library calls
+    # allow custom calls (where XLA can capture them) in command buffers beside fusions and library calls
     "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN",
     # capture a run of commands however short (the default leaves short runs between kernels to
     # per-kernel launches)

@@ -5,6 +5,7 @@ Engines of batch 2 / chunk 8 / max_seq_len 160 share their compiled programs wit
 tests/test_decode_parity.py; the batch-3 engines use prefill chunk 1 (one program each).
 """
 
+import dataclasses
 import os
 
 import jax
@@ -174,6 +175,19 @@ def test_pipelined_device_hash_matches_synced(pipe_engine, requests, alone):
     reqs = [Request(q.prompt_ids, q.max_new_tokens, sample_id=100 + i) for i, q in enumerate(requests)]
     host = Engine(eng.model, batch_size=3, max_seq_len=160, opts=F32, prefill_chunk=1, stop_ids=())
     assert [q.output_ids for q in eng.generate(reqs, sp)] == [q.output_ids for q in host.generate(reqs, sp)]
+
+
+def test_host_timing_covers_pure_decode_steps_only(pipe_engine, requests):
+    """EngineStats.dispatch_s / wait_s (the bench's host columns) count a step only when the step
+    dispatched and the step read both have no prompt tokens, also with prefill chunk 1 (where a prompt
+    step has S = 1 like a decode step): N new tokens = 1 from the last prompt step + N - 1 decode steps,
+    of which N - 2 are read while the next decode step is in flight."""
+    eng = pipe_engine
+    r = Request(requests[1].prompt_ids, max_new_tokens=6)
+    before = dataclasses.replace(eng.stats)
+    eng.generate([r])
+    assert eng.stats.timed_decode_steps - before.timed_decode_steps == 6 - 2
+    assert eng.stats.dispatch_s > before.dispatch_s and eng.stats.wait_s >= before.wait_s
 
 
 @pytest.mark.parametrize("preset", ["tiny", "v41-flash"])

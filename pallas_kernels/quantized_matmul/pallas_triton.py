@@ -405,21 +405,28 @@ def auto_reason(x, w):
     return None
 
 
-def fused_gemv_config(x, ws, *, act_block=32) -> tuple | None:
-    """The vector-unit (fma) configuration that computes ``x @ W.T`` for every W in ``ws`` in one
-    launch, or None when this call is not that case: fewer than two weights, more than
-    ``FMA_MAX_ROWS`` rows, ``DSV41_DECODE_GEMV`` not fma for qmm, ``DSV41_FUSED_GEMV=off``, a weight this kernel module cannot
-    take, or weights of different format, block or K (the caller then makes one call per weight)."""
-    if len(ws) < 2 or fma.DECODE_GEMV["qmm"] != "fma" or not fma.FUSED_GEMV:
-        return None
-    if any(weight_format(w) == "plain" or unsupported_reason(x, w, act_block=act_block) is not None for w in ws):
-        return None
-    m = math.prod(x.shape[:-1])
-    if m > fma.FMA_MAX_ROWS:
+def fma_decode_config(m: int, ws) -> tuple | None:
+    """The decode-size default for ``m`` rows against the weights ``ws`` (one launch over all of
+    them): the vector-unit (fma) configuration, or None where the tensor-core GEMV runs instead
+    (``DSV41_DECODE_GEMV`` not fma for qmm, more than ``FMA_MAX_ROWS`` rows, a plain weight, or a
+    shape or mix of weights the fma configuration cannot take)."""
+    if fma.DECODE_GEMV["qmm"] != "fma" or m > fma.FMA_MAX_ROWS or any(weight_format(w) == "plain" for w in ws):
         return None
     k = weight_logical_shape(ws[0])[1]
     cfg = fma.default_config(m, tuple(weight_logical_shape(w)[0] for w in ws), k, ws[0])
     return cfg if fma.multi_reason(m, list(ws), cfg) is None else None
+
+
+def fused_gemv_config(x, ws, *, act_block=32) -> tuple | None:
+    """The fma configuration that computes ``x @ W.T`` for every W in ``ws`` in one launch, or None
+    when this call is not that case: fewer than two weights, ``DSV41_FUSED_GEMV=off``, a weight this
+    kernel module cannot take, or no shared fma configuration (:func:`fma_decode_config`); the
+    caller then makes one call per weight."""
+    if len(ws) < 2 or not fma.FUSED_GEMV:
+        return None
+    if any(unsupported_reason(x, w, act_block=act_block) is not None for w in ws):
+        return None
+    return fma_decode_config(math.prod(x.shape[:-1]), ws)
 
 
 def quantized_matmul_multi(x, ws, *, act_block=32, out_dtype=None, interpret=False, config=None) -> list:
@@ -447,10 +454,8 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, con
     m = math.prod(lead)
     op = operand_dtype(x.dtype, w)
     x2 = x.reshape(m, k)
-    if config is None and fmt != "plain" and m <= fma.FMA_MAX_ROWS and fma.DECODE_GEMV["qmm"] == "fma":
-        cand = fma.default_config(m, n, k, w)
-        if fma.unsupported_reason(m, w, cand) is None:  # else the tensor-core GEMV below
-            config = cand
+    if config is None:
+        config = fma_decode_config(m, [w])  # None: the tensor-core GEMV below
     if config is not None and config[0] == "fma":  # vector-unit GEMV for 1-4 rows (pallas_triton_fma)
         y = fma.quantized_matmul_fma(x2, w, act_block=act_block, out_dtype=out_dtype, config=tuple(config),
                                      interpret=interpret)
