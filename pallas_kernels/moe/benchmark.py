@@ -131,6 +131,9 @@ TUNE_CONFIGS_PREFILL = [(64, 128, 64, 128, 64, 4), (64, 128, 64, 128, 64, 8), (1
                         (128, 128, 64, 128, 64, 8, 4), (64, 128, 64, 128, 64, 4, 4)]
 
 
+WIDE = False  # --wide: fma_configs adds the larger neighbourhood below
+
+
 def fma_configs(w1, n):
     """Vector-unit ("fma") configs for ``n`` tokens: the default (one-row blocks) and neighbours
     (rows per program, K groups per step, warps, pipelining; 2- and 4-row blocks from 4 tokens)."""
@@ -140,6 +143,12 @@ def fma_configs(w1, n):
              ("fma", bt, bi // 2, kga, bd // 2, kgb, 4, stages), ("fma", bt, bi * 2, kga, bd * 2, kgb, 4, stages),
              ("fma", bt, bi, kga // 2, bd, kgb // 2, 4, stages), ("fma", bt, bi, kga, bd, kgb, 4, 1),
              ("fma", bt, bi // 2, kga, bd // 2, kgb, 2, stages)]
+    if WIDE:  # larger tiles with more warps, other pipelining depths, smaller K steps
+        cands += [("fma", bt, bi * 2, kga, bd * 2, kgb, 8, stages), ("fma", bt, bi * 2, kga // 2, bd * 2, kgb // 2, 8, stages),
+                  ("fma", bt, bi * 4, kga // 4, bd * 4, kgb // 4, 8, stages), ("fma", bt, bi, kga // 2, bd, kgb // 2, 2, stages),
+                  ("fma", bt, bi, kga, bd, kgb, 4, 2), ("fma", bt, bi, kga, bd, kgb, 4, 4),
+                  ("fma", bt, bi, kga, bd, kgb, 8, 2), ("fma", bt, bi // 2, kga // 2, bd // 2, kgb // 2, 2, stages),
+                  ("fma", bt, bi, kga // 4, bd, kgb // 4, 4, 4)]
     if n >= 4:
         cands += [("fma", 2, bi, kga, bd, kgb, 4, stages), ("fma", 4, bi, kga, bd, kgb, 4, stages)]
     out = []
@@ -372,8 +381,11 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--fma", action="store_true", help="tensor-core vs vector-unit (fma) kernels at decode sizes")
+    ap.add_argument("--wide", action="store_true", help="with --fma: a wider set of configs per size")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
+    global WIDE
+    WIDE = a.wide
     if a.check:
         return 0 if check() else 1
     if a.debug:

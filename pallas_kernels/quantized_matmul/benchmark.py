@@ -177,6 +177,9 @@ FMA_SWEEP = ("wq_a", "wq_b", "wo_b", "idx_wq_b", "shared_w1/w3", "shared_w2")  #
 FMA_SWEEP_M4 = ("wq_b", "wo_b")
 
 
+WIDE = False  # --wide: fma_variants adds the larger neighbourhood below
+
+
 def fma_variants(m, w):
     """The vector-unit GEMV configs the ``--fma`` sweep times: the default and its neighbours
     (rows per program, K groups per step, split factor, warps)."""
@@ -188,6 +191,11 @@ def fma_variants(m, w):
     cands = [base, ("fma", bn, kg, splits, 2, stages), ("fma", bn, kg, splits, 8, stages),
              ("fma", bn // 2, kg, splits, 4, stages), ("fma", bn, kg * 2, splits, 4, stages),
              ("fma", bn, kg, splits * 2, 4, stages)]
+    if WIDE:  # smaller row tiles with more warps, the other pipelining depths, more K splits
+        cands += [("fma", bn // 2, kg, splits, 8, stages), ("fma", bn // 2, kg, splits * 2, 4, stages),
+                  ("fma", bn // 4, kg, splits, 4, stages), ("fma", bn // 2, kg * 2, splits, 8, stages),
+                  ("fma", bn, kg, splits, 4, 2), ("fma", bn, kg, splits, 4, 4), ("fma", bn // 2, kg, splits, 4, 4),
+                  ("fma", bn, kg // 2, splits, 4, stages)]
     out = []
     for c in cands:
         if c not in out and c[1] >= 1 and unsupported_reason(m, w, c) is None:
@@ -284,8 +292,11 @@ def main(argv=None):
     ap.add_argument("--only", default=None, help="with --check: only cases whose label contains this (e.g. fp8-128)")
     ap.add_argument("--with-mma8", action="store_true", help="with --check: also the experimental mma8 FP8 mode")
     ap.add_argument("--fma", action="store_true", help="tensor-core vs vector-unit (fma) GEMV sweep, then exit")
+    ap.add_argument("--wide", action="store_true", help="with --fma: a wider set of configs per projection")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
+    global WIDE
+    WIDE = a.wide
     if a.check:
         return 0 if check(a.only, a.with_mma8) else 1
     if a.fma:
