@@ -150,8 +150,9 @@ def _engine_step(params, cache, tokens, lengths, engram_ids, engram_rows, seed, 
                  temperature, top_k, top_p, *, cfg, opts, max_seq_len=None, mesh=None, greedy=None):
     """forward_step (last-token logits) + sampling: one program for greedy decoding and one for every
     sampled setting (temperature / top-k / top-p are traced; ``greedy`` is static, see
-    :func:`sample_traced`). Returns (next [B] int32, logits [B, V]
-    f32, new cache)."""
+    :func:`sample_traced`). Returns (new cache, next [B] int32, logits [B, V] f32): the donated cache
+    first, so its [B] int32 positions keep their buffer (jit pairs donated inputs with outputs of the
+    same shape in output order)."""
     def body(params, cache, tokens, lengths, engram_ids, engram_rows, seed, request_ids, steps, temperature,
              top_k, top_p):
         logits, cache = forward_step(params, cache, tokens, lengths, engram_ids, engram_rows, cfg=cfg, opts=opts,
@@ -165,7 +166,7 @@ def _engine_step(params, cache, tokens, lengths, engram_ids, engram_rows, seed, 
     nxt, logits, cache = body(params, cache, tokens, lengths, engram_ids, engram_rows, seed, request_ids, steps,
                               temperature, top_k, top_p)
     cache, nxt = _pin_rows(mesh, cfg, opts, max_seq_len, cache, nxt)
-    return nxt, logits, cache
+    return cache, nxt, logits
 
 
 _engine_step_jit = jax.jit(_flat_params(_engine_step), donate_argnums=(1,),
@@ -249,7 +250,16 @@ def _engine_step_pipe(params, cache, ehist, ht, packed, prev, sampling, *, cfg, 
     output ``prev`` without a host round trip, and the Engram ids are hashed on the device from
     ``ehist`` [B, J-1] (compressed ids of each row's last J-1 tokens). ``packed`` [B, S+4]: the
     rows' tokens, lengths, use_prev flags, request ids and steps (:func:`pack_step_rows`);
-    ``sampling`` [4] (:func:`pack_sampling`). Returns (next, logits, cache, ehist)."""
+    ``sampling`` [4] (:func:`pack_sampling`). Returns (cache, ehist, next packed, next).
+
+    Every output overwrites a donated input of its shape (cache, ehist, next packed <- packed,
+    next <- prev; in the inputs' order, which is how jit pairs donated inputs with outputs of the
+    same shape: next first would take the cache's [B] int32 positions), so a run of decode steps keeps the addresses of everything the program reads and
+    writes, and XLA does not have to update the step's CUDA graph between steps (session 6: an
+    update walks every command of the graph, 0.7 ms per step at 40 layers). Next packed is
+    ``packed`` with each active row's step + 1 (:func:`advance_packed`): what the host sends for the
+    following decode step of the same rows, so it need not be copied again (:meth:`Engine._pipe_inputs`).
+    No logits: the pipelined loop never reads them."""
     def body(params, cache, ehist, ht, packed, prev, sampling):
         tokens, lengths, use_prev, request_ids, steps, seed, temperature, top_k, top_p = _unpack_step(packed, sampling)
         S = tokens.shape[1]
@@ -266,13 +276,32 @@ def _engine_step_pipe(params, cache, ehist, ht, packed, prev, sampling, *, cfg, 
                                      logits_mode="last")
         keys = request_keys(seed, request_ids, steps)
         nxt = sample_traced(logits, keys, temperature, top_k, top_p, greedy)
-        return nxt, logits, cache, ehist
+        return cache, ehist, advance_packed(packed), nxt.astype(prev.dtype)
 
     body = data_parallel(body, mesh, packed.shape[0], out_rows=(_ROW, _ROW, _ROW, _ROW),
                          in_rows=(_ALL, _ROW, _ROW, _ALL, _ROW, _ROW, _ALL))
-    nxt, logits, cache, ehist = body(params, cache, ehist, ht, packed, prev, sampling)
-    cache, nxt, ehist = _pin_rows(mesh, cfg, opts, max_seq_len, cache, nxt, ehist)
-    return nxt, logits, cache, ehist
+    cache, ehist, packed, nxt = body(params, cache, ehist, ht, packed, prev, sampling)
+    return _pin_rows(mesh, cfg, opts, max_seq_len, cache, ehist, packed, nxt)
+
+
+def advance_packed(packed):
+    """``packed`` [B, S+4] (:func:`pack_step_rows`) with the step of every row with tokens in it
+    (length > 0) advanced by one; works on numpy and jax arrays alike."""
+    S = packed.shape[1] - 4
+    inc = (packed[:, S] > 0).astype(packed.dtype)
+    if isinstance(packed, np.ndarray):
+        out = packed.copy()
+        out[:, S + 3] += inc
+        return out
+    return packed.at[:, S + 3].add(inc)
+
+
+def _copy_program(x):
+    return jnp.copy(x)
+
+
+# the host reads a step's tokens from this copy: the step's own output is donated to the next step
+_copy_jit = jax.jit(_copy_program)
 
 
 def _is_greedy(sampling: SamplingParams | None) -> bool:
@@ -281,7 +310,7 @@ def _is_greedy(sampling: SamplingParams | None) -> bool:
     return (sampling or SamplingParams()).temperature <= 0
 
 
-_engine_step_pipe_jit = jax.jit(_flat_params(_engine_step_pipe), donate_argnums=(1, 2),
+_engine_step_pipe_jit = jax.jit(_flat_params(_engine_step_pipe), donate_argnums=(1, 2, 4, 5),
                                 static_argnames=("cfg", "opts", "max_seq_len", "mesh", "param_tree", "greedy"))
 
 
@@ -337,13 +366,16 @@ class EngineStats:
     compile_s: float = 0.0
     steps: int = 0
     # pipelined generate, pure decode steps only (no prompt tokens in the step dispatched, nor in the
-    # step read): host time handing each step to the runtime (its inputs' copies + the jit call; on
-    # GPU the call returns once the runtime has enqueued the step's kernels, so this includes the
-    # per-kernel launch cost of every kernel outside a CUDA graph) and time blocked reading the
+    # step read): host time handing each step to the runtime (its inputs' copies, the jit call and the
+    # tokens' copy for the host; on GPU a call returns once the runtime has enqueued the step's
+    # kernels: launches outside CUDA graphs and graph updates count here) and time blocked reading the
     # previous step's tokens (the device still busy). Dispatch >> wait: the host limits the step rate.
     dispatch_s: float = 0.0
     wait_s: float = 0.0
     timed_decode_steps: int = 0
+    # pipelined steps whose row inputs were the previous step's device output (no host copy, no
+    # new address for the CUDA graph)
+    packed_reused: int = 0
 
     def summary(self) -> str:
         pf = self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
@@ -430,6 +462,11 @@ class Engine:
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.stats = EngineStats()
         self._sampling_dev = (None, None)  # (packed sampling bytes, their device copy)
+        # pipelined decode: the host rows of the last dispatched decode step, and (the values the
+        # next decode step of the same rows will send, the device array holding them: that step's
+        # advanced output); None after a prefill-width step
+        self._packed_host = None
+        self._packed_dev = None
         self._compiled: dict = {}
         # where per-step inputs go: batch-leading ones (_rows: over dp on a mesh) and the rest (_rep).
         # Committed placements from the start: a step's compiled program is keyed by its inputs'
@@ -546,7 +583,7 @@ class Engine:
             t = time.perf_counter()
             zeros = np.zeros((self.B, S), np.int64), np.zeros(self.B, np.int64)
             if pipelined:
-                nxt, _ = self._step_pipe(*zeros, np.zeros(self.B, bool), self._zeros_prev(), sampling=sampling)
+                _, nxt = self._step_pipe(*zeros, np.zeros(self.B, bool), self._zeros_prev(), sampling=sampling)
             else:
                 nxt, _ = self.step(*zeros, sampling=sampling)
             jax.block_until_ready(nxt)
@@ -574,7 +611,7 @@ class Engine:
         t0 = time.perf_counter()
         args = self._step_inputs(tokens, lengths, sampling, request_ids, steps)
         self.stats.host_s += time.perf_counter() - t0
-        nxt, logits, self.cache = self._dispatch(_engine_step_jit, self.params, self.cache, *args,
+        self.cache, nxt, logits = self._dispatch(_engine_step_jit, self.params, self.cache, *args,
                                                  greedy=_is_greedy(sampling))
         self.pos = self.pos + np.asarray(lengths, np.int64)
         self.stats.steps += 1
@@ -652,13 +689,18 @@ class Engine:
 
     def _step_pipe(self, tokens, lengths, use_prev, prev, *, sampling=None, request_ids=None, steps=None):
         """Dispatch one pipelined step (see :func:`_engine_step_pipe`); rows with ``use_prev`` feed
-        ``prev[b]`` (a device array) as their single token. Returns device (next, logits)."""
-        nxt, logits, self.cache, self.ehist = self._dispatch(
-            _engine_step_pipe_jit, *self._pipe_inputs(tokens, lengths, use_prev, prev, sampling, request_ids, steps),
-            greedy=_is_greedy(sampling))
+        ``prev[b]`` (a device array, donated: it is overwritten by the next tokens) as their single
+        token. Returns device arrays (next, a copy of next for the host to read): pass the first
+        as the following step's ``prev``, read the second."""
+        args = self._pipe_inputs(tokens, lengths, use_prev, prev, sampling, request_ids, steps)
+        self.cache, self.ehist, packed_next, nxt = self._dispatch(_engine_step_pipe_jit, *args,
+                                                                   greedy=_is_greedy(sampling))
+        # the rows' inputs the next decode step of the same rows will send (steps + 1), on the device
+        self._packed_dev = (advance_packed(self._packed_host), packed_next) if self._packed_host is not None else None
         self.pos = self.pos + np.asarray(lengths, np.int64)
         self.stats.steps += 1
-        return nxt, logits
+        with self._on_mesh():
+            return nxt, _copy_jit(nxt)
 
     def _pipe_inputs(self, tokens, lengths, use_prev, prev, sampling, request_ids, steps):
         """The arguments of :func:`_engine_step_pipe`, on the devices."""
@@ -670,7 +712,15 @@ class Engine:
             tokens = np.concatenate([tokens, np.zeros((self.B, S - S0), np.int64)], 1)
         if np.any(self.pos + lengths > self.max_seq_len):
             raise ValueError(f"a slot would exceed max_seq_len {self.max_seq_len}")
-        packed = jax.device_put(pack_step_rows(tokens, lengths, use_prev, request_ids, steps), self._rows)
+        host = pack_step_rows(tokens, lengths, use_prev, request_ids, steps)
+        dev = self._packed_dev
+        self._packed_dev = None  # donated by this step (or dropped)
+        if dev is not None and dev[0].shape == host.shape and np.array_equal(dev[0], host):
+            packed = dev[1]  # the previous step's advanced copy: same values, same device address
+            self.stats.packed_reused += 1
+        else:
+            packed = jax.device_put(host, self._rows)
+        self._packed_host = host if S == 1 else None
         return self.params, self.cache, self.ehist, self._dev_hash, packed, prev, self._sampling_on_device(sampling)
 
     def _sampling_on_device(self, sampling):
@@ -688,8 +738,10 @@ class Engine:
         pipelined = self.pipelined if pipelined is None else pipelined
         zeros = np.zeros((self.B, 1 if decode else self.chunk), np.int64), np.zeros(self.B, np.int64)
         if pipelined:
+            kept = self._packed_host, self._packed_dev
             prog, args = _engine_step_pipe_jit, self._pipe_inputs(*zeros, np.zeros(self.B, bool), self._zeros_prev(),
                                                                   None, None, None)
+            self._packed_host, self._packed_dev = kept
         else:
             prog, args = _engine_step_jit, (self.params, self.cache, *self._step_inputs(*zeros, None, None, None))
         args, kw = self._program_args(args)
@@ -793,12 +845,13 @@ class Engine:
                 t_dispatch = None  # host time of this step's dispatch, when it is a pure decode step
                 if lengths.any():
                     t_d = time.perf_counter()
-                    prev, _ = self._step_pipe(tokens, lengths, use_prev, prev, sampling=sp, request_ids=rid, steps=stp)
+                    prev, readable = self._step_pipe(tokens, lengths, use_prev, prev, sampling=sp, request_ids=rid,
+                                                     steps=stp)
                     if n_prompt == 0:  # (with prefill chunk 1 a prompt step has S == 1 too)
                         t_dispatch = time.perf_counter() - t_d
                     had_prompt = had_prompt or n_prompt > 0
                     self.stats.prefill_tokens += n_prompt
-                    step = (prev, sampled) if sampled else None
+                    step = (readable, sampled) if sampled else None
                 elif pending is None:
                     raise RuntimeError("engine stalled: active slots but nothing to run or read")
                 if pending is not None:  # read the previous step while this one runs

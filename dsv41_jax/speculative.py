@@ -213,7 +213,9 @@ def spec_step(params, cache, dcache, tokens, n_verify, active, draft_logits, eng
     dcache = dspark_update(params, dcache, aux["features"], keep, cfg=cfg, opts=opts)
     ids, dl, conf = dspark_draft(params, dcache, nxt, None if greedy else _draft_keys(keys), temperature, cfg=cfg,
                                  opts=opts)
-    return n_acc, nxt, cache, dcache, ids, dl, conf
+    # the donated caches first: jit gives each output of a donated input's shape that input's buffer, in
+    # output order, so n_acc / nxt ([B] int32) listed first would take the caches' positions
+    return cache, dcache, n_acc, nxt, ids, dl, conf
 
 
 spec_step_jit = jax.jit(spec_step, static_argnames=("cfg", "opts", "sampler"), donate_argnames=("cache", "dcache"))
@@ -615,7 +617,7 @@ class SpeculativeGenerator:
                     lo = int(np.floor(f))
                     force = jnp.asarray(lo + (self._rng.random(B) < f - lo), jnp.int32)
                 eids = self._engram(hist, pos, tok, lens)
-                n_acc, nxt, cache, dcache, ids_d, dl_d, conf_d = spec_step_jit(
+                cache, dcache, n_acc, nxt, ids_d, dl_d, conf_d = spec_step_jit(
                     self.params, cache, dcache, jnp.asarray(tok, jnp.int32),
                     jnp.asarray(np.minimum(k, S - 1), jnp.int32), jnp.asarray(active), dl, eids, None,
                     self._keys(sp, rid, stp), temp, topk, topp, force, cfg=cfg, opts=self.opts, sampler=sampler)

@@ -237,3 +237,58 @@ def test_packed_step_inputs_round_trip():
     seed, temp, top_k, top_p = (np.asarray(v) for v in out[5:])
     assert seed == 123456789 and top_k == 37
     assert temp == np.float32(0.7301) and top_p == np.float32(0.913)
+
+
+def test_pipelined_decode_keeps_its_buffers(pipe_engine, requests, alone):
+    """A run of pipelined decode steps keeps the device address of everything the step program reads
+    or writes per step (the next tokens overwrite the donated previous ones, the advanced row array
+    the donated row array, the cache and Engram history in place), so XLA need not update the step's
+    CUDA graph between steps (BENCHMARKS.md, session 6). The row array of a decode step of unchanged
+    rows is the previous step's device output, never a new host copy; the tokens the host reads are
+    a copy, still readable after the next step consumed the original."""
+    from dsv41_jax.engine import advance_packed, pack_step_rows
+
+    eng = pipe_engine
+    eng.generate([requests[0]])  # compiled; slot 0 holds a finished sequence, positions free beyond it
+    B = eng.B
+    use = np.zeros(B, bool)
+    use[0] = True
+    lengths = use.astype(np.int64)
+    tokens = np.zeros((B, 1), np.int64)
+    rid = np.zeros(B, np.int32)
+    prev = eng._zeros_prev()
+    ptr = lambda a: a.unsafe_buffer_pointer()  # noqa: E731
+    cache_ptrs = lambda: [ptr(x) for x in jax.tree.leaves(eng.cache)]  # noqa: E731
+    reused0 = eng.stats.packed_reused
+    seen, reads = [], []
+    for k in range(4):
+        p_prev, p_cache, p_ehist = ptr(prev), cache_ptrs(), ptr(eng.ehist)
+        stp = np.where(use, k, 0).astype(np.int32)  # as the engine: inactive rows step 0
+        prev, readable = eng._step_pipe(tokens, lengths, use, prev, request_ids=rid, steps=stp)
+        assert ptr(prev) == p_prev, "next tokens must overwrite the donated previous tokens"
+        assert cache_ptrs() == p_cache and ptr(eng.ehist) == p_ehist
+        seen.append(ptr(eng._packed_dev[1]))
+        reads.append(readable)
+        np.testing.assert_array_equal(
+            np.asarray(eng._packed_dev[1]),
+            advance_packed(pack_step_rows(tokens, lengths, use, rid, stp)))
+    assert eng.stats.packed_reused - reused0 == 3  # every step after the first took the device rows
+    assert len(set(seen)) == 1, "the advanced row array must stay at one address"
+    toks = [int(np.asarray(r)[0]) for r in reads]  # all still readable: copies, not the donated originals
+    assert all(0 <= t < eng.cfg.vocab_size for t in toks)
+    # changed rows (another step index) are sent anew, and the loop's tokens are unchanged
+    prev, _ = eng._step_pipe(tokens, lengths, use, prev, request_ids=rid, steps=np.where(use, 9, 0).astype(np.int32))
+    assert eng.stats.packed_reused - reused0 == 3
+    assert [r.output_ids for r in eng.generate(requests[:2])] == alone[:2]
+
+
+def test_synced_step_keeps_cache_buffers(model, requests):
+    """The unpipelined step donates the cache and returns it first, so every cache leaf (also the
+    [B] int32 positions, which the [B] int32 next tokens would otherwise take) keeps its buffer."""
+    eng = Engine(model, batch_size=2, max_seq_len=160, opts=F32, prefill_chunk=8)
+    eng.generate([requests[0]])
+    ptrs = lambda: [x.unsafe_buffer_pointer() for x in jax.tree.leaves(eng.cache)]  # noqa: E731
+    for _ in range(3):
+        before = ptrs()
+        nxt, _ = eng.step(np.array([[5], [0]]), np.array([1, 0]))
+        assert ptrs() == before and nxt.shape == (2,)
