@@ -1,11 +1,11 @@
 """XLA runtime flags the command-line tools set before JAX starts its backend.
 
-Decode at batch 1 is bound by the host: the GPU runtime enqueues a step's kernels one by one unless
-they sit inside a CUDA graph (XLA "command buffers"). By default XLA puts only its own fusions and
-library calls into graphs, and only runs of at least a few of them. With the two flags below the
-7-layer probe of V4.1-Flash decoded 2.57 ms per step on one H200 against 2.83 ms without (device
-time 2.41 ms both); the 40-layer model gained only 1 % (58.9 -> 59.4 tok/s), and whether the Pallas
-custom calls actually enter the graphs is not established (BENCHMARKS.md, session 5).
+Without CUDA graphs (XLA "command buffers") the GPU runtime launches a decode step's kernels one by
+one from the host. By default XLA puts only its own fusions and library calls into graphs, and only
+runs of at least a few of them; with the two flags below the whole decode step is one graph (2,511
+commands at 40 layers; session 6 logs). The 7-layer probe of V4.1-Flash decoded 2.57 ms per step on
+one H200 with them against 2.83 ms without (BENCHMARKS.md, session 5). A graph pays off only if the
+buffers it references keep their addresses between launches: see ``Engine._step_pipe``.
 
 ``DSV41_XLA_DEFAULTS=off`` leaves ``XLA_FLAGS`` alone; a flag the user already set in ``XLA_FLAGS``
 is never overridden.
