@@ -65,7 +65,7 @@ from .attention import scatter_rows, select_rows, take_rows, compress
 from .cache import init_cache
 from .config import ModelConfig
 from .dspark import dspark_draft, dspark_update, init_dspark_cache, reset_dspark_slot
-from .engine import reset_slot
+from .engine import _copy_jit, reset_slot
 from .engram import engram, gather_rows
 from .engram_hash import ngram_hash_ids
 from .layers import norm
@@ -219,6 +219,65 @@ def spec_step(params, cache, dcache, tokens, n_verify, active, draft_logits, eng
 
 
 spec_step_jit = jax.jit(spec_step, static_argnames=("cfg", "opts", "sampler"), donate_argnames=("cache", "dcache"))
+
+
+# ---- the verify step as the generation loop runs it: every buffer keeps its address between steps
+
+def io_width(G: int, engram_cols: int) -> int:
+    """Columns of the int32 [B, W] step buffer (:func:`spec_step_io`): in, the anchor + G drafts, the
+    number to verify, active, request id, step, forced acceptance, and each position's Engram ids
+    (``engram_cols`` per position); out, n_acc, next, the G + 1 new draft ids, the G confidences."""
+    return max(G + 1 + 5 + (G + 1) * engram_cols, 2 + (G + 1) + G)
+
+
+def spec_step_io(params, cache, dcache, dl, io, seed, temperature, top_k, top_p, *, cfg: ModelConfig,
+                 opts: RunOptions, sampler, S: int, forced: bool, engram_shape: tuple | None):
+    """:func:`spec_step` reading its per-step inputs from, and writing its results back into, one
+    int32 [B, W] buffer ``io`` (layout: :func:`io_width`; the host fills it through
+    :func:`stage_io`, reads it through a copy). Returns (cache, dcache, draft logits, io), each
+    overwriting its donated input (in the inputs' order: jit pairs donated inputs with outputs of the
+    same shape in output order), so consecutive verify steps keep every buffer's address and XLA
+    need not re-record the step's CUDA graph (the engine's decode step, BENCHMARKS.md session 6).
+    The draft logits of inactive rows are kept; random keys come from (seed, request id, step) as
+    :meth:`SpeculativeGenerator._keys`. ``engram_shape``: (layers, ids per layer) or None."""
+    G = cfg.dspark_block_size
+    B = io.shape[0]
+    tokens = io[:, :S]
+    o = G + 1
+    n_verify, active, rid, steps = io[:, o], io[:, o + 1] > 0, io[:, o + 2], io[:, o + 3]
+    force = io[:, o + 4] if forced else None
+    eids = None
+    if engram_shape is not None:
+        L, H = engram_shape
+        e = io[:, o + 5:o + 5 + (G + 1) * L * H].reshape(B, G + 1, L, H)[:, :S]
+        eids = {str(l): e[:, :, i] for i, l in enumerate(cfg.engram_layer_ids)}
+    keys = None if sampler[0] else request_keys(seed, rid, steps)
+    cache, dcache, n_acc, nxt, ids, dl_new, conf = spec_step(
+        params, cache, dcache, tokens, n_verify, active, dl, eids, None, keys, temperature, top_k, top_p, force,
+        cfg=cfg, opts=opts, sampler=sampler)
+    dl = jnp.where(active[:, None, None], dl_new, dl)
+    res = jnp.concatenate([n_acc[:, None].astype(jnp.int32), nxt[:, None].astype(jnp.int32), ids.astype(jnp.int32),
+                           jax.lax.bitcast_convert_type(conf.astype(jnp.float32), jnp.int32)], axis=1)
+    return cache, dcache, dl, jax.lax.dynamic_update_slice(io, res, (0, 0))
+
+
+spec_step_io_jit = jax.jit(spec_step_io, static_argnames=("cfg", "opts", "sampler", "S", "forced", "engram_shape"),
+                           donate_argnames=("cache", "dcache", "dl", "io"))
+
+
+def unpack_io(res: np.ndarray, G: int):
+    """(n_acc [B], next [B], draft ids [B, G+1], confidence [B, G]) from a host copy of ``io``."""
+    return (res[:, 0], res[:, 1], res[:, 2:G + 3],
+            np.ascontiguousarray(res[:, G + 3:2 * G + 3]).view(np.float32))
+
+
+def _stage(io, host):
+    return jax.lax.dynamic_update_slice(io, host, (0, 0))
+
+
+# the host's per-step inputs enter the persistent ``io`` buffer through this one-copy program: its own
+# (one-command) graph absorbs the new address of each host copy
+stage_io = jax.jit(_stage, donate_argnums=0)
 
 
 def prefill_step(params, cache, dcache, tokens, lengths, engram_ids, engram_rows, *, cfg, opts):
@@ -422,6 +481,13 @@ class SpeculativeGenerator:
         ids = ngram_hash_ids(comp, lpos, self.hasher.layout, self.hasher.pad_compressed_id).astype(np.int32)
         return {str(l): jnp.asarray(ids[:, :, i]) for i, l in enumerate(self.cfg.engram_layer_ids)}
 
+    def _engram_np(self, hist, pos, tokens, lengths):
+        """The Engram ids of :meth:`_engram` as one host array [B, S, layers, ids] (None without Engram)."""
+        e = self._engram(hist, pos, tokens, lengths)
+        if e is None:
+            return None
+        return np.stack([np.asarray(e[str(l)]) for l in self.cfg.engram_layer_ids], axis=2)
+
     @staticmethod
     def _keys(sp: SamplingParams, rid, steps):
         """Random keys [B, 2] from (seed, request index, the request's own step): a request draws the
@@ -523,6 +589,8 @@ class SpeculativeGenerator:
         ids = np.zeros((B, G + 1), np.int64)  # [anchor, drafts] per row
         conf = np.zeros((B, G), np.float32)
         dl = jnp.zeros((B, G, V), jnp.float32)
+        seed = jnp.int32(sp.seed)
+        io = None  # the verify steps' int32 [B, W] in/out buffer (spec_step_io), made at the first step
         slots: list[_Slot | None] = [None] * B
         used = np.zeros(B, bool)
         waiting = deque(range(n))
@@ -615,16 +683,29 @@ class SpeculativeGenerator:
                 if self.simulate_accept is not None:
                     f = self.simulate_accept - 1.0
                     lo = int(np.floor(f))
-                    force = jnp.asarray(lo + (self._rng.random(B) < f - lo), jnp.int32)
-                eids = self._engram(hist, pos, tok, lens)
-                cache, dcache, n_acc, nxt, ids_d, dl_d, conf_d = spec_step_jit(
-                    self.params, cache, dcache, jnp.asarray(tok, jnp.int32),
-                    jnp.asarray(np.minimum(k, S - 1), jnp.int32), jnp.asarray(active), dl, eids, None,
-                    self._keys(sp, rid, stp), temp, topk, topp, force, cfg=cfg, opts=self.opts, sampler=sampler)
-                n_acc, nxt, ids_d, conf_d = np.asarray(n_acc), np.asarray(nxt), np.asarray(ids_d), np.asarray(conf_d)
+                    force = lo + (self._rng.random(B) < f - lo)
+                eids = self._engram_np(hist, pos, tok, lens)  # [B, S, layers, ids] or None
+                ecols = 0 if eids is None else eids.shape[2] * eids.shape[3]
+                W = io_width(G, ecols)
+                host = np.zeros((B, W), np.int32)
+                host[:, :S] = tok
+                o = G + 1
+                host[:, o], host[:, o + 1] = np.minimum(k, S - 1), active
+                host[:, o + 2], host[:, o + 3] = rid, stp
+                if force is not None:
+                    host[:, o + 4] = force
+                if eids is not None:
+                    e = np.zeros((B, G + 1) + eids.shape[2:], np.int32)
+                    e[:, :S] = eids
+                    host[:, o + 5:o + 5 + (G + 1) * ecols] = e.reshape(B, -1)
+                io = stage_io(jnp.zeros((B, W), jnp.int32) if io is None or io.shape != (B, W) else io, host)
+                cache, dcache, dl, io = spec_step_io_jit(
+                    self.params, cache, dcache, dl, io, seed, temp, topk, topp, cfg=cfg, opts=self.opts,
+                    sampler=sampler, S=S, forced=force is not None,
+                    engram_shape=None if eids is None else tuple(eids.shape[2:]))
+                n_acc, nxt, ids_d, conf_d = unpack_io(np.asarray(_copy_jit(io)), G)
                 # rows not in decode keep their drafts (a row mid-prompt gets its first ones with its first token)
                 ids[active], conf[active] = ids_d[active], conf_d[active]
-                dl = jnp.where(jnp.asarray(active)[:, None, None], dl_d, dl)
                 if trace is not None:
                     trace.append((ids.copy(), np.asarray(dl), conf.copy()))
                 self.stats.widths[S] = self.stats.widths.get(S, 0) + 1
