@@ -110,3 +110,23 @@ def test_device_time_op_finds_its_program():
     assert 0 < t and math.isfinite(t)
     with pytest.raises(AssertionError):
         device_time_op(lambda x: x @ x, xs[:2], reps=3, iters=1)
+
+
+@pytest.mark.parametrize("counted", ["per_run", "one"])
+def test_device_time_op_divides_by_runs_times_reps(monkeypatch, counted):
+    """Time per op = the program's kernel time over the trace / (iters x reps), whether the profile
+    counted each run (CPU) or saw one execution holding every run (GPU traces without execution ids,
+    where the old division by the counted executions gave iters x the per-op time)."""
+    import jax.numpy as jnp
+
+    import dsv41_jax.profiling as prof
+    from pallas_kernels.benchmarking import device_time_op
+
+    iters, reps, total_ms = 4, 3, 6.0
+    execs = iters if counted == "per_run" else 1
+    fake = {"programs": [{"module": "jit__device_timed_reps", "executions": execs, "busy_ms": total_ms / execs},
+                         {"module": "jit_flush_l2", "executions": iters, "busy_ms": 100.0}]}
+    monkeypatch.setattr(prof, "summarize", lambda path, *a, **k: fake)
+    monkeypatch.setattr(prof, "trace", lambda fn, outdir: (fn(), outdir))
+    xs = [(jnp.full((8, 8), 0.5 + i),) for i in range(reps)]
+    assert device_time_op(lambda x: x @ x, xs, reps=reps, iters=iters) == pytest.approx(total_ms / 1e3 / (iters * reps))
