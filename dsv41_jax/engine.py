@@ -304,6 +304,15 @@ def _copy_program(x):
 _copy_jit = jax.jit(_copy_program)
 
 
+def _stage_rows(buf, host):
+    return jax.lax.dynamic_update_slice(buf, host, (0, 0))
+
+
+# new row values into the previous step's row buffer (donated): the step program then sees the same
+# address; only this one-copy program's graph takes the new host copy's address
+_stage_rows_jit = jax.jit(_stage_rows, donate_argnums=0)
+
+
 def _is_greedy(sampling: SamplingParams | None) -> bool:
     """The static sampling branch of a step program (greedy for no SamplingParams, as
     :meth:`Engine._put_step_inputs` defaults)."""
@@ -462,11 +471,11 @@ class Engine:
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.stats = EngineStats()
         self._sampling_dev = (None, None)  # (packed sampling bytes, their device copy)
-        # pipelined decode: the host rows of the last dispatched decode step, and (the values the
-        # next decode step of the same rows will send, the device array holding them: that step's
-        # advanced output); None after a prefill-width step
-        self._packed_host = None
-        self._packed_dev = None
+        # pipelined steps: per row-array shape, the last step's advanced row array (its device output,
+        # the buffer the next step of that shape takes) and the values it holds
+        self._row_bufs: dict = {}
+        self._row_expect: dict = {}
+        self._row_host = None
         self._compiled: dict = {}
         # where per-step inputs go: batch-leading ones (_rows: over dp on a mesh) and the rest (_rep).
         # Committed placements from the start: a step's compiled program is keyed by its inputs'
@@ -695,8 +704,9 @@ class Engine:
         args = self._pipe_inputs(tokens, lengths, use_prev, prev, sampling, request_ids, steps)
         self.cache, self.ehist, packed_next, nxt = self._dispatch(_engine_step_pipe_jit, *args,
                                                                    greedy=_is_greedy(sampling))
-        # the rows' inputs the next decode step of the same rows will send (steps + 1), on the device
-        self._packed_dev = (advance_packed(self._packed_host), packed_next) if self._packed_host is not None else None
+        # the rows' inputs the next step of the same rows will send (steps + 1), on the device
+        self._row_bufs[packed_next.shape] = packed_next
+        self._row_expect[packed_next.shape] = advance_packed(self._row_host)
         self.pos = self.pos + np.asarray(lengths, np.int64)
         self.stats.steps += 1
         with self._on_mesh():
@@ -713,14 +723,17 @@ class Engine:
         if np.any(self.pos + lengths > self.max_seq_len):
             raise ValueError(f"a slot would exceed max_seq_len {self.max_seq_len}")
         host = pack_step_rows(tokens, lengths, use_prev, request_ids, steps)
-        dev = self._packed_dev
-        self._packed_dev = None  # donated by this step (or dropped)
-        if dev is not None and dev[0].shape == host.shape and np.array_equal(dev[0], host):
-            packed = dev[1]  # the previous step's advanced copy: same values, same device address
-            self.stats.packed_reused += 1
-        else:
+        buf = self._row_bufs.pop(host.shape, None)  # donated by this step
+        expect = self._row_expect.pop(host.shape, None)
+        if buf is None:
             packed = jax.device_put(host, self._rows)
-        self._packed_host = host if S == 1 else None
+        elif np.array_equal(expect, host):
+            packed = buf  # the previous step's advanced copy: same values, same device address
+            self.stats.packed_reused += 1
+        else:  # new values into the same buffer (one small copy program), so the address stays
+            with self._on_mesh():
+                packed = _stage_rows_jit(buf, jax.device_put(host, self._rows))
+        self._row_host = host
         return self.params, self.cache, self.ehist, self._dev_hash, packed, prev, self._sampling_on_device(sampling)
 
     def _sampling_on_device(self, sampling):
@@ -738,10 +751,10 @@ class Engine:
         pipelined = self.pipelined if pipelined is None else pipelined
         zeros = np.zeros((self.B, 1 if decode else self.chunk), np.int64), np.zeros(self.B, np.int64)
         if pipelined:
-            kept = self._packed_host, self._packed_dev
+            kept = dict(self._row_bufs), dict(self._row_expect), self._row_host
             prog, args = _engine_step_pipe_jit, self._pipe_inputs(*zeros, np.zeros(self.B, bool), self._zeros_prev(),
                                                                   None, None, None)
-            self._packed_host, self._packed_dev = kept
+            self._row_bufs, self._row_expect, self._row_host = kept
         else:
             prog, args = _engine_step_jit, (self.params, self.cache, *self._step_inputs(*zeros, None, None, None))
         args, kw = self._program_args(args)
