@@ -694,7 +694,11 @@ class Engine:
             return program(*args, **kw)
 
     def _zeros_prev(self):
-        return jax.device_put(np.zeros(self.B, np.int32), self._rows)
+        """The first ``prev`` of a pipelined loop: made by the runtime, not copied from numpy (on the CPU
+        backend ``device_put`` may wrap the numpy memory itself, and such a buffer is copied rather
+        than donated, so the first step's next tokens would land elsewhere)."""
+        with self._on_mesh():
+            return jnp.zeros((self.B,), jnp.int32, device=self._rows)
 
     def _step_pipe(self, tokens, lengths, use_prev, prev, *, sampling=None, request_ids=None, steps=None):
         """Dispatch one pipelined step (see :func:`_engine_step_pipe`); rows with ``use_prev`` feed
