@@ -44,12 +44,13 @@ def test_mixes_parity_interpret(t, dtype, config):
 
 
 # collapse / expand: fp32 multiply-add of the same terms, another order, then rounding to the
-# output dtype: one ulp of the output (bf16 2^-8 relative, f32 ~1e-6).
+# output dtype: one ulp of the output (bf16: up to 2^-7 relative, 7 stored mantissa bits; f32 ~1e-6).
+# (2^-8 flaked: 2.5 vs 2.484375, one bf16 ulp at 2.48, is 0.63 % apart.)
 @pytest.mark.parametrize("t,dtype", [(1, jnp.bfloat16), (6, jnp.float32), (16, jnp.bfloat16)])
 def test_collapse_expand_parity_interpret(t, dtype):
     x, fn, scale, base, f = inputs(np.random.randint(1 << 30), t, 256, dtype)
     pre, post, comb = reference.hc_mixes(x, fn, scale, base, **KW)
-    tol = 2.0**-8 if dtype == jnp.bfloat16 else 2e-6
+    tol = 2.0**-7 if dtype == jnp.bfloat16 else 2e-6
     yc = api.hc_collapse(x, pre, implementation="interpret")
     rc = reference.hc_collapse(x, pre)
     assert yc.dtype == x.dtype
