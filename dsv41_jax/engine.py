@@ -254,12 +254,13 @@ def _engine_step_pipe(params, cache, ehist, ht, packed, prev, sampling, *, cfg, 
 
     Every output overwrites a donated input of its shape (cache, ehist, next packed <- packed,
     next <- prev; in the inputs' order, which is how jit pairs donated inputs with outputs of the
-    same shape: next first would take the cache's [B] int32 positions), so a run of decode steps keeps the addresses of everything the program reads and
-    writes, and XLA does not have to update the step's CUDA graph between steps (session 6: an
-    update walks every command of the graph, 0.7 ms per step at 40 layers). Next packed is
-    ``packed`` with each active row's step + 1 (:func:`advance_packed`): what the host sends for the
-    following decode step of the same rows, so it need not be copied again (:meth:`Engine._pipe_inputs`).
-    No logits: the pipelined loop never reads them."""
+    same shape: next first would take the cache's [B] int32 positions), so a run of decode steps
+    keeps the addresses of everything the program reads and writes, and XLA does not have to update
+    the step's CUDA graph between steps (session 6: an update walks every command of the graph,
+    0.7 ms per step at 40 layers). Next packed is ``packed`` with each active row's step + 1
+    (:func:`advance_packed`): what the host sends for the following decode step of the same rows,
+    so it need not be copied again (:meth:`Engine._pipe_inputs`). No logits: the pipelined loop
+    never reads them."""
     def body(params, cache, ehist, ht, packed, prev, sampling):
         tokens, lengths, use_prev, request_ids, steps, seed, temperature, top_k, top_p = _unpack_step(packed, sampling)
         S = tokens.shape[1]
@@ -304,13 +305,14 @@ def _copy_program(x):
 _copy_jit = jax.jit(_copy_program)
 
 
-def _stage_rows(buf, host):
-    return jax.lax.dynamic_update_slice(buf, host, (0, 0))
+def _stage_program(buf, values):
+    return jax.lax.dynamic_update_slice(buf, values, (0, 0))
 
 
-# new row values into the previous step's row buffer (donated): the step program then sees the same
-# address; only this one-copy program's graph takes the new host copy's address
-_stage_rows_jit = jax.jit(_stage_rows, donate_argnums=0)
+# new values into an existing (donated) 2-D buffer: a step program reading the buffer then sees the
+# same address; only this one-copy program's graph takes the new host copy's address (the engine's
+# row arrays, the speculative verify step's int32 buffer)
+stage_into = jax.jit(_stage_program, donate_argnums=0)
 
 
 def _is_greedy(sampling: SamplingParams | None) -> bool:
@@ -475,7 +477,6 @@ class Engine:
         # the buffer the next step of that shape takes) and the values it holds
         self._row_bufs: dict = {}
         self._row_expect: dict = {}
-        self._row_host = None
         self._compiled: dict = {}
         # where per-step inputs go: batch-leading ones (_rows: over dp on a mesh) and the rest (_rep).
         # Committed placements from the start: a step's compiled program is keyed by its inputs'
@@ -708,9 +709,7 @@ class Engine:
         args = self._pipe_inputs(tokens, lengths, use_prev, prev, sampling, request_ids, steps)
         self.cache, self.ehist, packed_next, nxt = self._dispatch(_engine_step_pipe_jit, *args,
                                                                    greedy=_is_greedy(sampling))
-        # the rows' inputs the next step of the same rows will send (steps + 1), on the device
-        self._row_bufs[packed_next.shape] = packed_next
-        self._row_expect[packed_next.shape] = advance_packed(self._row_host)
+        self._row_bufs[packed_next.shape] = packed_next  # holds self._row_expect[shape]
         self.pos = self.pos + np.asarray(lengths, np.int64)
         self.stats.steps += 1
         with self._on_mesh():
@@ -736,8 +735,9 @@ class Engine:
             self.stats.packed_reused += 1
         else:  # new values into the same buffer (one small copy program), so the address stays
             with self._on_mesh():
-                packed = _stage_rows_jit(buf, jax.device_put(host, self._rows))
-        self._row_host = host
+                packed = stage_into(buf, jax.device_put(host, self._rows))
+        # what the step's advanced output will hold: the next step of the same rows sends this (steps + 1)
+        self._row_expect[host.shape] = advance_packed(host)
         return self.params, self.cache, self.ehist, self._dev_hash, packed, prev, self._sampling_on_device(sampling)
 
     def _sampling_on_device(self, sampling):
@@ -755,10 +755,10 @@ class Engine:
         pipelined = self.pipelined if pipelined is None else pipelined
         zeros = np.zeros((self.B, 1 if decode else self.chunk), np.int64), np.zeros(self.B, np.int64)
         if pipelined:
-            kept = dict(self._row_bufs), dict(self._row_expect), self._row_host
+            kept = dict(self._row_bufs), dict(self._row_expect)
             prog, args = _engine_step_pipe_jit, self._pipe_inputs(*zeros, np.zeros(self.B, bool), self._zeros_prev(),
                                                                   None, None, None)
-            self._row_bufs, self._row_expect, self._row_host = kept
+            self._row_bufs, self._row_expect = kept
         else:
             prog, args = _engine_step_jit, (self.params, self.cache, *self._step_inputs(*zeros, None, None, None))
         args, kw = self._program_args(args)

@@ -65,7 +65,7 @@ from .attention import scatter_rows, select_rows, take_rows, compress
 from .cache import init_cache
 from .config import ModelConfig
 from .dspark import dspark_draft, dspark_update, init_dspark_cache, reset_dspark_slot
-from .engine import _copy_jit, reset_slot
+from .engine import _copy_jit, reset_slot, stage_into
 from .engram import engram, gather_rows
 from .engram_hash import ngram_hash_ids
 from .layers import norm
@@ -233,8 +233,8 @@ def io_width(G: int, engram_cols: int) -> int:
 def spec_step_io(params, cache, dcache, dl, io, seed, temperature, top_k, top_p, *, cfg: ModelConfig,
                  opts: RunOptions, sampler, S: int, forced: bool, engram_shape: tuple | None):
     """:func:`spec_step` reading its per-step inputs from, and writing its results back into, one
-    int32 [B, W] buffer ``io`` (layout: :func:`io_width`; the host fills it through
-    :func:`stage_io`, reads it through a copy). Returns (cache, dcache, draft logits, io), each
+    int32 [B, W] buffer ``io`` (layout: :func:`io_width`, :func:`pack_io`; the host copies new
+    values into it with :func:`dsv41_jax.engine.stage_into` and reads it through a copy). Returns (cache, dcache, draft logits, io), each
     overwriting its donated input (in the inputs' order: jit pairs donated inputs with outputs of the
     same shape in output order), so consecutive verify steps keep every buffer's address and XLA
     need not re-record the step's CUDA graph (the engine's decode step, BENCHMARKS.md session 6).
@@ -265,19 +265,30 @@ spec_step_io_jit = jax.jit(spec_step_io, static_argnames=("cfg", "opts", "sample
                            donate_argnames=("cache", "dcache", "dl", "io"))
 
 
+def pack_io(tokens, n_verify, active, request_ids, steps, force, engram_ids, G: int) -> np.ndarray:
+    """The host's int32 [B, W] inputs of :func:`spec_step_io`: tokens [B, S] (S <= G + 1), the drafts
+    to verify, active, request ids, steps [B], forced acceptance [B] or None, Engram ids [B, S,
+    layers, ids] or None (each position's block of columns; positions >= S zero)."""
+    B, S = tokens.shape
+    ecols = 0 if engram_ids is None else engram_ids.shape[2] * engram_ids.shape[3]
+    host = np.zeros((B, io_width(G, ecols)), np.int32)
+    host[:, :S] = tokens
+    o = G + 1
+    host[:, o], host[:, o + 1], host[:, o + 2], host[:, o + 3] = n_verify, active, request_ids, steps
+    if force is not None:
+        host[:, o + 4] = force
+    if engram_ids is not None:
+        e = np.zeros((B, G + 1) + engram_ids.shape[2:], np.int32)
+        e[:, :S] = engram_ids
+        host[:, o + 5:o + 5 + (G + 1) * ecols] = e.reshape(B, -1)
+    return host
+
+
 def unpack_io(res: np.ndarray, G: int):
     """(n_acc [B], next [B], draft ids [B, G+1], confidence [B, G]) from a host copy of ``io``."""
     return (res[:, 0], res[:, 1], res[:, 2:G + 3],
             np.ascontiguousarray(res[:, G + 3:2 * G + 3]).view(np.float32))
 
-
-def _stage(io, host):
-    return jax.lax.dynamic_update_slice(io, host, (0, 0))
-
-
-# the host's per-step inputs enter the persistent ``io`` buffer through this one-copy program: its own
-# (one-command) graph absorbs the new address of each host copy
-stage_io = jax.jit(_stage, donate_argnums=0)
 
 
 def prefill_step(params, cache, dcache, tokens, lengths, engram_ids, engram_rows, *, cfg, opts):
@@ -465,6 +476,14 @@ class SpeculativeGenerator:
 
     # ------------------------------------------------------------------ host helpers
     def _engram(self, hist, pos, tokens, lengths):
+        """The Engram ids of a step as the model takes them ({layer: [B, S, ids]} on the device)."""
+        ids = self._engram_np(hist, pos, tokens, lengths)
+        if ids is None:
+            return None
+        return {str(l): jnp.asarray(ids[:, :, i]) for i, l in enumerate(self.cfg.engram_layer_ids)}
+
+    def _engram_np(self, hist, pos, tokens, lengths):
+        """The Engram ids of a step on the host, [B, S, layers, ids] (None without Engram)."""
         if self.hasher is None:
             return None
         B, S = tokens.shape
@@ -478,15 +497,7 @@ class SpeculativeGenerator:
             win[b, n0:n0 + S] = tokens[b]
         comp = self.hasher.compress(win)
         lpos = np.minimum((pos - start)[:, None] + np.arange(S)[None, :], T - 1)
-        ids = ngram_hash_ids(comp, lpos, self.hasher.layout, self.hasher.pad_compressed_id).astype(np.int32)
-        return {str(l): jnp.asarray(ids[:, :, i]) for i, l in enumerate(self.cfg.engram_layer_ids)}
-
-    def _engram_np(self, hist, pos, tokens, lengths):
-        """The Engram ids of :meth:`_engram` as one host array [B, S, layers, ids] (None without Engram)."""
-        e = self._engram(hist, pos, tokens, lengths)
-        if e is None:
-            return None
-        return np.stack([np.asarray(e[str(l)]) for l in self.cfg.engram_layer_ids], axis=2)
+        return ngram_hash_ids(comp, lpos, self.hasher.layout, self.hasher.pad_compressed_id).astype(np.int32)
 
     @staticmethod
     def _keys(sp: SamplingParams, rid, steps):
@@ -685,20 +696,8 @@ class SpeculativeGenerator:
                     lo = int(np.floor(f))
                     force = lo + (self._rng.random(B) < f - lo)
                 eids = self._engram_np(hist, pos, tok, lens)  # [B, S, layers, ids] or None
-                ecols = 0 if eids is None else eids.shape[2] * eids.shape[3]
-                W = io_width(G, ecols)
-                host = np.zeros((B, W), np.int32)
-                host[:, :S] = tok
-                o = G + 1
-                host[:, o], host[:, o + 1] = np.minimum(k, S - 1), active
-                host[:, o + 2], host[:, o + 3] = rid, stp
-                if force is not None:
-                    host[:, o + 4] = force
-                if eids is not None:
-                    e = np.zeros((B, G + 1) + eids.shape[2:], np.int32)
-                    e[:, :S] = eids
-                    host[:, o + 5:o + 5 + (G + 1) * ecols] = e.reshape(B, -1)
-                io = stage_io(jnp.zeros((B, W), jnp.int32) if io is None or io.shape != (B, W) else io, host)
+                host = pack_io(tok, np.minimum(k, S - 1), active, rid, stp, force, eids, G)
+                io = stage_into(jnp.zeros(host.shape, jnp.int32) if io is None else io, host)
                 cache, dcache, dl, io = spec_step_io_jit(
                     self.params, cache, dcache, dl, io, seed, temp, topk, topp, cfg=cfg, opts=self.opts,
                     sampler=sampler, S=S, forced=force is not None,

@@ -131,10 +131,7 @@ TUNE_CONFIGS_PREFILL = [(64, 128, 64, 128, 64, 4), (64, 128, 64, 128, 64, 8), (1
                         (128, 128, 64, 128, 64, 8, 4), (64, 128, 64, 128, 64, 4, 4)]
 
 
-WIDE = False  # --wide: fma_configs adds the larger neighbourhood below
-
-
-def fma_configs(w1, n):
+def fma_configs(w1, n, wide: bool = False):
     """Vector-unit ("fma") configs for ``n`` tokens: the default (one-row blocks) and neighbours
     (rows per program, K groups per step, warps, pipelining; 2- and 4-row blocks from 4 tokens)."""
     base = pallas_triton.default_fma_config(w1)
@@ -143,7 +140,7 @@ def fma_configs(w1, n):
              ("fma", bt, bi // 2, kga, bd // 2, kgb, 4, stages), ("fma", bt, bi * 2, kga, bd * 2, kgb, 4, stages),
              ("fma", bt, bi, kga // 2, bd, kgb // 2, 4, stages), ("fma", bt, bi, kga, bd, kgb, 4, 1),
              ("fma", bt, bi // 2, kga, bd // 2, kgb, 2, stages)]
-    if WIDE:  # larger tiles with more warps, other pipelining depths, smaller K steps
+    if wide:  # (--wide) larger tiles with more warps, other pipelining depths, smaller K steps
         cands += [("fma", bt, bi * 2, kga, bd * 2, kgb, 8, stages), ("fma", bt, bi * 2, kga // 2, bd * 2, kgb // 2, 8, stages),
                   ("fma", bt, bi * 4, kga // 4, bd * 4, kgb // 4, 8, stages), ("fma", bt, bi, kga // 2, bd, kgb // 2, 2, stages),
                   ("fma", bt, bi, kga, bd, kgb, 4, 2), ("fma", bt, bi, kga, bd, kgb, 4, 4),
@@ -158,7 +155,7 @@ def fma_configs(w1, n):
     return out
 
 
-def fma_sweep(sizes=(1, 8)):
+def fma_sweep(sizes=(1, 8), wide: bool = False):
     """Tensor-core kernels (default config) vs the vector-unit ("fma") kernels at decode sizes, MXFP4
     experts at the V4.1 shape; every config checked against the reference (rel err, share of
     elements off by > 1%) before it is timed (device time from the profiler, :func:`device_time_op`:
@@ -181,7 +178,7 @@ def fma_sweep(sizes=(1, 8)):
             *args[0], w1, w2, w3)
         mma = pallas_triton._config(n * TOPK, E, I, D)
         results = []
-        for cfg in [mma] + fma_configs(w1, n):
+        for cfg in [mma] + fma_configs(w1, n, wide):
             try:
                 f = lambda x, w, idx, a, b, c, cfg=cfg: pallas_triton.moe_experts(  # noqa: E731
                     x, w, idx, a, b, c, swiglu_limit=LIMIT, config=cfg)
@@ -384,15 +381,13 @@ def main(argv=None):
     ap.add_argument("--wide", action="store_true", help="with --fma: a wider set of configs per size")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
-    global WIDE
-    WIDE = a.wide
     if a.check:
         return 0 if check() else 1
     if a.debug:
         debug()
         return 0
     if a.fma:
-        rows = fma_sweep((1,) if a.quick else (1, 8))
+        rows = fma_sweep((1,) if a.quick else (1, 8), wide=a.wide)
         if a.out:
             os.makedirs(a.out, exist_ok=True)
             with open(os.path.join(a.out, "moe_fma.json"), "w") as f:

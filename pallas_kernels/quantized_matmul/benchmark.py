@@ -177,10 +177,7 @@ FMA_SWEEP = ("wq_a", "wq_b", "wo_b", "idx_wq_b", "shared_w1/w3", "shared_w2")  #
 FMA_SWEEP_M4 = ("wq_b", "wo_b")
 
 
-WIDE = False  # --wide: fma_variants adds the larger neighbourhood below
-
-
-def fma_variants(m, w):
+def fma_variants(m, w, wide: bool = False):
     """The vector-unit GEMV configs the ``--fma`` sweep times: the default and its neighbours
     (rows per program, K groups per step, split factor, warps)."""
     from pallas_kernels.quantized_matmul.pallas_triton_fma import default_config, unsupported_reason
@@ -191,7 +188,7 @@ def fma_variants(m, w):
     cands = [base, ("fma", bn, kg, splits, 2, stages), ("fma", bn, kg, splits, 8, stages),
              ("fma", bn // 2, kg, splits, 4, stages), ("fma", bn, kg * 2, splits, 4, stages),
              ("fma", bn, kg, splits * 2, 4, stages)]
-    if WIDE:  # smaller row tiles with more warps, the other pipelining depths, more K splits
+    if wide:  # (--wide) smaller row tiles with more warps, the other pipelining depths, more K splits
         cands += [("fma", bn // 2, kg, splits, 8, stages), ("fma", bn // 2, kg, splits * 2, 4, stages),
                   ("fma", bn // 4, kg, splits, 4, stages), ("fma", bn // 2, kg * 2, splits, 8, stages),
                   ("fma", bn, kg, splits, 4, 2), ("fma", bn, kg, splits, 4, 4), ("fma", bn // 2, kg, splits, 4, 4),
@@ -203,7 +200,7 @@ def fma_variants(m, w):
     return out
 
 
-def fma_sweep(key, quick=False):
+def fma_sweep(key, quick=False, wide: bool = False, names=FMA_SWEEP):
     """Tensor-core GEMV (default config) vs the vector-unit ("fma") GEMV and its neighbours vs XLA
     (device time from the profiler, :func:`device_time_op`; the "raw" column repeats it), at
     1 row (and 4 for the two largest), the V4.1 FP8 projections of a decode step; each config checked against
@@ -213,13 +210,13 @@ def fma_sweep(key, quick=False):
     log(f"{'case':34s} {'M':>5s} {'MB':>8s} {'floor us':>9s} {'pallas us':>9s} {'xla us':>9s} "
         f"{'%HBM pl':>8s} {'%HBM xla':>8s} {'pl/xla x':>8s} {'relerr':>9s} {'raw pl us':>9s}")
     cases = [(f"fp8 {name}", random_fp8(jax.random.fold_in(key, i), n, k))
-             for i, (name, n, k) in enumerate(PROJECTIONS) if name in FMA_SWEEP]
+             for i, (name, n, k) in enumerate(PROJECTIONS) if name in names]
     for label, w0 in cases:
         for m in ((1,) if quick or label[4:] not in FMA_SWEEP_M4 else (1, 4)):
             mma = pallas_triton._config(m, *w0.shape, "fp4" if "mxfp4" in label else "fp8")
             base = gemv_case(rows, f"{label} mma {mma}", w0, m, key, config=mma, xla=True, timer="device")
             best = None
-            for cfg in fma_variants(m, w0):
+            for cfg in fma_variants(m, w0, wide):
                 rec = gemv_case(rows, f"{label} {cfg}", w0, m, key, config=cfg, extra=dict(mode="fma"), timer="device")
                 if "pallas_s" in rec and rec["rel_err"] <= CHECK_TOL and (best is None or rec["pallas_s"] < best["pallas_s"]):
                     best = rec
@@ -295,12 +292,10 @@ def main(argv=None):
     ap.add_argument("--wide", action="store_true", help="with --fma: a wider set of configs per projection")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
-    global WIDE
-    WIDE = a.wide
     if a.check:
         return 0 if check(a.only, a.with_mma8) else 1
     if a.fma:
-        rows = fma_sweep(jax.random.PRNGKey(5), quick=a.quick)
+        rows = fma_sweep(jax.random.PRNGKey(5), quick=a.quick, wide=a.wide)
         if a.out:
             os.makedirs(a.out, exist_ok=True)
             with open(os.path.join(a.out, "qmm_fma.json"), "w") as f:
