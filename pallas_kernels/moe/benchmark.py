@@ -155,11 +155,16 @@ def fma_configs(w1, n, wide: bool = False):
     return out
 
 
-def fma_sweep(sizes=(1, 8), wide: bool = False):
+def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = False):
     """Tensor-core kernels (default config) vs the vector-unit ("fma") kernels at decode sizes, MXFP4
     experts at the V4.1 shape; every config checked against the reference (rel err, share of
     elements off by > 1%) before it is timed (device time from the profiler, :func:`device_time_op`:
-    the wall-clock two-point method was within its noise here). Prints the best per size last."""
+    the wall-clock two-point method was within its noise here). Prints the best per size last.
+    ``vias``: the fma configs once per weight decode route (``FMA_DECODE``; None: the current one);
+    ``default_only``: only the default fma config."""
+    from pallas_kernels.quantized_matmul import pallas_triton_fma
+
+    vias = list(vias or [pallas_triton_fma.FMA_DECODE["via"]])
     key = jax.random.PRNGKey(11)
     k1, k2, k3 = jax.random.split(key, 3)
     w1, w2, w3 = random_fp4(k1, (E, I, D)), random_fp4(k2, (E, D, I)), random_fp4(k3, (E, I, D))
@@ -178,7 +183,9 @@ def fma_sweep(sizes=(1, 8), wide: bool = False):
             *args[0], w1, w2, w3)
         mma = pallas_triton._config(n * TOPK, E, I, D)
         results = []
-        for cfg in [mma] + fma_configs(w1, n, wide):
+        fmas = fma_configs(w1, n, wide)[:1 if default_only else None]
+        for cfg, via in [(mma, vias[0])] + [(c, v) for v in vias for c in fmas]:
+            pallas_triton_fma.FMA_DECODE["via"] = via
             try:
                 f = lambda x, w, idx, a, b, c, cfg=cfg: pallas_triton.moe_experts(  # noqa: E731
                     x, w, idx, a, b, c, swiglu_limit=LIMIT, config=cfg)
@@ -186,9 +193,9 @@ def fma_sweep(sizes=(1, 8), wide: bool = False):
                 err, frac = max_rel_err(y, yr), frac_off(y, yr)
                 t = device_time_op(f, args, (w1, w2, w3), reps=5)
                 ok = frac <= TUNE_MAX_FRAC and err <= 8e-3
-                log(f"  n={n} cfg={cfg}: {fmt_us(t)} us ({100 * floor / t:5.1f}% of HBM), rel err {err:.2e}, "
-                    f"{frac:.4f} of elements > 1%{'' if ok else '  WRONG'}")
-                rec = dict(op="fma_moe", tokens=n, config=cfg, pallas_s=t, floor_s=floor, rel_err=err,
+                log(f"  n={n} cfg={cfg} decode {via}: {fmt_us(t)} us ({100 * floor / t:5.1f}% of HBM), rel err "
+                    f"{err:.2e}, {frac:.4f} of elements > 1%{'' if ok else '  WRONG'}")
+                rec = dict(op="fma_moe", tokens=n, config=cfg, via=via, pallas_s=t, floor_s=floor, rel_err=err,
                            frac_gt_1pct=frac, ok=ok)
                 rows.append(rec)
                 results.append(rec)
@@ -196,11 +203,14 @@ def fma_sweep(sizes=(1, 8), wide: bool = False):
                 log(f"  n={n} cfg={cfg} FAILED {type(e).__name__}: {str(e)[:300]}")
         good = [r for r in results if r["ok"]]
         base = next((r for r in results if r["config"] == mma), None)
-        best = min((r for r in good if r["config"][0] == "fma"), key=lambda r: r["pallas_s"], default=None)
-        summary.append((n, floor, base, best))
-    log("\n# MoE fma sweep summary: tokens, floor us, tensor-core us, best fma us (config), % of HBM")
-    for n, floor, base, best in summary:
-        log(f"  {n:4d} {fmt_us(floor)} {fmt_us(base['pallas_s']) if base else '      n/a'} "
+        for via in vias:
+            best = min((r for r in good if r["config"][0] == "fma" and r["via"] == via), key=lambda r: r["pallas_s"],
+                       default=None)
+            summary.append((n, via, floor, base, best))
+    pallas_triton_fma.FMA_DECODE["via"] = vias[0]
+    log("\n# MoE fma sweep summary: tokens, decode route, floor us, tensor-core us, best fma us (config), % of HBM")
+    for n, via, floor, base, best in summary:
+        log(f"  {n:4d} {via:5s} {fmt_us(floor)} {fmt_us(base['pallas_s']) if base else '      n/a'} "
             f"{fmt_us(best['pallas_s']) if best else '      n/a'} {best['config'] if best else ''} "
             f"{100 * floor / best['pallas_s'] if best else float('nan'):.1f}%")
     return rows
@@ -379,6 +389,8 @@ def main(argv=None):
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--fma", action="store_true", help="tensor-core vs vector-unit (fma) kernels at decode sizes")
     ap.add_argument("--wide", action="store_true", help="with --fma: a wider set of configs per size")
+    ap.add_argument("--vias", default=None, help="with --fma: weight decode routes to compare, e.g. e4m3,f16")
+    ap.add_argument("--default-only", action="store_true", help="with --fma: only the default fma config")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
     if a.check:
@@ -387,7 +399,8 @@ def main(argv=None):
         debug()
         return 0
     if a.fma:
-        rows = fma_sweep((1,) if a.quick else (1, 8), wide=a.wide)
+        rows = fma_sweep((1,) if a.quick else (1, 8), wide=a.wide, vias=a.vias and a.vias.split(","),
+                         default_only=a.default_only)
         if a.out:
             os.makedirs(a.out, exist_ok=True)
             with open(os.path.join(a.out, "moe_fma.json"), "w") as f:

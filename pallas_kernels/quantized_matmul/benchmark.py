@@ -200,11 +200,15 @@ def fma_variants(m, w, wide: bool = False):
     return out
 
 
-def fma_sweep(key, quick=False, wide: bool = False, names=FMA_SWEEP):
+def fma_sweep(key, quick=False, wide: bool = False, names=FMA_SWEEP, vias=None, default_only: bool = False):
     """Tensor-core GEMV (default config) vs the vector-unit ("fma") GEMV and its neighbours vs XLA
     (device time from the profiler, :func:`device_time_op`; the "raw" column repeats it), at
     1 row (and 4 for the two largest), the V4.1 FP8 projections of a decode step; each config checked against
-    the reference on the GPU (rel err column) before it is timed."""
+    the reference on the GPU (rel err column) before it is timed. ``vias``: the fma configs once per
+    weight decode route (``FMA_DECODE``; None: the current one); ``default_only``: only the default."""
+    from pallas_kernels.quantized_matmul import pallas_triton_fma
+
+    vias = list(vias or [pallas_triton_fma.FMA_DECODE["via"]])
     rows = []
     log("\n# fma GEMV sweep (tensor-core default, then fma configs ('fma', bn, kg, splits, warps, stages))")
     log(f"{'case':34s} {'M':>5s} {'MB':>8s} {'floor us':>9s} {'pallas us':>9s} {'xla us':>9s} "
@@ -215,15 +219,19 @@ def fma_sweep(key, quick=False, wide: bool = False, names=FMA_SWEEP):
         for m in ((1,) if quick or label[4:] not in FMA_SWEEP_M4 else (1, 4)):
             mma = pallas_triton._config(m, *w0.shape, "fp4" if "mxfp4" in label else "fp8")
             base = gemv_case(rows, f"{label} mma {mma}", w0, m, key, config=mma, xla=True, timer="device")
-            best = None
-            for cfg in fma_variants(m, w0, wide):
-                rec = gemv_case(rows, f"{label} {cfg}", w0, m, key, config=cfg, extra=dict(mode="fma"), timer="device")
-                if "pallas_s" in rec and rec["rel_err"] <= CHECK_TOL and (best is None or rec["pallas_s"] < best["pallas_s"]):
-                    best = rec
-            if best is not None and "pallas_s" in base:
-                log(f"  => {label} M={m}: best fma {best['config']} {fmt_us(best['pallas_s'])} us vs mma "
-                    f"{fmt_us(base['pallas_s'])} us vs xla {fmt_us(base.get('xla_s', float('nan')))} us "
-                    f"({100 * base['floor_s'] / best['pallas_s']:.1f}% of HBM)")
+            for via in vias:
+                pallas_triton_fma.FMA_DECODE["via"] = via
+                best = None
+                for cfg in fma_variants(m, w0, wide)[:1 if default_only else None]:
+                    rec = gemv_case(rows, f"{label} {via} {cfg}", w0, m, key, config=cfg,
+                                    extra=dict(mode="fma", via=via), timer="device")
+                    if "pallas_s" in rec and rec["rel_err"] <= CHECK_TOL and (best is None or rec["pallas_s"] < best["pallas_s"]):
+                        best = rec
+                if best is not None and "pallas_s" in base:
+                    log(f"  => {label} M={m} decode {via}: best fma {best['config']} {fmt_us(best['pallas_s'])} us vs mma "
+                        f"{fmt_us(base['pallas_s'])} us vs xla {fmt_us(base.get('xla_s', float('nan')))} us "
+                        f"({100 * base['floor_s'] / best['pallas_s']:.1f}% of HBM)")
+    pallas_triton_fma.FMA_DECODE["via"] = vias[0]
     return rows
 
 
@@ -290,12 +298,16 @@ def main(argv=None):
     ap.add_argument("--with-mma8", action="store_true", help="with --check: also the experimental mma8 FP8 mode")
     ap.add_argument("--fma", action="store_true", help="tensor-core vs vector-unit (fma) GEMV sweep, then exit")
     ap.add_argument("--wide", action="store_true", help="with --fma: a wider set of configs per projection")
+    ap.add_argument("--vias", default=None, help="with --fma: weight decode routes to compare, e.g. e4m3,f16")
+    ap.add_argument("--default-only", action="store_true", help="with --fma: only the default fma config")
+    ap.add_argument("--names", default=None, help="with --fma: projections to sweep, e.g. wq_b,wo_b")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
     if a.check:
         return 0 if check(a.only, a.with_mma8) else 1
     if a.fma:
-        rows = fma_sweep(jax.random.PRNGKey(5), quick=a.quick, wide=a.wide)
+        rows = fma_sweep(jax.random.PRNGKey(5), quick=a.quick, wide=a.wide, vias=a.vias and a.vias.split(","),
+                         default_only=a.default_only, names=tuple(a.names.split(",")) if a.names else FMA_SWEEP)
         if a.out:
             os.makedirs(a.out, exist_ok=True)
             with open(os.path.join(a.out, "qmm_fma.json"), "w") as f:

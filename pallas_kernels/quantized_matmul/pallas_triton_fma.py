@@ -66,15 +66,54 @@ FUSED_GEMV = os.environ.get("DSV41_FUSED_GEMV", "on").lower() != "off"
 FP4_GROUP_BYTES = 16  # one MXFP4 scale covers 32 elements = 16 packed bytes
 
 
-def fp4_byte_decode_f32(b):
-    """int32 bytes holding two e2m1 codes -> (low nibble, high nibble) as float32 ``e2m1 * 2**-6``:
-    the same e4m3 bit placement as ``pallas_triton._fp4_decode`` (sign to bit 7, magnitude to bits 4..2),
-    taken straight from the byte (shift + mask + or, which the GPU compilers fuse into 3-input
-    logic ops) instead of isolating each nibble first."""
+def _parse_fma_decode(text: str) -> str:
+    """``DSV41_FMA_DECODE``: "f16" or "e4m3" (how the fma kernels turn weight codes into float32)."""
+    if text not in ("f16", "e4m3"):
+        raise ValueError(f"DSV41_FMA_DECODE={text!r}: expected f16 or e4m3")
+    return text
+
+
+# How the fma kernels turn weight codes into float32 (read at trace time; DSV41_FMA_DECODE):
+# "e4m3" (sessions 4-6): MXFP4 nibbles placed into e4m3 bit patterns, then the compiler's
+# e4m3 -> f32 conversion (FP8 weights: that conversion directly); on the H200 that conversion is a
+# packed e4m3x2 -> f16x2 convert per two elements on the GPU's conversion unit, which is a fraction of
+# the FMA rate. "f16": the code's bits placed into a float16 bit pattern by integer ops (e2m1 ->
+# f16 * 2**-14, e4m3 -> f16 * 2**-8; their subnormal codes land on f16 subnormals, exact), then
+# f16 -> f32; the power of two is folded into the block scale.
+FMA_DECODE = {"via": _parse_fma_decode(os.environ.get("DSV41_FMA_DECODE", "e4m3"))}
+
+
+def _f16_bits_to_f32(t):
+    return jax.lax.bitcast_convert_type(t.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+
+
+def _e4m3_bits_to_f32(t):
+    return jax.lax.bitcast_convert_type(t.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+def fp4_byte_decode_f32(b, via: str = "e4m3"):
+    """int32 bytes holding two e2m1 codes -> (low nibble, high nibble, shift): float32 ``e2m1 *
+    2**-shift``, taken straight from the byte (shift + mask + or, which the GPU compilers fuse into
+    3-input logic ops) instead of isolating each nibble first. ``via="e4m3"``: the e4m3 bit placement
+    of ``pallas_triton._fp4_decode`` (sign to bit 7, magnitude to bits 4..2; shift 6) and the e4m3
+    conversion; ``via="f16"``: sign to bit 15, magnitude to bits 11..9 of a float16 (shift 14)."""
+    if via == "f16":
+        lo = ((b << 12) & 0x8000) | ((b << 9) & 0x0E00)
+        hi = ((b << 8) & 0x8000) | ((b << 5) & 0x0E00)
+        return _f16_bits_to_f32(lo), _f16_bits_to_f32(hi), 14
     lo = ((b << 4) & 0x80) | ((b << 2) & 0x1C)
     hi = (b & 0x80) | ((b >> 2) & 0x1C)
-    cvt = lambda t: jax.lax.bitcast_convert_type(t.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32)  # noqa: E731
-    return cvt(lo), cvt(hi)
+    return _e4m3_bits_to_f32(lo), _e4m3_bits_to_f32(hi), 6
+
+
+def fp8_byte_decode_f32(b, via: str = "e4m3"):
+    """int32 bytes holding e4m3 codes -> (float32 ``e4m3 * 2**-shift``, shift): the e4m3 conversion
+    (shift 0) or, ``via="f16"``, sign to bit 15 and the 7 exponent/mantissa bits to bits 13..7 of a
+    float16 (shift 8). The e4m3 NaN codes (0x7f, 0xff) are not decoded as NaN by the f16 route;
+    checkpoints hold none."""
+    if via == "f16":
+        return _f16_bits_to_f32(((b << 8) & 0x8000) | ((b << 7) & 0x3F80)), 8
+    return _e4m3_bits_to_f32(b), 0
 
 
 def e8m0_f32(s_u8, bias_shift: int = 0):
@@ -93,12 +132,13 @@ def group_size(w) -> int:
 
 
 def weight_view(w):
-    """(data [..., N, K/G, G'] , scale [..., N or N/G, K/G] uint8): FP8 data e4m3 with G' = G;
-    MXFP4 packed bytes with G' = 16. Pure reshapes of the stored arrays."""
+    """(data [..., N, K/G, G'] uint8, scale [..., N or N/G, K/G] uint8): FP8 e4m3 codes with G' = G;
+    MXFP4 packed bytes with G' = 16. Pure reshapes (and same-width bitcasts) of the stored arrays."""
     if isinstance(w, Fp8Tensor):
         g = group_size(w)
         *lead, n, k = w.data.shape
-        return w.data.reshape(*lead, n, k // g, g), jax.lax.bitcast_convert_type(w.scale, jnp.uint8)
+        data = jax.lax.bitcast_convert_type(w.data, jnp.uint8)
+        return data.reshape(*lead, n, k // g, g), jax.lax.bitcast_convert_type(w.scale, jnp.uint8)
     if isinstance(w, Fp4Tensor):
         data = w.data if w.data.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(w.data, jnp.uint8)
         *lead, n, kb = data.shape
@@ -126,8 +166,9 @@ def act_view(xq, w):
 def fp8_tile_partial(w_ref, s_ref, lead, row0, bn, g0, kg, g, xs):
     """FP8 tile rows [row0, row0+bn) x groups [g0, g0+kg): for each activation group array in ``xs``
     ([kg, G] f32) the scaled partial sums [bn]. ``bn <= g``: one scale row."""
-    w = w_ref[(*lead, pl.ds(row0, bn), pl.ds(g0, kg), slice(None))].astype(jnp.float32)  # [bn, kg, G]
-    sf = e8m0_f32(s_ref[(*lead, pl.ds(row0 // g, 1), pl.ds(g0, kg))])  # [1, kg]
+    b = w_ref[(*lead, pl.ds(row0, bn), pl.ds(g0, kg), slice(None))].astype(jnp.int32)  # [bn, kg, G]
+    w, shift = fp8_byte_decode_f32(b, FMA_DECODE["via"])
+    sf = e8m0_f32(s_ref[(*lead, pl.ds(row0 // g, 1), pl.ds(g0, kg))], shift)  # [1, kg]
     return [jnp.sum(jnp.sum(w * x[None], axis=2) * sf, axis=1) for x in xs]
 
 
@@ -135,8 +176,8 @@ def fp4_tile_partial(w_ref, s_ref, lead, row0, bn, g0, kg, xs):
     """MXFP4 tile: packed bytes [bn, kg, 16]; ``xs`` a list of (even, odd) activation groups
     ([kg, 16] f32 each). Returns the scaled partial sums [bn] per activation row."""
     b = w_ref[(*lead, pl.ds(row0, bn), pl.ds(g0, kg), slice(None))].astype(jnp.int32)  # [bn, kg, 16]
-    lo, hi = fp4_byte_decode_f32(b)
-    sf = e8m0_f32(s_ref[(*lead, pl.ds(row0, bn), pl.ds(g0, kg))], 6)  # [bn, kg]; undoes the 2**-6
+    lo, hi, shift = fp4_byte_decode_f32(b, FMA_DECODE["via"])
+    sf = e8m0_f32(s_ref[(*lead, pl.ds(row0, bn), pl.ds(g0, kg))], shift)  # [bn, kg]; undoes the 2**-shift
     return [jnp.sum(jnp.sum(lo * xe[None] + hi * xo[None], axis=2) * sf, axis=1) for xe, xo in xs]
 
 

@@ -263,11 +263,15 @@ def test_benchmark_check_v41_runs_in_interpret_mode(monkeypatch):
 # The vector-unit ("fma") decode kernels: same products as the reference, fp32 sums in another
 # order (the per-32 power-of-two weight scale multiplies a partial sum), same tolerance as
 # test_parity_interpret. 1-, 2- and 4-row blocks; the clamp is active (limit 1.0 with weights * 0.2).
+@pytest.mark.parametrize("via", ["e4m3", "f16"])
 @pytest.mark.parametrize("fmt,n,bt,dtype,limit", [
     ("fp4", 1, 1, jnp.bfloat16, 1.0), ("fp4", 2, 1, jnp.float32, 1.0), ("fp4", 6, 2, jnp.float32, 0.0),
     ("fp4", 9, 4, jnp.bfloat16, 1.0), ("fp8", 1, 1, jnp.float32, 1.0), ("fp8", 6, 4, jnp.bfloat16, 1.0),
 ])
-def test_fma_parity_interpret(fmt, n, bt, dtype, limit):
+def test_fma_parity_interpret(fmt, n, bt, dtype, limit, via, monkeypatch):
+    from pallas_kernels.quantized_matmul import pallas_triton_fma
+
+    monkeypatch.setitem(pallas_triton_fma.FMA_DECODE, "via", via)  # both weight decode routes
     seed = np.random.randint(1 << 30)
     x, wts, idx, w1, w2, w3 = make(fmt, seed, n, dtype)
     cfg = list(pallas_triton.default_fma_config(w1))
@@ -303,9 +307,14 @@ def test_fma_reasons():
                                   interpret=True, config=("fma", 1, 16, 8, 16, 2, 4, 3))
 
 
+@pytest.mark.parametrize("via", ["e4m3", "f16"])
 @pytest.mark.parametrize("target", ["cuda", "rocm"])
-def test_fma_cross_lowering_real_shapes(target):
+def test_fma_cross_lowering_real_shapes(target, via, monkeypatch):
     from jax import ShapeDtypeStruct as S
+
+    from pallas_kernels.quantized_matmul import pallas_triton_fma
+
+    monkeypatch.setitem(pallas_triton_fma.FMA_DECODE, "via", via)
 
     e, i, d = 384, 2304, 5120
     w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)
