@@ -160,11 +160,13 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
     experts at the V4.1 shape; every config checked against the reference (rel err, share of
     elements off by > 1%) before it is timed (device time from the profiler, :func:`device_time_op`:
     the wall-clock two-point method was within its noise here). Prints the best per size last.
-    ``vias``: the fma configs once per weight decode route (``FMA_DECODE``; None: the current one);
+    ``vias``: the fma configs once per weight decode route for both formats (``FMA_DECODE``; None: the
+    current routes);
     ``default_only``: only the default fma config."""
     from pallas_kernels.quantized_matmul import pallas_triton_fma
 
-    vias = list(vias or [pallas_triton_fma.FMA_DECODE["via"]])
+    saved = dict(pallas_triton_fma.FMA_DECODE)
+    vias = list(vias or [None])  # None: the current routes
     key = jax.random.PRNGKey(11)
     k1, k2, k3 = jax.random.split(key, 3)
     w1, w2, w3 = random_fp4(k1, (E, I, D)), random_fp4(k2, (E, D, I)), random_fp4(k3, (E, I, D))
@@ -185,7 +187,7 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
         results = []
         fmas = fma_configs(w1, n, wide)[:1 if default_only else None]
         for cfg, via in [(mma, vias[0])] + [(c, v) for v in vias for c in fmas]:
-            pallas_triton_fma.FMA_DECODE["via"] = via
+            pallas_triton_fma.FMA_DECODE.update(saved if via is None else {"fp4": via, "fp8": via})
             try:
                 f = lambda x, w, idx, a, b, c, cfg=cfg: pallas_triton.moe_experts(  # noqa: E731
                     x, w, idx, a, b, c, swiglu_limit=LIMIT, config=cfg)
@@ -207,10 +209,10 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
             best = min((r for r in good if r["config"][0] == "fma" and r["via"] == via), key=lambda r: r["pallas_s"],
                        default=None)
             summary.append((n, via, floor, base, best))
-    pallas_triton_fma.FMA_DECODE["via"] = vias[0]
+    pallas_triton_fma.FMA_DECODE.update(saved)
     log("\n# MoE fma sweep summary: tokens, decode route, floor us, tensor-core us, best fma us (config), % of HBM")
     for n, via, floor, base, best in summary:
-        log(f"  {n:4d} {via:5s} {fmt_us(floor)} {fmt_us(base['pallas_s']) if base else '      n/a'} "
+        log(f"  {n:4d} {via or 'current':7s} {fmt_us(floor)} {fmt_us(base['pallas_s']) if base else '      n/a'} "
             f"{fmt_us(best['pallas_s']) if best else '      n/a'} {best['config'] if best else ''} "
             f"{100 * floor / best['pallas_s'] if best else float('nan'):.1f}%")
     return rows

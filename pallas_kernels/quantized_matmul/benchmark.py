@@ -205,10 +205,12 @@ def fma_sweep(key, quick=False, wide: bool = False, names=FMA_SWEEP, vias=None, 
     (device time from the profiler, :func:`device_time_op`; the "raw" column repeats it), at
     1 row (and 4 for the two largest), the V4.1 FP8 projections of a decode step; each config checked against
     the reference on the GPU (rel err column) before it is timed. ``vias``: the fma configs once per
-    weight decode route (``FMA_DECODE``; None: the current one); ``default_only``: only the default."""
+    weight decode route for both formats (``FMA_DECODE``; None: the current routes); ``default_only``:
+    only the default."""
     from pallas_kernels.quantized_matmul import pallas_triton_fma
 
-    vias = list(vias or [pallas_triton_fma.FMA_DECODE["via"]])
+    saved = dict(pallas_triton_fma.FMA_DECODE)
+    vias = list(vias or [None])  # None: the current routes
     rows = []
     log("\n# fma GEMV sweep (tensor-core default, then fma configs ('fma', bn, kg, splits, warps, stages))")
     log(f"{'case':34s} {'M':>5s} {'MB':>8s} {'floor us':>9s} {'pallas us':>9s} {'xla us':>9s} "
@@ -220,7 +222,7 @@ def fma_sweep(key, quick=False, wide: bool = False, names=FMA_SWEEP, vias=None, 
             mma = pallas_triton._config(m, *w0.shape, "fp4" if "mxfp4" in label else "fp8")
             base = gemv_case(rows, f"{label} mma {mma}", w0, m, key, config=mma, xla=True, timer="device")
             for via in vias:
-                pallas_triton_fma.FMA_DECODE["via"] = via
+                pallas_triton_fma.FMA_DECODE.update(saved if via is None else {"fp4": via, "fp8": via})
                 best = None
                 for cfg in fma_variants(m, w0, wide)[:1 if default_only else None]:
                     rec = gemv_case(rows, f"{label} {via} {cfg}", w0, m, key, config=cfg,
@@ -231,7 +233,7 @@ def fma_sweep(key, quick=False, wide: bool = False, names=FMA_SWEEP, vias=None, 
                     log(f"  => {label} M={m} decode {via}: best fma {best['config']} {fmt_us(best['pallas_s'])} us vs mma "
                         f"{fmt_us(base['pallas_s'])} us vs xla {fmt_us(base.get('xla_s', float('nan')))} us "
                         f"({100 * base['floor_s'] / best['pallas_s']:.1f}% of HBM)")
-    pallas_triton_fma.FMA_DECODE["via"] = vias[0]
+    pallas_triton_fma.FMA_DECODE.update(saved)
     return rows
 
 

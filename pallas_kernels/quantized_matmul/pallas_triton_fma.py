@@ -66,21 +66,29 @@ FUSED_GEMV = os.environ.get("DSV41_FUSED_GEMV", "on").lower() != "off"
 FP4_GROUP_BYTES = 16  # one MXFP4 scale covers 32 elements = 16 packed bytes
 
 
-def _parse_fma_decode(text: str) -> str:
-    """``DSV41_FMA_DECODE``: "f16" or "e4m3" (how the fma kernels turn weight codes into float32)."""
-    if text not in ("f16", "e4m3"):
-        raise ValueError(f"DSV41_FMA_DECODE={text!r}: expected f16 or e4m3")
-    return text
+def _parse_fma_decode(text: str) -> dict:
+    """``DSV41_FMA_DECODE``: "f16" / "e4m3" (both weight formats) or per format, e.g. "fp4=f16,fp8=e4m3"
+    (how the fma kernels turn weight codes into float32)."""
+    out = {"fp4": "f16", "fp8": "e4m3"}
+    for part in filter(None, (t.strip() for t in text.split(","))):
+        fmt, _, via = part.rpartition("=")
+        fmts = [fmt] if fmt else list(out)
+        if via not in ("f16", "e4m3") or any(f not in out for f in fmts):
+            raise ValueError(f"DSV41_FMA_DECODE={text!r}: expected f16, e4m3 or e.g. fp4=f16,fp8=e4m3")
+        for f in fmts:
+            out[f] = via
+    return out
 
 
-# How the fma kernels turn weight codes into float32 (read at trace time; DSV41_FMA_DECODE):
-# "e4m3" (sessions 4-6): MXFP4 nibbles placed into e4m3 bit patterns, then the compiler's
-# e4m3 -> f32 conversion (FP8 weights: that conversion directly); on the H200 that conversion is a
-# packed e4m3x2 -> f16x2 convert per two elements on the GPU's conversion unit, which is a fraction of
-# the FMA rate. "f16": the code's bits placed into a float16 bit pattern by integer ops (e2m1 ->
-# f16 * 2**-14, e4m3 -> f16 * 2**-8; their subnormal codes land on f16 subnormals, exact), then
-# f16 -> f32; the power of two is folded into the block scale.
-FMA_DECODE = {"via": _parse_fma_decode(os.environ.get("DSV41_FMA_DECODE", "e4m3"))}
+# How the fma kernels turn weight codes into float32, per weight format (read at trace time;
+# DSV41_FMA_DECODE): "e4m3" (sessions 4-6): MXFP4 nibbles placed into e4m3 bit patterns, then the
+# compiler's e4m3 -> f32 conversion (FP8 weights: that conversion directly); "f16": the code's bits
+# placed into a float16 bit pattern by integer ops (e2m1 -> f16 * 2**-14, e4m3 -> f16 * 2**-8; their
+# subnormal codes land on f16 subnormals, exact), then f16 -> f32; the power of two is folded into
+# the block scale. Defaults from the H200 A/B (session 7, BENCHMARKS.md): f16 for MXFP4 (fused MoE
+# 94.3 vs 103.9 us at 1 token, 567 vs 624 us at 8), e4m3 for FP8 (wq_b 16.8 vs 22.0 us, wo_b 18.2
+# vs 24.3 us).
+FMA_DECODE = _parse_fma_decode(os.environ.get("DSV41_FMA_DECODE", ""))
 
 
 def _f16_bits_to_f32(t):
@@ -167,7 +175,7 @@ def fp8_tile_partial(w_ref, s_ref, lead, row0, bn, g0, kg, g, xs):
     """FP8 tile rows [row0, row0+bn) x groups [g0, g0+kg): for each activation group array in ``xs``
     ([kg, G] f32) the scaled partial sums [bn]. ``bn <= g``: one scale row."""
     b = w_ref[(*lead, pl.ds(row0, bn), pl.ds(g0, kg), slice(None))].astype(jnp.int32)  # [bn, kg, G]
-    w, shift = fp8_byte_decode_f32(b, FMA_DECODE["via"])
+    w, shift = fp8_byte_decode_f32(b, FMA_DECODE["fp8"])
     sf = e8m0_f32(s_ref[(*lead, pl.ds(row0 // g, 1), pl.ds(g0, kg))], shift)  # [1, kg]
     return [jnp.sum(jnp.sum(w * x[None], axis=2) * sf, axis=1) for x in xs]
 
@@ -176,7 +184,7 @@ def fp4_tile_partial(w_ref, s_ref, lead, row0, bn, g0, kg, xs):
     """MXFP4 tile: packed bytes [bn, kg, 16]; ``xs`` a list of (even, odd) activation groups
     ([kg, 16] f32 each). Returns the scaled partial sums [bn] per activation row."""
     b = w_ref[(*lead, pl.ds(row0, bn), pl.ds(g0, kg), slice(None))].astype(jnp.int32)  # [bn, kg, 16]
-    lo, hi, shift = fp4_byte_decode_f32(b, FMA_DECODE["via"])
+    lo, hi, shift = fp4_byte_decode_f32(b, FMA_DECODE["fp4"])
     sf = e8m0_f32(s_ref[(*lead, pl.ds(row0, bn), pl.ds(g0, kg))], shift)  # [bn, kg]; undoes the 2**-shift
     return [jnp.sum(jnp.sum(lo * xe[None] + hi * xo[None], axis=2) * sf, axis=1) for xe, xo in xs]
 

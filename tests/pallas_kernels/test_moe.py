@@ -271,7 +271,7 @@ def test_benchmark_check_v41_runs_in_interpret_mode(monkeypatch):
 def test_fma_parity_interpret(fmt, n, bt, dtype, limit, via, monkeypatch):
     from pallas_kernels.quantized_matmul import pallas_triton_fma
 
-    monkeypatch.setitem(pallas_triton_fma.FMA_DECODE, "via", via)  # both weight decode routes
+    monkeypatch.setattr(pallas_triton_fma, "FMA_DECODE", {"fp4": via, "fp8": via})  # both weight decode routes
     seed = np.random.randint(1 << 30)
     x, wts, idx, w1, w2, w3 = make(fmt, seed, n, dtype)
     cfg = list(pallas_triton.default_fma_config(w1))
@@ -314,7 +314,7 @@ def test_fma_cross_lowering_real_shapes(target, via, monkeypatch):
 
     from pallas_kernels.quantized_matmul import pallas_triton_fma
 
-    monkeypatch.setitem(pallas_triton_fma.FMA_DECODE, "via", via)
+    monkeypatch.setattr(pallas_triton_fma, "FMA_DECODE", {"fp4": via, "fp8": via})
 
     e, i, d = 384, 2304, 5120
     w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)

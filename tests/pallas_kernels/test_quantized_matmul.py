@@ -159,7 +159,7 @@ def test_fma_gemv_parity_interpret(fmt, dtype, m, n, k, block, via, monkeypatch)
     from pallas_kernels.quantized_matmul import pallas_triton_fma
     from pallas_kernels.quantized_matmul.pallas_triton_fma import default_config
 
-    monkeypatch.setitem(pallas_triton_fma.FMA_DECODE, "via", via)
+    monkeypatch.setattr(pallas_triton_fma, "FMA_DECODE", {"fp4": via, "fp8": via})
     seed = np.random.randint(1 << 30)
     k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
     x = jax.random.normal(k1, (m, k), dtype) * 3
@@ -186,7 +186,7 @@ def test_fma_gemv_cross_lowering(target, via, monkeypatch):
     from pallas_kernels.quantized_matmul import pallas_triton_fma
     from pallas_kernels.quantized_matmul.pallas_triton_fma import default_config
 
-    monkeypatch.setitem(pallas_triton_fma.FMA_DECODE, "via", via)
+    monkeypatch.setattr(pallas_triton_fma, "FMA_DECODE", {"fp4": via, "fp8": via})
 
     for w in (fp8_spec(1280, 5120), fp8_spec(32768, 1280), fp8_spec(5120, 8192), fp4_spec(2304, 5120),
               Fp8Tensor(S((4096, 8192), jnp.float8_e4m3fn), S((32, 64), jnp.float8_e8m0fnu), (128, 128))):
@@ -255,9 +255,13 @@ def test_fp8_byte_decode_every_byte(via):
 def test_fma_decode_switch():
     from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
 
-    assert fma._parse_fma_decode("f16") == "f16" and fma._parse_fma_decode("e4m3") == "e4m3"
-    with pytest.raises(ValueError, match="DSV41_FMA_DECODE"):
-        fma._parse_fma_decode("fp32")
+    assert fma._parse_fma_decode("") == {"fp4": "f16", "fp8": "e4m3"}  # the defaults
+    assert fma._parse_fma_decode("f16") == {"fp4": "f16", "fp8": "f16"}
+    assert fma._parse_fma_decode("fp4=e4m3") == {"fp4": "e4m3", "fp8": "e4m3"}
+    assert fma._parse_fma_decode("fp8=f16,fp4=e4m3") == {"fp4": "e4m3", "fp8": "f16"}
+    for bad in ("fp32", "fp6=f16"):
+        with pytest.raises(ValueError, match="DSV41_FMA_DECODE"):
+            fma._parse_fma_decode(bad)
 
 
 def test_fma_default_falls_back_where_it_cannot_run(monkeypatch):
