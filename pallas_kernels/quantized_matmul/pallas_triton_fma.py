@@ -32,6 +32,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -66,6 +67,9 @@ FUSED_GEMV = os.environ.get("DSV41_FUSED_GEMV", "on").lower() != "off"
 FP4_GROUP_BYTES = 16  # one MXFP4 scale covers 32 elements = 16 packed bytes
 
 
+ROUTES = ("e4m3", "f16", "f16w")
+
+
 def _parse_fma_decode(text: str) -> dict:
     """``DSV41_FMA_DECODE``: "f16" / "e4m3" (both weight formats) or per format, e.g. "fp4=f16,fp8=e4m3"
     (how the fma kernels turn weight codes into float32)."""
@@ -73,8 +77,8 @@ def _parse_fma_decode(text: str) -> dict:
     for part in filter(None, (t.strip() for t in text.split(","))):
         fmt, _, via = part.rpartition("=")
         fmts = [fmt] if fmt else list(out)
-        if via not in ("f16", "e4m3") or any(f not in out for f in fmts):
-            raise ValueError(f"DSV41_FMA_DECODE={text!r}: expected f16, e4m3 or e.g. fp4=f16,fp8=e4m3")
+        if via not in ROUTES or any(f not in out for f in fmts):
+            raise ValueError(f"DSV41_FMA_DECODE={text!r}: expected one of {', '.join(ROUTES)} or e.g. fp4=f16,fp8=e4m3")
         for f in fmts:
             out[f] = via
     return out
@@ -85,7 +89,10 @@ def _parse_fma_decode(text: str) -> dict:
 # compiler's e4m3 -> f32 conversion (FP8 weights: that conversion directly); "f16": the code's bits
 # placed into a float16 bit pattern by integer ops (e2m1 -> f16 * 2**-14, e4m3 -> f16 * 2**-8; their
 # subnormal codes land on f16 subnormals, exact), then f16 -> f32; the power of two is folded into
-# the block scale. Defaults from the H200 A/B (session 7, BENCHMARKS.md): f16 for MXFP4 (fused MoE
+# the block scale. "f16w": the f16 placement on 32-bit words, two codes 16 bits apart per logic op
+# (MXFP4: nibbles j and j+4 of a word; FP8: bytes 0/2 and 1/3), so that a word of weight codes
+# costs a few integer ops instead of a byte extraction and a mask-shift-or per code; the
+# activation is split into the matching phases (8 for MXFP4, 4 for FP8) by XLA. Defaults from the H200 A/B (session 7, BENCHMARKS.md): f16 for MXFP4 (fused MoE
 # 94.3 vs 103.9 us at 1 token, 567 vs 624 us at 8), e4m3 for FP8 (wq_b 16.8 vs 22.0 us, wo_b 18.2
 # vs 24.3 us).
 FMA_DECODE = _parse_fma_decode(os.environ.get("DSV41_FMA_DECODE", ""))
@@ -139,30 +146,45 @@ def group_size(w) -> int:
 # views (XLA, outside the kernels)
 
 
+def _words(data_u8):
+    """[..., B] uint8 (B a multiple of 4) -> [..., B/4] uint32 little-endian words (an XLA bitcast)."""
+    *lead, nb = data_u8.shape
+    return jax.lax.bitcast_convert_type(data_u8.reshape(*lead, nb // 4, 4), jnp.uint32)
+
+
 def weight_view(w):
-    """(data [..., N, K/G, G'] uint8, scale [..., N or N/G, K/G] uint8): FP8 e4m3 codes with G' = G;
-    MXFP4 packed bytes with G' = 16. Pure reshapes (and same-width bitcasts) of the stored arrays."""
+    """(data [..., N, K/G, G'], scale [..., N or N/G, K/G] uint8): FP8 e4m3 codes with G' = G (uint8)
+    or G/4 (uint32 words, route "f16w"); MXFP4 packed bytes with G' = 16 (uint8) or 4 (uint32 words,
+    route "f16w"). Pure reshapes and bitcasts of the stored arrays."""
     if isinstance(w, Fp8Tensor):
         g = group_size(w)
         *lead, n, k = w.data.shape
-        data = jax.lax.bitcast_convert_type(w.data, jnp.uint8)
-        return data.reshape(*lead, n, k // g, g), jax.lax.bitcast_convert_type(w.scale, jnp.uint8)
+        data = jax.lax.bitcast_convert_type(w.data, jnp.uint8).reshape(*lead, n, k // g, g)
+        return (_words(data) if FMA_DECODE["fp8"] == "f16w" else data), jax.lax.bitcast_convert_type(w.scale, jnp.uint8)
     if isinstance(w, Fp4Tensor):
         data = w.data if w.data.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(w.data, jnp.uint8)
         *lead, n, kb = data.shape
-        return (data.reshape(*lead, n, kb // FP4_GROUP_BYTES, FP4_GROUP_BYTES),
-                jax.lax.bitcast_convert_type(w.scale, jnp.uint8))
+        data = data.reshape(*lead, n, kb // FP4_GROUP_BYTES, FP4_GROUP_BYTES)
+        return (_words(data) if FMA_DECODE["fp4"] == "f16w" else data), jax.lax.bitcast_convert_type(w.scale, jnp.uint8)
     raise TypeError(f"fma GEMV takes FP8 or MXFP4 weights, got {type(w).__name__}")
 
 
 def act_view(xq, w):
-    """The fake-quantized activation [M, K] as the kernel reads it (float32): FP8 -> one array
-    [M, K/G, G]; MXFP4 -> (even, odd) halves [M, K/32, 16] each."""
+    """The fake-quantized activation [M, K] as the kernel reads it (float32), a tuple of phases:
+    FP8 -> one array [M, K/G, G] (route "f16w": 4 phases [M, K/G, G/4], element 4q + j in phase j);
+    MXFP4 -> the (even, odd) halves [M, K/32, 16] (route "f16w": 8 phases [M, K/32, 4], element
+    8q + j in phase j)."""
     m, k = xq.shape
     xf = xq.astype(jnp.float32)
     if isinstance(w, Fp8Tensor):
         g = group_size(w)
+        if FMA_DECODE["fp8"] == "f16w":
+            xr = xf.reshape(m, k // g, g // 4, 4)
+            return tuple(xr[..., j] for j in range(4))
         return (xf.reshape(m, k // g, g),)
+    if FMA_DECODE["fp4"] == "f16w":
+        xr = xf.reshape(m, k // 32, 4, 8)
+        return tuple(xr[..., j] for j in range(8))
     pairs = xf.reshape(m, k // 32, FP4_GROUP_BYTES, 2)
     return pairs[..., 0], pairs[..., 1]
 
@@ -170,33 +192,72 @@ def act_view(xq, w):
 # ------------------------------------------------------------------------------------------------
 # tile arithmetic (inside kernels)
 
+_SIGNS = np.uint32(0x80008000)  # the sign bits of both f16 halves of a word
+
+
+def fp4_word_pairs_f32(w):
+    """uint32 words of eight e2m1 codes (nibble j = element 8q + j) -> four (element j, element j + 4)
+    pairs of float32 ``e2m1 * 2**-14``: nibbles j and j + 4 sit 16 bits apart, so one shift-mask-or
+    places both into the f16 halves of a word (sign to bit 15 / 31, magnitude to bits 11..9 / 27..25)."""
+    out = []
+    for j in range(4):
+        sign = (w << (12 - 4 * j)) & _SIGNS if j < 3 else w & _SIGNS
+        mag = (w << (9 - 4 * j)) & np.uint32(0x0E000E00) if j < 3 else (w >> 3) & np.uint32(0x0E000E00)
+        bits = sign | mag
+        out.append((_f16_bits_to_f32(bits), _f16_bits_to_f32(bits >> 16)))
+    return out
+
+
+def fp8_word_pairs_f32(w):
+    """uint32 words of four e4m3 codes (byte j = element 4q + j) -> ((element 0, element 2),
+    (element 1, element 3)) as float32 ``e4m3 * 2**-8``: bytes 0 and 2 (1 and 3) sit 16 bits apart
+    and are placed into the f16 halves of a word by one shift-mask-or."""
+    b02 = ((w << 8) & _SIGNS) | ((w << 7) & np.uint32(0x3F803F80))
+    b13 = (w & _SIGNS) | ((w >> 1) & np.uint32(0x3F803F80))
+    return [(_f16_bits_to_f32(t), _f16_bits_to_f32(t >> 16)) for t in (b02, b13)]
+
 
 def fp8_tile_partial(w_ref, s_ref, lead, row0, bn, g0, kg, g, xs):
-    """FP8 tile rows [row0, row0+bn) x groups [g0, g0+kg): for each activation group array in ``xs``
-    ([kg, G] f32) the scaled partial sums [bn]. ``bn <= g``: one scale row."""
-    b = w_ref[(*lead, pl.ds(row0, bn), pl.ds(g0, kg), slice(None))].astype(jnp.int32)  # [bn, kg, G]
-    w, shift = fp8_byte_decode_f32(b, FMA_DECODE["fp8"])
+    """FP8 tile rows [row0, row0+bn) x groups [g0, g0+kg): for each activation row's phases in ``xs``
+    (:func:`act_view`, [kg, G] or 4 x [kg, G/4] f32) the scaled partial sums [bn]. ``bn <= g``: one
+    scale row."""
+    raw = w_ref[(*lead, pl.ds(row0, bn), pl.ds(g0, kg), slice(None))]  # [bn, kg, G] u8 or [bn, kg, G/4] u32
+    if FMA_DECODE["fp8"] == "f16w":
+        (a0, a2), (a1, a3) = fp8_word_pairs_f32(raw)
+        sf = e8m0_f32(s_ref[(*lead, pl.ds(row0 // g, 1), pl.ds(g0, kg))], 8)
+        return [jnp.sum(jnp.sum(a0 * x[0][None] + a1 * x[1][None] + a2 * x[2][None] + a3 * x[3][None], axis=2) * sf,
+                        axis=1) for x in xs]
+    w, shift = fp8_byte_decode_f32(raw.astype(jnp.int32), FMA_DECODE["fp8"])
     sf = e8m0_f32(s_ref[(*lead, pl.ds(row0 // g, 1), pl.ds(g0, kg))], shift)  # [1, kg]
-    return [jnp.sum(jnp.sum(w * x[None], axis=2) * sf, axis=1) for x in xs]
+    return [jnp.sum(jnp.sum(w * x[0][None], axis=2) * sf, axis=1) for x in xs]
 
 
 def fp4_tile_partial(w_ref, s_ref, lead, row0, bn, g0, kg, xs):
-    """MXFP4 tile: packed bytes [bn, kg, 16]; ``xs`` a list of (even, odd) activation groups
-    ([kg, 16] f32 each). Returns the scaled partial sums [bn] per activation row."""
-    b = w_ref[(*lead, pl.ds(row0, bn), pl.ds(g0, kg), slice(None))].astype(jnp.int32)  # [bn, kg, 16]
-    lo, hi, shift = fp4_byte_decode_f32(b, FMA_DECODE["fp4"])
+    """MXFP4 tile: packed bytes [bn, kg, 16] (or words [bn, kg, 4], route "f16w"); ``xs`` each
+    activation row's phases (:func:`act_view`). Returns the scaled partial sums [bn] per row."""
+    raw = w_ref[(*lead, pl.ds(row0, bn), pl.ds(g0, kg), slice(None))]
+    if FMA_DECODE["fp4"] == "f16w":
+        pairs = fp4_word_pairs_f32(raw)
+        sf = e8m0_f32(s_ref[(*lead, pl.ds(row0, bn), pl.ds(g0, kg))], 14)
+        out = []
+        for x in xs:
+            acc = pairs[0][0] * x[0][None]
+            for j, (lo, hi) in enumerate(pairs):  # one multiply-add per element
+                acc = (acc if j == 0 else acc + lo * x[j][None]) + hi * x[j + 4][None]
+            out.append(jnp.sum(jnp.sum(acc, axis=2) * sf, axis=1))
+        return out
+    lo, hi, shift = fp4_byte_decode_f32(raw.astype(jnp.int32), FMA_DECODE["fp4"])
     sf = e8m0_f32(s_ref[(*lead, pl.ds(row0, bn), pl.ds(g0, kg))], shift)  # [bn, kg]; undoes the 2**-shift
-    return [jnp.sum(jnp.sum(lo * xe[None] + hi * xo[None], axis=2) * sf, axis=1) for xe, xo in xs]
+    return [jnp.sum(jnp.sum(lo * x[0][None] + hi * x[1][None], axis=2) * sf, axis=1) for x in xs]
 
 
 def row_partials(fmt, w_ref, s_ref, lead, row0, bn, g0, kg, g, x_refs, rows):
     """The scaled partial sums [bn] of one weight tile (rows [row0, row0+bn), K groups [g0, g0+kg))
-    against each activation row in ``rows`` (indices into ``x_refs``: one [M, K/G, G] array for FP8,
-    the (even, odd) halves for MXFP4); the decoded tile is shared by all rows."""
+    against each activation row in ``rows`` (indices into ``x_refs``, the phases of :func:`act_view`);
+    the decoded tile is shared by all rows."""
+    xs = [[xr[r, pl.ds(g0, kg), :] for xr in x_refs] for r in rows]
     if fmt == "fp8":
-        xs = [x_refs[0][r, pl.ds(g0, kg), :] for r in rows]
         return fp8_tile_partial(w_ref, s_ref, lead, row0, bn, g0, kg, g, xs)
-    xs = [(x_refs[0][r, pl.ds(g0, kg), :], x_refs[1][r, pl.ds(g0, kg), :]) for r in rows]
     return fp4_tile_partial(w_ref, s_ref, lead, row0, bn, g0, kg, xs)
 
 

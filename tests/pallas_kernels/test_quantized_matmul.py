@@ -147,7 +147,7 @@ def test_cross_lowering_experimental_modes(target, monkeypatch):
             _lower(target, m, spec)
 
 
-@pytest.mark.parametrize("via", ["e4m3", "f16"])
+@pytest.mark.parametrize("via", ["e4m3", "f16", "f16w"])
 @pytest.mark.parametrize("fmt,dtype,m,n,k,block", [
     ("fp8", jnp.bfloat16, 1, 64, 512, 32), ("fp8", jnp.float32, 3, 128, 1024, 32),
     ("fp8", jnp.float32, 2, 256, 512, 128), ("fp4", jnp.bfloat16, 1, 64, 512, 32),
@@ -180,7 +180,7 @@ def test_fma_gemv_parity_interpret(fmt, dtype, m, n, k, block, via, monkeypatch)
     assert ran >= 2
 
 
-@pytest.mark.parametrize("via", ["e4m3", "f16"])
+@pytest.mark.parametrize("via", ["e4m3", "f16", "f16w"])
 @pytest.mark.parametrize("target", ["cuda", "rocm"])
 def test_fma_gemv_cross_lowering(target, via, monkeypatch):
     from pallas_kernels.quantized_matmul import pallas_triton_fma
@@ -252,6 +252,43 @@ def test_fp8_byte_decode_every_byte(via):
     assert np.sum((codes & 0x78) == 0) == 16  # the subnormal codes (and zeros) were among them
 
 
+def test_word_decodes_every_code():
+    """Route "f16w": every e2m1 nibble value at every nibble position of a uint32 word, and every
+    non-NaN e4m3 byte at every byte position, decode to the table value times the route's power of
+    two, in the element order of act_view's phases (nibble j = element 8q + j, byte j = 4q + j)."""
+    from dsv41_jax.quant.codecs import _E2M1_LUT16
+    from pallas_kernels.quantized_matmul.pallas_triton_fma import fp4_word_pairs_f32, fp8_word_pairs_f32
+
+    rng = np.random.default_rng()
+    nib = np.stack([np.roll(np.arange(16), s) for s in range(16)])[:, :8]  # every value at every position
+    nib = np.concatenate([nib, rng.integers(0, 16, (64, 8))])
+    words = np.zeros(len(nib), np.uint32)
+    for j in range(8):
+        words |= nib[:, j].astype(np.uint32) << (4 * j)
+    pairs = fp4_word_pairs_f32(jnp.asarray(words))
+    table = _E2M1_LUT16 * np.float32(2.0**-14)
+    for j, (lo, hi) in enumerate(pairs):
+        np.testing.assert_array_equal(np.asarray(lo), table[nib[:, j]])
+        np.testing.assert_array_equal(np.asarray(hi), table[nib[:, j + 4]])
+    # the XLA word view is little-endian: byte t of a group = bits 8t.. of word t // 4
+    packed = jnp.asarray(rng.integers(0, 256, (3, 16)), jnp.uint8)
+    wv = np.asarray(__import__("pallas_kernels.quantized_matmul.pallas_triton_fma", fromlist=["_words"])._words(packed))
+    assert wv.shape == (3, 4) and wv.dtype == np.uint32
+    np.testing.assert_array_equal(wv & 0xFF, np.asarray(packed)[:, ::4])
+
+    codes = np.array([c for c in range(256) if c & 0x7F != 0x7F])
+    byt = np.stack([rng.permutation(codes)[:4] for _ in range(len(codes))])
+    byt[:, 0] = codes
+    byt[:, 3] = codes[::-1]
+    words = np.zeros(len(byt), np.uint32)
+    for j in range(4):
+        words |= byt[:, j].astype(np.uint32) << (8 * j)
+    (a0, a2), (a1, a3) = fp8_word_pairs_f32(jnp.asarray(words))
+    e4 = lambda c: np.asarray(jnp.asarray(c.astype(np.uint8)).view(jnp.float8_e4m3fn).astype(jnp.float32))  # noqa: E731
+    for j, got in enumerate((a0, a1, a2, a3)):
+        np.testing.assert_array_equal(np.asarray(got), e4(byt[:, j]) * np.float32(2.0**-8))
+
+
 def test_fma_decode_switch():
     from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
 
@@ -259,6 +296,7 @@ def test_fma_decode_switch():
     assert fma._parse_fma_decode("f16") == {"fp4": "f16", "fp8": "f16"}
     assert fma._parse_fma_decode("fp4=e4m3") == {"fp4": "e4m3", "fp8": "e4m3"}
     assert fma._parse_fma_decode("fp8=f16,fp4=e4m3") == {"fp4": "e4m3", "fp8": "f16"}
+    assert fma._parse_fma_decode("f16w") == {"fp4": "f16w", "fp8": "f16w"}
     for bad in ("fp32", "fp6=f16"):
         with pytest.raises(ValueError, match="DSV41_FMA_DECODE"):
             fma._parse_fma_decode(bad)
