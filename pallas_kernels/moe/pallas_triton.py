@@ -225,15 +225,20 @@ def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, 
     def _():
         toks = [tok_ref[b * bt + r] for r in range(bt)]
 
-        def body(i, carry):
+        def load(i):
+            g0 = pl.multiple_of(i * kg, kg)
+            return (fma.load_tile(fmt, w1_ref, s1_ref, (e,), row0, bi, g0, kg, g),
+                    fma.load_tile(fmt, w3_ref, s3_ref, (e,), row0, bi, g0, kg, g))
+
+        def compute(i, tiles, carry):
             gs, us = carry
             g0 = pl.multiple_of(i * kg, kg)
-            pg = fma.row_partials(fmt, w1_ref, s1_ref, (e,), row0, bi, g0, kg, g, x_refs, toks)
-            pu = fma.row_partials(fmt, w3_ref, s3_ref, (e,), row0, bi, g0, kg, g, x_refs, toks)
+            pg = fma.tile_partials(fmt, tiles[0], x_refs, toks, g0, kg)
+            pu = fma.tile_partials(fmt, tiles[1], x_refs, toks, g0, kg)
             return tuple(a + p for a, p in zip(gs, pg)), tuple(a + p for a, p in zip(us, pu))
 
         z = tuple(jnp.zeros((bi,), jnp.float32) for _ in range(bt))
-        gs, us = jax.lax.fori_loop(0, steps, body, (z, z))
+        gs, us = fma.k_loop(steps, load, compute, (z, z))
         for r in range(bt):
             gr = gs[r].astype(x_dtype).astype(jnp.float32)
             ur = us[r].astype(x_dtype).astype(jnp.float32)
@@ -255,13 +260,16 @@ def _down_fma_kernel(be_ref, pair_ref, *refs, fmt, bt, bd, kg, steps, g):
 
     @pl.when(e >= 0)
     def _():
-        def body(i, accs):
-            g0 = pl.multiple_of(i * kg, kg)
-            hrows = [b * bt + r for r in range(bt)]
-            parts = fma.row_partials(fmt, w2_ref, s2_ref, (e,), row0, bd, g0, kg, g, h_refs, hrows)
+        hrows = [b * bt + r for r in range(bt)]
+
+        def load(i):
+            return fma.load_tile(fmt, w2_ref, s2_ref, (e,), row0, bd, pl.multiple_of(i * kg, kg), kg, g)
+
+        def compute(i, tile, accs):
+            parts = fma.tile_partials(fmt, tile, h_refs, hrows, pl.multiple_of(i * kg, kg), kg)
             return tuple(a + p for a, p in zip(accs, parts))
 
-        accs = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros((bd,), jnp.float32) for _ in range(bt)))
+        accs = fma.k_loop(steps, load, compute, tuple(jnp.zeros((bd,), jnp.float32) for _ in range(bt)))
         for r in range(bt):
             y_ref[pair_ref[b * bt + r], pl.ds(row0, bd)] = accs[r].astype(y_ref.dtype)
 

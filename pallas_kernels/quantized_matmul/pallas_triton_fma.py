@@ -65,6 +65,9 @@ DECODE_GEMV = _parse_decode_gemv(os.environ.get("DSV41_DECODE_GEMV", "fma"))
 # DSV41_FUSED_GEMV=off makes one launch per weight again (for A/B measurements of the launch count).
 FUSED_GEMV = os.environ.get("DSV41_FUSED_GEMV", "on").lower() != "off"
 FP4_GROUP_BYTES = 16  # one MXFP4 scale covers 32 elements = 16 packed bytes
+# The fma kernels load the next K step's weight tiles before decoding the current ones (k_loop);
+# DSV41_FMA_PREFETCH=off loads each step's tiles where they are used (for A/B measurements).
+FMA_PREFETCH = os.environ.get("DSV41_FMA_PREFETCH", "on").lower() != "off"
 
 
 ROUTES = ("e4m3", "f16", "f16w")
@@ -73,7 +76,7 @@ ROUTES = ("e4m3", "f16", "f16w")
 def _parse_fma_decode(text: str) -> dict:
     """``DSV41_FMA_DECODE``: "f16" / "e4m3" (both weight formats) or per format, e.g. "fp4=f16,fp8=e4m3"
     (how the fma kernels turn weight codes into float32)."""
-    out = {"fp4": "f16", "fp8": "e4m3"}
+    out = {"fp4": "f16w", "fp8": "e4m3"}
     for part in filter(None, (t.strip() for t in text.split(","))):
         fmt, _, via = part.rpartition("=")
         fmts = [fmt] if fmt else list(out)
@@ -85,16 +88,20 @@ def _parse_fma_decode(text: str) -> dict:
 
 
 # How the fma kernels turn weight codes into float32, per weight format (read at trace time;
-# DSV41_FMA_DECODE): "e4m3" (sessions 4-6): MXFP4 nibbles placed into e4m3 bit patterns, then the
-# compiler's e4m3 -> f32 conversion (FP8 weights: that conversion directly); "f16": the code's bits
-# placed into a float16 bit pattern by integer ops (e2m1 -> f16 * 2**-14, e4m3 -> f16 * 2**-8; their
-# subnormal codes land on f16 subnormals, exact), then f16 -> f32; the power of two is folded into
-# the block scale. "f16w": the f16 placement on 32-bit words, two codes 16 bits apart per logic op
-# (MXFP4: nibbles j and j+4 of a word; FP8: bytes 0/2 and 1/3), so that a word of weight codes
-# costs a few integer ops instead of a byte extraction and a mask-shift-or per code; the
-# activation is split into the matching phases (8 for MXFP4, 4 for FP8) by XLA. Defaults from the H200 A/B (session 7, BENCHMARKS.md): f16 for MXFP4 (fused MoE
-# 94.3 vs 103.9 us at 1 token, 567 vs 624 us at 8), e4m3 for FP8 (wq_b 16.8 vs 22.0 us, wo_b 18.2
-# vs 24.3 us).
+# DSV41_FMA_DECODE):
+# * "e4m3" (sessions 4-6; default for FP8): MXFP4 nibbles placed into e4m3 bit patterns, then the
+#   compiler's e4m3 -> f32 conversion (FP8 weights: that conversion directly);
+# * "f16": the code's bits placed into a float16 bit pattern by integer ops (e2m1 -> f16 * 2**-14,
+#   e4m3 -> f16 * 2**-8; their subnormal codes land on f16 subnormals, exact), then f16 -> f32; the
+#   power of two is folded into the block scale;
+# * "f16w" (default for MXFP4): the f16 placement on 32-bit words, two codes 16 bits apart per
+#   shift-mask-or (MXFP4: nibbles j and j+4 of a word; FP8: bytes 0/2 and 1/3), so that a word costs
+#   a few integer ops instead of a byte extraction and a mask-shift-or per code (sm_90 SASS of the
+#   MoE gate/up loop: 609 instructions per K step against 1,050 for "f16"); the activation is split
+#   into the matching phases (8 for MXFP4, 4 for FP8) by XLA.
+# Defaults from the H200 A/B (session 7, BENCHMARKS.md): MXFP4 fused MoE at 1 token 76.4 us (f16w)
+# / 94.6 (f16) / 103.9 (e4m3), at 8 tokens 417 / 568 / 624 us; FP8 wq_b 16.9 us (e4m3) / 18.4
+# (f16w) / 22.0 (f16), wo_b 18.4 / 22.9 / 24.3 us.
 FMA_DECODE = _parse_fma_decode(os.environ.get("DSV41_FMA_DECODE", ""))
 
 
@@ -217,28 +224,35 @@ def fp8_word_pairs_f32(w):
     return [(_f16_bits_to_f32(t), _f16_bits_to_f32(t >> 16)) for t in (b02, b13)]
 
 
-def fp8_tile_partial(w_ref, s_ref, lead, row0, bn, g0, kg, g, xs):
-    """FP8 tile rows [row0, row0+bn) x groups [g0, g0+kg): for each activation row's phases in ``xs``
-    (:func:`act_view`, [kg, G] or 4 x [kg, G/4] f32) the scaled partial sums [bn]. ``bn <= g``: one
-    scale row."""
-    raw = w_ref[(*lead, pl.ds(row0, bn), pl.ds(g0, kg), slice(None))]  # [bn, kg, G] u8 or [bn, kg, G/4] u32
+def load_tile(fmt, w_ref, s_ref, lead, row0, bn, g0, kg, g):
+    """The raw weight codes [bn, kg, G'] and scale bytes ([1, kg] for FP8, one scale row since
+    ``bn <= g``; [bn, kg] for MXFP4) of rows [row0, row0+bn) x K groups [g0, g0+kg)."""
+    raw = w_ref[(*lead, pl.ds(row0, bn), pl.ds(g0, kg), slice(None))]
+    srows = pl.ds(row0 // g, 1) if fmt == "fp8" else pl.ds(row0, bn)
+    return raw, s_ref[(*lead, srows, pl.ds(g0, kg))]
+
+
+def fp8_tile_partial(raw, sraw, xs):
+    """FP8 tile codes [bn, kg, G] u8 (or [bn, kg, G/4] u32 words) with scale bytes [1, kg]: for each
+    activation row's phases in ``xs`` (:func:`act_view`, [kg, G] or 4 x [kg, G/4] f32) the scaled
+    partial sums [bn]."""
     if FMA_DECODE["fp8"] == "f16w":
         (a0, a2), (a1, a3) = fp8_word_pairs_f32(raw)
-        sf = e8m0_f32(s_ref[(*lead, pl.ds(row0 // g, 1), pl.ds(g0, kg))], 8)
+        sf = e8m0_f32(sraw, 8)
         return [jnp.sum(jnp.sum(a0 * x[0][None] + a1 * x[1][None] + a2 * x[2][None] + a3 * x[3][None], axis=2) * sf,
                         axis=1) for x in xs]
     w, shift = fp8_byte_decode_f32(raw.astype(jnp.int32), FMA_DECODE["fp8"])
-    sf = e8m0_f32(s_ref[(*lead, pl.ds(row0 // g, 1), pl.ds(g0, kg))], shift)  # [1, kg]
+    sf = e8m0_f32(sraw, shift)  # [1, kg]
     return [jnp.sum(jnp.sum(w * x[0][None], axis=2) * sf, axis=1) for x in xs]
 
 
-def fp4_tile_partial(w_ref, s_ref, lead, row0, bn, g0, kg, xs):
-    """MXFP4 tile: packed bytes [bn, kg, 16] (or words [bn, kg, 4], route "f16w"); ``xs`` each
-    activation row's phases (:func:`act_view`). Returns the scaled partial sums [bn] per row."""
-    raw = w_ref[(*lead, pl.ds(row0, bn), pl.ds(g0, kg), slice(None))]
+def fp4_tile_partial(raw, sraw, xs):
+    """MXFP4 tile: packed bytes [bn, kg, 16] (or words [bn, kg, 4], route "f16w") with scale bytes
+    [bn, kg]; ``xs`` each activation row's phases (:func:`act_view`). Returns the scaled partial
+    sums [bn] per row."""
     if FMA_DECODE["fp4"] == "f16w":
         pairs = fp4_word_pairs_f32(raw)
-        sf = e8m0_f32(s_ref[(*lead, pl.ds(row0, bn), pl.ds(g0, kg))], 14)
+        sf = e8m0_f32(sraw, 14)
         out = []
         for x in xs:
             acc = pairs[0][0] * x[0][None]
@@ -247,18 +261,32 @@ def fp4_tile_partial(w_ref, s_ref, lead, row0, bn, g0, kg, xs):
             out.append(jnp.sum(jnp.sum(acc, axis=2) * sf, axis=1))
         return out
     lo, hi, shift = fp4_byte_decode_f32(raw.astype(jnp.int32), FMA_DECODE["fp4"])
-    sf = e8m0_f32(s_ref[(*lead, pl.ds(row0, bn), pl.ds(g0, kg))], shift)  # [bn, kg]; undoes the 2**-shift
+    sf = e8m0_f32(sraw, shift)  # [bn, kg]; undoes the 2**-shift
     return [jnp.sum(jnp.sum(lo * x[0][None] + hi * x[1][None], axis=2) * sf, axis=1) for x in xs]
 
 
-def row_partials(fmt, w_ref, s_ref, lead, row0, bn, g0, kg, g, x_refs, rows):
-    """The scaled partial sums [bn] of one weight tile (rows [row0, row0+bn), K groups [g0, g0+kg))
-    against each activation row in ``rows`` (indices into ``x_refs``, the phases of :func:`act_view`);
+def tile_partials(fmt, tile, x_refs, rows, g0, kg):
+    """The scaled partial sums [bn] of one loaded tile (:func:`load_tile`) against each activation
+    row in ``rows`` (indices into ``x_refs``, the phases of :func:`act_view`; K groups [g0, g0+kg));
     the decoded tile is shared by all rows."""
     xs = [[xr[r, pl.ds(g0, kg), :] for xr in x_refs] for r in rows]
-    if fmt == "fp8":
-        return fp8_tile_partial(w_ref, s_ref, lead, row0, bn, g0, kg, g, xs)
-    return fp4_tile_partial(w_ref, s_ref, lead, row0, bn, g0, kg, xs)
+    return (fp8_tile_partial if fmt == "fp8" else fp4_tile_partial)(*tile, xs)
+
+
+def k_loop(steps, load, compute, init):
+    """``fori_loop`` over ``steps`` K steps: ``compute(i, tiles, acc)`` on the tiles ``load(i)``
+    returned. With ``FMA_PREFETCH`` the tiles of step i + 1 are loaded (into registers) before step
+    i's are decoded, so their memory latency overlaps that work (Triton does not software-pipeline
+    loads that feed no dot); the last step re-reads its own tiles (cache hits) instead of a branch."""
+    if not FMA_PREFETCH:
+        return jax.lax.fori_loop(0, steps, lambda i, acc: compute(i, load(i), acc), init)
+
+    def body(i, carry):
+        acc, cur = carry
+        nxt = load(jnp.minimum(i + 1, steps - 1))
+        return compute(i, cur, acc), nxt
+
+    return jax.lax.fori_loop(0, steps, body, (init, load(jnp.int32(0))))[0]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -339,12 +367,15 @@ def _fma_kernel(*refs, fmt, m, bn, kg, steps, g, split, nblocks):
     def run(w_ref, s_ref, first):
         row0 = pl.multiple_of((i_n - first) * bn, bn)
 
-        def body(i, accs):
-            g0 = pl.multiple_of(gbase + i * kg, kg)
-            parts = row_partials(fmt, w_ref, s_ref, (), row0, bn, g0, kg, g, x_refs, range(m))
+        def g0_of(i):
+            return pl.multiple_of(gbase + i * kg, kg)
+
+        def compute(i, tile, accs):
+            parts = tile_partials(fmt, tile, x_refs, range(m), g0_of(i), kg)
             return tuple(a + p for a, p in zip(accs, parts))
 
-        accs = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros((bn,), jnp.float32) for _ in range(m)))
+        accs = k_loop(steps, lambda i: load_tile(fmt, w_ref, s_ref, (), row0, bn, g0_of(i), kg, g), compute,
+                      tuple(jnp.zeros((bn,), jnp.float32) for _ in range(m)))
         for r in range(m):
             if split:
                 o_ref[i_s, r, pl.ds(out0, bn)] = accs[r]

@@ -292,9 +292,10 @@ def test_word_decodes_every_code():
 def test_fma_decode_switch():
     from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
 
-    assert fma._parse_fma_decode("") == {"fp4": "f16", "fp8": "e4m3"}  # the defaults
+    assert fma._parse_fma_decode("") == {"fp4": "f16w", "fp8": "e4m3"}  # the defaults
     assert fma._parse_fma_decode("f16") == {"fp4": "f16", "fp8": "f16"}
     assert fma._parse_fma_decode("fp4=e4m3") == {"fp4": "e4m3", "fp8": "e4m3"}
+    assert fma._parse_fma_decode("fp8=f16") == {"fp4": "f16w", "fp8": "f16"}
     assert fma._parse_fma_decode("fp8=f16,fp4=e4m3") == {"fp4": "e4m3", "fp8": "f16"}
     assert fma._parse_fma_decode("f16w") == {"fp4": "f16w", "fp8": "f16w"}
     for bad in ("fp32", "fp6=f16"):
