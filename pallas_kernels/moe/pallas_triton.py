@@ -237,11 +237,11 @@ def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, 
             pu = fma.tile_partials(fmt, tiles[1], x_refs, toks, g0, kg)
             return tuple(a + p for a, p in zip(gs, pg)), tuple(a + p for a, p in zip(us, pu))
 
-        z = tuple(jnp.zeros((bi,), jnp.float32) for _ in range(bt))
+        z = tuple(jnp.zeros((bi, kg), jnp.float32) for _ in range(bt))
         gs, us = fma.k_loop(steps, load, compute, (z, z))
         for r in range(bt):
-            gr = gs[r].astype(x_dtype).astype(jnp.float32)
-            ur = us[r].astype(x_dtype).astype(jnp.float32)
+            gr = jnp.sum(gs[r], axis=1).astype(x_dtype).astype(jnp.float32)
+            ur = jnp.sum(us[r], axis=1).astype(x_dtype).astype(jnp.float32)
             if limit > 0:
                 ur = jnp.clip(ur, -limit, limit)
                 gr = jnp.minimum(gr, limit)
@@ -269,9 +269,9 @@ def _down_fma_kernel(be_ref, pair_ref, *refs, fmt, bt, bd, kg, steps, g):
             parts = fma.tile_partials(fmt, tile, h_refs, hrows, pl.multiple_of(i * kg, kg), kg)
             return tuple(a + p for a, p in zip(accs, parts))
 
-        accs = fma.k_loop(steps, load, compute, tuple(jnp.zeros((bd,), jnp.float32) for _ in range(bt)))
+        accs = fma.k_loop(steps, load, compute, tuple(jnp.zeros((bd, kg), jnp.float32) for _ in range(bt)))
         for r in range(bt):
-            y_ref[pair_ref[b * bt + r], pl.ds(row0, bd)] = accs[r].astype(y_ref.dtype)
+            y_ref[pair_ref[b * bt + r], pl.ds(row0, bd)] = jnp.sum(accs[r], axis=1).astype(y_ref.dtype)
 
 
 def fma_reason(w1, config) -> str | None:

@@ -65,9 +65,6 @@ DECODE_GEMV = _parse_decode_gemv(os.environ.get("DSV41_DECODE_GEMV", "fma"))
 # DSV41_FUSED_GEMV=off makes one launch per weight again (for A/B measurements of the launch count).
 FUSED_GEMV = os.environ.get("DSV41_FUSED_GEMV", "on").lower() != "off"
 FP4_GROUP_BYTES = 16  # one MXFP4 scale covers 32 elements = 16 packed bytes
-# The fma kernels load the next K step's weight tiles before decoding the current ones (k_loop);
-# DSV41_FMA_PREFETCH=off loads each step's tiles where they are used (for A/B measurements).
-FMA_PREFETCH = os.environ.get("DSV41_FMA_PREFETCH", "on").lower() != "off"
 
 
 ROUTES = ("e4m3", "f16", "f16w")
@@ -235,21 +232,21 @@ def load_tile(fmt, w_ref, s_ref, lead, row0, bn, g0, kg, g):
 def fp8_tile_partial(raw, sraw, xs):
     """FP8 tile codes [bn, kg, G] u8 (or [bn, kg, G/4] u32 words) with scale bytes [1, kg]: for each
     activation row's phases in ``xs`` (:func:`act_view`, [kg, G] or 4 x [kg, G/4] f32) the scaled
-    partial sums [bn]."""
+    partial sums [bn, kg], one per K group (see :func:`tile_partials`)."""
     if FMA_DECODE["fp8"] == "f16w":
         (a0, a2), (a1, a3) = fp8_word_pairs_f32(raw)
         sf = e8m0_f32(sraw, 8)
-        return [jnp.sum(jnp.sum(a0 * x[0][None] + a1 * x[1][None] + a2 * x[2][None] + a3 * x[3][None], axis=2) * sf,
-                        axis=1) for x in xs]
+        return [jnp.sum(a0 * x[0][None] + a1 * x[1][None] + a2 * x[2][None] + a3 * x[3][None], axis=2) * sf
+                for x in xs]
     w, shift = fp8_byte_decode_f32(raw.astype(jnp.int32), FMA_DECODE["fp8"])
     sf = e8m0_f32(sraw, shift)  # [1, kg]
-    return [jnp.sum(jnp.sum(w * x[0][None], axis=2) * sf, axis=1) for x in xs]
+    return [jnp.sum(w * x[0][None], axis=2) * sf for x in xs]
 
 
 def fp4_tile_partial(raw, sraw, xs):
     """MXFP4 tile: packed bytes [bn, kg, 16] (or words [bn, kg, 4], route "f16w") with scale bytes
     [bn, kg]; ``xs`` each activation row's phases (:func:`act_view`). Returns the scaled partial
-    sums [bn] per row."""
+    sums [bn, kg] per row."""
     if FMA_DECODE["fp4"] == "f16w":
         pairs = fp4_word_pairs_f32(raw)
         sf = e8m0_f32(sraw, 14)
@@ -258,35 +255,28 @@ def fp4_tile_partial(raw, sraw, xs):
             acc = pairs[0][0] * x[0][None]
             for j, (lo, hi) in enumerate(pairs):  # one multiply-add per element
                 acc = (acc if j == 0 else acc + lo * x[j][None]) + hi * x[j + 4][None]
-            out.append(jnp.sum(jnp.sum(acc, axis=2) * sf, axis=1))
+            out.append(jnp.sum(acc, axis=2) * sf)
         return out
     lo, hi, shift = fp4_byte_decode_f32(raw.astype(jnp.int32), FMA_DECODE["fp4"])
     sf = e8m0_f32(sraw, shift)  # [bn, kg]; undoes the 2**-shift
-    return [jnp.sum(jnp.sum(lo * x[0][None] + hi * x[1][None], axis=2) * sf, axis=1) for x in xs]
+    return [jnp.sum(lo * x[0][None] + hi * x[1][None], axis=2) * sf for x in xs]
 
 
 def tile_partials(fmt, tile, x_refs, rows, g0, kg):
-    """The scaled partial sums [bn] of one loaded tile (:func:`load_tile`) against each activation
-    row in ``rows`` (indices into ``x_refs``, the phases of :func:`act_view`; K groups [g0, g0+kg));
-    the decoded tile is shared by all rows."""
+    """The scaled partial sums [bn, kg] (one per weight row and K group) of one loaded tile
+    (:func:`load_tile`) against each activation row in ``rows`` (indices into ``x_refs``, the phases
+    of :func:`act_view`; K groups [g0, g0+kg)); the decoded tile is shared by all rows. The kernels
+    add them up over the K steps and sum over the kg groups once, after the loop: a sum over kg
+    inside the loop is a reduction across warps (shared memory and barriers) every step."""
     xs = [[xr[r, pl.ds(g0, kg), :] for xr in x_refs] for r in rows]
     return (fp8_tile_partial if fmt == "fp8" else fp4_tile_partial)(*tile, xs)
 
 
 def k_loop(steps, load, compute, init):
-    """``fori_loop`` over ``steps`` K steps: ``compute(i, tiles, acc)`` on the tiles ``load(i)``
-    returned. With ``FMA_PREFETCH`` the tiles of step i + 1 are loaded (into registers) before step
-    i's are decoded, so their memory latency overlaps that work (Triton does not software-pipeline
-    loads that feed no dot); the last step re-reads its own tiles (cache hits) instead of a branch."""
-    if not FMA_PREFETCH:
-        return jax.lax.fori_loop(0, steps, lambda i, acc: compute(i, load(i), acc), init)
-
-    def body(i, carry):
-        acc, cur = carry
-        nxt = load(jnp.minimum(i + 1, steps - 1))
-        return compute(i, cur, acc), nxt
-
-    return jax.lax.fori_loop(0, steps, body, (init, load(jnp.int32(0))))[0]
+    """``fori_loop`` over ``steps`` K steps: ``compute(i, load(i), acc)``. (Loading step i + 1's tiles
+    into registers before decoding step i's was measured slower on the H200, session 7:
+    BENCHMARKS.md.)"""
+    return jax.lax.fori_loop(0, steps, lambda i, acc: compute(i, load(i), acc), init)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -375,7 +365,8 @@ def _fma_kernel(*refs, fmt, m, bn, kg, steps, g, split, nblocks):
             return tuple(a + p for a, p in zip(accs, parts))
 
         accs = k_loop(steps, lambda i: load_tile(fmt, w_ref, s_ref, (), row0, bn, g0_of(i), kg, g), compute,
-                      tuple(jnp.zeros((bn,), jnp.float32) for _ in range(m)))
+                      tuple(jnp.zeros((bn, kg), jnp.float32) for _ in range(m)))
+        accs = [jnp.sum(a, axis=1) for a in accs]
         for r in range(m):
             if split:
                 o_ref[i_s, r, pl.ds(out0, bn)] = accs[r]
