@@ -67,18 +67,18 @@ FUSED_GEMV = os.environ.get("DSV41_FUSED_GEMV", "on").lower() != "off"
 FP4_GROUP_BYTES = 16  # one MXFP4 scale covers 32 elements = 16 packed bytes
 
 
-ROUTES = ("e4m3", "f16", "f16w")
+ROUTES = ("e4m3", "f16w")
 
 
 def _parse_fma_decode(text: str) -> dict:
-    """``DSV41_FMA_DECODE``: "f16" / "e4m3" (both weight formats) or per format, e.g. "fp4=f16,fp8=e4m3"
-    (how the fma kernels turn weight codes into float32)."""
+    """``DSV41_FMA_DECODE``: "f16w" / "e4m3" (both weight formats) or per format, e.g.
+    "fp4=f16w,fp8=e4m3" (how the fma kernels turn weight codes into float32)."""
     out = {"fp4": "f16w", "fp8": "e4m3"}
     for part in filter(None, (t.strip() for t in text.split(","))):
         fmt, _, via = part.rpartition("=")
         fmts = [fmt] if fmt else list(out)
         if via not in ROUTES or any(f not in out for f in fmts):
-            raise ValueError(f"DSV41_FMA_DECODE={text!r}: expected one of {', '.join(ROUTES)} or e.g. fp4=f16,fp8=e4m3")
+            raise ValueError(f"DSV41_FMA_DECODE={text!r}: expected one of {', '.join(ROUTES)} or e.g. fp4=f16w,fp8=e4m3")
         for f in fmts:
             out[f] = via
     return out
@@ -87,18 +87,18 @@ def _parse_fma_decode(text: str) -> dict:
 # How the fma kernels turn weight codes into float32, per weight format (read at trace time;
 # DSV41_FMA_DECODE):
 # * "e4m3" (sessions 4-6; default for FP8): MXFP4 nibbles placed into e4m3 bit patterns, then the
-#   compiler's e4m3 -> f32 conversion (FP8 weights: that conversion directly);
-# * "f16": the code's bits placed into a float16 bit pattern by integer ops (e2m1 -> f16 * 2**-14,
-#   e4m3 -> f16 * 2**-8; their subnormal codes land on f16 subnormals, exact), then f16 -> f32; the
-#   power of two is folded into the block scale;
-# * "f16w" (default for MXFP4): the f16 placement on 32-bit words, two codes 16 bits apart per
-#   shift-mask-or (MXFP4: nibbles j and j+4 of a word; FP8: bytes 0/2 and 1/3), so that a word costs
-#   a few integer ops instead of a byte extraction and a mask-shift-or per code (sm_90 SASS of the
-#   MoE gate/up loop: 609 instructions per K step against 1,050 for "f16"); the activation is split
-#   into the matching phases (8 for MXFP4, 4 for FP8) by XLA.
+#   compiler's e4m3 -> f32 conversion (FP8 weights: that conversion directly; on sm_90 a packed
+#   e4m3x2 -> f16x2 convert and one f16 -> f32 per code);
+# * "f16w" (default for MXFP4): the codes read as uint32 words and placed into float16 bit patterns
+#   by integer ops, two codes 16 bits apart per shift-mask-or (MXFP4: nibbles j and j+4 of a word,
+#   e2m1 -> f16 * 2**-14; FP8: bytes 0/2 and 1/3, e4m3 -> f16 * 2**-8; subnormal codes land on f16
+#   subnormals, exact), then f16 -> f32, the power of two folded into the block scale; the
+#   activation is split into the matching phases (8 for MXFP4, 4 for FP8) by XLA. sm_90 SASS of
+#   the MoE gate/up loop: 609 instructions per K step against 1,050 for the e4m3 route.
 # Defaults from the H200 A/B (session 7, BENCHMARKS.md): MXFP4 fused MoE at 1 token 76.4 us (f16w)
-# / 94.6 (f16) / 103.9 (e4m3), at 8 tokens 417 / 568 / 624 us; FP8 wq_b 16.9 us (e4m3) / 18.4
-# (f16w) / 22.0 (f16), wo_b 18.4 / 22.9 / 24.3 us.
+# against 103.9 (e4m3), at 8 tokens 417 against 624 us; FP8 wq_b 16.9 us (e4m3) against 18.4
+# (f16w), wo_b 18.4 against 22.9 us. (A third route, the f16 placement byte by byte, measured in
+# between for MXFP4 and slowest for FP8 and was dropped.)
 FMA_DECODE = _parse_fma_decode(os.environ.get("DSV41_FMA_DECODE", ""))
 
 
@@ -110,29 +110,13 @@ def _e4m3_bits_to_f32(t):
     return jax.lax.bitcast_convert_type(t.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32)
 
 
-def fp4_byte_decode_f32(b, via: str = "e4m3"):
-    """int32 bytes holding two e2m1 codes -> (low nibble, high nibble, shift): float32 ``e2m1 *
-    2**-shift``, taken straight from the byte (shift + mask + or, which the GPU compilers fuse into
-    3-input logic ops) instead of isolating each nibble first. ``via="e4m3"``: the e4m3 bit placement
-    of ``pallas_triton._fp4_decode`` (sign to bit 7, magnitude to bits 4..2; shift 6) and the e4m3
-    conversion; ``via="f16"``: sign to bit 15, magnitude to bits 11..9 of a float16 (shift 14)."""
-    if via == "f16":
-        lo = ((b << 12) & 0x8000) | ((b << 9) & 0x0E00)
-        hi = ((b << 8) & 0x8000) | ((b << 5) & 0x0E00)
-        return _f16_bits_to_f32(lo), _f16_bits_to_f32(hi), 14
+def fp4_byte_decode_f32(b):
+    """int32 bytes holding two e2m1 codes -> (low nibble, high nibble, 6): float32 ``e2m1 * 2**-6``,
+    the e4m3 bit placement of ``pallas_triton._fp4_decode`` (sign to bit 7, magnitude to bits 4..2)
+    taken straight from the byte (shift + mask + or) and the e4m3 conversion; the route "e4m3"."""
     lo = ((b << 4) & 0x80) | ((b << 2) & 0x1C)
     hi = (b & 0x80) | ((b >> 2) & 0x1C)
     return _e4m3_bits_to_f32(lo), _e4m3_bits_to_f32(hi), 6
-
-
-def fp8_byte_decode_f32(b, via: str = "e4m3"):
-    """int32 bytes holding e4m3 codes -> (float32 ``e4m3 * 2**-shift``, shift): the e4m3 conversion
-    (shift 0) or, ``via="f16"``, sign to bit 15 and the 7 exponent/mantissa bits to bits 13..7 of a
-    float16 (shift 8). The e4m3 NaN codes (0x7f, 0xff) are not decoded as NaN by the f16 route;
-    checkpoints hold none."""
-    if via == "f16":
-        return _f16_bits_to_f32(((b << 8) & 0x8000) | ((b << 7) & 0x3F80)), 8
-    return _e4m3_bits_to_f32(b), 0
 
 
 def e8m0_f32(s_u8, bias_shift: int = 0):
@@ -238,8 +222,8 @@ def fp8_tile_partial(raw, sraw, xs):
         sf = e8m0_f32(sraw, 8)
         return [jnp.sum(a0 * x[0][None] + a1 * x[1][None] + a2 * x[2][None] + a3 * x[3][None], axis=2) * sf
                 for x in xs]
-    w, shift = fp8_byte_decode_f32(raw.astype(jnp.int32), FMA_DECODE["fp8"])
-    sf = e8m0_f32(sraw, shift)  # [1, kg]
+    w = _e4m3_bits_to_f32(raw.astype(jnp.int32))
+    sf = e8m0_f32(sraw)  # [1, kg]
     return [jnp.sum(w * x[0][None], axis=2) * sf for x in xs]
 
 
@@ -257,7 +241,7 @@ def fp4_tile_partial(raw, sraw, xs):
                 acc = (acc if j == 0 else acc + lo * x[j][None]) + hi * x[j + 4][None]
             out.append(jnp.sum(acc, axis=2) * sf)
         return out
-    lo, hi, shift = fp4_byte_decode_f32(raw.astype(jnp.int32), FMA_DECODE["fp4"])
+    lo, hi, shift = fp4_byte_decode_f32(raw.astype(jnp.int32))
     sf = e8m0_f32(sraw, shift)  # [bn, kg]; undoes the 2**-shift
     return [jnp.sum(lo * x[0][None] + hi * x[1][None], axis=2) * sf for x in xs]
 

@@ -78,11 +78,11 @@ def test_moe_fma_sweep_runs_in_interpret_mode(monkeypatch):
     # --vias e4m3,f16 --default-only: the tensor-core default once, the fma default per route, each checked
     from pallas_kernels.quantized_matmul import pallas_triton_fma
 
-    monkeypatch.setattr(pallas_triton_fma, "FMA_DECODE", {"fp4": "e4m3", "fp8": "f16"})
-    rows = bm.fma_sweep((1,), vias=["f16", "e4m3"], default_only=True)
-    assert len(rows) == 3 and [r["via"] for r in rows if r["config"][0] == "fma"] == ["f16", "e4m3"], \
+    monkeypatch.setattr(pallas_triton_fma, "FMA_DECODE", {"fp4": "e4m3", "fp8": "f16w"})
+    rows = bm.fma_sweep((1,), vias=["f16w", "e4m3"], default_only=True)
+    assert len(rows) == 3 and [r["via"] for r in rows if r["config"][0] == "fma"] == ["f16w", "e4m3"], \
         [(r["config"], r["via"]) for r in rows]
-    assert all(r["ok"] for r in rows) and pallas_triton_fma.FMA_DECODE == {"fp4": "e4m3", "fp8": "f16"}  # restored
+    assert all(r["ok"] for r in rows) and pallas_triton_fma.FMA_DECODE == {"fp4": "e4m3", "fp8": "f16w"}  # restored
 
 
 def test_qmm_fma_sweep_runs_in_interpret_mode(monkeypatch):
@@ -103,11 +103,11 @@ def test_qmm_fma_sweep_runs_in_interpret_mode(monkeypatch):
     assert all(r["rel_err"] <= bq.CHECK_TOL for r in rows), [(r["case"], r.get("rel_err")) for r in rows]
     from pallas_kernels.quantized_matmul import pallas_triton_fma
 
-    monkeypatch.setattr(pallas_triton_fma, "FMA_DECODE", {"fp4": "e4m3", "fp8": "f16"})
-    rows = bq.fma_sweep(__import__("jax").random.PRNGKey(1), quick=True, names=("wq_b",), vias=["f16", "e4m3"],
+    monkeypatch.setattr(pallas_triton_fma, "FMA_DECODE", {"fp4": "e4m3", "fp8": "f16w"})
+    rows = bq.fma_sweep(__import__("jax").random.PRNGKey(1), quick=True, names=("wq_b",), vias=["f16w", "e4m3"],
                         default_only=True)
-    assert [r.get("via") for r in rows] == [None, "f16", "e4m3"], [r["case"] for r in rows]
-    assert all(r["rel_err"] <= bq.CHECK_TOL for r in rows) and pallas_triton_fma.FMA_DECODE == {"fp4": "e4m3", "fp8": "f16"}
+    assert [r.get("via") for r in rows] == [None, "f16w", "e4m3"], [r["case"] for r in rows]
+    assert all(r["rel_err"] <= bq.CHECK_TOL for r in rows) and pallas_triton_fma.FMA_DECODE == {"fp4": "e4m3", "fp8": "f16w"}
 
 
 def test_device_time_op_finds_its_program():
