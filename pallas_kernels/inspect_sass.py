@@ -1,0 +1,181 @@
+"""Offline instruction counts of the Pallas-Triton kernels: lower a jitted function for ``cuda`` on the
+CPU (no GPU), capture the Triton IR of each ``pallas_call``, compile it for sm_90 with an installed
+``triton`` package and count the SASS instructions in each kernel's innermost loop.
+
+    PYTHONPATH=. python -m pallas_kernels.inspect_sass moe [--decode fp4=e4m3]
+    PYTHONPATH=. python -m pallas_kernels.inspect_sass gemv
+
+Why: the fma decode kernels are bound by their integer and conversion work per weight code, not by
+HBM (BENCHMARKS.md, session 7), so the instruction mix of one K step predicts a variant's speed
+before any device time is spent: the MoE gate/up loop went from 1,050 instructions per step (e4m3
+route) to 609 (f16w route), and the kernel from 103.9 to 76.4 us on the H200.
+
+Needs ``triton`` (its own ``ptxas`` and ``nvdisasm`` come with the wheel); jaxlib does not ship it.
+Tested with triton 3.5.0 in a separate virtual environment: the Triton IR text that jax 0.11
+emits parses there. The capture and the SASS parsing run without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+# jax is imported where it is needed: compile_sass also runs in an interpreter that has triton and
+# not jax (--python).
+
+TRITON_HINT = ("the SASS step needs the 'triton' package (e.g. a separate venv: python3.12 -m venv /tmp/tv && "
+               "/tmp/tv/bin/pip install triton==3.5.0, then --python /tmp/tv/bin/python)")
+
+
+@contextlib.contextmanager
+def capturing_triton_ir():
+    """Inside the block, every Pallas-Triton lowering appends (kernel name, Triton IR text) to the
+    yielded list."""
+    from jax._src.pallas.triton import lowering
+
+    out = []
+    orig = lowering.lower_jaxpr_to_triton_module
+
+    def wrapped(*a, **k):
+        res = orig(*a, **k)
+        op = res.module.operation
+        name = re.search(r"tt\.func (?:public |private )?@(\w+)", op.get_asm())
+        out.append((name.group(1) if name else f"kernel{len(out)}", op.get_asm()))
+        return res
+
+    lowering.lower_jaxpr_to_triton_module = wrapped
+    try:
+        yield out
+    finally:
+        lowering.lower_jaxpr_to_triton_module = orig
+
+
+def triton_kernels(fn, *specs, target: str = "cuda") -> list[dict]:
+    """Lower ``jax.jit(fn)`` on ShapeDtypeStruct ``specs`` for ``target`` on this (CPU) host; one dict
+    per Pallas kernel: name, ttir (the Triton IR text), num_warps and num_stages (from its custom call)."""
+    import dsv41_jax  # noqa: F401  (import order: dsv41_jax before pallas_kernels)
+    from pallas_kernels.testing import lower_for
+
+    with capturing_triton_ir() as mods:
+        text = lower_for(target, fn, *specs).as_text()
+    params = re.findall(r'name = "(\w+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text)
+    by_name = {n: (int(s), int(w)) for n, s, w in params}
+    kernels = []
+    for name, ttir in mods:
+        stages, warps = by_name.get(name, (3, 4))
+        kernels.append(dict(name=name, ttir=ttir, num_warps=warps, num_stages=stages))
+    return kernels
+
+
+_INSTR = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def loop_mix(sass: str) -> list[dict]:
+    """Instruction counts of every loop in ``nvdisasm -c`` output: the instructions from a label to
+    the branch back to it. One dict per loop: label, total, counts (opcode without modifiers -> n)."""
+    lines = sass.splitlines()
+    loops = []
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\.L_x_\d+):", line)
+        if not m:
+            continue
+        body = collections.Counter()
+        for later in lines[i + 1:]:
+            ins = _INSTR.match(later)
+            if ins:
+                body[ins.group(2)] += 1
+                if ins.group(2) == "BRA" and f"({m.group(1)})" in later:
+                    if sum(body.values()) > 1:  # not the trailing self-branch after EXIT
+                        loops.append(dict(label=m.group(1), total=sum(body.values()), counts=dict(body)))
+                    break
+    return loops
+
+
+def compile_sass(ttir: str, num_warps: int, num_stages: int, arch: int = 90) -> str:
+    """Triton IR text -> ``nvdisasm -c`` text of its sm_``arch`` cubin (needs ``triton``)."""
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+    except ImportError as e:
+        raise RuntimeError(TRITON_HINT) from e
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "kernel.ttir")
+        with open(path, "w") as f:
+            f.write(ttir)
+        k = triton.compile(path, target=GPUTarget("cuda", arch, 32),
+                           options=dict(num_warps=num_warps, num_stages=num_stages))
+        cubin = os.path.join(d, "kernel.cubin")
+        with open(cubin, "wb") as f:
+            f.write(k.asm["cubin"])
+        nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+        return subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
+
+
+def _cases(which: str):
+    import jax.numpy as jnp
+    from jax import ShapeDtypeStruct as S
+
+    from dsv41_jax.quant import Fp4Tensor, Fp8Tensor
+    from pallas_kernels.moe import pallas_triton as moe
+    from pallas_kernels.quantized_matmul import pallas_triton as qmm
+
+    if which == "moe":  # V4.1 experts, one token (the decode default fma config)
+        e, i, d = 384, 2304, 5120
+        w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)
+        w2 = Fp4Tensor(S((e, d, i // 2), jnp.uint8), S((e, d, i // 32), jnp.float8_e8m0fnu), 32)
+        return (lambda x, w, idx, a, b, c: moe.moe_experts(x, w, idx, a, b, c, swiglu_limit=10.0),
+                S((1, d), jnp.bfloat16), S((1, 6), jnp.float32), S((1, 6), jnp.int32), w1, w2, w1)
+    if which == "gemv":  # wq_b at one row
+        w = Fp8Tensor(S((32768, 1280), jnp.float8_e4m3fn), S((1024, 40), jnp.float8_e8m0fnu), (32, 32))
+        return (lambda x, w: qmm.quantized_matmul(x, w), S((1, 1280), jnp.bfloat16), w)
+    raise ValueError(f"unknown case {which!r}: expected moe or gemv")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("case", choices=["moe", "gemv"])
+    ap.add_argument("--decode", default=None, help="DSV41_FMA_DECODE for this run, e.g. fp4=e4m3")
+    ap.add_argument("--python", default=None, help="an interpreter with triton installed, for the SASS step")
+    ap.add_argument("--out", default=None, help="also write each kernel's .ttir and .sass here")
+    a = ap.parse_args(argv)
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
+
+    if a.decode:
+        fma.FMA_DECODE.update(fma._parse_fma_decode(a.decode))
+    fn, *specs = _cases(a.case)
+    for k in triton_kernels(fn, *specs):
+        if a.python:  # compile in the other interpreter
+            with tempfile.NamedTemporaryFile("w", suffix=".ttir", delete=False) as f:
+                f.write(k["ttir"])
+            code = ("import sys; sys.path.insert(0, %r); from pallas_kernels.inspect_sass import compile_sass; "
+                    "print(compile_sass(open(%r).read(), %d, %d))" % (os.getcwd(), f.name, k["num_warps"], k["num_stages"]))
+            res = subprocess.run([a.python, "-c", code], capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+            if res.returncode:
+                print(f"{k['name']}: SASS step failed: {res.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+                return 1
+            sass = res.stdout
+        else:
+            sass = compile_sass(k["ttir"], k["num_warps"], k["num_stages"])
+        if a.out:
+            os.makedirs(a.out, exist_ok=True)
+            for ext, txt in (("ttir", k["ttir"]), ("sass", sass)):
+                with open(os.path.join(a.out, f"{k['name']}.{ext}"), "w") as f:
+                    f.write(txt)
+        for lp in loop_mix(sass):
+            top = ", ".join(f"{op} {n}" for op, n in sorted(lp["counts"].items(), key=lambda t: -t[1])[:12])
+            print(f"{k['name']} (warps {k['num_warps']}, stages {k['num_stages']}) loop {lp['label']}: "
+                  f"{lp['total']} instructions: {top}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

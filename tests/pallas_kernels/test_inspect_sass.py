@@ -1,0 +1,56 @@
+"""pallas_kernels.inspect_sass: the Triton IR capture (CPU lowering for cuda), the SASS loop parser
+and the error without triton. (The SASS compile itself needs the optional triton package; its
+output for the fma kernels is quoted in BENCHMARKS.md, session 7.)"""
+
+import builtins
+
+import pytest
+
+from pallas_kernels import inspect_sass
+
+
+def test_captures_each_kernels_triton_ir():
+    from jax._src.pallas.triton import lowering
+
+    before = lowering.lower_jaxpr_to_triton_module
+    fn, *specs = inspect_sass._cases("moe")
+    ks = inspect_sass.triton_kernels(fn, *specs)
+    assert [k["name"] for k in ks] == ["moe_gate_up_fma_fp4", "moe_down_fma_fp4"]
+    for k in ks:
+        assert "tt.func" in k["ttir"] and f"@{k['name']}" in k["ttir"]
+        assert (k["num_warps"], k["num_stages"]) == (4, 3)
+    assert lowering.lower_jaxpr_to_triton_module is before  # the capture is undone
+
+
+SASS = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0020*/                   LOP3.LUT R6, R4, 0x80008000, RZ, 0xc0, !PT ;
+        /*0030*/                   HADD2.F32 R7, -RZ, R6.H0_H0 ;
+        /*0040*/                   FFMA R8, R7, R9, R8 ;
+        /*0050*/                   FFMA R8, R7, R10, R8 ;
+        /*0060*/               @P0 BRA `(.L_x_0) ;
+        /*0070*/                   EXIT ;
+.L_x_1:
+        /*0080*/                   BRA `(.L_x_1);
+"""
+
+
+def test_loop_mix_counts_the_loop_body():
+    (lp,) = inspect_sass.loop_mix(SASS)  # the trailing self-branch is not a loop
+    assert lp["label"] == ".L_x_0" and lp["total"] == 6
+    assert lp["counts"] == {"LDG": 1, "LOP3": 1, "HADD2": 1, "FFMA": 2, "BRA": 1}
+
+
+def test_compile_without_triton_names_the_fix(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_triton(name, *a, **k):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError("no triton here")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_triton)
+    with pytest.raises(RuntimeError, match="pip install triton"):
+        inspect_sass.compile_sass("module {}", 4, 3)
