@@ -218,7 +218,6 @@ def spec_step(params, cache, dcache, tokens, n_verify, active, draft_logits, eng
     return cache, dcache, n_acc, nxt, ids, dl, conf
 
 
-spec_step_jit = jax.jit(spec_step, static_argnames=("cfg", "opts", "sampler"), donate_argnames=("cache", "dcache"))
 
 
 # ---- the verify step as the generation loop runs it: every buffer keeps its address between steps
@@ -519,33 +518,47 @@ class SpeculativeGenerator:
         return np.clip(np.minimum(k, room), 0, G)
 
     @_on_mesh
+    @_on_mesh
     def calibrate(self, sampling: SamplingParams | None = None, reps: int = 5):
-        """Compile every verify width and measure its step time on an all-active batch (fresh
-        caches; the median of ``reps`` runs after a compiling one) into ``self.cost`` (for the
-        confidence policy). With ``pad_width`` every width runs the ``gamma + 1`` program, so that
-        one is measured for all."""
+        """Compile every verify width and time the verify program the generation loop runs
+        (:func:`spec_step_io_jit`: caches, draft logits and the step buffer donated and reused, the
+        inputs staged into that buffer, the results read through a copy) on an all-active batch from
+        fresh caches per width; the median of ``reps`` steps after a compiling one goes into
+        ``self.cost`` (for the confidence policy). Each step advances a row by at most ``gamma + 1``
+        positions, so ``max_seq_len`` must exceed ``(reps + 1) * (gamma + 1)``. With ``pad_width``
+        every width runs the ``gamma + 1`` program, so that one is measured for all. (Until session
+        7 this timed a separate jitted step with new caches per call: another program than the loop
+        runs, with new buffer addresses every call.)"""
         sp = sampling or SamplingParams()
         sampler = sp.static_key(self.cfg.vocab_size)
-        V = self.cfg.vocab_size
-        widths = [self.G + 1] if self.pad_width else list(range(1, self.G + 2))
+        G, B, V = self.G, self.B, self.cfg.vocab_size
+        need = (reps + 1) * (G + 1) + 1
+        if self.max_seq_len < need:
+            raise ValueError(f"calibrate: max_seq_len {self.max_seq_len} has no room for {reps + 1} verify steps of "
+                             f"up to {G + 1} tokens; it needs max_seq_len >= {need} (or fewer reps)")
+        temp, topk, topp = jnp.float32(max(sp.temperature, 1e-30)), jnp.int32(sp.top_k), jnp.float32(sp.top_p)
+        seed = jnp.int32(sp.seed)
+        widths = [G + 1] if self.pad_width else list(range(1, G + 2))
         for S in widths:
+            cache, dcache = init_cache(self.cfg, B, self.max_seq_len, self.opts), init_dspark_cache(self.cfg, B, self.opts)
+            dl = jnp.zeros((B, G, V), jnp.float32)
+            io = None
+            hist, pos = np.zeros((B, self.max_seq_len), np.int64), np.zeros(B, np.int64)
+            jax.block_until_ready((cache, dcache, dl))
             ts = []
             for r in range(reps + 1):
-                tok = np.zeros((self.B, S), np.int64)
-                act = np.ones(self.B, bool)
-                cache, dcache = init_cache(self.cfg, self.B, self.max_seq_len, self.opts), init_dspark_cache(
-                    self.cfg, self.B, self.opts)
-                jax.block_until_ready((cache, dcache))
                 t0 = time.perf_counter()
-                eids = self._engram(np.zeros((self.B, self.max_seq_len), np.int64), np.zeros(self.B, np.int64), tok,
-                                    None)
-                out = spec_step_jit(self.params, cache, dcache, jnp.asarray(tok, jnp.int32),
-                                    jnp.full((self.B,), S - 1, jnp.int32), jnp.asarray(act),
-                                    jnp.zeros((self.B, self.G, V), jnp.float32), eids, None,
-                                    self._keys(sp, np.zeros(self.B), np.zeros(self.B)),
-                                    jnp.float32(max(sp.temperature, 1e-30)), jnp.int32(sp.top_k),
-                                    jnp.float32(sp.top_p), cfg=self.cfg, opts=self.opts, sampler=sampler)
-                jax.block_until_ready(out)
+                tok = np.zeros((B, S), np.int64)
+                eids = self._engram_np(hist, pos, tok, np.full(B, S))
+                force = None if self.simulate_accept is None else np.full(B, S - 1)
+                host = pack_io(tok, np.full(B, S - 1), np.ones(B, bool), np.zeros(B), np.full(B, r + 1), force, eids, G)
+                io = stage_into(jnp.zeros(host.shape, jnp.int32) if io is None else io, host)
+                cache, dcache, dl, io = spec_step_io_jit(
+                    self.params, cache, dcache, dl, io, seed, temp, topk, topp, cfg=self.cfg, opts=self.opts,
+                    sampler=sampler, S=S, forced=force is not None,
+                    engram_shape=None if eids is None else tuple(eids.shape[2:]))
+                n_acc = unpack_io(np.asarray(_copy_jit(io)), G)[0]
+                pos += n_acc + 1
                 dt = time.perf_counter() - t0
                 if r == 0:
                     self.stats.compile_s += dt

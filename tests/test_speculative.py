@@ -460,3 +460,35 @@ def test_verify_steps_keep_their_buffers(model, prompts, plain, monkeypatch):
     for before, after, _ in calls:
         assert before == after, "a verify step's outputs must overwrite its donated inputs"
     assert len({c[2] for c in calls}) == 1, "the step buffer must keep one address"
+
+
+def test_calibrate_times_the_loops_verify_program(model, prompts, plain, monkeypatch):
+    """calibrate() measures the program the generation loop runs: spec_step_io_jit with its donated
+    buffers kept from step to step (the same check as above), one positive cost per verify width
+    (with pad_width all from the gamma + 1 program); generate afterwards compiles no new verify program and gives the same tokens. A
+    max_seq_len without room for the timed steps is refused with the numbers."""
+    import dsv41_jax.speculative as spec
+
+    ptr = lambda a: a.unsafe_buffer_pointer()  # noqa: E731
+    leaves = lambda *t: [ptr(x) for x in jax.tree.leaves(t)]  # noqa: E731
+    calls = []
+    orig = spec.spec_step_io_jit
+
+    def watched(params, cache, dcache, dl, io, *a, **k):
+        before = leaves(cache, dcache, dl, io)
+        out = orig(params, cache, dcache, dl, io, *a, **k)
+        calls.append((before == leaves(*out), ptr(out[3]), k["S"]))
+        return out
+
+    monkeypatch.setattr(spec, "spec_step_io_jit", watched)
+    gen = _gen(model)  # pad_width: every width runs (and is timed as) the gamma + 1 program
+    cost = gen.calibrate(reps=2)
+    G = model.cfg.dspark_block_size
+    assert sorted(cost) == list(range(1, G + 2)) and len(set(cost.values())) == 1 and cost[1] > 0
+    assert [c[2] for c in calls] == [G + 1] * 3 and all(c[0] for c in calls)
+    assert len({c[1] for c in calls}) == 1  # one step-buffer address across the timed steps
+    n_programs = orig._cache_size()
+    assert gen.generate(prompts, NEW) == plain  # verify-all: every step at width G + 1
+    assert orig._cache_size() == n_programs, "generate compiled a verify program calibrate had not timed"
+    with pytest.raises(ValueError, match=r"max_seq_len 16 .* needs max_seq_len >= 19"):
+        SpeculativeGenerator(model, batch_size=1, max_seq_len=16, opts=F32, prefill_chunk=8).calibrate(reps=2)
