@@ -434,39 +434,9 @@ def test_spec_bench_text_prompts(tmp_path):
         text_prompts(str(f), None, 1, 5, 10)
 
 
-def test_verify_steps_keep_their_buffers(model, prompts, plain, monkeypatch):
-    """Each verify step overwrites its donated caches, draft logits and int32 step buffer in place
-    (outputs paired with the donated inputs they are meant for), and the host's per-step inputs
-    enter one persistent step buffer, so consecutive verify steps reference the same device
-    buffers and XLA need not re-record their CUDA graph (BENCHMARKS.md, session 6); the tokens are
-    unchanged (greedy = plain decoding)."""
-    import dsv41_jax.speculative as spec
-
-    ptr = lambda a: a.unsafe_buffer_pointer()  # noqa: E731
-    leaves = lambda *t: [ptr(x) for x in jax.tree.leaves(t)]  # noqa: E731
-    calls = []
-    orig = spec.spec_step_io_jit
-
-    def watched(params, cache, dcache, dl, io, *a, **k):
-        before = leaves(cache, dcache, dl, io)
-        out = orig(params, cache, dcache, dl, io, *a, **k)
-        calls.append((before, leaves(*out), ptr(out[3])))
-        return out
-
-    monkeypatch.setattr(spec, "spec_step_io_jit", watched)
-    out = _gen(model).generate(prompts, NEW)
-    assert out == plain
-    assert len(calls) >= 4
-    for before, after, _ in calls:
-        assert before == after, "a verify step's outputs must overwrite its donated inputs"
-    assert len({c[2] for c in calls}) == 1, "the step buffer must keep one address"
-
-
-def test_calibrate_times_the_loops_verify_program(model, prompts, plain, monkeypatch):
-    """calibrate() measures the program the generation loop runs: spec_step_io_jit with its donated
-    buffers kept from step to step (the same check as above), one positive cost per verify width
-    (with pad_width all from the gamma + 1 program); generate afterwards compiles no new verify program and gives the same tokens. A
-    max_seq_len without room for the timed steps is refused with the numbers."""
+def _watch_verify_steps(monkeypatch) -> list:
+    """Wrap ``spec_step_io_jit``; each call appends (its donated inputs' buffer addresses equal its
+    outputs', the step buffer's address, the width S)."""
     import dsv41_jax.speculative as spec
 
     ptr = lambda a: a.unsafe_buffer_pointer()  # noqa: E731
@@ -481,6 +451,33 @@ def test_calibrate_times_the_loops_verify_program(model, prompts, plain, monkeyp
         return out
 
     monkeypatch.setattr(spec, "spec_step_io_jit", watched)
+    return calls
+
+
+def test_verify_steps_keep_their_buffers(model, prompts, plain, monkeypatch):
+    """Each verify step overwrites its donated caches, draft logits and int32 step buffer in place
+    (outputs paired with the donated inputs they are meant for), and the host's per-step inputs
+    enter one persistent step buffer, so consecutive verify steps reference the same device
+    buffers and XLA need not re-record their CUDA graph (BENCHMARKS.md, session 6); the tokens are
+    unchanged (greedy = plain decoding)."""
+    calls = _watch_verify_steps(monkeypatch)
+    out = _gen(model).generate(prompts, NEW)
+    assert out == plain
+    assert len(calls) >= 4
+    assert all(c[0] for c in calls), "a verify step's outputs must overwrite its donated inputs"
+    assert len({c[1] for c in calls}) == 1, "the step buffer must keep one address"
+
+
+def test_calibrate_times_the_loops_verify_program(model, prompts, plain, monkeypatch):
+    """calibrate() measures the program the generation loop runs: spec_step_io_jit with its donated
+    buffers kept from step to step (the same check as above), one positive cost per verify width
+    (with pad_width all from the gamma + 1 program); generate afterwards compiles no new verify
+    program and gives the same tokens. A max_seq_len without room for the timed steps is refused
+    with the numbers."""
+    import dsv41_jax.speculative as spec
+
+    orig = spec.spec_step_io_jit
+    calls = _watch_verify_steps(monkeypatch)
     gen = _gen(model)  # pad_width: every width runs (and is timed as) the gamma + 1 program
     cost = gen.calibrate(reps=2)
     G = model.cfg.dspark_block_size
