@@ -124,8 +124,11 @@ TUNE_CONFIGS = [(16, 64, 256, 64, 256, 4), (16, 32, 256, 32, 256, 4), (16, 16, 2
                 (16, 128, 256, 128, 256, 4), (16, 128, 256, 128, 256, 8)]
 TUNE_MAX_FRAC = 1e-2  # at most this share of output elements off by > 1% of max|y|
 
-# Prefill (2048 tokens, ~128 rows per expert): the 4096-token prefill profile had the two kernels at
-# 10.4 + 5.1 ms per layer, about 112 TFLOP/s (14% of the bf16 peak); bigger tiles, more warps.
+# Prefill (--tune: 2048 tokens, ~128 rows per expert; --prefill: 4096 tokens over 96 experts): the
+# 4096-token prefill profile had the two kernels at 10.4 + 5.1 ms per layer, about 112 TFLOP/s (14% of
+# the bf16 peak); bigger tiles, more warps. Session 7's SASS (inspect_sass, CPU): the default 64-row
+# blocks spend 0.27 instructions per weight code and token row in the gate/up loop and spill
+# registers; (128, 128, 64, 128, 64, 8) spends 0.17, (64, 128, 64, 128, 64, 8) 0.26 without spills.
 TUNE_CONFIGS_PREFILL = [(64, 128, 64, 128, 64, 4), (64, 128, 64, 128, 64, 8), (128, 128, 64, 128, 64, 8),
                         (64, 128, 128, 128, 128, 8), (128, 64, 64, 64, 64, 4), (64, 256, 64, 256, 64, 8),
                         (128, 128, 64, 128, 64, 8, 4), (64, 128, 64, 128, 64, 4, 4)]
@@ -215,6 +218,57 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
         log(f"  {n:4d} {via or 'current':7s} {fmt_us(floor)} {fmt_us(base['pallas_s']) if base else '      n/a'} "
             f"{fmt_us(best['pallas_s']) if best else '      n/a'} {best['config'] if best else ''} "
             f"{100 * floor / best['pallas_s'] if best else float('nan'):.1f}%")
+    return rows
+
+
+def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int = 2):
+    """Prefill-size fused MoE (tensor-core kernels): the default tiling and ``configs`` (default
+    :data:`TUNE_CONFIGS_PREFILL`) at ``tokens`` tokens over ``experts`` MXFP4 experts (96 = the
+    benchmark's reduced model: 256 rows per expert at 4096 tokens), each checked against the reference
+    on the same inputs (rel err, share of elements off by > 1%), then timed by the profiler
+    (:func:`device_time_op`); beside each, TFLOP/s and the share of the bf16 matmul ceiling measured in
+    the same run (``jnp.dot`` of [tokens, D] x [D, 2I], the shape of one expert's gate/up GEMM over
+    every token). The best correct config is printed last."""
+    key = jax.random.PRNGKey(23)
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    w1, w2, w3 = random_fp4(k1, (experts, I, D)), random_fp4(k2, (experts, D, I)), random_fp4(k3, (experts, I, D))
+    args = []
+    for r in range(reps):
+        kr = jax.random.fold_in(k4, r)
+        idx = jnp.argsort(jax.random.uniform(kr, (tokens, experts)), axis=1)[:, :TOPK].astype(jnp.int32)
+        w = jax.random.uniform(jax.random.fold_in(kr, 1), (tokens, TOPK), jnp.float32, 0.05, 0.5)
+        args.append((jax.random.normal(jax.random.fold_in(kr, 2), (tokens, D), jnp.bfloat16), w, idx))
+    flops = 2 * tokens * TOPK * 3 * I * D
+    a = [(jax.random.normal(jax.random.fold_in(k4, 100 + r), (tokens, D), jnp.bfloat16),
+          jax.random.normal(jax.random.fold_in(k4, 200 + r), (D, 2 * I), jnp.bfloat16)) for r in range(reps)]
+    t_mm = device_time_op(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32), a, reps=reps)
+    ceiling = 2 * tokens * D * 2 * I / t_mm
+    log(f"# MoE prefill sweep: {tokens} tokens, {experts} MXFP4 experts (I={I} D={D} top-{TOPK}), "
+        f"{jax.devices()[0].device_kind}, jax {jax.__version__}; bf16 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s")
+    yr = jax.jit(lambda x, w, idx, a, b, c: reference.moe_experts(x, w, idx, a, b, c, swiglu_limit=LIMIT))(
+        *args[0], w1, w2, w3)
+    rows = []
+    for cfg in [None] + list(configs or TUNE_CONFIGS_PREFILL):
+        try:
+            f = lambda x, w, idx, a, b, c, cfg=cfg: pallas_triton.moe_experts(  # noqa: E731
+                x, w, idx, a, b, c, swiglu_limit=LIMIT, config=cfg)
+            y = jax.jit(f)(*args[0], w1, w2, w3)
+            err, frac = max_rel_err(y, yr), frac_off(y, yr)
+            t = device_time_op(f, args, (w1, w2, w3), reps=reps)
+            ok = frac <= TUNE_MAX_FRAC and err <= 8e-3
+            label = cfg or ("default", pallas_triton._config(tokens * TOPK, experts, I, D))
+            log(f"  cfg={label}: {t * 1e3:8.3f} ms, {flops / t / 1e12:6.1f} TFLOP/s ({100 * flops / t / ceiling:5.1f}% of "
+                f"the ceiling), rel err {err:.2e}, {frac:.4f} of elements > 1%{'' if ok else '  WRONG'}")
+            rows.append(dict(op="prefill_moe", tokens=tokens, experts=experts, config=cfg, pallas_s=t,
+                             tflops=flops / t / 1e12, ceiling_tflops=ceiling / 1e12, rel_err=err, frac_gt_1pct=frac,
+                             ok=ok))
+        except Exception as e:  # noqa: BLE001
+            log(f"  cfg={cfg} FAILED {type(e).__name__}: {str(e)[:300]}")
+    good = [r for r in rows if r["ok"]]
+    if good:
+        best = min(good, key=lambda r: r["pallas_s"])
+        log(f"# best: {best['config'] or 'default'} {best['pallas_s'] * 1e3:.3f} ms, {best['tflops']:.1f} TFLOP/s "
+            f"({100 * best['tflops'] / best['ceiling_tflops']:.1f}% of the ceiling)")
     return rows
 
 
@@ -391,7 +445,10 @@ def main(argv=None):
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--fma", action="store_true", help="tensor-core vs vector-unit (fma) kernels at decode sizes")
     ap.add_argument("--wide", action="store_true", help="with --fma: a wider set of configs per size")
-    ap.add_argument("--vias", default=None, help="with --fma: weight decode routes to compare, e.g. e4m3,f16")
+    ap.add_argument("--vias", default=None, help="with --fma: weight decode routes to compare, e.g. e4m3,f16w")
+    ap.add_argument("--prefill", action="store_true", help="prefill-size tilings of the tensor-core kernels, then exit")
+    ap.add_argument("--tokens", type=int, default=4096, help="with --prefill")
+    ap.add_argument("--experts", type=int, default=96, help="with --prefill")
     ap.add_argument("--default-only", action="store_true", help="with --fma: only the default fma config")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
@@ -399,6 +456,13 @@ def main(argv=None):
         return 0 if check() else 1
     if a.debug:
         debug()
+        return 0
+    if a.prefill:
+        rows = prefill_sweep(a.tokens, a.experts)
+        if a.out:
+            os.makedirs(a.out, exist_ok=True)
+            with open(os.path.join(a.out, "moe_prefill.json"), "w") as f:
+                json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
         return 0
     if a.fma:
         rows = fma_sweep((1,) if a.quick else (1, 8), wide=a.wide, vias=a.vias and a.vias.split(","),

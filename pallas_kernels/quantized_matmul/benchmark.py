@@ -300,7 +300,7 @@ def main(argv=None):
     ap.add_argument("--with-mma8", action="store_true", help="with --check: also the experimental mma8 FP8 mode")
     ap.add_argument("--fma", action="store_true", help="tensor-core vs vector-unit (fma) GEMV sweep, then exit")
     ap.add_argument("--wide", action="store_true", help="with --fma: a wider set of configs per projection")
-    ap.add_argument("--vias", default=None, help="with --fma: weight decode routes to compare, e.g. e4m3,f16")
+    ap.add_argument("--vias", default=None, help="with --fma: weight decode routes to compare, e.g. e4m3,f16w")
     ap.add_argument("--default-only", action="store_true", help="with --fma: only the default fma config")
     ap.add_argument("--names", default=None, help="with --fma: projections to sweep, e.g. wq_b,wo_b")
     ap.add_argument("--out", default=os.environ.get("OUT"))

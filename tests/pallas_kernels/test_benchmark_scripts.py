@@ -145,3 +145,26 @@ def test_device_time_op_divides_by_runs_times_reps(monkeypatch, counted):
     monkeypatch.setattr(prof, "trace", lambda fn, outdir: (fn(), outdir))
     xs = [(jnp.full((8, 8), 0.5 + i),) for i in range(reps)]
     assert device_time_op(lambda x: x @ x, xs, reps=reps, iters=iters) == pytest.approx(total_ms / 1e3 / (iters * reps))
+
+
+def test_moe_prefill_sweep_runs_in_interpret_mode(monkeypatch):
+    """``moe.benchmark --prefill`` at a small shape (interpret mode, timing stubbed): the matmul
+    ceiling and every tiling (the default and the candidates) are timed, each tiling checked against
+    the reference and correct."""
+    import functools
+
+    import pallas_kernels.moe.benchmark as bm
+
+    for name, v in (("I", 64), ("D", 256), ("TOPK", 2)):
+        monkeypatch.setattr(bm, name, v)
+    timed = []
+    monkeypatch.setattr(bm, "device_time_op", lambda f, args, *a, **k: timed.append(len(args)) or 1e-3)
+    monkeypatch.setattr(bm.pallas_triton, "moe_experts", functools.partial(bm.pallas_triton.moe_experts, interpret=True))
+    lines = []
+    monkeypatch.setattr(bm, "log", lambda *a: lines.append(" ".join(map(str, a))))
+    cfgs = [(16, 32, 64, 64, 32, 4), (32, 64, 64, 128, 64, 4, 2)]
+    rows = bm.prefill_sweep(tokens=24, experts=4, configs=cfgs)
+    assert [r["config"] for r in rows] == [None] + cfgs and all(r["ok"] for r in rows), \
+        [(r["config"], r["rel_err"], r["frac_gt_1pct"]) for r in rows]
+    assert len(timed) == 1 + len(rows) and all(r["tflops"] > 0 and r["ceiling_tflops"] > 0 for r in rows)
+    assert lines[-1].startswith("# best:")
