@@ -218,8 +218,6 @@ def spec_step(params, cache, dcache, tokens, n_verify, active, draft_logits, eng
     return cache, dcache, n_acc, nxt, ids, dl, conf
 
 
-
-
 # ---- the verify step as the generation loop runs it: every buffer keeps its address between steps
 
 def io_width(G: int, engram_cols: int) -> int:
@@ -517,7 +515,6 @@ class SpeculativeGenerator:
             k = np.full(self.B, choose_width(conf, active, self.cost))
         return np.clip(np.minimum(k, room), 0, G)
 
-    @_on_mesh
     @_on_mesh
     def calibrate(self, sampling: SamplingParams | None = None, reps: int = 5):
         """Compile every verify width and time the verify program the generation loop runs

@@ -13,8 +13,11 @@ multiply-add per row, with no layout change:
 * a program owns ``bn`` rows and steps over K ``kg`` groups at a time; the tile ``[bn, kg, G]`` is
   multiplied by the activation group ``[kg, G]``, summed over G (inside a thread's registers or
   one shuffle), multiplied by the per-(row, group) power-of-two scale and summed over the groups;
-* MXFP4 bytes give even (low nibble) and odd (high nibble) elements, so the activation is split
-  into its even and odd halves by XLA before the kernel (``[M, K/32, 16]`` each);
+* how a code becomes a float32 is the route of ``FMA_DECODE`` (below): the kernels are bound by
+  that integer and conversion work, not by HBM (session 7). MXFP4 by default reads 32-bit words of
+  eight codes and the activation arrives split by XLA into the 8 matching phases (element 8q + j in
+  phase j, ``[M, K/32, 4]`` each); the e4m3 route reads bytes, whose low and high nibbles are the even
+  and odd elements (activation halves ``[M, K/32, 16]``);
 * K can be split across programs (fp32 partial sums added by one small XLA fusion) so that small
   projections still fill the GPU.
 
@@ -22,7 +25,10 @@ Numerics equal the reference up to fp32 summation order: the decoded weights and
 activations are the same values as in :mod:`.reference` (products exact in fp32), and a power-of-two
 scale applied to a partial sum instead of to each product changes no rounding.
 
-FP8 rows per program: ``bn <= G`` (one scale row per tile, no in-kernel reshape).
+FP8 rows per program: ``bn <= G`` (one scale row per tile, no in-kernel reshape). The power of two
+of a route (2**6, 2**8, 2**14) is added to the e8m0 exponent, so scale bytes above 255 minus it
+(weight scales above 2**114 for f16w MXFP4) are outside the kernels' range; checkpoint scales are
+far below (MXFP4 expert scales near 2**-8).
 """
 
 from __future__ import annotations
