@@ -3,6 +3,7 @@ CPU (no GPU), capture the Triton IR of each ``pallas_call``, compile it for sm_9
 ``triton`` package and count the SASS instructions in each kernel's innermost loop.
 
     PYTHONPATH=. python -m pallas_kernels.inspect_sass moe [--decode fp4=e4m3]
+    PYTHONPATH=. python -m pallas_kernels.inspect_sass moe --tokens 4096 --experts 96 --config "(128, 128, 64, 128, 64, 8)"
     PYTHONPATH=. python -m pallas_kernels.inspect_sass gemv
 
 Why: the fma decode kernels are bound by their integer and conversion work per weight code, not by
@@ -117,7 +118,9 @@ def compile_sass(ttir: str, num_warps: int, num_stages: int, arch: int = 90) -> 
         return subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
 
 
-def _cases(which: str):
+def _cases(which: str, tokens: int = 1, experts: int = 384, config=None):
+    """(fn, *specs) of a case: "moe" (V4.1 MXFP4 experts: ``tokens`` tokens over ``experts`` experts,
+    the default config for that size or ``config``) or "gemv" (wq_b at ``tokens`` rows)."""
     import jax.numpy as jnp
     from jax import ShapeDtypeStruct as S
 
@@ -125,15 +128,15 @@ def _cases(which: str):
     from pallas_kernels.moe import pallas_triton as moe
     from pallas_kernels.quantized_matmul import pallas_triton as qmm
 
-    if which == "moe":  # V4.1 experts, one token (the decode default fma config)
-        e, i, d = 384, 2304, 5120
+    if which == "moe":
+        e, i, d = experts, 2304, 5120
         w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)
         w2 = Fp4Tensor(S((e, d, i // 2), jnp.uint8), S((e, d, i // 32), jnp.float8_e8m0fnu), 32)
-        return (lambda x, w, idx, a, b, c: moe.moe_experts(x, w, idx, a, b, c, swiglu_limit=10.0),
-                S((1, d), jnp.bfloat16), S((1, 6), jnp.float32), S((1, 6), jnp.int32), w1, w2, w1)
-    if which == "gemv":  # wq_b at one row
+        return (lambda x, w, idx, a, b, c: moe.moe_experts(x, w, idx, a, b, c, swiglu_limit=10.0, config=config),
+                S((tokens, d), jnp.bfloat16), S((tokens, 6), jnp.float32), S((tokens, 6), jnp.int32), w1, w2, w1)
+    if which == "gemv":
         w = Fp8Tensor(S((32768, 1280), jnp.float8_e4m3fn), S((1024, 40), jnp.float8_e8m0fnu), (32, 32))
-        return (lambda x, w: qmm.quantized_matmul(x, w), S((1, 1280), jnp.bfloat16), w)
+        return (lambda x, w: qmm.quantized_matmul(x, w, config=config), S((tokens, 1280), jnp.bfloat16), w)
     raise ValueError(f"unknown case {which!r}: expected moe or gemv")
 
 
@@ -141,6 +144,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("case", choices=["moe", "gemv"])
     ap.add_argument("--decode", default=None, help="DSV41_FMA_DECODE for this run, e.g. fp4=e4m3")
+    ap.add_argument("--tokens", type=int, default=1, help="tokens (moe) or rows (gemv)")
+    ap.add_argument("--experts", type=int, default=384, help="moe: routed experts")
+    ap.add_argument("--config", default=None, help="the op's config tuple, e.g. \"(128, 128, 64, 128, 64, 8)\"")
     ap.add_argument("--python", default=None, help="an interpreter with triton installed, for the SASS step")
     ap.add_argument("--out", default=None, help="also write each kernel's .ttir and .sass here")
     a = ap.parse_args(argv)
@@ -151,7 +157,15 @@ def main(argv=None) -> int:
 
     if a.decode:
         fma.FMA_DECODE.update(fma._parse_fma_decode(a.decode))
-    fn, *specs = _cases(a.case)
+    config = None
+    if a.config:
+        import ast
+
+        try:
+            config = tuple(ast.literal_eval(a.config))
+        except (ValueError, SyntaxError, TypeError):
+            ap.error(f"--config {a.config!r}: expected a tuple literal such as \"(128, 128, 64, 128, 64, 8)\"")
+    fn, *specs = _cases(a.case, a.tokens, a.experts, config)
     for k in triton_kernels(fn, *specs):
         if a.python:  # compile in the other interpreter
             with tempfile.NamedTemporaryFile("w", suffix=".ttir", delete=False) as f:
@@ -172,8 +186,9 @@ def main(argv=None) -> int:
                     f.write(txt)
         for lp in loop_mix(sass):
             top = ", ".join(f"{op} {n}" for op, n in sorted(lp["counts"].items(), key=lambda t: -t[1])[:12])
+            spills = lp["counts"].get("LDL", 0) + lp["counts"].get("STL", 0)
             print(f"{k['name']} (warps {k['num_warps']}, stages {k['num_stages']}) loop {lp['label']}: "
-                  f"{lp['total']} instructions: {top}")
+                  f"{lp['total']} instructions per thread and step ({spills} spill loads/stores): {top}")
     return 0
 
 

@@ -54,3 +54,14 @@ def test_compile_without_triton_names_the_fix(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_triton)
     with pytest.raises(RuntimeError, match="pip install triton"):
         inspect_sass.compile_sass("module {}", 4, 3)
+
+
+def test_prefill_case_takes_its_config():
+    """--tokens / --experts / --config reach the lowering: the prefill-size MoE runs the tensor-core
+    kernels with the given warps; a malformed --config is refused by argparse, naming the flag."""
+    fn, *specs = inspect_sass._cases("moe", tokens=256, experts=8, config=(64, 128, 64, 128, 64, 8))
+    ks = inspect_sass.triton_kernels(fn, *specs)
+    assert [k["name"] for k in ks] == ["moe_gate_up_fp4", "moe_down_fp4"]
+    assert all(k["num_warps"] == 8 for k in ks)
+    with pytest.raises(SystemExit):
+        inspect_sass.main(["moe", "--config", "(1, 2"])
