@@ -150,13 +150,6 @@ def main(argv=None) -> int:
     ap.add_argument("--python", default=None, help="an interpreter with triton installed, for the SASS step")
     ap.add_argument("--out", default=None, help="also write each kernel's .ttir and .sass here")
     a = ap.parse_args(argv)
-    import jax
-
-    jax.config.update("jax_platforms", "cpu")
-    from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
-
-    if a.decode:
-        fma.FMA_DECODE.update(fma._parse_fma_decode(a.decode))
     config = None
     if a.config:
         import ast
@@ -165,6 +158,13 @@ def main(argv=None) -> int:
             config = tuple(ast.literal_eval(a.config))
         except (ValueError, SyntaxError, TypeError):
             ap.error(f"--config {a.config!r}: expected a tuple literal such as \"(128, 128, 64, 128, 64, 8)\"")
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
+
+    if a.decode:
+        fma.FMA_DECODE.update(fma._parse_fma_decode(a.decode))
     fn, *specs = _cases(a.case, a.tokens, a.experts, config)
     for k in triton_kernels(fn, *specs):
         if a.python:  # compile in the other interpreter
