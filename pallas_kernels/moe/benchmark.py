@@ -170,6 +170,9 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
 
     saved = dict(pallas_triton_fma.FMA_DECODE)
     vias = list(vias or [None])  # None: the current routes
+    bad = [v for v in vias if v is not None and v not in pallas_triton_fma.ROUTES]
+    if bad:
+        raise ValueError(f"--vias {','.join(bad)}: unknown weight decode route; expected {', '.join(pallas_triton_fma.ROUTES)}")
     key = jax.random.PRNGKey(11)
     k1, k2, k3 = jax.random.split(key, 3)
     w1, w2, w3 = random_fp4(k1, (E, I, D)), random_fp4(k2, (E, D, I)), random_fp4(k3, (E, I, D))
@@ -198,7 +201,7 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
                 err, frac = max_rel_err(y, yr), frac_off(y, yr)
                 t = device_time_op(f, args, (w1, w2, w3), reps=5)
                 ok = frac <= TUNE_MAX_FRAC and err <= 8e-3
-                log(f"  n={n} cfg={cfg} decode {via}: {fmt_us(t)} us ({100 * floor / t:5.1f}% of HBM), rel err "
+                log(f"  n={n} cfg={cfg} decode {via or 'current'}: {fmt_us(t)} us ({100 * floor / t:5.1f}% of HBM), rel err "
                     f"{err:.2e}, {frac:.4f} of elements > 1%{'' if ok else '  WRONG'}")
                 rec = dict(op="fma_moe", tokens=n, config=cfg, via=via, pallas_s=t, floor_s=floor, rel_err=err,
                            frac_gt_1pct=frac, ok=ok)

@@ -83,6 +83,8 @@ def test_moe_fma_sweep_runs_in_interpret_mode(monkeypatch):
     assert len(rows) == 3 and [r["via"] for r in rows if r["config"][0] == "fma"] == ["f16w", "e4m3"], \
         [(r["config"], r["via"]) for r in rows]
     assert all(r["ok"] for r in rows) and pallas_triton_fma.FMA_DECODE == {"fp4": "e4m3", "fp8": "f16w"}  # restored
+    with pytest.raises(ValueError, match="--vias f16: unknown weight decode route"):
+        bm.fma_sweep((1,), vias=["f16"], default_only=True)
 
 
 def test_qmm_fma_sweep_runs_in_interpret_mode(monkeypatch):
