@@ -473,10 +473,9 @@ class Engine:
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.stats = EngineStats()
         self._sampling_dev = (None, None)  # (packed sampling bytes, their device copy)
-        # pipelined steps: per row-array shape, the last step's advanced row array (its device output,
-        # the buffer the next step of that shape takes) and the values it holds
-        self._row_bufs: dict = {}
-        self._row_expect: dict = {}
+        # pipelined steps, per row-array shape: (the last step's advanced row array, its device output
+        # and the buffer the next step of that shape takes; the host values it holds)
+        self._row_next: dict = {}
         self._compiled: dict = {}
         # where per-step inputs go: batch-leading ones (_rows: over dp on a mesh) and the rest (_rep).
         # Committed placements from the start: a step's compiled program is keyed by its inputs'
@@ -709,7 +708,7 @@ class Engine:
         args = self._pipe_inputs(tokens, lengths, use_prev, prev, sampling, request_ids, steps)
         self.cache, self.ehist, packed_next, nxt = self._dispatch(_engine_step_pipe_jit, *args,
                                                                    greedy=_is_greedy(sampling))
-        self._row_bufs[packed_next.shape] = packed_next  # holds self._row_expect[shape]
+        self._row_next[packed_next.shape] = (packed_next, self._row_next[packed_next.shape][1])
         self.pos = self.pos + np.asarray(lengths, np.int64)
         self.stats.steps += 1
         with self._on_mesh():
@@ -726,8 +725,7 @@ class Engine:
         if np.any(self.pos + lengths > self.max_seq_len):
             raise ValueError(f"a slot would exceed max_seq_len {self.max_seq_len}")
         host = pack_step_rows(tokens, lengths, use_prev, request_ids, steps)
-        buf = self._row_bufs.pop(host.shape, None)  # donated by this step
-        expect = self._row_expect.pop(host.shape, None)
+        buf, expect = self._row_next.pop(host.shape, (None, None))  # buf: donated by this step
         if buf is None:
             packed = jax.device_put(host, self._rows)
         elif np.array_equal(expect, host):
@@ -736,8 +734,9 @@ class Engine:
         else:  # new values into the same buffer (one small copy program), so the address stays
             with self._on_mesh():
                 packed = stage_into(buf, jax.device_put(host, self._rows))
-        # what the step's advanced output will hold: the next step of the same rows sends this (steps + 1)
-        self._row_expect[host.shape] = advance_packed(host)
+        # what the step's advanced output will hold (the next step of the same rows sends this, steps + 1);
+        # _step_pipe pairs it with that output
+        self._row_next[host.shape] = (None, advance_packed(host))
         return self.params, self.cache, self.ehist, self._dev_hash, packed, prev, self._sampling_on_device(sampling)
 
     def _sampling_on_device(self, sampling):
@@ -755,10 +754,10 @@ class Engine:
         pipelined = self.pipelined if pipelined is None else pipelined
         zeros = np.zeros((self.B, 1 if decode else self.chunk), np.int64), np.zeros(self.B, np.int64)
         if pipelined:
-            kept = dict(self._row_bufs), dict(self._row_expect)
+            kept = dict(self._row_next)
             prog, args = _engine_step_pipe_jit, self._pipe_inputs(*zeros, np.zeros(self.B, bool), self._zeros_prev(),
                                                                   None, None, None)
-            self._row_bufs, self._row_expect = kept
+            self._row_next = kept
         else:
             prog, args = _engine_step_jit, (self.params, self.cache, *self._step_inputs(*zeros, None, None, None))
         args, kw = self._program_args(args)

@@ -515,6 +515,19 @@ class SpeculativeGenerator:
             k = np.full(self.B, choose_width(conf, active, self.cost))
         return np.clip(np.minimum(k, room), 0, G)
 
+    def _verify_step(self, cache, dcache, dl, io, host, sampling_args, *, sampler, S, forced, engram_ids):
+        """One verify step as the generation loop runs it: the host inputs ``host`` (:func:`pack_io`)
+        staged into the persistent int32 buffer ``io`` (made on the first step), :func:`spec_step_io_jit`
+        on the donated caches, draft logits and buffer, the results read through a copy. Returns
+        (cache, dcache, draft logits, io, (n_acc, next, draft ids, confidences) on the host).
+        ``sampling_args``: (seed, temperature, top_k, top_p) device scalars; ``engram_ids`` the host
+        ids in ``host`` (their shape is the program's) or None."""
+        io = stage_into(jnp.zeros(host.shape, jnp.int32) if io is None else io, host)
+        cache, dcache, dl, io = spec_step_io_jit(
+            self.params, cache, dcache, dl, io, *sampling_args, cfg=self.cfg, opts=self.opts, sampler=sampler, S=S,
+            forced=forced, engram_shape=None if engram_ids is None else tuple(engram_ids.shape[2:]))
+        return cache, dcache, dl, io, unpack_io(np.asarray(_copy_jit(io)), self.G)
+
     @_on_mesh
     def calibrate(self, sampling: SamplingParams | None = None, reps: int = 5):
         """Compile every verify width and time the verify program the generation loop runs
@@ -549,12 +562,9 @@ class SpeculativeGenerator:
                 eids = self._engram_np(hist, pos, tok, np.full(B, S))
                 force = None if self.simulate_accept is None else np.full(B, S - 1)
                 host = pack_io(tok, np.full(B, S - 1), np.ones(B, bool), np.zeros(B), np.full(B, r + 1), force, eids, G)
-                io = stage_into(jnp.zeros(host.shape, jnp.int32) if io is None else io, host)
-                cache, dcache, dl, io = spec_step_io_jit(
-                    self.params, cache, dcache, dl, io, seed, temp, topk, topp, cfg=self.cfg, opts=self.opts,
-                    sampler=sampler, S=S, forced=force is not None,
-                    engram_shape=None if eids is None else tuple(eids.shape[2:]))
-                n_acc = unpack_io(np.asarray(_copy_jit(io)), G)[0]
+                cache, dcache, dl, io, (n_acc, *_) = self._verify_step(
+                    cache, dcache, dl, io, host, (seed, temp, topk, topp), sampler=sampler, S=S,
+                    forced=force is not None, engram_ids=eids)
                 pos += n_acc + 1
                 dt = time.perf_counter() - t0
                 if r == 0:
@@ -707,12 +717,9 @@ class SpeculativeGenerator:
                     force = lo + (self._rng.random(B) < f - lo)
                 eids = self._engram_np(hist, pos, tok, lens)  # [B, S, layers, ids] or None
                 host = pack_io(tok, np.minimum(k, S - 1), active, rid, stp, force, eids, G)
-                io = stage_into(jnp.zeros(host.shape, jnp.int32) if io is None else io, host)
-                cache, dcache, dl, io = spec_step_io_jit(
-                    self.params, cache, dcache, dl, io, seed, temp, topk, topp, cfg=cfg, opts=self.opts,
-                    sampler=sampler, S=S, forced=force is not None,
-                    engram_shape=None if eids is None else tuple(eids.shape[2:]))
-                n_acc, nxt, ids_d, conf_d = unpack_io(np.asarray(_copy_jit(io)), G)
+                cache, dcache, dl, io, (n_acc, nxt, ids_d, conf_d) = self._verify_step(
+                    cache, dcache, dl, io, host, (seed, temp, topk, topp), sampler=sampler, S=S,
+                    forced=force is not None, engram_ids=eids)
                 # rows not in decode keep their drafts (a row mid-prompt gets its first ones with its first token)
                 ids[active], conf[active] = ids_d[active], conf_d[active]
                 if trace is not None:

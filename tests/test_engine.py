@@ -260,7 +260,7 @@ def test_pipelined_decode_keeps_its_buffers(pipe_engine, requests, alone):
     prev = eng._zeros_prev()
     ptr = lambda a: a.unsafe_buffer_pointer()  # noqa: E731
     cache_ptrs = lambda: [ptr(x) for x in jax.tree.leaves(eng.cache)]  # noqa: E731
-    rows = lambda: eng._row_bufs[(B, 5)]  # noqa: E731
+    rows = lambda: eng._row_next[(B, 5)][0]  # noqa: E731
     reused0 = eng.stats.packed_reused
     seen, reads = [ptr(rows())], []
     for k in list(range(4)) + [9]:  # the last step's rows differ from the advanced ones: copied in

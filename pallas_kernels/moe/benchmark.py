@@ -33,9 +33,10 @@ def frac_off(y, yr, rel: float = 0.01) -> float:
     return float(np.mean(np.abs(y - yr) > rel * float(np.max(np.abs(yr)))))
 
 
-def routing(key, n):
+def routing(key, n, experts=None):
+    """Random top-TOPK routing of ``n`` tokens over ``experts`` (default E) experts: (weights, indices)."""
     k1, k2 = jax.random.split(key)
-    idx = jnp.argsort(jax.random.uniform(k1, (n, E)), axis=1)[:, :TOPK].astype(jnp.int32)
+    idx = jnp.argsort(jax.random.uniform(k1, (n, experts or E)), axis=1)[:, :TOPK].astype(jnp.int32)
     w = jax.random.uniform(k2, (n, TOPK), jnp.float32, 0.05, 0.5)
     return w, idx
 
@@ -168,11 +169,7 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
     ``default_only``: only the default fma config."""
     from pallas_kernels.quantized_matmul import pallas_triton_fma
 
-    saved = dict(pallas_triton_fma.FMA_DECODE)
-    vias = list(vias or [None])  # None: the current routes
-    bad = [v for v in vias if v is not None and v not in pallas_triton_fma.ROUTES]
-    if bad:
-        raise ValueError(f"--vias {','.join(bad)}: unknown weight decode route; expected {', '.join(pallas_triton_fma.ROUTES)}")
+    vias = pallas_triton_fma.checked_routes(vias)
     key = jax.random.PRNGKey(11)
     k1, k2, k3 = jax.random.split(key, 3)
     w1, w2, w3 = random_fp4(k1, (E, I, D)), random_fp4(k2, (E, D, I)), random_fp4(k3, (E, I, D))
@@ -193,13 +190,13 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
         results = []
         fmas = fma_configs(w1, n, wide)[:1 if default_only else None]
         for cfg, via in [(mma, vias[0])] + [(c, v) for v in vias for c in fmas]:
-            pallas_triton_fma.FMA_DECODE.update(saved if via is None else {"fp4": via, "fp8": via})
             try:
                 f = lambda x, w, idx, a, b, c, cfg=cfg: pallas_triton.moe_experts(  # noqa: E731
                     x, w, idx, a, b, c, swiglu_limit=LIMIT, config=cfg)
-                y = jax.jit(f)(*args[0], w1, w2, w3)
+                with pallas_triton_fma.use_decode_route(via):  # traced here, so the route applies
+                    y = jax.jit(f)(*args[0], w1, w2, w3)
+                    t = device_time_op(f, args, (w1, w2, w3), reps=5)
                 err, frac = max_rel_err(y, yr), frac_off(y, yr)
-                t = device_time_op(f, args, (w1, w2, w3), reps=5)
                 ok = frac <= TUNE_MAX_FRAC and err <= 8e-3
                 log(f"  n={n} cfg={cfg} decode {via or 'current'}: {fmt_us(t)} us ({100 * floor / t:5.1f}% of HBM), rel err "
                     f"{err:.2e}, {frac:.4f} of elements > 1%{'' if ok else '  WRONG'}")
@@ -215,7 +212,6 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
             best = min((r for r in good if r["config"][0] == "fma" and r["via"] == via), key=lambda r: r["pallas_s"],
                        default=None)
             summary.append((n, via, floor, base, best))
-    pallas_triton_fma.FMA_DECODE.update(saved)
     log("\n# MoE fma sweep summary: tokens, decode route, floor us, tensor-core us, best fma us (config), % of HBM")
     for n, via, floor, base, best in summary:
         log(f"  {n:4d} {via or 'current':7s} {fmt_us(floor)} {fmt_us(base['pallas_s']) if base else '      n/a'} "
@@ -238,8 +234,7 @@ def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int
     args = []
     for r in range(reps):
         kr = jax.random.fold_in(k4, r)
-        idx = jnp.argsort(jax.random.uniform(kr, (tokens, experts)), axis=1)[:, :TOPK].astype(jnp.int32)
-        w = jax.random.uniform(jax.random.fold_in(kr, 1), (tokens, TOPK), jnp.float32, 0.05, 0.5)
+        w, idx = routing(kr, tokens, experts)
         args.append((jax.random.normal(jax.random.fold_in(kr, 2), (tokens, D), jnp.bfloat16), w, idx))
     flops = 2 * tokens * TOPK * 3 * I * D
     a = [(jax.random.normal(jax.random.fold_in(k4, 100 + r), (tokens, D), jnp.bfloat16),

@@ -209,11 +209,7 @@ def fma_sweep(key, quick=False, wide: bool = False, names=FMA_SWEEP, vias=None, 
     only the default."""
     from pallas_kernels.quantized_matmul import pallas_triton_fma
 
-    saved = dict(pallas_triton_fma.FMA_DECODE)
-    vias = list(vias or [None])  # None: the current routes
-    bad = [v for v in vias if v is not None and v not in pallas_triton_fma.ROUTES]
-    if bad:
-        raise ValueError(f"--vias {','.join(bad)}: unknown weight decode route; expected {', '.join(pallas_triton_fma.ROUTES)}")
+    vias = pallas_triton_fma.checked_routes(vias)
     rows = []
     log("\n# fma GEMV sweep (tensor-core default, then fma configs ('fma', bn, kg, splits, warps, stages))")
     log(f"{'case':34s} {'M':>5s} {'MB':>8s} {'floor us':>9s} {'pallas us':>9s} {'xla us':>9s} "
@@ -225,18 +221,17 @@ def fma_sweep(key, quick=False, wide: bool = False, names=FMA_SWEEP, vias=None, 
             mma = pallas_triton._config(m, *w0.shape, "fp4" if "mxfp4" in label else "fp8")
             base = gemv_case(rows, f"{label} mma {mma}", w0, m, key, config=mma, xla=True, timer="device")
             for via in vias:
-                pallas_triton_fma.FMA_DECODE.update(saved if via is None else {"fp4": via, "fp8": via})
                 best = None
                 for cfg in fma_variants(m, w0, wide)[:1 if default_only else None]:
-                    rec = gemv_case(rows, f"{label} {via or 'current'} {cfg}", w0, m, key, config=cfg,
-                                    extra=dict(mode="fma", via=via), timer="device")
+                    with pallas_triton_fma.use_decode_route(via):
+                        rec = gemv_case(rows, f"{label} {via or 'current'} {cfg}", w0, m, key, config=cfg,
+                                        extra=dict(mode="fma", via=via), timer="device")
                     if "pallas_s" in rec and rec["rel_err"] <= CHECK_TOL and (best is None or rec["pallas_s"] < best["pallas_s"]):
                         best = rec
                 if best is not None and "pallas_s" in base:
                     log(f"  => {label} M={m} decode {via or 'current'}: best fma {best['config']} {fmt_us(best['pallas_s'])} us vs mma "
                         f"{fmt_us(base['pallas_s'])} us vs xla {fmt_us(base.get('xla_s', float('nan')))} us "
                         f"({100 * base['floor_s'] / best['pallas_s']:.1f}% of HBM)")
-    pallas_triton_fma.FMA_DECODE.update(saved)
     return rows
 
 

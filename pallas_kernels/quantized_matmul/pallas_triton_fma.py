@@ -33,6 +33,7 @@ far below (MXFP4 expert scales near 2**-8).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -106,6 +107,30 @@ def _parse_fma_decode(text: str) -> dict:
 # (f16w), wo_b 18.4 against 22.9 us. (A third route, the f16 placement byte by byte, measured in
 # between for MXFP4 and slowest for FP8 and was dropped.)
 FMA_DECODE = _parse_fma_decode(os.environ.get("DSV41_FMA_DECODE", ""))
+
+
+def checked_routes(vias) -> list:
+    """``vias`` (route names, or None for the current routes) as a list, each a known route (a
+    ValueError naming the unknown ones and the known ones otherwise); empty / None -> [None]."""
+    vias = list(vias or [None])
+    bad = [v for v in vias if v is not None and v not in ROUTES]
+    if bad:
+        raise ValueError(f"--vias {','.join(bad)}: unknown weight decode route; expected {', '.join(ROUTES)}")
+    return vias
+
+
+@contextlib.contextmanager
+def use_decode_route(via):
+    """Within the block both weight formats trace with route ``via`` (None: the routes as they are);
+    ``FMA_DECODE`` is restored after it, also on errors."""
+    saved = dict(FMA_DECODE)
+    if via is not None:
+        FMA_DECODE.update(fp4=via, fp8=via)
+    try:
+        yield
+    finally:
+        FMA_DECODE.clear()
+        FMA_DECODE.update(saved)
 
 
 def _f16_bits_to_f32(t):

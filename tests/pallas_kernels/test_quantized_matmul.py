@@ -385,3 +385,15 @@ def test_fma_multi_gemv_cross_lowering(target):
             txt = lower_for(target, lambda x, a, b: pallas_triton.quantized_matmul_multi(x, [a, b], config=cfg),
                             x, *ws).as_text()
             assert pallas_triton_call_count(txt) == 1
+
+
+def test_use_decode_route_restores_on_errors():
+    from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
+
+    before = dict(fma.FMA_DECODE)
+    with pytest.raises(RuntimeError):
+        with fma.use_decode_route("e4m3"):
+            assert fma.FMA_DECODE == {"fp4": "e4m3", "fp8": "e4m3"}
+            raise RuntimeError("inside")
+    assert fma.FMA_DECODE == before
+    assert fma.checked_routes(None) == [None] and fma.checked_routes(["f16w"]) == ["f16w"]
