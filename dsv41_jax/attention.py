@@ -42,7 +42,7 @@ from pallas_kernels.lightning_indexer import lightning_indexer, select_candidate
 from pallas_kernels.sparse_attention import sparse_attention
 
 from .config import ModelConfig
-from .layers import linear, linear_multi, norm, weight_of
+from .layers import grouped_linear, linear, linear_multi, norm, weight_of
 from .options import RunOptions
 from .quant import Fp4Tensor, Fp8Tensor, dequantize, quantize_fp4_e4m3, quantize_fp8, quantize_mxfp4
 from .quant.fake_quant import fake_quant_fp8, fake_quant_mxfp4
@@ -289,9 +289,7 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
     o = apply_rope(o, ang, inverse=True)
     G, Lo = cfg.o_groups, cfg.o_lora_rank
     with jax.named_scope("wo_a"):
-        wo_a = dequantize(weight_of(p["wo_a"]), dtype).reshape(G, Lo, -1)
-        o = o.reshape(B, S, G, -1)
-        o = jnp.einsum("bsgd,grd->bsgr", o, wo_a, preferred_element_type=jnp.float32, precision=_HI).astype(dtype)
+        o = grouped_linear(o.reshape(B, S, G, -1).astype(dtype), p["wo_a"], groups=G)
     out = linear(o.reshape(B, S, G * Lo), p["wo_b"], act_block=act, path="attn.wo_b")
     return out, cache_layers, shared
 

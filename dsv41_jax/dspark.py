@@ -46,7 +46,7 @@ from pallas_kernels.sparse_attention import sparse_attention
 from .attention import concat_rows, cache_store, update_ring
 from .cache import fp8_rows, reset_row
 from .config import ModelConfig
-from .layers import linear, norm, weight_of
+from .layers import grouped_linear, linear, norm, weight_of
 from .moe import moe
 from .options import RunOptions
 from .quant import dequantize
@@ -125,9 +125,7 @@ def _stage_attention(pa, x, ring, P, layer: int, cfg: ModelConfig, opts: RunOpti
     o = sparse_attention(q, kv, idx, pa["attn_sink"], scale=Dh ** -0.5)
     o = apply_rope(o, ang, inverse=True)
     Gr, Lo = cfg.o_groups, cfg.o_lora_rank
-    wo_a = dequantize(weight_of(pa["wo_a"]), x.dtype).reshape(Gr, Lo, -1)
-    o = jnp.einsum("bsgd,grd->bsgr", o.reshape(B, G, Gr, -1), wo_a, preferred_element_type=jnp.float32,
-                   precision=_HI).astype(x.dtype)
+    o = grouped_linear(o.reshape(B, G, Gr, -1).astype(x.dtype), pa["wo_a"], groups=Gr)
     return linear(o.reshape(B, G, Gr * Lo), pa["wo_b"], act_block=act, path="attn.wo_b")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quantized_matmul import quantized_matmul, quantized_matmul_multi
+from pallas_kernels.quantized_matmul import grouped_matmul, quantized_matmul, quantized_matmul_multi
 
 from .quant import is_quantized
 
@@ -49,6 +49,14 @@ def linear_multi(x: jax.Array, nodes, *, act_block: int = 32, out_dtype=None, pa
         if tp_active():
             return [linear(x, n, act_block=act_block, out_dtype=out_dtype, path=p) for n, p in zip(nodes, paths)]
     return quantized_matmul_multi(x, [weight_of(n) for n in nodes], act_block=act_block, out_dtype=out_dtype)
+
+
+def grouped_linear(x: jax.Array, node, *, groups: int) -> jax.Array:
+    """The grouped low-rank output projection (``wo_a``): x [..., G, K] against the weight's G
+    row groups, ``y[..., g, :] = x[..., g, :] @ W_g.T`` -> [..., G, N] in x.dtype, fp32 accumulation,
+    **no** activation fake-quant (DeepSeek's einsum with the dequantized weight). Decode sizes run
+    one Pallas launch over every group (``grouped_matmul``)."""
+    return grouped_matmul(x, weight_of(node), groups=groups)
 
 
 def norm(x, node, eps):

@@ -1,5 +1,6 @@
 """The decode step's same-input projections share one kernel launch (wq_a + wkv, the shared expert's
-w1 + w3; ``layers.linear_multi``) and the step's logits still equal the reference path's.
+w1 + w3; ``layers.linear_multi``), wo_a runs one grouped launch, and the step's logits still equal
+the reference path's.
 
 The weight GEMMs run on the Pallas kernels in interpret mode (every other op on its reference, to
 keep the CPU time small). A 1-token decode step is the case the fused launch exists for (the host's
@@ -58,6 +59,8 @@ def test_decode_step_fuses_same_input_projections(monkeypatch):
     assert "qmm_fma" not in ref_jaxpr
     # per layer: wq_a + wkv in one launch, the shared expert's w1 + w3 in another
     assert jaxpr.count("name=qmm_fma_fp8_x2") == 2 * cfg.n_layers, jaxpr.count("name=qmm_fma_fp8_x2")
+    # and wo_a, the grouped projection, one launch over its groups per layer
+    assert jaxpr.count("name=qmm_fma_fp8_grouped") == cfg.n_layers, jaxpr.count("name=qmm_fma_fp8_grouped")
     assert np.all(np.isfinite(out))
     np.testing.assert_allclose(out, ref, rtol=0, atol=2e-3 * float(np.max(np.abs(ref))))
 
@@ -65,4 +68,4 @@ def test_decode_step_fuses_same_input_projections(monkeypatch):
     with dispatch.use_implementation("interpret"):
         pre = str(jax.make_jaxpr(functools.partial(forward_step, cfg=cfg, opts=opts))(
             params, init_cache(cfg, B, 32, opts), prompt, jnp.full((B,), P, jnp.int32)))
-    assert "qmm_fma_fp8_x2" not in pre
+    assert "qmm_fma_fp8_x2" not in pre and "qmm_fma_fp8_grouped" not in pre  # 18 rows: XLA's dot

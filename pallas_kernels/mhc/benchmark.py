@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.mhc import pallas_triton, reference
-from pallas_kernels.benchmarking import HBM_BYTES_PER_S, fmt_us, log, max_rel_err, time_op
+from pallas_kernels.benchmarking import HBM_BYTES_PER_S, device_time_op, fmt_us, log, max_rel_err, time_op
 
 HC, D = 4, 5120
 KW = dict(norm_eps=1e-20, hc_eps=1e-6, sinkhorn_iters=20)
@@ -81,6 +81,49 @@ def run(quick=False, out_dir=None):
     return rows
 
 
+SWEEP_CONFIGS = {1: [(1, 128, 8), (1, 128, 16), (1, 64, 64), (1, 64, 128)],
+                 8: [(1, 128, 4), (1, 128, 8), (1, 128, 32), (1, 64, 32)]}
+
+
+def sweep(tokens=(1, 8), reps=5):
+    """Device time (profiler, :func:`device_time_op`) of hc_mixes per config (rows per program, K
+    block, K splits; default first) and of the whole site (Pallas and XLA) at decode sizes, each
+    config checked against the reference first (max abs err <= 1e-5 on values in [0, 2])."""
+    mix = (2 + HC) * HC
+    log(f"# mHC decode sweep (hc={HC}, D={D}): {jax.devices()[0].device_kind}, jax {jax.__version__}; device us per op")
+    rows = []
+    for t in tokens:
+        args = []
+        for r in range(reps):
+            ks = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(7), 100 * t + r), 6)
+            args.append((jax.random.normal(ks[0], (t, HC, D), jnp.bfloat16),
+                         jax.random.normal(ks[1], (t, D), jnp.bfloat16),
+                         jax.nn.sigmoid(jax.random.normal(ks[2], (t, HC), jnp.float32)),
+                         jax.random.normal(ks[3], (mix, HC * D), jnp.float32) * 0.02,
+                         jax.random.uniform(ks[4], (3,), jnp.float32, 0.5, 2.0),
+                         jax.random.normal(ks[5], (mix,), jnp.float32)))
+        floor = (mix * HC * D * 4 + t * HC * D * 2) / HBM_BYTES_PER_S
+        x, _, _, fn, sc, base = args[0]
+        ref = jax.jit(lambda *a: reference.hc_mixes(*a, **KW))(x, fn, sc, base)
+        default = pallas_triton._mix_config(t, HC * D)
+        for cfg in [default] + [c for c in SWEEP_CONFIGS.get(t, []) if c != default]:
+            try:
+                out = jax.jit(lambda *a, cfg=cfg: pallas_triton.hc_mixes(*a, config=cfg, **KW))(x, fn, sc, base)
+                err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(out, ref))
+                tm = device_time_op(lambda x, f, p, fn, s, b, cfg=cfg: pallas_triton.hc_mixes(x, fn, s, b, config=cfg, **KW),
+                                    args, reps=reps)
+                log(f"  T={t} hc_mixes cfg={cfg}{' (default)' if cfg == default else ''}: {tm * 1e6:7.2f} us "
+                    f"(mixes floor {floor * 1e6:.2f} us), max abs err {err:.1e}{'' if err <= 1e-5 else '  WRONG'}")
+                rows.append(dict(op="hc_mixes", T=t, config=cfg, s=tm, err=err))
+            except Exception as e:  # noqa: BLE001
+                log(f"  T={t} hc_mixes cfg={cfg} FAILED {type(e).__name__}: {str(e)[:300]}")
+        for name, mod in (("pallas", pallas_triton), ("xla", reference)):
+            ts = device_time_op(lambda *a, mod=mod: site(mod, *a), args, reps=reps)
+            log(f"  T={t} site ({name}): {ts * 1e6:7.2f} us")
+            rows.append(dict(op="mhc_site", T=t, impl=name, s=ts))
+    return rows
+
+
 CHECK_DIMS = (5120, 4096, 7168)  # V4.1-Flash, V4-Flash, V4-Pro hidden sizes
 
 
@@ -120,10 +163,14 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true", help="correctness only, then exit")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="decode-size hc_mixes configs and the site, device time")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
     if a.check:
         return 0 if check() else 1
+    if a.sweep:
+        sweep()
+        return 0
     run(quick=a.quick, out_dir=a.out)
 
 

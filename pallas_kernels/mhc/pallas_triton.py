@@ -69,9 +69,26 @@ def _proj(xt, fnt):
 
 def _partial(x_ref, fn_ref, t0, kbase, *, bt, bk, steps, hc):
     """Over this program's K range: a = x . fn[0:16]^T, b = x . fn[2hc:2hc+hc*hc]^T ([bt, 16] each)
-    and ss = sum x^2 ([bt]). All loads are in bounds (no masks). bt == 1 uses exact fp32 FMAs
-    instead of dots (decode: no row padding)."""
+    and ss = sum x^2 ([bt]). All loads are in bounds (no masks). bt == 1 (decode: no row padding)
+    uses exact fp32 FMAs and carries the per-lane products [16, bk] through the loop, reduced over K
+    once after it: a reduction over K inside the loop is a cross-warp reduction (barriers) per step,
+    which made the decode kernel latency-bound (36 us at 8 rows on the H200, session 8)."""
     rows = pl.ds(t0, bt)
+
+    def load(i):
+        k0 = pl.multiple_of(kbase + i * bk, bk)
+        return (x_ref[rows, pl.ds(k0, bk)].astype(jnp.float32), fn_ref[pl.ds(0, 16), pl.ds(k0, bk)],
+                fn_ref[pl.ds(2 * hc, hc * hc), pl.ds(k0, bk)])
+
+    if bt == 1:
+        def lanes(i, carry):
+            a, b, ss = carry
+            xf, fa, fb = load(i)
+            return a + fa * xf, b + fb * xf, ss + xf * xf
+
+        z = jnp.zeros((16, bk), jnp.float32)
+        a, b, ss = jax.lax.fori_loop(0, steps, lanes, (z, z, jnp.zeros((1, bk), jnp.float32)))
+        return jnp.sum(a, axis=1)[None, :], jnp.sum(b, axis=1)[None, :], jnp.sum(ss, axis=1)
 
     def body(i, carry):
         a, b, ss = carry
@@ -80,12 +97,7 @@ def _partial(x_ref, fn_ref, t0, kbase, *, bt, bk, steps, hc):
         fa = fn_ref[pl.ds(0, 16), pl.ds(k0, bk)]
         fb = fn_ref[pl.ds(2 * hc, hc * hc), pl.ds(k0, bk)]
         xf = xt.astype(jnp.float32)
-        if bt == 1:
-            da = jnp.sum(fa * xf, axis=1)[None, :]
-            db = jnp.sum(fb * xf, axis=1)[None, :]
-        else:
-            da, db = _proj(xt, fa), _proj(xt, fb)
-        return a + da, b + db, ss + jnp.sum(xf * xf, axis=1)
+        return a + _proj(xt, fa), b + _proj(xt, fb), ss + jnp.sum(xf * xf, axis=1)
 
     z = jnp.zeros((bt, 16), jnp.float32)
     return jax.lax.fori_loop(0, steps, body, (z, z, jnp.zeros((bt,), jnp.float32)))
@@ -143,7 +155,7 @@ def _mix_split_kernel(pa_ref, pb_ref, ps_ref, scale_ref, base_ref, p_ref, c_ref,
 
 def _mix_config(t: int, width: int):
     """(bt, bk, n_split): one row per program for decode (T <= 8), 16/64-row dot tiles otherwise;
-    K split (power of two) so that a decode site has ~32 programs."""
+    K split (power of two) so that a decode site has ~128 programs (dot tiles: ~32)."""
     if t <= 8:
         bt, bk = 1, pick_block(width, 128)
     else:
@@ -151,7 +163,8 @@ def _mix_config(t: int, width: int):
     n_t = -(-t // bt)
     chunks = width // bk
     n_split = 1
-    while n_t * n_split < 32 and chunks % (n_split * 2) == 0 and n_split * 2 * bt * 16 <= 8192:
+    target = 128 if bt == 1 else 32
+    while n_t * n_split < target and chunks % (n_split * 2) == 0 and n_split * 2 * bt * 16 <= 8192:
         n_split *= 2
     return bt, bk, n_split
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pallas_kernels import dispatch
 
+from dsv41_jax.quant import is_quantized
+
 from . import reference
 
 
@@ -51,3 +53,21 @@ def quantized_matmul_multi(x, ws, *, act_block=32, out_dtype=None, implementatio
                                         out_dtype=out_dtype, interpret=interpret)
     return [quantized_matmul(x, w, act_block=act_block, out_dtype=out_dtype, implementation=implementation)
             for w in ws]
+
+
+def grouped_matmul(x, w, *, groups: int, out_dtype=None, implementation=None):
+    """V4's grouped low-rank output projection (``wo_a``): x [..., G, K], w [G*N, K] (FP8/MXFP4, or
+    plain) -> [..., G, N] with ``y[..., g, :] = x[..., g, :] @ W_g.T`` and no activation fake-quant
+    (as the reference). The Pallas kernel is the decode-size vector-unit GEMV over every group in one
+    launch (at most 8 rows per group); other sizes run the reference (dequantize + one batched dot).
+    Under a mesh with a ``tp`` axis the reference runs, so that GSPMD splits it by group."""
+    from sharding.tensor_parallel import tp_active
+
+    if is_quantized(w) and not tp_active():
+        kernel, interpret = dispatch.choose(
+            "quantized_matmul", implementation, _kernel, lambda k: k.grouped_reason(x, w, groups=groups),
+            lambda k: k.grouped_auto_reason(x, w))
+        if kernel is not None:
+            return dispatch.call_kernel(kernel.grouped_matmul, x, w, groups=groups, out_dtype=out_dtype,
+                                        interpret=interpret)
+    return reference.grouped_matmul(x, w, groups=groups, out_dtype=out_dtype)

@@ -235,6 +235,47 @@ def fma_sweep(key, quick=False, wide: bool = False, names=FMA_SWEEP, vias=None, 
     return rows
 
 
+WO_A = (8, 1024, 4096)  # V4.1-Flash wo_a: 8 groups x 1024 rows (o_lora_rank), K = 64 * 512 / 8
+
+
+def grouped_sweep(key, rows_list=(1, 2, 8), reps=9):
+    """The grouped GEMV (``wo_a``, FP8 32x32, no activation fake-quant) at 1, 2 and 8 rows per group:
+    checked against the reference on the GPU (max|diff| / max|ref|), then device time (profiler) of
+    the default and a few other fma configs beside XLA's dequantize + batched dot (the reference) and
+    the byte floor (weight + scales)."""
+    from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
+
+    groups, n, k = WO_A
+    w0 = random_fp8(key, groups * n, k)
+    ws = [w0] + [distinct_copy(w0) for _ in range(reps - 1)]
+    floor = tree_bytes(w0) / HBM_BYTES_PER_S
+    log(f"\n# grouped GEMV (wo_a: {groups} groups x {n} rows, K={k}, FP8 32x32; floor {floor * 1e6:.2f} us)")
+    out = []
+    for m in rows_list:
+        xs = [jax.random.normal(jax.random.fold_in(key, 100 * m + r), (m, groups, k), jnp.bfloat16) for r in range(reps)]
+        args = [(xs[r], ws[r]) for r in range(reps)]
+        fr = lambda x, w: reference.grouped_matmul(x, w, groups=groups)  # noqa: E731
+        yr = jax.jit(fr)(*args[0])
+        t_x = device_time_op(fr, args, reps=reps)
+        base = fma.grouped_config(m, w0, groups)
+        cfgs = [base] + [c for c in (base[:3] + (1,) + base[4:], base[:1] + (16,) + base[2:],
+                                     base[:5] + (2,), base[:4] + (8,) + base[5:]) if c != base]
+        for cfg in cfgs:
+            try:
+                fp = lambda x, w, cfg=cfg: pallas_triton.grouped_matmul(x, w, groups=groups, config=cfg)  # noqa: E731
+                err = max_rel_err(jax.jit(fp)(*args[0]), yr)
+                t = device_time_op(fp, args, reps=reps)
+                ok = err <= CHECK_TOL
+                log(f"  M={m} cfg={cfg}{' (default)' if cfg == base else ''}: {t * 1e6:7.2f} us "
+                    f"({100 * floor / t:5.1f}% of HBM), xla {t_x * 1e6:7.2f} us ({100 * floor / t_x:5.1f}%), "
+                    f"xla/pallas {t_x / t:5.2f}x, rel err {err:.2e} {'PASS' if ok else 'FAIL'}")
+                out.append(dict(op="grouped_gemv", M=m, config=cfg, pallas_s=t, xla_s=t_x, floor_s=floor,
+                                rel_err=err, ok=ok))
+            except Exception as e:  # noqa: BLE001
+                log(f"  M={m} cfg={cfg} FAILED {type(e).__name__}: {str(e)[:300]}")
+    return out
+
+
 CHECK_FP8 = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wo_b", 5120, 8192), ("shared_w2", 5120, 2304)]
 # V4-Flash FP8 projections (128x128 blocks, act_block 128; model.md §10.2, attention.md): not yet run on a GPU
 CHECK_FP8_V4 = [("v4 wq_a", 1024, 4096), ("v4 wq_b", 32768, 1024), ("v4 wo_b", 4096, 8192),
@@ -301,8 +342,16 @@ def main(argv=None):
     ap.add_argument("--vias", default=None, help="with --fma: weight decode routes to compare, e.g. e4m3,f16w")
     ap.add_argument("--default-only", action="store_true", help="with --fma: only the default fma config")
     ap.add_argument("--names", default=None, help="with --fma: projections to sweep, e.g. wq_b,wo_b")
+    ap.add_argument("--grouped", action="store_true", help="the grouped GEMV (wo_a): check + device time, then exit")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
+    if a.grouped:
+        rows = grouped_sweep(jax.random.PRNGKey(9))
+        if a.out:
+            os.makedirs(a.out, exist_ok=True)
+            with open(os.path.join(a.out, "qmm_grouped.json"), "w") as f:
+                json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
+        return 0 if rows and all(r["ok"] for r in rows) else 1
     if a.check:
         return 0 if check(a.only, a.with_mma8) else 1
     if a.fma:

@@ -492,3 +492,47 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, con
     if splits > 1:
         y = jnp.sum(y, axis=0)
     return y[:m].astype(out_dtype).reshape(*lead, n)
+
+
+# --------------------------------------------------------------------------------------------------
+# grouped GEMV (V4's wo_a: the activation's G groups, each against its own N rows of the weight)
+
+
+def grouped_reason(x, w, *, groups: int) -> str | None:
+    """None if the grouped fma GEMV takes ``x`` [..., G, K] against ``w`` [G*N, K], else why not."""
+    if not isinstance(w, (Fp8Tensor, Fp4Tensor)):
+        return f"the grouped GEMV takes FP8 or MXFP4 weights, got {type(w).__name__}"
+    n, k = weight_logical_shape(w)
+    if x.ndim < 2 or x.shape[-2] != groups or x.shape[-1] != k:
+        return f"x must be [..., {groups}, {k}] for a weight [{n}, {k}] in {groups} groups, got {tuple(x.shape)}"
+    if x.dtype not in (jnp.bfloat16, jnp.float32):
+        return f"x dtype must be bf16 or f32, got {x.dtype}"
+    if n % groups:
+        return f"the weight's {n} rows do not split into {groups} groups"
+    m = math.prod(x.shape[:-2])
+    if m > fma.GROUPED_MAX_ROWS:
+        return f"the grouped GEMV takes at most {fma.GROUPED_MAX_ROWS} rows per group, got {m}"
+    if fma.grouped_config(m, w, groups) is None:
+        return f"no fma configuration divides a group's {n // groups} rows and K={k} in blocks of {fma.group_size(w)}"
+    return None
+
+
+def grouped_auto_reason(x, w):
+    """Why 'auto' dispatch should not pick the grouped GEMV on a GPU (None: pick it): the FP8 case is
+    checked against the reference on an H200 (``benchmark.py --grouped``); MXFP4 is not."""
+    return None if weight_format(w) == "fp8" else "only the FP8 grouped GEMV has been verified on an H200"
+
+
+def grouped_matmul(x, w, *, groups: int, out_dtype=None, interpret=False, config=None):
+    """x [..., G, K] bf16/f32, w FP8/MXFP4 [G*N, K] -> [..., G, N] out_dtype (default x.dtype), no
+    activation fake-quant (:func:`pallas_triton_fma.quantized_matmul_fma_grouped`)."""
+    reason = grouped_reason(x, w, groups=groups)
+    if reason is not None:
+        raise ValueError(f"grouped_matmul (pallas): {reason}")
+    lead = x.shape[:-2]
+    m = math.prod(lead)
+    k = x.shape[-1]
+    cfg = tuple(config) if config is not None else fma.grouped_config(m, w, groups)
+    y = fma.quantized_matmul_fma_grouped(x.reshape(m, groups, k), w, out_dtype=jnp.dtype(out_dtype or x.dtype),
+                                         config=cfg, interpret=interpret)
+    return y.reshape(*lead, groups, -1)

@@ -298,13 +298,13 @@ def k_loop(steps, load, compute, init):
 # the GEMV
 
 
-def unsupported_reason(m: int, w, config) -> str | None:
+def unsupported_reason(m: int, w, config, *, max_rows: int = FMA_MAX_ROWS) -> str | None:
     """Why the fma configuration cannot take this call (None: it can)."""
     _, bn, kg, splits, _, _ = config
     if not isinstance(w, (Fp8Tensor, Fp4Tensor)):
         return "the fma GEMV takes FP8 or MXFP4 weights only"
-    if m > FMA_MAX_ROWS:
-        return f"the fma GEMV takes at most {FMA_MAX_ROWS} rows, got {m}"
+    if m > max_rows:
+        return f"the fma GEMV takes at most {max_rows} rows, got {m}"
     n, k = w.shape
     g = group_size(w)
     if isinstance(w, Fp8Tensor) and bn > g:
@@ -356,10 +356,12 @@ def multi_reason(m: int, ws, config) -> str | None:
     return None
 
 
-def _fma_kernel(*refs, fmt, m, bn, kg, steps, g, split, nblocks):
+def _fma_kernel(*refs, fmt, m, bn, kg, steps, g, split, nblocks, group_blocks=None):
     """Programs (i_n, i_s): output rows [i_n*bn, +bn) of the concatenation of every weight's output,
     K part i_s. ``nblocks``: each weight's number of bn-row blocks; program i_n reads the weight whose
-    blocks hold it (a static branch per weight, one taken)."""
+    blocks hold it (a static branch per weight, one taken). ``group_blocks`` (grouped GEMV, one
+    weight): each group's number of bn-row blocks; the activation then holds the groups' rows one
+    group after another ([G*M, ...]) and program i_n reads group i_n // group_blocks's M rows."""
     nw = len(nblocks)
     x_refs = refs[:-(2 * nw + 1)]
     w_refs = refs[-(2 * nw + 1):-1]
@@ -375,8 +377,10 @@ def _fma_kernel(*refs, fmt, m, bn, kg, steps, g, split, nblocks):
         def g0_of(i):
             return pl.multiple_of(gbase + i * kg, kg)
 
+        xrow0 = 0 if group_blocks is None else (i_n // group_blocks) * m
+
         def compute(i, tile, accs):
-            parts = tile_partials(fmt, tile, x_refs, range(m), g0_of(i), kg)
+            parts = tile_partials(fmt, tile, x_refs, [xrow0 + r for r in range(m)], g0_of(i), kg)
             return tuple(a + p for a, p in zip(accs, parts))
 
         accs = k_loop(steps, lambda i: load_tile(fmt, w_ref, s_ref, (), row0, bn, g0_of(i), kg, g), compute,
@@ -441,3 +445,63 @@ def quantized_matmul_fma(x2, w, *, act_block, out_dtype, config, interpret=False
     """x2 [M, K] (M <= FMA_MAX_ROWS), w FP8/MXFP4 [N, K] -> [M, N] out_dtype."""
     return quantized_matmul_fma_multi(x2, [w], act_block=act_block, out_dtype=out_dtype, config=config,
                                       interpret=interpret)[0]
+
+
+GROUPED_MAX_ROWS = 8  # rows per group of the grouped GEMV (wo_a at batch 8: one kernel instead of XLA's
+#                       dequantize of the whole weight + a batched dot)
+
+
+def grouped_config(m: int, w, groups: int):
+    """The fma configuration of :func:`quantized_matmul_fma_grouped` for ``m`` rows per group against
+    ``w`` [G*N, K], or None when it cannot take it. bn must divide each group's N (a program never
+    straddles two groups)."""
+    n, k = w.shape
+    if n % groups:
+        return None
+    cfg = default_config(m, n // groups, k, w)
+    _, bn, kg, _, warps, stages = cfg
+    # default_config counted one group's blocks: choose the K split again for all G of them.
+    steps = (k // group_size(w)) // kg
+    splits = 1
+    for cand in range(1, steps + 1):
+        if steps % cand == 0 and steps // cand >= 2:
+            splits = cand
+            if (n // bn) * cand >= 4 * 132:
+                break
+    cfg = ("fma", bn, kg, splits, warps, stages)
+    return cfg if unsupported_reason(m, w, cfg, max_rows=GROUPED_MAX_ROWS) is None else None
+
+
+def quantized_matmul_fma_grouped(x3, w, *, out_dtype, config, interpret=False):
+    """x3 [M, G, K] (M <= GROUPED_MAX_ROWS), w FP8/MXFP4 [G*N, K] (group-major rows) -> y [M, G, N]
+    out_dtype with ``y[:, g] = x3[:, g] @ W[g*N:(g+1)*N].T``: V4's grouped low-rank output projection
+    (``wo_a``), which has **no** activation fake-quant (the reference multiplies the bf16 activation
+    by the dequantized weight). One launch over every group; fp32 products and sums as the
+    reference's dot, in another order."""
+    m, groups, k = x3.shape
+    n = w.shape[0]
+    reason = ("w rows must split into the groups" if n % groups or w.shape[1] != k
+              else unsupported_reason(m, w, config, max_rows=GROUPED_MAX_ROWS))
+    if reason is not None:
+        raise ValueError(f"grouped GEMV (pallas, fma): x {tuple(x3.shape)}, w {tuple(w.shape)}: {reason}")
+    _, bn, kg, splits, warps, stages = config
+    if (n // groups) % bn:
+        raise ValueError(f"grouped GEMV (pallas, fma): bn={bn} must divide each group's {n // groups} rows")
+    g = group_size(w)
+    fmt = "fp8" if isinstance(w, Fp8Tensor) else "fp4"
+    xs = act_view(jnp.swapaxes(x3, 0, 1).reshape(groups * m, k), w)  # group-major rows, as read by the kernel
+    steps = (k // g) // kg // splits
+    out_shape = (jax.ShapeDtypeStruct((splits, m, n), jnp.float32) if splits > 1
+                 else jax.ShapeDtypeStruct((m, n), out_dtype))
+    y = pl.pallas_call(
+        functools.partial(_fma_kernel, fmt=fmt, m=m, bn=bn, kg=kg, steps=steps, g=g, split=splits > 1,
+                          nblocks=(n // bn,), group_blocks=(n // groups) // bn),
+        out_shape=out_shape,
+        grid=(n // bn, splits),
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret,
+        name=f"qmm_fma_{fmt}_grouped",
+    )(*xs, *weight_view(w))
+    if splits > 1:
+        y = jnp.sum(y, axis=0)
+    return y.astype(out_dtype).reshape(m, groups, n // groups)

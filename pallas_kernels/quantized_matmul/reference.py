@@ -32,3 +32,16 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None):
     y = jnp.einsum("...k,nk->...n", xq, wf, preferred_element_type=jnp.float32,
                    precision=jax.lax.Precision.HIGHEST)
     return y.astype(out_dtype)
+
+
+def grouped_matmul(x, w, *, groups, out_dtype=None):
+    """V4's grouped low-rank projection (``wo_a``): x [..., G, K], w [G*N, K] (group-major rows) ->
+    [..., G, N] with ``y[..., g, :] = x[..., g, :] @ W_g.T``. No activation fake-quant: the reference
+    dequantizes the weight (exact in bf16) and multiplies the activation as it is, fp32 accumulation."""
+    out_dtype = out_dtype or x.dtype
+    op = _operand_dtype(x)
+    wf = w.dequantize(op) if is_quantized(w) else jnp.asarray(w).astype(op)
+    wf = wf.reshape(groups, wf.shape[0] // groups, wf.shape[1])
+    y = jnp.einsum("...gk,gnk->...gn", x.astype(op), wf, preferred_element_type=jnp.float32,
+                   precision=jax.lax.Precision.HIGHEST)
+    return y.astype(out_dtype)

@@ -170,3 +170,40 @@ def test_moe_prefill_sweep_runs_in_interpret_mode(monkeypatch):
         [(r["config"], r["rel_err"], r["frac_gt_1pct"]) for r in rows]
     assert len(timed) == 1 + len(rows) and all(r["tflops"] > 0 and r["ceiling_tflops"] > 0 for r in rows)
     assert lines[-1].startswith("# best:")
+
+
+def test_qmm_grouped_sweep_runs_in_interpret_mode(monkeypatch):
+    """``quantized_matmul.benchmark --grouped`` at a small wo_a shape (interpret mode, timing stubbed):
+    each row count's default and alternative configs are checked against the reference and pass."""
+    import functools
+
+    import pallas_kernels.quantized_matmul.benchmark as bq
+
+    monkeypatch.setattr(bq, "WO_A", (4, 64, 512))
+    monkeypatch.setattr(bq, "device_time_op", lambda *a, **k: 1e-6)
+    monkeypatch.setattr(bq.pallas_triton, "grouped_matmul",
+                        functools.partial(bq.pallas_triton.grouped_matmul, interpret=True))
+    monkeypatch.setattr(bq, "log", lambda *a: None)
+    rows = bq.grouped_sweep(__import__("jax").random.PRNGKey(0), rows_list=(1, 8), reps=2)
+    assert {r["M"] for r in rows} == {1, 8} and len(rows) >= 6
+    assert all(r["ok"] for r in rows), [(r["M"], r["config"], r["rel_err"]) for r in rows]
+
+
+def test_mhc_sweep_runs_in_interpret_mode(monkeypatch):
+    """``mhc.benchmark --sweep`` at a small width (interpret mode, timing stubbed): every decode config
+    of hc_mixes is checked against the reference (max abs err <= 1e-5), and the site is timed for both
+    implementations."""
+    import functools
+
+    import pallas_kernels.mhc.benchmark as bm
+
+    monkeypatch.setattr(bm, "D", 256)
+    monkeypatch.setattr(bm, "SWEEP_CONFIGS", {1: [(1, 128, 2)], 8: [(1, 64, 4)]})
+    monkeypatch.setattr(bm, "device_time_op", lambda *a, **k: 1e-6)
+    for name in ("hc_mixes", "hc_collapse", "hc_expand"):
+        monkeypatch.setattr(bm.pallas_triton, name, functools.partial(getattr(bm.pallas_triton, name), interpret=True))
+    rows = bm.sweep(tokens=(1, 8), reps=2)
+    mixes = [r for r in rows if r["op"] == "hc_mixes"]
+    assert [(r["T"], r["config"]) for r in mixes][1::2] == [(1, (1, 128, 2)), (8, (1, 64, 4))]
+    assert len(mixes) == 4 and all(r["err"] <= 1e-5 for r in mixes), mixes
+    assert sum(r["op"] == "mhc_site" for r in rows) == 4

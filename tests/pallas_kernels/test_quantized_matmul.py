@@ -397,3 +397,72 @@ def test_use_decode_route_restores_on_errors():
             raise RuntimeError("inside")
     assert fma.FMA_DECODE == before
     assert fma.checked_routes(None) == [None] and fma.checked_routes(["f16w"]) == ["f16w"]
+
+
+# grouped GEMV (wo_a): y[..., g, :] = x[..., g, :] @ W_g.T, no activation fake-quant. Same exact
+# products as the reference's dequantized bf16 / f32 dot; only the fp32 summation order differs.
+@pytest.mark.parametrize("via", ["e4m3", "f16w"])
+@pytest.mark.parametrize("fmt,dtype,lead,groups,n,k,block", [
+    ("fp8", jnp.bfloat16, (1, 1), 8, 64, 256, 32),   # batch-1 decode
+    ("fp8", jnp.float32, (2, 3), 4, 96, 512, 32),    # 6 rows per group (spec verify / batch), f32
+    ("fp8", jnp.bfloat16, (8,), 2, 128, 512, 128),   # V4's 128x128 blocks, 8 rows
+    ("fp4", jnp.float32, (1, 2), 4, 32, 256, 32),
+])
+def test_grouped_gemv_parity_interpret(fmt, dtype, lead, groups, n, k, block, via, monkeypatch):
+    from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
+
+    monkeypatch.setattr(fma, "FMA_DECODE", {"fp4": via, "fp8": via})
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(np.random.randint(1 << 30)), 3)
+    x = jax.random.normal(k1, (*lead, groups, k), dtype) * 3
+    if dtype == jnp.float32:  # values over many binades: no fake-quant may creep in
+        x = x * jnp.exp2(jax.random.randint(k3, x.shape, -20, 20)).astype(dtype)
+    wf = jax.random.normal(k2, (groups * n, k), jnp.float32) * 0.05
+    w = quantize_fp8(wf, (block, block)) if fmt == "fp8" else quantize_mxfp4(wf)
+    ref = reference.grouped_matmul(x, w, groups=groups)
+    assert ref.shape == (*lead, groups, n) and ref.dtype == dtype
+    m = int(np.prod(lead))
+    base = fma.grouped_config(m, w, groups)
+    for cfg in (base, base[:3] + (1,) + base[4:]):  # default (split K) and one K part
+        y = pallas_triton.grouped_matmul(x, w, groups=groups, interpret=True, config=cfg)
+        assert y.shape == ref.shape and y.dtype == dtype
+        check_close(y, ref)
+    # the groups are not mixed up: each group's output depends on its own rows only
+    x2 = x.at[..., 0, :].multiply(-1.0)
+    y2 = pallas_triton.grouped_matmul(x2, w, groups=groups, interpret=True)
+    check_close(y2[..., 1:, :], ref[..., 1:, :])
+    check_close(y2[..., 0, :], -ref[..., 0, :])
+
+
+def test_grouped_gemv_dispatch_and_reasons():
+    """api.grouped_matmul: the kernel for quantized weights up to 8 rows per group, the reference for
+    more rows and plain weights (identical values there); clear reasons for shapes it cannot take."""
+    rng = np.random.default_rng()
+    w = quantize_fp8(jnp.asarray(rng.normal(size=(4 * 64, 256)) * 0.05, jnp.float32))
+    x = jnp.asarray(rng.normal(size=(1, 2, 4, 256)), jnp.bfloat16)
+    count = lambda fn, *a: str(jax.make_jaxpr(fn)(*a)).count("pallas_call")  # noqa: E731
+    with dispatch.use_implementation("interpret"):
+        assert count(lambda x, w: api.grouped_matmul(x, w, groups=4), x, w) == 1
+        check_close(api.grouped_matmul(x, w, groups=4), reference.grouped_matmul(x, w, groups=4))
+        x9 = jnp.asarray(rng.normal(size=(9, 4, 256)), jnp.float32)  # 9 rows: the reference
+        assert count(lambda x, w: api.grouped_matmul(x, w, groups=4), x9, w) == 0
+        plain = w.dequantize(jnp.float32)
+        np.testing.assert_array_equal(np.asarray(api.grouped_matmul(x9, plain, groups=4)),
+                                      np.asarray(reference.grouped_matmul(x9, plain, groups=4)))
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., 4, 256\]"):
+        api.grouped_matmul(x[..., :128], w, groups=4, implementation="interpret")
+    with pytest.raises(ValueError, match="do not split into 3 groups"):
+        api.grouped_matmul(jnp.zeros((1, 3, 256), jnp.bfloat16), w, groups=3, implementation="interpret")
+    assert "at most 8 rows" in pallas_triton.grouped_reason(x9, w, groups=4)
+
+
+@pytest.mark.parametrize("target", ["cuda", "rocm"])
+def test_grouped_gemv_cross_lowering(target):
+    """V4.1-Flash's wo_a (8 groups x 1024 rows, K = 4096, FP8 32x32) and V4-Flash's (8 x 1024, K = 4096,
+    128x128 blocks) at 1 and 8 rows per group: one Triton call for both vendors."""
+    ws = (fp8_spec(8192, 4096),
+          Fp8Tensor(S((8192, 4096), jnp.float8_e4m3fn), S((64, 32), jnp.float8_e8m0fnu), (128, 128)))
+    for w in ws:
+        for m in (1, 8):
+            txt = lower_for(target, lambda x, w: pallas_triton.grouped_matmul(x, w, groups=8),
+                            S((m, 1, 8, 4096), jnp.bfloat16), w).as_text()
+            assert pallas_triton_call_count(txt) == 1 and "qmm_fma_fp8_grouped" in txt
