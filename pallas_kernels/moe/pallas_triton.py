@@ -99,8 +99,12 @@ def auto_reason(w1=None, act_block=32):
 
 
 def _config(n_pairs: int, n_exp: int, i: int, d: int):
-    """(bt, bi, bk_a, bd, bk_b, warps)."""
+    """(bt, bi, bk_a, bd, bk_b, warps). From 256 rows per expert on (prefill chunks over few experts:
+    the benchmark's 96 experts at 4096 tokens), 128-row blocks with 64-wide tiles: 13.45 ms against
+    15.98 ms for the 64-row default, the fastest of 8 tilings on the H200 (session 8, BENCHMARKS.md)."""
     rows_per_expert = n_pairs / max(1, min(n_exp, n_pairs))
+    if rows_per_expert >= 256:
+        return 128, pick_block(i, 64), pick_block(d, 64), pick_block(d, 64), pick_block(i, 64), 4
     bt = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64
     bi = pick_block(i, 64 if bt <= 32 else 128)
     bd = pick_block(d, 64 if bt <= 32 else 128)

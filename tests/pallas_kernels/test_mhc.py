@@ -124,3 +124,14 @@ def test_reference_sinkhorn_unrolled_on_gpu(monkeypatch):
     assert "stablehlo.while" in cpu and "stablehlo.while" not in gpu
     for a, b in zip(jax.jit(g)(x, fn, scale, base), want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_mixes_refuses_a_split_that_leaves_k_blocks_out():
+    """A K split that does not divide the width into whole blocks is refused with the reason (it
+    silently dropped the last K blocks on the H200: (1, 64, 128) at width 20480, session 8)."""
+    x, fn, scale, base, _ = inputs(np.random.randint(1 << 30), 1, 320, jnp.bfloat16)  # width 1280 = 20 x 64
+    with pytest.raises(ValueError, match="must split into 8 parts of whole 64-wide K blocks"):
+        pallas_triton.hc_mixes(x, fn, scale, base, interpret=True, config=(1, 64, 8), **KW)
+    out = pallas_triton.hc_mixes(x, fn, scale, base, interpret=True, config=(1, 64, 4), **KW)
+    for a, b in zip(out, reference.hc_mixes(x, fn, scale, base, **KW)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-6)

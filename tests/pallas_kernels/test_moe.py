@@ -129,6 +129,12 @@ def test_cross_lowering_real_shapes(target):
                             S((n, RD), jnp.bfloat16), S((n, RK), jnp.float32), S((n, RK), jnp.int32),
                             mk(RE, RI, RD), mk(RE, RD, RI), mk(RE, RI, RD)).as_text()
             assert txt.count(pltriton.CUSTOM_CALL_TARGET_NAME) == 2  # gate/up + down
+    # a prefill chunk over 96 experts (256 rows per expert): the 128-row tiling
+    assert pallas_triton._config(4096 * RK, 96, RI, RD)[0] == 128
+    txt = lower_for(target, lambda x, w, i, a, b, c: pallas_triton.moe_experts(x, w, i, a, b, c, swiglu_limit=10.0),
+                    S((4096, RD), jnp.bfloat16), S((4096, RK), jnp.float32), S((4096, RK), jnp.int32),
+                    fp4(96, RI, RD), fp4(96, RD, RI), fp4(96, RI, RD)).as_text()
+    assert txt.count(pltriton.CUSTOM_CALL_TARGET_NAME) == 2
 
 
 # --------------------------------------------------------------------------------------------------
