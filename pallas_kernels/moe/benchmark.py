@@ -220,14 +220,15 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
     return rows
 
 
-def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int = 2):
+def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int = 2, routes=None):
     """Prefill-size fused MoE (tensor-core kernels): the default tiling and ``configs`` (default
     :data:`TUNE_CONFIGS_PREFILL`) at ``tokens`` tokens over ``experts`` MXFP4 experts (96 = the
     benchmark's reduced model: 256 rows per expert at 4096 tokens), each checked against the reference
     on the same inputs (rel err, share of elements off by > 1%), then timed by the profiler
     (:func:`device_time_op`); beside each, TFLOP/s and the share of the bf16 matmul ceiling measured in
     the same run (``jnp.dot`` of [tokens, D] x [D, 2I], the shape of one expert's gate/up GEMM over
-    every token). The best correct config is printed last."""
+    every token). The best correct config is printed last. ``routes``: the MXFP4 decode routes of the
+    tensor-core kernels to run every config with (``pallas_triton.MMA_FP4``; None: the current one)."""
     key = jax.random.PRNGKey(23)
     k1, k2, k3, k4 = jax.random.split(key, 4)
     w1, w2, w3 = random_fp4(k1, (experts, I, D)), random_fp4(k2, (experts, D, I)), random_fp4(k3, (experts, I, D))
@@ -246,26 +247,34 @@ def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int
     yr = jax.jit(lambda x, w, idx, a, b, c: reference.moe_experts(x, w, idx, a, b, c, swiglu_limit=LIMIT))(
         *args[0], w1, w2, w3)
     rows = []
-    for cfg in [None] + list(configs or TUNE_CONFIGS_PREFILL):
-        try:
-            f = lambda x, w, idx, a, b, c, cfg=cfg: pallas_triton.moe_experts(  # noqa: E731
-                x, w, idx, a, b, c, swiglu_limit=LIMIT, config=cfg)
-            y = jax.jit(f)(*args[0], w1, w2, w3)
-            err, frac = max_rel_err(y, yr), frac_off(y, yr)
-            t = device_time_op(f, args, (w1, w2, w3), reps=reps)
-            ok = frac <= TUNE_MAX_FRAC and err <= 8e-3
-            label = cfg or ("default", pallas_triton._config(tokens * TOPK, experts, I, D))
-            log(f"  cfg={label}: {t * 1e3:8.3f} ms, {flops / t / 1e12:6.1f} TFLOP/s ({100 * flops / t / ceiling:5.1f}% of "
-                f"the ceiling), rel err {err:.2e}, {frac:.4f} of elements > 1%{'' if ok else '  WRONG'}")
-            rows.append(dict(op="prefill_moe", tokens=tokens, experts=experts, config=cfg, pallas_s=t,
-                             tflops=flops / t / 1e12, ceiling_tflops=ceiling / 1e12, rel_err=err, frac_gt_1pct=frac,
-                             ok=ok))
-        except Exception as e:  # noqa: BLE001
-            log(f"  cfg={cfg} FAILED {type(e).__name__}: {str(e)[:300]}")
+    saved = dict(pallas_triton.MMA_FP4)
+    try:
+        for route in routes or [None]:
+            if route is not None:
+                pallas_triton.MMA_FP4["route"] = pallas_triton._parse_mma_fp4(route)
+            for cfg in [None] + list(configs or TUNE_CONFIGS_PREFILL):
+                try:
+                    f = lambda x, w, idx, a, b, c, cfg=cfg: pallas_triton.moe_experts(  # noqa: E731
+                        x, w, idx, a, b, c, swiglu_limit=LIMIT, config=cfg)
+                    y = jax.jit(f)(*args[0], w1, w2, w3)
+                    err, frac = max_rel_err(y, yr), frac_off(y, yr)
+                    t = device_time_op(f, args, (w1, w2, w3), reps=reps)
+                    ok = frac <= TUNE_MAX_FRAC and err <= 8e-3
+                    label = cfg or ("default", pallas_triton._config(tokens * TOPK, experts, I, D))
+                    log(f"  route={pallas_triton.MMA_FP4['route']} cfg={label}: {t * 1e3:8.3f} ms, "
+                        f"{flops / t / 1e12:6.1f} TFLOP/s ({100 * flops / t / ceiling:5.1f}% of "
+                        f"the ceiling), rel err {err:.2e}, {frac:.4f} of elements > 1%{'' if ok else '  WRONG'}")
+                    rows.append(dict(op="prefill_moe", tokens=tokens, experts=experts, config=cfg,
+                                     route=pallas_triton.MMA_FP4["route"], pallas_s=t, tflops=flops / t / 1e12,
+                                     ceiling_tflops=ceiling / 1e12, rel_err=err, frac_gt_1pct=frac, ok=ok))
+                except Exception as e:  # noqa: BLE001
+                    log(f"  cfg={cfg} FAILED {type(e).__name__}: {str(e)[:300]}")
+    finally:
+        pallas_triton.MMA_FP4.update(saved)
     good = [r for r in rows if r["ok"]]
     if good:
         best = min(good, key=lambda r: r["pallas_s"])
-        log(f"# best: {best['config'] or 'default'} {best['pallas_s'] * 1e3:.3f} ms, {best['tflops']:.1f} TFLOP/s "
+        log(f"# best: route {best['route']} {best['config'] or 'default'} {best['pallas_s'] * 1e3:.3f} ms, {best['tflops']:.1f} TFLOP/s "
             f"({100 * best['tflops'] / best['ceiling_tflops']:.1f}% of the ceiling)")
     return rows
 
@@ -447,6 +456,7 @@ def main(argv=None):
     ap.add_argument("--prefill", action="store_true", help="prefill-size tilings of the tensor-core kernels, then exit")
     ap.add_argument("--tokens", type=int, default=4096, help="with --prefill")
     ap.add_argument("--experts", type=int, default=96, help="with --prefill")
+    ap.add_argument("--mma-fp4", default=None, help="with --prefill: MXFP4 decode routes to compare, e.g. bytes,f16w")
     ap.add_argument("--default-only", action="store_true", help="with --fma: only the default fma config")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
@@ -456,7 +466,7 @@ def main(argv=None):
         debug()
         return 0
     if a.prefill:
-        rows = prefill_sweep(a.tokens, a.experts)
+        rows = prefill_sweep(a.tokens, a.experts, routes=a.mma_fp4 and a.mma_fp4.split(","))
         if a.out:
             os.makedirs(a.out, exist_ok=True)
             with open(os.path.join(a.out, "moe_prefill.json"), "w") as f:

@@ -31,6 +31,7 @@ reference for them).
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,9 @@ from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
 from pallas_kernels.quantized_matmul.pallas_triton import (
     act_block_reason,
     act_fake_quant_tile,
+    fp4_word_k_order,
     fp8_block,
+    load_fp4_word_tile,
     load_weight_tiles,
     operand_dtype,
     pick_block,
@@ -61,6 +64,27 @@ from pallas_kernels.quantized_matmul.pallas_triton import (
 # reference (BENCHMARKS.md, fused MoE), so the default is the XLA op. ``return_h``: return kernel
 # A's rows (h, block_pair) instead of y.
 DEBUG = {"act_quant_in_kernel": False, "return_h": False}
+
+MMA_FP4_ROUTES = ("bytes", "f16w")
+
+
+def _parse_mma_fp4(text: str) -> str:
+    via = text.strip() or "bytes"
+    if via not in MMA_FP4_ROUTES:
+        raise ValueError(f"DSV41_MMA_FP4={text!r}: expected one of {', '.join(MMA_FP4_ROUTES)}")
+    return via
+
+
+# How the tensor-core MoE kernels (prefill sizes, and decode above 64 token-expert pairs) decode
+# MXFP4 experts into bf16 dot operands (read at trace time; DSV41_MMA_FP4):
+# * "bytes" (default): each packed byte's two nibbles -> e4m3 bit patterns -> f32 -> x scale -> bf16,
+#   as (even, odd) tiles with two dots per K step; sm_90 SASS of the gate/up loop: 17.5 instructions
+#   per code (session 7);
+# * "f16w": the codes read as uint32 words, two codes per shift-mask-or into f16 halves (the fma
+#   kernels' route), one [bt, bk] tile in a permuted K order and one dot per K step, the activation
+#   and h permuted to match by XLA (:func:`load_fp4_word_tile`). Exact and equal to "bytes" in
+#   interpret mode; **not yet run on a GPU**, so not the default.
+MMA_FP4 = {"route": _parse_mma_fp4(os.environ.get("DSV41_MMA_FP4", ""))}
 
 
 def unsupported_reason(x, weights, indices, w1, w2, w3, act_block=32):
@@ -160,8 +184,15 @@ def sum_slots(y, indices):
     return jnp.sum(jnp.where((indices >= 0)[:, :, None], rows, 0.0), axis=1)
 
 
+def _weight_tile(fmt, fp4_words, w_ref, s_ref, e, rows, row0, bn, k0, bk, op_dtype, wblock):
+    if fmt == "fp4" and fp4_words:
+        return load_fp4_word_tile(w_ref, s_ref, (e,), rows, bn, k0, bk, op_dtype)
+    return load_weight_tiles(fmt, w_ref, s_ref, (e,), rows, row0, bn, k0, bk, op_dtype, wblock)
+
+
 def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
-                    fmt, bt, bi, bk, steps, op_dtype, x_dtype, limit, quant, wblock=32, act_block=32):
+                    fmt, bt, bi, bk, steps, op_dtype, x_dtype, limit, quant, wblock=32, act_block=32,
+                    fp4_words=False):
     b = pl.program_id(0)
     j = pl.program_id(1)
     e = be_ref[b]
@@ -177,8 +208,8 @@ def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_r
             g, u = carry
             k0 = pl.multiple_of(i * bk, bk)
             xt = x_ref[tok, pl.ds(k0, bk)]
-            w1t = load_weight_tiles(fmt, w1_ref, s1_ref, (e,), rows, row0, bi, k0, bk, op_dtype, wblock)
-            w3t = load_weight_tiles(fmt, w3_ref, s3_ref, (e,), rows, row0, bi, k0, bk, op_dtype, wblock)
+            w1t = _weight_tile(fmt, fp4_words, w1_ref, s1_ref, e, rows, row0, bi, k0, bk, op_dtype, wblock)
+            w3t = _weight_tile(fmt, fp4_words, w3_ref, s3_ref, e, rows, row0, bi, k0, bk, op_dtype, wblock)
             return g + tile_dot(fmt, xt, w1t, op_dtype), u + tile_dot(fmt, xt, w3t, op_dtype)
 
         z = jnp.zeros((bt, bi), jnp.float32)
@@ -195,7 +226,8 @@ def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_r
         h_ref[hrows, rows] = h.astype(h_ref.dtype)
 
 
-def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd, bk, steps, op_dtype, wblock=32):
+def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd, bk, steps, op_dtype, wblock=32,
+                 fp4_words=False):
     b = pl.program_id(0)
     j = pl.program_id(1)
     e = be_ref[b]
@@ -208,7 +240,7 @@ def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd,
         def body(i, acc):
             k0 = pl.multiple_of(i * bk, bk)
             ht = h_ref[hrows, pl.ds(k0, bk)]
-            wt = load_weight_tiles(fmt, w2_ref, s2_ref, (e,), rows, row0, bd, k0, bk, op_dtype, wblock)
+            wt = _weight_tile(fmt, fp4_words, w2_ref, s2_ref, e, rows, row0, bd, k0, bk, op_dtype, wblock)
             return acc + tile_dot(fmt, ht, wt, op_dtype)
 
         acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bt, bd), jnp.float32))
@@ -381,6 +413,13 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     d1, s1 = weight_operands(w1)
     d2, s2 = weight_operands(w2)
     d3, s3 = weight_operands(w3)
+    words = fmt == "fp4" and MMA_FP4["route"] == "f16w"
+    if words:  # packed codes as uint32 words; the activation in the words' K order (fused into act_quant)
+        if bk_a % 32 or bk_b % 32:
+            raise ValueError(f"moe_experts (pallas): DSV41_MMA_FP4=f16w needs K tiles that are multiples of 32, "
+                             f"got bk_a={bk_a}, bk_b={bk_b} (config {cfg})")
+        d1, d2, d3 = (fma._words(t) for t in (d1, d2, d3))
+        xq = fp4_word_k_order(xq)
     if s1 is None:
         s1 = s2 = s3 = jnp.zeros((1, 1, 1), jnp.uint8)
     params = pltriton.CompilerParams(num_warps=warps, num_stages=stages)
@@ -391,7 +430,8 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
 
     h = pl.pallas_call(
         functools.partial(_gate_up_kernel, fmt=fmt, bt=bt, bi=bi, bk=bk_a, steps=d // bk_a, op_dtype=op,
-                          x_dtype=x.dtype, limit=limit, quant=in_kernel, wblock=fp8_block(w1), act_block=act_block),
+                          x_dtype=x.dtype, limit=limit, quant=in_kernel, wblock=fp8_block(w1), act_block=act_block,
+                          fp4_words=words),
         # h leaves kernel A in x.dtype (the reference act-quantizes h.astype(x.dtype)); only the
         # in-kernel act-quant may store bf16 (its e4m3 values are exact there). Storing f32 h as bf16
         # before the XLA act_quant double-rounded and broke f32 parity.
@@ -405,10 +445,12 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
         h = act_quant(h, act_block).astype(op)
     if DEBUG["return_h"]:
         return h, block_pair
+    if words:  # the down GEMM's K is I: h in the words' K order (an XLA permutation after act_quant)
+        h = fp4_word_k_order(h)
 
     y = pl.pallas_call(
         functools.partial(_down_kernel, fmt=fmt, bt=bt, bd=bd, bk=bk_b, steps=i_dim // bk_b, op_dtype=op,
-                          wblock=fp8_block(w1)),
+                          wblock=fp8_block(w1), fp4_words=words),
         out_shape=jax.ShapeDtypeStruct((p + 1, d), x.dtype),
         grid=(nb, d // bd),
         compiler_params=params,

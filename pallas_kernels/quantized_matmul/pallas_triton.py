@@ -241,6 +241,34 @@ def load_weight_tiles(fmt, w_ref, s_ref, lead, rows, row0, bn, k0, bk, op_dtype,
     return (w_ref[(*lead, rows, pl.ds(k0, bk))].astype(op_dtype),)
 
 
+def fp4_word_k_order(x):
+    """x [..., K] -> the same values in the K order of :func:`load_fp4_word_tile`'s tiles (an XLA
+    permutation inside each group of 8: position 4h + 2a + b holds element 4h + a + 2b, i.e. the
+    elements 0, 2, 1, 3, 4, 6, 5, 7). A dot over K is the same sum in any order, so the weight codes
+    may be decoded in the order a 32-bit word yields them if the activation is permuted to match."""
+    *lead, k = x.shape
+    return jnp.swapaxes(x.reshape(*lead, k // 8, 2, 2, 2), -1, -2).reshape(*lead, k)
+
+
+def load_fp4_word_tile(w_ref, s_ref, lead, rows, bn, k0, bk, op_dtype):
+    """One MXFP4 weight tile decoded a 32-bit word at a time (the tensor-core path's "f16w" route):
+    ``w_ref`` holds the packed codes as uint32 words [..., N, K/8] (8 codes, element 8q + j in nibble
+    j). Nibbles j and j + 4 go into the two f16 halves of a word by one shift-mask-or
+    (:func:`pallas_triton_fma.fp4_word_pairs_f32`: e2m1 * 2**-14, exact), then f32, times the e8m0
+    scale (with the 2**14), then ``op_dtype`` (exact in bf16), and the four (j, j + 4) pairs are
+    interleaved by three 2-way joins into one [bn, bk] tile whose K order is
+    :func:`fp4_word_k_order`'s. Returns a 1-tuple: one dot per tile, against the permuted activation.
+    ``bk`` must be a multiple of 32 (one scale per 32 elements = 4 words)."""
+    wds = w_ref[(*lead, rows, pl.ds(k0 // 8, bk // 8))]
+    s = s_ref[(*lead, rows, pl.ds(k0 // 32, bk // 32))]
+    sf = _expand_cols(fma.e8m0_f32(s, 14), 4)  # [bn, bk/8]
+    pairs = [jnp.stack([(lo * sf).astype(op_dtype), (hi * sf).astype(op_dtype)], axis=-1)  # [bn, bk/8, 2 (h)]
+             for lo, hi in fma.fp4_word_pairs_f32(wds)]
+    a = jnp.stack([pairs[0], pairs[1]], axis=-1)  # [bn, bk/8, h, j in {0, 1}]
+    b = jnp.stack([pairs[2], pairs[3]], axis=-1)  # j in {2, 3}
+    return (jnp.stack([a, b], axis=-1).reshape(bn, bk),)  # column 8q + 4h + 2(j % 2) + j // 2
+
+
 def split_even_odd(x):
     """[M, K] -> (x[:, 0::2], x[:, 1::2]) inside a kernel (reshape + 2-way unstack)."""
     m, k = x.shape
@@ -252,7 +280,7 @@ def split_even_odd(x):
 def tile_dot(fmt, xt, wts, op_dtype):
     """sum_k x[m, k] w[n, k] for decoded weight tiles, fp32 accumulation."""
     prec = jax.lax.Precision.HIGHEST if op_dtype == jnp.float32 else None
-    if fmt == "fp4":
+    if fmt == "fp4" and len(wts) == 2:  # (even, odd) tiles; the word route returns one tile
         xe, xo = split_even_odd(xt)
         return (jax.lax.dot_general(xe, wts[0], (((1,), (1,)), ((), ())), precision=prec,
                                     preferred_element_type=jnp.float32)

@@ -170,6 +170,11 @@ def test_moe_prefill_sweep_runs_in_interpret_mode(monkeypatch):
         [(r["config"], r["rel_err"], r["frac_gt_1pct"]) for r in rows]
     assert len(timed) == 1 + len(rows) and all(r["tflops"] > 0 and r["ceiling_tflops"] > 0 for r in rows)
     assert lines[-1].startswith("# best:")
+    # --mma-fp4 bytes,f16w: every tiling once per decode route, each checked; the switch restored after
+    rows = bm.prefill_sweep(tokens=24, experts=4, configs=cfgs[:1], routes=["bytes", "f16w"])
+    assert [(r["route"], r["config"]) for r in rows] == [("bytes", None), ("bytes", cfgs[0]), ("f16w", None),
+                                                          ("f16w", cfgs[0])]
+    assert all(r["ok"] for r in rows) and bm.pallas_triton.MMA_FP4["route"] == "bytes"
 
 
 def test_qmm_grouped_sweep_runs_in_interpret_mode(monkeypatch):

@@ -83,6 +83,48 @@ def test_unsupported_reasons_and_dispatch():
                         implementation="interpret")
 
 
+@pytest.mark.parametrize("n,dtype,act_block,config", [
+    (40, jnp.float32, 32, (16, 32, 64, 32, 32, 4)), (40, jnp.bfloat16, 32, (16, 32, 64, 32, 32, 4)),
+    (300, jnp.float32, 32, (64, 64, 128, 64, 64, 4)),   # 64-row blocks, 128-wide K tiles
+])
+def test_mma_fp4_word_route_interpret(n, dtype, act_block, config, monkeypatch):
+    """DSV41_MMA_FP4=f16w (the tensor-core kernels decode MXFP4 a 32-bit word at a time, one tile in a
+    permuted K order, x and h permuted to match): the byte route's result and the reference's within
+    the parity tolerance (the same exact products, fp32 sums in another order)."""
+    monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "bytes")
+    x, wts, idx, w1, w2, w3 = make("fp4", np.random.randint(1 << 30), n, dtype)
+    kw = dict(swiglu_limit=1.0, act_block=act_block, interpret=True, config=config)
+    yb = np.asarray(pallas_triton.moe_experts(x, wts, idx, w1, w2, w3, **kw))
+    monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "f16w")
+    txt = str(jax.make_jaxpr(lambda *a: pallas_triton.moe_experts(*a, **kw))(x, wts, idx, w1, w2, w3))
+    assert "uint32" in txt  # the kernels read words
+    yw = np.asarray(pallas_triton.moe_experts(x, wts, idx, w1, w2, w3, **kw))
+    yr = np.asarray(reference.moe_experts(x, wts, idx, w1, w2, w3, swiglu_limit=1.0, act_block=act_block))
+    tol = 2.0**-7 if dtype == jnp.bfloat16 else 1e-5
+    scale = float(np.max(np.abs(yr)))
+    np.testing.assert_allclose(yw, yb, rtol=tol, atol=tol * scale)
+    np.testing.assert_allclose(yw, yr, rtol=tol, atol=tol * scale)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        pallas_triton.moe_experts(x, wts, idx, w1, w2, w3, **{**kw, "config": (16, 16, 64, 16, 16, 2)})
+
+
+def test_fp4_word_k_order_matches_the_word_tile():
+    """fp4_word_k_order is the permutation load_fp4_word_tile's joins produce: position 4h + 2a + b of
+    each group of 8 holds element 4h + a + 2b."""
+    from pallas_kernels.quantized_matmul.pallas_triton import fp4_word_k_order
+
+    x = jnp.arange(32)[None, :]
+    got = np.asarray(fp4_word_k_order(x))[0]
+    want = [8 * q + 4 * h + a + 2 * b for q in range(4) for h in range(2) for a in range(2) for b in range(2)]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_mma_fp4_switch_refuses_unknown_routes():
+    assert pallas_triton._parse_mma_fp4("") == "bytes" and pallas_triton._parse_mma_fp4("f16w") == "f16w"
+    with pytest.raises(ValueError, match="DSV41_MMA_FP4='f16': expected one of bytes, f16w"):
+        pallas_triton._parse_mma_fp4("f16")
+
+
 S = jax.ShapeDtypeStruct
 RE, RI, RD, RK = 384, 2304, 5120, 6
 
@@ -129,6 +171,14 @@ def test_cross_lowering_real_shapes(target):
                             S((n, RD), jnp.bfloat16), S((n, RK), jnp.float32), S((n, RK), jnp.int32),
                             mk(RE, RI, RD), mk(RE, RD, RI), mk(RE, RI, RD)).as_text()
             assert txt.count(pltriton.CUSTOM_CALL_TARGET_NAME) == 2  # gate/up + down
+    # the word route of the tensor-core kernels lowers too (gate/up + down, words read as uint32)
+    from unittest import mock
+
+    with mock.patch.dict(pallas_triton.MMA_FP4, {"route": "f16w"}):
+        txt = lower_for(target, lambda x, w, i, a, b, c: pallas_triton.moe_experts(x, w, i, a, b, c, swiglu_limit=10.0),
+                        S((2048, RD), jnp.bfloat16), S((2048, RK), jnp.float32), S((2048, RK), jnp.int32),
+                        fp4(RE, RI, RD), fp4(RE, RD, RI), fp4(RE, RI, RD)).as_text()
+    assert txt.count(pltriton.CUSTOM_CALL_TARGET_NAME) == 2
     # a prefill chunk over 96 experts (256 rows per expert): the 128-row tiling
     assert pallas_triton._config(4096 * RK, 96, RI, RD)[0] == 128
     txt = lower_for(target, lambda x, w, i, a, b, c: pallas_triton.moe_experts(x, w, i, a, b, c, swiglu_limit=10.0),
