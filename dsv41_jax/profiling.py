@@ -41,7 +41,12 @@ def trace(fn, outdir: str):
     return out, files[-1]
 
 
+AMBIGUOUS = "ambiguous:"  # op_name of a kernel name shared by call sites in several parts
+
+
 def part_of(name_stack: str) -> str:
+    if (name_stack or "").startswith(AMBIGUOUS):  # e.g. "attention+engram": the kernel name cannot tell
+        return name_stack[len(AMBIGUOUS):]
     segs = set(re.split(r"[/()]", name_stack or ""))
     for p in PARTS:
         if p in segs:
@@ -63,8 +68,11 @@ _KERNEL_NAME = re.compile(r'\\?"name\\?"\s*:\s*\\?"([\w.\-]+)\\?"|\bname\s*=\s*\
 def parse_hlo_text(text: str, table: dict | None = None) -> dict[str, tuple[str, str]]:
     """{hlo instruction: (op_name metadata, result type)} of an optimized HLO module's text. A
     Pallas-Triton custom call is also entered under its kernel's name (``name`` in its backend
-    config, e.g. ``moe_gate_up_fp4``): the profiler names the kernel so, and the first call of that
-    name gives its name stack."""
+    config, e.g. ``moe_gate_up_fp4``): the profiler names the kernel so. Kernels of one name compiled
+    from the same IR are one kernel shared by every call site, so where calls of that name sit in
+    different model parts, the name maps to ``"ambiguous:<part>+<part>"`` (:func:`part_of` returns
+    ``"<part>+<part>"``) rather than to whichever call came first (session 8: the attention's FP8
+    GEMVs were booked to the Engram that way)."""
     table = {} if table is None else table
     for line in text.splitlines():
         mm = _HLO_ANY.match(line)
@@ -76,7 +84,13 @@ def parse_hlo_text(text: str, table: dict | None = None) -> dict[str, tuple[str,
         if "xla.gpu.triton" in line:
             kn = _KERNEL_NAME.search(line[line.index("backend_config"):] if "backend_config" in line else line)
             if kn:
-                table.setdefault(_key(kn.group(1) or kn.group(2)), entry)
+                key = _key(kn.group(1) or kn.group(2))
+                seen = table.get(key)
+                if seen is None:
+                    table[key] = entry
+                elif part_of(seen[0]) != part_of(entry[0]):
+                    parts = set(part_of(seen[0]).split("+")) | {part_of(entry[0])}
+                    table[key] = (AMBIGUOUS + "+".join(sorted(parts)), seen[1])
     return table
 
 

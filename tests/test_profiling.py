@@ -83,3 +83,22 @@ def test_kernel_events_map_by_kernel_name():
     assert lookup(t, "?", "qmm_fp8__4")[0] == "jit(s)/attention/pallas_call"
     assert lookup(t, "custom-call.3", "whatever")[0] == "jit(s)/moe/routed_experts/pallas_call"
     assert lookup(t, "nothing", "unknown_kernel") == ("", "")
+
+
+def test_a_kernel_name_shared_by_parts_is_marked_ambiguous():
+    """Calls of one kernel name in several model parts (the FP8 GEMV in attention and Engram) map to
+    "attention+engram", not to whichever call the HLO lists first; one part stays that part."""
+    from dsv41_jax.profiling import lookup, parse_hlo_text
+
+    def call(n, scope, name):
+        return (f'  %custom-call.{n} = bf16[1,64]{{1,0}} custom-call(bf16[1,64]{{1,0}} %a), '
+                f'custom_call_target="__gpu$xla.gpu.triton", metadata={{op_name="jit(s)/{scope}/pallas_call"}}, '
+                f'backend_config={{"name":"{name}","ir":"x"}}')
+
+    t = parse_hlo_text("\n".join([call(1, "engram", "qmm_fma_fp8"), call(2, "attention", "qmm_fma_fp8"),
+                                  call(3, "attention", "qmm_fma_fp8"), call(4, "moe/shared_expert", "qmm_fma_fp8"),
+                                  call(5, "attention/wo_a", "qmm_fma_fp8_grouped"),
+                                  call(6, "attention/wo_a", "qmm_fma_fp8_grouped")]))
+    assert part_of(lookup(t, "command_buffer.1", "qmm_fma_fp8__2")[0]) == "attention+engram+shared_expert"
+    assert part_of(lookup(t, "?", "qmm_fma_fp8_grouped")[0]) == "wo_a"
+    assert part_of(lookup(t, "custom-call.1", "qmm_fma_fp8")[0]) == "engram"  # its own HLO op: exact
