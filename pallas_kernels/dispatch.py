@@ -112,16 +112,15 @@ def choose(op: str, implementation: str | None, load_kernel, unsupported, auto=N
 
 def _auto_mesh_axes():
     """(mesh, axes) when traced under a context mesh (``jax.set_mesh``) with automatic (GSPMD) axes
-    of size > 1, else (None, ())."""
-    try:
-        m = jax.sharding.get_abstract_mesh()
-    except Exception:  # pragma: no cover - no mesh API
-        return None, ()
-    if m is None or getattr(m, "empty", False) or not getattr(m, "axis_names", ()):
-        return None, ()
-    from jax.sharding import AxisType
+    of size > 1, else (None, ()). (The context mesh and its automatic axes as ``sharding.rules``
+    defines them for the model's own sharding constraints.)"""
+    from sharding.rules import auto_axes, context_mesh
 
-    axes = tuple(n for n, t, k in zip(m.axis_names, m.axis_types, m.axis_sizes) if t != AxisType.Manual and k > 1)
+    m = context_mesh()
+    if m is None:
+        return None, ()
+    sizes = dict(m.shape)  # every axis, not only dp / ep / tp
+    axes = tuple(a for a in auto_axes(m) if sizes[a] > 1)
     return (m, axes) if axes else (None, ())
 
 
