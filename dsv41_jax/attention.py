@@ -44,7 +44,7 @@ from pallas_kernels.sparse_attention import sparse_attention
 from .config import ModelConfig
 from .layers import grouped_linear, linear, linear_multi, norm, weight_of
 from .options import RunOptions
-from .quant import Fp4Tensor, Fp8Tensor, dequantize, quantize_fp4_e4m3, quantize_fp8, quantize_mxfp4
+from .quant import Fp4Tensor, Fp8Tensor, quantize_fp4_e4m3, quantize_fp8, quantize_mxfp4
 from .quant.fake_quant import fake_quant_fp8, fake_quant_mxfp4
 from .rope import apply_rope, layer_frequencies, rope_angles
 

@@ -46,7 +46,7 @@ from pallas_kernels.sparse_attention import sparse_attention
 from .attention import concat_rows, cache_store, update_ring
 from .cache import fp8_rows, reset_row
 from .config import ModelConfig
-from .layers import grouped_linear, linear, norm, weight_of
+from .layers import grouped_linear, linear, norm
 from .moe import moe
 from .options import RunOptions
 from .quant import dequantize

@@ -8,7 +8,6 @@ import pytest
 
 from dsv41_jax.quant import (
     Fp4Tensor,
-    Fp8Tensor,
     act_quant,
     e2m1_decode,
     e2m1_encode,

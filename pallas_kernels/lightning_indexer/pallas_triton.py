@@ -296,7 +296,7 @@ def _cand_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, tile, bs, cdt):
 
 def candidate_scores(p, pos, *, interpret, cfg):
     """Exact masked scores at candidate positions ``pos`` [R, C] (-1 = none) -> [R, C] f32."""
-    b, s, hi, di, nc = p["b"], p["s"], p["hi"], p["di"], p["nc"]
+    s, hi, di, nc = p["s"], p["hi"], p["di"], p["nc"]
     rows, cn = pos.shape
     tile = min(cfg["cand_tile"], cn)
     args, specs = [], []

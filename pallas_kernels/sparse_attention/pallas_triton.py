@@ -34,7 +34,6 @@ bf16 results agree to bf16 rounding, f32 results to ~1e-6.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -275,7 +274,6 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     if reason is not None:
         raise ValueError(f"sparse_attention (pallas): {reason}")
     b, s, h, d = q.shape
-    d2 = d // 2
     rows = b * s
     has_comp = comp_kv is not None and comp_idx is not None and comp_idx.shape[-1] > 0
     kw = kv_idx.shape[-1]
