@@ -75,15 +75,16 @@ def _partial(x_ref, fn_ref, t0, kbase, *, bt, bk, steps, hc):
     which made the decode kernel latency-bound (36 us at 8 rows on the H200, session 8)."""
     rows = pl.ds(t0, bt)
 
-    def load(i):
+    def load(i):  # x [bt, bk] as stored, fn rows [16, bk] and [hc*hc, bk]
         k0 = pl.multiple_of(kbase + i * bk, bk)
-        return (x_ref[rows, pl.ds(k0, bk)].astype(jnp.float32), fn_ref[pl.ds(0, 16), pl.ds(k0, bk)],
+        return (x_ref[rows, pl.ds(k0, bk)], fn_ref[pl.ds(0, 16), pl.ds(k0, bk)],
                 fn_ref[pl.ds(2 * hc, hc * hc), pl.ds(k0, bk)])
 
     if bt == 1:
         def lanes(i, carry):
             a, b, ss = carry
-            xf, fa, fb = load(i)
+            xt, fa, fb = load(i)
+            xf = xt.astype(jnp.float32)
             return a + fa * xf, b + fb * xf, ss + xf * xf
 
         z = jnp.zeros((16, bk), jnp.float32)
@@ -92,10 +93,7 @@ def _partial(x_ref, fn_ref, t0, kbase, *, bt, bk, steps, hc):
 
     def body(i, carry):
         a, b, ss = carry
-        k0 = pl.multiple_of(kbase + i * bk, bk)
-        xt = x_ref[rows, pl.ds(k0, bk)]
-        fa = fn_ref[pl.ds(0, 16), pl.ds(k0, bk)]
-        fb = fn_ref[pl.ds(2 * hc, hc * hc), pl.ds(k0, bk)]
+        xt, fa, fb = load(i)
         xf = xt.astype(jnp.float32)
         return a + _proj(xt, fa), b + _proj(xt, fb), ss + jnp.sum(xf * xf, axis=1)
 

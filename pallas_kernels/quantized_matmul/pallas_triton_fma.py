@@ -401,6 +401,26 @@ def _fma_kernel(*refs, fmt, m, bn, kg, steps, g, split, nblocks, group_blocks=No
         first += nb
 
 
+def _fma_launch(xs, operands, *, fmt, m, n, k, g, config, nblocks, out_dtype, interpret, name, group_blocks=None):
+    """One launch of :func:`_fma_kernel` over ``n`` output rows (grid: bn-row blocks x K parts), the K
+    parts summed by XLA after it -> [m, n] out_dtype."""
+    _, bn, kg, splits, warps, stages = config
+    out_shape = (jax.ShapeDtypeStruct((splits, m, n), jnp.float32) if splits > 1
+                 else jax.ShapeDtypeStruct((m, n), out_dtype))
+    y = pl.pallas_call(
+        functools.partial(_fma_kernel, fmt=fmt, m=m, bn=bn, kg=kg, steps=(k // g) // kg // splits, g=g,
+                          split=splits > 1, nblocks=nblocks, group_blocks=group_blocks),
+        out_shape=out_shape,
+        grid=(n // bn, splits),
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret,
+        name=name,
+    )(*xs, *operands)
+    if splits > 1:
+        y = jnp.sum(y, axis=0)
+    return y.astype(out_dtype)
+
+
 def quantized_matmul_fma_multi(x2, ws, *, act_block, out_dtype, config, interpret=False) -> list:
     """x2 [M, K] (M <= FMA_MAX_ROWS), ws FP8/MXFP4 weights [N_j, K] sharing format, block and K ->
     [x2 @ W_j.T as [M, N_j] out_dtype], in one kernel launch (plus the activation fake-quant and, when
@@ -410,7 +430,7 @@ def quantized_matmul_fma_multi(x2, ws, *, act_block, out_dtype, config, interpre
     reason = multi_reason(x2.shape[0], ws, config)
     if reason is not None:
         raise ValueError(f"quantized_matmul (pallas, fma): {reason}")
-    _, bn, kg, splits, warps, stages = config
+    bn = config[1]
     m, k = x2.shape
     ns = [w.shape[0] for w in ws]
     n = sum(ns)
@@ -418,21 +438,9 @@ def quantized_matmul_fma_multi(x2, ws, *, act_block, out_dtype, config, interpre
     fmt = "fp8" if isinstance(ws[0], Fp8Tensor) else "fp4"
     xs = act_view(act_quant(x2, act_block).astype(jnp.bfloat16), ws[0])
     operands = [v for w in ws for v in weight_view(w)]
-    steps = (k // g) // kg // splits
-    out_shape = (jax.ShapeDtypeStruct((splits, m, n), jnp.float32) if splits > 1
-                 else jax.ShapeDtypeStruct((m, n), out_dtype))
-    y = pl.pallas_call(
-        functools.partial(_fma_kernel, fmt=fmt, m=m, bn=bn, kg=kg, steps=steps, g=g, split=splits > 1,
-                          nblocks=tuple(v // bn for v in ns)),
-        out_shape=out_shape,
-        grid=(n // bn, splits),
-        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
-        interpret=interpret,
-        name=f"qmm_fma_{fmt}" if len(ws) == 1 else f"qmm_fma_{fmt}_x{len(ws)}",
-    )(*xs, *operands)
-    if splits > 1:
-        y = jnp.sum(y, axis=0)
-    y = y.astype(out_dtype)
+    y = _fma_launch(xs, operands, fmt=fmt, m=m, n=n, k=k, g=g, config=config, nblocks=tuple(v // bn for v in ns),
+                    out_dtype=out_dtype, interpret=interpret,
+                    name=f"qmm_fma_{fmt}" if len(ws) == 1 else f"qmm_fma_{fmt}_x{len(ws)}")
     if len(ws) == 1:
         return [y]
     offs = [0]
@@ -453,22 +461,13 @@ GROUPED_MAX_ROWS = 8  # rows per group of the grouped GEMV (wo_a at batch 8: one
 
 def grouped_config(m: int, w, groups: int):
     """The fma configuration of :func:`quantized_matmul_fma_grouped` for ``m`` rows per group against
-    ``w`` [G*N, K], or None when it cannot take it. bn must divide each group's N (a program never
-    straddles two groups)."""
+    ``w`` [G*N, K], or None when it cannot take it: :func:`default_config` over G weights of N rows,
+    so that bn divides each group's N (a program never straddles two groups) and the K split counts
+    every group's blocks."""
     n, k = w.shape
     if n % groups:
         return None
-    cfg = default_config(m, n // groups, k, w)
-    _, bn, kg, _, warps, stages = cfg
-    # default_config counted one group's blocks: choose the K split again for all G of them.
-    steps = (k // group_size(w)) // kg
-    splits = 1
-    for cand in range(1, steps + 1):
-        if steps % cand == 0 and steps // cand >= 2:
-            splits = cand
-            if (n // bn) * cand >= 4 * 132:
-                break
-    cfg = ("fma", bn, kg, splits, warps, stages)
+    cfg = default_config(m, (n // groups,) * groups, k, w)
     return cfg if unsupported_reason(m, w, cfg, max_rows=GROUPED_MAX_ROWS) is None else None
 
 
@@ -484,24 +483,12 @@ def quantized_matmul_fma_grouped(x3, w, *, out_dtype, config, interpret=False):
               else unsupported_reason(m, w, config, max_rows=GROUPED_MAX_ROWS))
     if reason is not None:
         raise ValueError(f"grouped GEMV (pallas, fma): x {tuple(x3.shape)}, w {tuple(w.shape)}: {reason}")
-    _, bn, kg, splits, warps, stages = config
+    bn = config[1]
     if (n // groups) % bn:
         raise ValueError(f"grouped GEMV (pallas, fma): bn={bn} must divide each group's {n // groups} rows")
-    g = group_size(w)
     fmt = "fp8" if isinstance(w, Fp8Tensor) else "fp4"
     xs = act_view(jnp.swapaxes(x3, 0, 1).reshape(groups * m, k), w)  # group-major rows, as read by the kernel
-    steps = (k // g) // kg // splits
-    out_shape = (jax.ShapeDtypeStruct((splits, m, n), jnp.float32) if splits > 1
-                 else jax.ShapeDtypeStruct((m, n), out_dtype))
-    y = pl.pallas_call(
-        functools.partial(_fma_kernel, fmt=fmt, m=m, bn=bn, kg=kg, steps=steps, g=g, split=splits > 1,
-                          nblocks=(n // bn,), group_blocks=(n // groups) // bn),
-        out_shape=out_shape,
-        grid=(n // bn, splits),
-        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
-        interpret=interpret,
-        name=f"qmm_fma_{fmt}_grouped",
-    )(*xs, *weight_view(w))
-    if splits > 1:
-        y = jnp.sum(y, axis=0)
-    return y.astype(out_dtype).reshape(m, groups, n // groups)
+    y = _fma_launch(xs, weight_view(w), fmt=fmt, m=m, n=n, k=k, g=group_size(w), config=config,
+                    nblocks=(n // bn,), out_dtype=out_dtype, interpret=interpret, name=f"qmm_fma_{fmt}_grouped",
+                    group_blocks=(n // groups) // bn)
+    return y.reshape(m, groups, n // groups)
