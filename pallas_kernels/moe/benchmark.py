@@ -159,55 +159,68 @@ def fma_configs(w1, n, wide: bool = False):
     return out
 
 
-def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = False):
+def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = False, experts: int | None = None,
+              mma_routes=None):
     """Tensor-core kernels (default config) vs the vector-unit ("fma") kernels at decode sizes, MXFP4
     experts at the V4.1 shape; every config checked against the reference (rel err, share of
     elements off by > 1%) before it is timed (device time from the profiler, :func:`device_time_op`:
     the wall-clock two-point method was within its noise here). Prints the best per size last.
     ``vias``: the fma configs once per weight decode route for both formats (``FMA_DECODE``; None: the
     current routes);
-    ``default_only``: only the default fma config."""
+    ``default_only``: only the default fma config; ``experts``: routed experts (96: the benchmark's
+    reduced model, where batch 32 puts 2 pairs on each expert; None: ``E``); ``mma_routes``: the tensor-core
+    kernels' MXFP4 decode routes to time beside the fma ones (``pallas_triton.MMA_FP4``; None: the
+    current one)."""
     from pallas_kernels.quantized_matmul import pallas_triton_fma
 
     vias = pallas_triton_fma.checked_routes(vias)
+    experts = experts or E
     key = jax.random.PRNGKey(11)
     k1, k2, k3 = jax.random.split(key, 3)
-    w1, w2, w3 = random_fp4(k1, (E, I, D)), random_fp4(k2, (E, D, I)), random_fp4(k3, (E, I, D))
+    w1, w2, w3 = (random_fp4(k1, (experts, I, D)), random_fp4(k2, (experts, D, I)),
+                  random_fp4(k3, (experts, I, D)))
     expert_bytes = sum(int(t.data[0].size + t.scale[0].size) for t in (w1, w2, w3))
     rows, summary = [], []
-    log(f"# MoE fma sweep (MXFP4 E={E} I={I} D={D} top-{TOPK}), {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    log(f"# MoE fma sweep (MXFP4 E={experts} I={I} D={D} top-{TOPK}), {jax.devices()[0].device_kind}, "
+        f"jax {jax.__version__}")
     for n in sizes:
         args, touched = [], []
         for r in range(5):
             kr = jax.random.fold_in(key, 991 * n + r)
-            w, idx = routing(kr, n)
+            w, idx = routing(kr, n, experts)
             args.append((jax.random.normal(jax.random.fold_in(kr, 7), (n, D), jnp.bfloat16), w, idx))
             touched.append(len(np.unique(np.asarray(idx))))
         floor = float(np.mean(touched)) * expert_bytes / HBM_BYTES_PER_S
         yr = jax.jit(lambda x, w, idx, a, b, c: reference.moe_experts(x, w, idx, a, b, c, swiglu_limit=LIMIT))(
             *args[0], w1, w2, w3)
-        mma = pallas_triton._config(n * TOPK, E, I, D)
+        mma = pallas_triton._config(n * TOPK, experts, I, D)
         results = []
         fmas = fma_configs(w1, n, wide)[:1 if default_only else None]
-        for cfg, via in [(mma, vias[0])] + [(c, v) for v in vias for c in fmas]:
+        if default_only and n * TOPK > 1:  # the block height the dispatch would pick at this size
+            auto = pallas_triton.default_fma_config(w1, n * TOPK / min(experts, n * TOPK))
+            fmas += [auto] if auto not in fmas else []
+        tc = [(mma, vias[0], r) for r in (mma_routes or [None])]
+        for cfg, via, mroute in tc + [(c, v, None) for v in vias for c in fmas]:
             try:
                 f = lambda x, w, idx, a, b, c, cfg=cfg: pallas_triton.moe_experts(  # noqa: E731
                     x, w, idx, a, b, c, swiglu_limit=LIMIT, config=cfg)
-                with pallas_triton_fma.use_decode_route(via):  # traced here, so the route applies
+                with pallas_triton_fma.use_decode_route(via), pallas_triton.use_mma_fp4(mroute):  # traced here
                     y = jax.jit(f)(*args[0], w1, w2, w3)
                     t = device_time_op(f, args, (w1, w2, w3), reps=5)
                 err, frac = max_rel_err(y, yr), frac_off(y, yr)
                 ok = frac <= TUNE_MAX_FRAC and err <= 8e-3
-                log(f"  n={n} cfg={cfg} decode {via or 'current'}: {fmt_us(t)} us ({100 * floor / t:5.1f}% of HBM), rel err "
+                label = f"mma {mroute or pallas_triton.MMA_FP4['route']}" if cfg == mma else f"decode {via or 'current'}"
+                log(f"  n={n} cfg={cfg} {label}: {fmt_us(t)} us ({100 * floor / t:5.1f}% of HBM), rel err "
                     f"{err:.2e}, {frac:.4f} of elements > 1%{'' if ok else '  WRONG'}")
-                rec = dict(op="fma_moe", tokens=n, config=cfg, via=via, pallas_s=t, floor_s=floor, rel_err=err,
+                rec = dict(op="fma_moe", tokens=n, experts=experts, config=cfg, via=via, mma_fp4=mroute, pallas_s=t,
+                           floor_s=floor, rel_err=err,
                            frac_gt_1pct=frac, ok=ok)
                 rows.append(rec)
                 results.append(rec)
             except Exception as e:  # noqa: BLE001
                 log(f"  n={n} cfg={cfg} FAILED {type(e).__name__}: {str(e)[:300]}")
         good = [r for r in results if r["ok"]]
-        base = next((r for r in results if r["config"] == mma), None)
+        base = min((r for r in good if r["config"] == mma), key=lambda r: r["pallas_s"], default=None)
         for via in vias:
             best = min((r for r in good if r["config"][0] == "fma" and r["via"] == via), key=lambda r: r["pallas_s"],
                        default=None)
@@ -247,11 +260,8 @@ def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int
     yr = jax.jit(lambda x, w, idx, a, b, c: reference.moe_experts(x, w, idx, a, b, c, swiglu_limit=LIMIT))(
         *args[0], w1, w2, w3)
     rows = []
-    saved = dict(pallas_triton.MMA_FP4)
-    try:
-        for route in routes or [None]:
-            if route is not None:
-                pallas_triton.MMA_FP4["route"] = pallas_triton._parse_mma_fp4(route)
+    for route in routes or [None]:
+        with pallas_triton.use_mma_fp4(route):
             for cfg in [None] + list(configs or TUNE_CONFIGS_PREFILL):
                 try:
                     f = lambda x, w, idx, a, b, c, cfg=cfg: pallas_triton.moe_experts(  # noqa: E731
@@ -269,8 +279,6 @@ def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int
                                      ceiling_tflops=ceiling / 1e12, rel_err=err, frac_gt_1pct=frac, ok=ok))
                 except Exception as e:  # noqa: BLE001
                     log(f"  cfg={cfg} FAILED {type(e).__name__}: {str(e)[:300]}")
-    finally:
-        pallas_triton.MMA_FP4.update(saved)
     good = [r for r in rows if r["ok"]]
     if good:
         best = min(good, key=lambda r: r["pallas_s"])
@@ -455,8 +463,11 @@ def main(argv=None):
     ap.add_argument("--vias", default=None, help="with --fma: weight decode routes to compare, e.g. e4m3,f16w")
     ap.add_argument("--prefill", action="store_true", help="prefill-size tilings of the tensor-core kernels, then exit")
     ap.add_argument("--tokens", type=int, default=4096, help="with --prefill")
-    ap.add_argument("--experts", type=int, default=96, help="with --prefill")
-    ap.add_argument("--mma-fp4", default=None, help="with --prefill: MXFP4 decode routes to compare, e.g. bytes,f16w")
+    ap.add_argument("--experts", type=int, default=None,
+                    help=f"routed experts (default: 96 with --prefill, {E} with --fma)")
+    ap.add_argument("--sizes", default=None, help="with --fma: token counts, e.g. 1,8,32 (default 1,8; --quick 1)")
+    ap.add_argument("--mma-fp4", default=None, help="with --prefill or --fma: the tensor-core kernels' MXFP4 decode routes "
+                                                            "to compare, e.g. bytes,f16w")
     ap.add_argument("--default-only", action="store_true", help="with --fma: only the default fma config")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
@@ -466,15 +477,17 @@ def main(argv=None):
         debug()
         return 0
     if a.prefill:
-        rows = prefill_sweep(a.tokens, a.experts, routes=a.mma_fp4 and a.mma_fp4.split(","))
+        rows = prefill_sweep(a.tokens, a.experts or 96, routes=a.mma_fp4 and a.mma_fp4.split(","),
+                             configs=[(128, 128, 64, 128, 64, 8)] if a.quick else None)
         if a.out:
             os.makedirs(a.out, exist_ok=True)
             with open(os.path.join(a.out, "moe_prefill.json"), "w") as f:
                 json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
         return 0
     if a.fma:
-        rows = fma_sweep((1,) if a.quick else (1, 8), wide=a.wide, vias=a.vias and a.vias.split(","),
-                         default_only=a.default_only)
+        sizes = tuple(int(v) for v in a.sizes.split(",")) if a.sizes else (1,) if a.quick else (1, 8)
+        rows = fma_sweep(sizes, wide=a.wide, vias=a.vias and a.vias.split(","), default_only=a.default_only,
+                         experts=a.experts or E, mma_routes=a.mma_fp4 and a.mma_fp4.split(","))
         if a.out:
             os.makedirs(a.out, exist_ok=True)
             with open(os.path.join(a.out, "moe_fma.json"), "w") as f:

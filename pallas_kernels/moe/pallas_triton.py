@@ -30,6 +30,7 @@ reference for them).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -85,6 +86,19 @@ def _parse_mma_fp4(text: str) -> str:
 #   and h permuted to match by XLA (:func:`load_fp4_word_tile`). Exact and equal to "bytes" in
 #   interpret mode; **not yet run on a GPU**, so not the default.
 MMA_FP4 = {"route": _parse_mma_fp4(os.environ.get("DSV41_MMA_FP4", ""))}
+
+
+@contextlib.contextmanager
+def use_mma_fp4(route):
+    """Within the block the tensor-core kernels trace with MXFP4 decode ``route`` (None: as it is);
+    ``MMA_FP4`` is restored after it, also on errors."""
+    saved = dict(MMA_FP4)
+    if route is not None:
+        MMA_FP4["route"] = _parse_mma_fp4(route)
+    try:
+        yield
+    finally:
+        MMA_FP4.update(saved)
 
 
 def unsupported_reason(x, weights, indices, w1, w2, w3, act_block=32):
