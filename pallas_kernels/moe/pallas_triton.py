@@ -66,25 +66,32 @@ from pallas_kernels.quantized_matmul.pallas_triton import (
 # A's rows (h, block_pair) instead of y.
 DEBUG = {"act_quant_in_kernel": False, "return_h": False}
 
-MMA_FP4_ROUTES = ("bytes", "f16w")
+MMA_FP4_ROUTES = ("auto", "bytes", "f16w")
 
 
 def _parse_mma_fp4(text: str) -> str:
-    via = text.strip() or "bytes"
+    via = text.strip() or "auto"
     if via not in MMA_FP4_ROUTES:
         raise ValueError(f"DSV41_MMA_FP4={text!r}: expected one of {', '.join(MMA_FP4_ROUTES)}")
     return via
 
 
-# How the tensor-core MoE kernels (prefill sizes, and decode above 64 token-expert pairs) decode
-# MXFP4 experts into bf16 dot operands (read at trace time; DSV41_MMA_FP4):
-# * "bytes" (default): each packed byte's two nibbles -> e4m3 bit patterns -> f32 -> x scale -> bf16,
-#   as (even, odd) tiles with two dots per K step; sm_90 SASS of the gate/up loop: 17.5 instructions
+# How the tensor-core MoE kernels (prefill sizes, and decode above FMA_MOE_MAX_PAIRS token-expert
+# pairs) decode MXFP4 experts into dot operands (read at trace time; DSV41_MMA_FP4):
+# * "bytes": each packed byte's two nibbles -> e4m3 bit patterns -> f32 -> x scale -> bf16, as
+#   (even, odd) tiles with two dots per K step; sm_90 SASS of the gate/up loop: 17.5 instructions
 #   per code (session 7);
 # * "f16w": the codes read as uint32 words, two codes per shift-mask-or into f16 halves (the fma
 #   kernels' route), one [bt, bk] tile in a permuted K order and one dot per K step, the activation
-#   and h permuted to match by XLA (:func:`load_fp4_word_tile`). Exact and equal to "bytes" in
-#   interpret mode; **not yet run on a GPU**, so not the default.
+#   and h permuted to match by XLA (:func:`load_fp4_word_tile`); half the SASS per K step;
+# * "auto" (default): "f16w" for bf16 activations with K tiles of at most 64, else "bytes"
+#   (:func:`mma_fp4_words`). On the H200 (session 9, BENCHMARKS.md): the prefill tilings (64-wide K
+#   tiles) 13.50 -> 10.87 ms and 14.56 -> 11.94 ms at 4096 tokens over 96 experts; the decode tiling
+#   (256-wide K tiles) 2.05x slower with words (1046 -> 2145 us at 8 tokens); and with float32
+#   activations (bf16 operands either way; the kernels differ only in the dtype of the stored h and y)
+#   the word route was off by 2.96e-3 (rel err) on the GPU where the byte route is exact to 1e-5,
+#   while with bf16 activations it matched the reference to 7e-8. It is exact in interpret mode; the
+#   cause on the GPU was not found, so forcing it with float32 activations is refused there.
 MMA_FP4 = {"route": _parse_mma_fp4(os.environ.get("DSV41_MMA_FP4", ""))}
 
 
@@ -196,6 +203,19 @@ def sum_slots(y, indices):
     n, k = indices.shape
     rows = y[: n * k].reshape(n, k, -1).astype(jnp.float32)
     return jnp.sum(jnp.where((indices >= 0)[:, :, None], rows, 0.0), axis=1)
+
+
+def mma_fp4_words(x_dtype, bk_a: int, bk_b: int, interpret: bool = False) -> bool:
+    """Whether the tensor-core kernels read MXFP4 experts as words (``MMA_FP4``, see above) for
+    activations of ``x_dtype`` and K tiles ``bk_a`` (gate/up) / ``bk_b`` (down)."""
+    route = MMA_FP4["route"]
+    if route == "auto":
+        return x_dtype == jnp.bfloat16 and max(bk_a, bk_b) <= 64 and bk_a % 32 == 0 and bk_b % 32 == 0
+    if route == "f16w" and x_dtype != jnp.bfloat16 and not interpret:
+        raise ValueError(f"moe_experts (pallas): DSV41_MMA_FP4=f16w with {jnp.dtype(x_dtype).name} activations: on "
+                         f"the H200 this route was off by 3e-3 where the byte route is exact; use "
+                         f"DSV41_MMA_FP4=auto (bytes for them) or bytes")
+    return route == "f16w"
 
 
 def _weight_tile(fmt, fp4_words, w_ref, s_ref, e, rows, row0, bn, k0, bk, op_dtype, wblock):
@@ -345,8 +365,9 @@ def fma_reason(w1, config) -> str | None:
 
 
 def default_fma_config(w1, rows_per_expert: float = 1.0) -> tuple:
-    """("fma", bt, bi, kg_a, bd, kg_b, warps, stages): blocks of 1, 2 or 4 rows by the expected rows
-    per expert (pairs / min(experts, pairs))."""
+    """("fma", bt, bi, kg_a, bd, kg_b, warps, stages): one-row blocks up to 4 expected rows per expert
+    (pairs / min(experts, pairs)), 4-row blocks beyond. On the H200 (session 9, 96 experts) one-row
+    blocks beat 2-row ones at 2 rows per expert (1.41 vs 1.51 ms) and 4-row ones at 4 (2.75 vs 3.20)."""
     _, i_dim, d = weight_logical_shape(w1)
     g = fma.group_size(w1)
     bi = 16 if weight_format(w1) == "fp4" else min(32, g)
@@ -357,7 +378,7 @@ def default_fma_config(w1, rows_per_expert: float = 1.0) -> tuple:
             kg *= 2
         return kg
 
-    bt = 1 if rows_per_expert <= 1.5 else 2 if rows_per_expert <= 3 else 4
+    bt = 1 if rows_per_expert <= 4 else 4
     return ("fma", bt, pick_block(i_dim, bi), kg_for(d), pick_block(d, bi), kg_for(i_dim), 4, 3)
 
 
@@ -427,7 +448,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     d1, s1 = weight_operands(w1)
     d2, s2 = weight_operands(w2)
     d3, s3 = weight_operands(w3)
-    words = fmt == "fp4" and MMA_FP4["route"] == "f16w"
+    words = fmt == "fp4" and mma_fp4_words(x.dtype, bk_a, bk_b, interpret)
     if words:  # packed codes as uint32 words; the activation in the words' K order (fused into act_quant)
         if bk_a % 32 or bk_b % 32:
             raise ValueError(f"moe_experts (pallas): DSV41_MMA_FP4=f16w needs K tiles that are multiples of 32, "

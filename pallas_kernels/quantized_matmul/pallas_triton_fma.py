@@ -46,7 +46,9 @@ from jax.experimental.pallas import triton as pltriton
 from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, act_quant
 
 FMA_MAX_ROWS = 4  # activation rows one program handles (a static loop sharing each decoded tile)
-FMA_MOE_MAX_PAIRS = 64  # the fused MoE takes the fma kernels by default up to this many (token, slot) pairs
+# The fused MoE takes the fma kernels by default up to this many (token, slot) pairs. H200, 96 MXFP4
+# experts (session 9): 192 pairs (batch 32) fma 1.41 ms vs tensor cores 2.11; 384 pairs fma 2.75 vs 2.40.
+FMA_MOE_MAX_PAIRS = 256
 
 
 def _parse_decode_gemv(text: str) -> dict:

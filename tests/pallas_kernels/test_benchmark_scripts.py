@@ -85,12 +85,12 @@ def test_moe_fma_sweep_runs_in_interpret_mode(monkeypatch):
     assert all(r["ok"] for r in rows) and pallas_triton_fma.FMA_DECODE == {"fp4": "e4m3", "fp8": "f16w"}  # restored
     with pytest.raises(ValueError, match="--vias f16: unknown weight decode route"):
         bm.fma_sweep((1,), vias=["f16"], default_only=True)
-    # --sizes 4 --experts 4 --mma-fp4 bytes,f16w: the tensor-core kernels once per MXFP4 route, then the
-    # fma default and the block height the dispatch picks at 2 pairs per expert; the route restored
+    # --sizes 8 --experts 2 --mma-fp4 bytes,f16w: the tensor-core kernels once per MXFP4 route, then the
+    # fma default and the block height the dispatch picks at 8 pairs per expert; the route restored
     route = bm.pallas_triton.MMA_FP4["route"]
-    rows = bm.fma_sweep((4,), vias=["f16w"], default_only=True, experts=4, mma_routes=["bytes", "f16w"])
+    rows = bm.fma_sweep((8,), vias=["f16w"], default_only=True, experts=2, mma_routes=["bytes", "f16w"])
     assert [(r["mma_fp4"], r["config"][0]) for r in rows] == [("bytes", 16), ("f16w", 16), (None, "fma"), (None, "fma")]
-    assert [r["config"][1] for r in rows[2:]] == [1, 2] and {r["experts"] for r in rows} == {4}
+    assert [r["config"][1] for r in rows[2:]] == [1, 4] and {r["experts"] for r in rows} == {2}
     assert all(r["ok"] for r in rows) and bm.pallas_triton.MMA_FP4["route"] == route
 
 
@@ -181,7 +181,7 @@ def test_moe_prefill_sweep_runs_in_interpret_mode(monkeypatch):
     rows = bm.prefill_sweep(tokens=24, experts=4, configs=cfgs[:1], routes=["bytes", "f16w"])
     assert [(r["route"], r["config"]) for r in rows] == [("bytes", None), ("bytes", cfgs[0]), ("f16w", None),
                                                           ("f16w", cfgs[0])]
-    assert all(r["ok"] for r in rows) and bm.pallas_triton.MMA_FP4["route"] == "bytes"
+    assert all(r["ok"] for r in rows) and bm.pallas_triton.MMA_FP4["route"] == "auto"
 
 
 def test_qmm_grouped_sweep_runs_in_interpret_mode(monkeypatch):

@@ -120,9 +120,30 @@ def test_fp4_word_k_order_matches_the_word_tile():
 
 
 def test_mma_fp4_switch_refuses_unknown_routes():
-    assert pallas_triton._parse_mma_fp4("") == "bytes" and pallas_triton._parse_mma_fp4("f16w") == "f16w"
-    with pytest.raises(ValueError, match="DSV41_MMA_FP4='f16': expected one of bytes, f16w"):
+    assert pallas_triton._parse_mma_fp4("") == "auto" and pallas_triton._parse_mma_fp4("f16w") == "f16w"
+    with pytest.raises(ValueError, match="DSV41_MMA_FP4='f16': expected one of auto, bytes, f16w"):
         pallas_triton._parse_mma_fp4("f16")
+
+
+def test_mma_fp4_auto_route(monkeypatch):
+    """DSV41_MMA_FP4=auto (the default): words for bf16 activations with K tiles <= 64 (the prefill
+    tilings, faster on the H200), bytes for 256-wide K tiles (the decode tiling, 2x slower with words)
+    and for float32 activations (the word route was off by 3e-3 there on the GPU); a forced f16w with
+    float32 activations is refused on the GPU and allowed in interpret mode (exact there)."""
+    monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "auto")
+    words = pallas_triton.mma_fp4_words
+    assert words(jnp.bfloat16, 64, 64) and words(jnp.bfloat16, 32, 64)
+    assert not words(jnp.bfloat16, 256, 256) and not words(jnp.bfloat16, 64, 128) and not words(jnp.float32, 64, 64)
+    cfg = pallas_triton._config(4096 * 6, 96, 2304, 5120)
+    assert words(jnp.bfloat16, cfg[2], cfg[4])  # the prefill chunk over 96 experts reads words
+    cfg = pallas_triton._config(300 * 6, 384, 2304, 5120)
+    assert not words(jnp.bfloat16, cfg[2], cfg[4])
+    monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "f16w")
+    assert words(jnp.float32, 256, 256, interpret=True)
+    with pytest.raises(ValueError, match="f16w with float32 activations.*DSV41_MMA_FP4=auto"):
+        words(jnp.float32, 64, 64)
+    monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "bytes")
+    assert not words(jnp.bfloat16, 64, 64)
 
 
 S = jax.ShapeDtypeStruct
@@ -387,7 +408,8 @@ def test_fma_cross_lowering_real_shapes(target, via, monkeypatch):
 
 def test_decode_gemv_switch_moe(monkeypatch):
     """With DECODE_GEMV moe=fma the fused MoE takes the fma kernels up to FMA_MOE_MAX_PAIRS pairs
-    (blocks of 1/2/4 rows by the expected rows per expert) and the tensor-core kernels above."""
+    (one-row blocks up to 4 expected rows per expert, 4-row blocks above) and the tensor-core kernels
+    above (42 tokens x 6 = 252 pairs <= 256 < 43 x 6)."""
     from jax import ShapeDtypeStruct as S
 
     from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
@@ -396,12 +418,14 @@ def test_decode_gemv_switch_moe(monkeypatch):
     e, i, d = 384, 2304, 5120
     w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)
     w2 = Fp4Tensor(S((e, d, i // 2), jnp.uint8), S((e, d, i // 32), jnp.float8_e8m0fnu), 32)
-    for n, want in ((1, True), (10, True), (11, False)):
+    assert fma.FMA_MOE_MAX_PAIRS == 256
+    for n, want in ((1, True), (32, True), (42, True), (43, False)):
         txt = lower_for("cuda", lambda x, w, idx, a, b, c: pallas_triton.moe_experts(x, w, idx, a, b, c, swiglu_limit=10.0),
                         S((n, d), jnp.bfloat16), S((n, 6), jnp.float32), S((n, 6), jnp.int32), w1, w2, w1).as_text()
         assert ("moe_gate_up_fma_fp4" in txt) == want, n
     assert pallas_triton.default_fma_config(w1, 1.0)[1] == 1
-    assert pallas_triton.default_fma_config(w1, 2.5)[1] == 2
+    assert pallas_triton.default_fma_config(w1, 2.5)[1] == 1  # one-row blocks measured faster at 2 and 4
+    assert pallas_triton.default_fma_config(w1, 4.0)[1] == 1
     assert pallas_triton.default_fma_config(w1, 5.0)[1] == 4
 
 
