@@ -442,6 +442,9 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     cfg = tuple(config or _config(p, n_exp, i_dim, d))
     bt, bi, bk_a, bd, bk_b, warps = cfg[:6]
     stages = cfg[6] if len(cfg) > 6 else 3  # optional 7th entry: software-pipelining stages
+    for name, total, blk in (("I", i_dim, bi), ("D", d, bd), ("D (gate/up K)", d, bk_a), ("I (down K)", i_dim, bk_b)):
+        if blk > total or total % blk:
+            raise ValueError(f"moe_experts (pallas): config {cfg}: {name}={total} is not a multiple of its tile {blk}")
     block_expert, block_pair, block_token, block_weight = group_pairs(indices, weights, n_exp, bt)
     nb = block_expert.shape[0]
     xq = (act_quant(x, act_block) if quant else x).astype(op)

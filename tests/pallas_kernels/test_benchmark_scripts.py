@@ -92,6 +92,12 @@ def test_moe_fma_sweep_runs_in_interpret_mode(monkeypatch):
     assert [(r["mma_fp4"], r["config"][0]) for r in rows] == [("bytes", 16), ("f16w", 16), (None, "fma"), (None, "fma")]
     assert [r["config"][1] for r in rows[2:]] == [1, 4] and {r["experts"] for r in rows} == {2}
     assert all(r["ok"] for r in rows) and bm.pallas_triton.MMA_FP4["route"] == route
+    # --wide adds the tensor-core decode tilings with 64-wide K tiles, per route; a tiling wider than
+    # I (128 > 64 here) is refused and logged, the others checked
+    rows = bm.fma_sweep((8,), vias=["f16w"], default_only=True, experts=2, mma_routes=["bytes", "f16w"], wide=True)
+    tc = [(r["mma_fp4"], r["config"]) for r in rows if r["config"][0] != "fma"]
+    fit = [c for c in bm.TC_DECODE_CONFIGS if c[1] <= 64]
+    assert len(fit) == 3 and len(tc) == 2 * (1 + len(fit)) and all(r["ok"] for r in rows), tc
 
 
 def test_qmm_fma_sweep_runs_in_interpret_mode(monkeypatch):

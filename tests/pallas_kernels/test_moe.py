@@ -108,6 +108,14 @@ def test_mma_fp4_word_route_interpret(n, dtype, act_block, config, monkeypatch):
         pallas_triton.moe_experts(x, wts, idx, w1, w2, w3, **{**kw, "config": (16, 16, 64, 16, 16, 2)})
 
 
+def test_tensor_core_config_wider_than_the_experts_is_refused():
+    x, wts, idx, w1, w2, w3 = make("fp4", 5, 8, jnp.bfloat16)
+    i_dim = w1.data.shape[1]
+    with pytest.raises(ValueError, match=rf"I={i_dim} is not a multiple of its tile {2 * i_dim}"):
+        pallas_triton.moe_experts(x, wts, idx, w1, w2, w3, swiglu_limit=1.0, interpret=True,
+                                  config=(16, 2 * i_dim, 64, 32, 32, 4))
+
+
 def test_fp4_word_k_order_matches_the_word_tile():
     """fp4_word_k_order is the permutation load_fp4_word_tile's joins produce: position 4h + 2a + b of
     each group of 8 holds element 4h + a + 2b."""
