@@ -515,6 +515,26 @@ class SpeculativeGenerator:
             k = np.full(self.B, choose_width(conf, active, self.cost))
         return np.clip(np.minimum(k, room), 0, G)
 
+    def _placed(self, tree):
+        """``tree`` committed where the verify program returns its state: to the parameters' device
+        (one device; on a mesh the state is made sharded already). Arguments left uncommitted (the
+        step buffer from jnp.zeros, fresh caches and draft logits) made the first and the second
+        verify step two compilations of one program (an argument's sharding is part of jit's cache
+        key): 14 instead of 6 compilations for the six widths of the confidence policy plus
+        verify-all in ``spec_bench --rows policies`` on the CPU. Called where the state is created,
+        not per step (a device_put per leaf costs host time)."""
+        if self.mesh is not None:
+            return tree
+        return jax.device_put(tree, jax.tree.leaves(self.params)[0].sharding)
+
+    def _first_io(self, shape):
+        """The verify steps' int32 buffer before the first step, placed as :func:`spec_step_io_jit`
+        returns it (:meth:`_placed`; replicated over the parameters' mesh on a mesh)."""
+        ref = jax.tree.leaves(self.params)[0].sharding
+        if isinstance(ref, jax.sharding.NamedSharding):
+            ref = jax.sharding.NamedSharding(ref.mesh, jax.sharding.PartitionSpec())
+        return jax.device_put(np.zeros(shape, np.int32), ref)
+
     def _verify_step(self, cache, dcache, dl, io, host, sampling_args, *, sampler, S, forced, engram_ids):
         """One verify step as the generation loop runs it: the host inputs ``host`` (:func:`pack_io`)
         staged into the persistent int32 buffer ``io`` (made on the first step), :func:`spec_step_io_jit`
@@ -522,7 +542,9 @@ class SpeculativeGenerator:
         (cache, dcache, draft logits, io, (n_acc, next, draft ids, confidences) on the host).
         ``sampling_args``: (seed, temperature, top_k, top_p) device scalars; ``engram_ids`` the host
         ids in ``host`` (their shape is the program's) or None."""
-        io = stage_into(jnp.zeros(host.shape, jnp.int32) if io is None else io, host)
+        if io is None:  # committed where the verify program returns it, so its second call does not recompile
+            io = self._first_io(host.shape)
+        io = stage_into(io, host)
         cache, dcache, dl, io = spec_step_io_jit(
             self.params, cache, dcache, dl, io, *sampling_args, cfg=self.cfg, opts=self.opts, sampler=sampler, S=S,
             forced=forced, engram_shape=None if engram_ids is None else tuple(engram_ids.shape[2:]))
@@ -550,8 +572,8 @@ class SpeculativeGenerator:
         seed = jnp.int32(sp.seed)
         widths = [G + 1] if self.pad_width else list(range(1, G + 2))
         for S in widths:
-            cache, dcache = init_cache(self.cfg, B, self.max_seq_len, self.opts), init_dspark_cache(self.cfg, B, self.opts)
-            dl = jnp.zeros((B, G, V), jnp.float32)
+            cache, dcache, dl = self._placed((init_cache(self.cfg, B, self.max_seq_len, self.opts),
+                                              init_dspark_cache(self.cfg, B, self.opts), jnp.zeros((B, G, V), jnp.float32)))
             io = None
             hist, pos = np.zeros((B, self.max_seq_len), np.int64), np.zeros(B, np.int64)
             jax.block_until_ready((cache, dcache, dl))
@@ -612,14 +634,13 @@ class SpeculativeGenerator:
         if (plen + mnt + G + 1 > self.max_seq_len).any():
             raise ValueError("prompt + max_new_tokens + gamma + 1 exceeds max_seq_len")
         hist = np.zeros((B, self.max_seq_len + G + 2), np.int64)  # committed tokens (Engram history)
-        cache = init_cache(cfg, B, self.max_seq_len, self.opts)
-        dcache = init_dspark_cache(cfg, B, self.opts)
+        cache, dcache = self._placed((init_cache(cfg, B, self.max_seq_len, self.opts), init_dspark_cache(cfg, B, self.opts)))
         temp, topk, topp = jnp.float32(max(sp.temperature, 1e-30)), jnp.int32(sp.top_k), jnp.float32(sp.top_p)
         pos = np.zeros(B, np.int64)
-        last = jnp.zeros((B, V), jnp.float32)  # each row's last prompt logits
+        last = self._placed(jnp.zeros((B, V), jnp.float32))  # each row's last prompt logits
         ids = np.zeros((B, G + 1), np.int64)  # [anchor, drafts] per row
         conf = np.zeros((B, G), np.float32)
-        dl = jnp.zeros((B, G, V), jnp.float32)
+        dl = self._placed(jnp.zeros((B, G, V), jnp.float32))
         seed = jnp.int32(sp.seed)
         io = None  # the verify steps' int32 [B, W] in/out buffer (spec_step_io), made at the first step
         slots: list[_Slot | None] = [None] * B
