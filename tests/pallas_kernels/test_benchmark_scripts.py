@@ -85,19 +85,17 @@ def test_moe_fma_sweep_runs_in_interpret_mode(monkeypatch):
     assert all(r["ok"] for r in rows) and pallas_triton_fma.FMA_DECODE == {"fp4": "e4m3", "fp8": "f16w"}  # restored
     with pytest.raises(ValueError, match="--vias f16: unknown weight decode route"):
         bm.fma_sweep((1,), vias=["f16"], default_only=True)
-    # --sizes 8 --experts 2 --mma-fp4 bytes,f16w: the tensor-core kernels once per MXFP4 route, then the
-    # fma default and the block height the dispatch picks at 8 pairs per expert; the route restored
+    # --sizes 8 --experts 2 --wide --mma-fp4 bytes,f16w: the tensor-core kernels (the default tiling and
+    # the decode tilings with 64-wide K tiles; one wider than I = 64 here is refused and logged) once
+    # per MXFP4 route, then the fma default and the block height the dispatch picks at 8 pairs per
+    # expert, each checked; the route switch restored
     route = bm.pallas_triton.MMA_FP4["route"]
-    rows = bm.fma_sweep((8,), vias=["f16w"], default_only=True, experts=2, mma_routes=["bytes", "f16w"])
-    assert [(r["mma_fp4"], r["config"][0]) for r in rows] == [("bytes", 16), ("f16w", 16), (None, "fma"), (None, "fma")]
-    assert [r["config"][1] for r in rows[2:]] == [1, 4] and {r["experts"] for r in rows} == {2}
-    assert all(r["ok"] for r in rows) and bm.pallas_triton.MMA_FP4["route"] == route
-    # --wide adds the tensor-core decode tilings with 64-wide K tiles, per route; a tiling wider than
-    # I (128 > 64 here) is refused and logged, the others checked
     rows = bm.fma_sweep((8,), vias=["f16w"], default_only=True, experts=2, mma_routes=["bytes", "f16w"], wide=True)
     tc = [(r["mma_fp4"], r["config"]) for r in rows if r["config"][0] != "fma"]
     fit = [c for c in bm.TC_DECODE_CONFIGS if c[1] <= 64]
-    assert len(fit) == 3 and len(tc) == 2 * (1 + len(fit)) and all(r["ok"] for r in rows), tc
+    assert len(fit) == 3 and [m for m, _ in tc] == ["bytes"] * 4 + ["f16w"] * 4, tc
+    assert [r["config"][1] for r in rows if r["config"][0] == "fma"] == [1, 4] and {r["experts"] for r in rows} == {2}
+    assert all(r["ok"] for r in rows) and bm.pallas_triton.MMA_FP4["route"] == route
 
 
 def test_qmm_fma_sweep_runs_in_interpret_mode(monkeypatch):
