@@ -185,8 +185,9 @@ def worker_results():
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    # One job at a time: on the 2-core CI host the four jobs at once (beside the other pytest
-    # worker) took 874 s, one after another 385 s (99 + 66 + 27 + 193).
+    # One job at a time (each uses both cores of the 2-core CI host for its 8 devices): alone on
+    # that host 99 + 66 + 27 + 193 s; in CI, beside the other pytest worker, 898 s one after
+    # another against 874 s all four at once, with less oversubscription for the other worker.
     out = {}
     for k, args in JOBS.items():
         p = subprocess.run([sys.executable, WORKER, *args], cwd=ROOT, env=env, capture_output=True, text=True,
