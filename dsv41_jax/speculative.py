@@ -517,7 +517,8 @@ class SpeculativeGenerator:
 
     def _placed(self, tree):
         """``tree`` committed where the verify program returns its state: to the parameters' device
-        (one device; on a mesh the state is made sharded already). Arguments left uncommitted (the
+        (one device; on a mesh left as it is: whether the mesh path compiles twice too was not
+        checked). Arguments left uncommitted (the
         step buffer from jnp.zeros, fresh caches and draft logits) made the first and the second
         verify step two compilations of one program (an argument's sharding is part of jit's cache
         key): 14 instead of 6 compilations for the six widths of the confidence policy plus
