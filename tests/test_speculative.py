@@ -436,7 +436,9 @@ def test_spec_bench_text_prompts(tmp_path):
 
 def _watch_verify_steps(monkeypatch) -> list:
     """Wrap ``spec_step_io_jit``; each call appends (its donated inputs' buffer addresses equal its
-    outputs', the step buffer's address, the width S)."""
+    outputs', the step buffer's address, the width S, every donated input committed to a device).
+    The last: an uncommitted first step (fresh caches, a jnp.zeros step buffer) and committed later
+    ones are two jit cache entries, i.e. every verify program compiled twice (session 9)."""
     import dsv41_jax.speculative as spec
 
     ptr = lambda a: a.unsafe_buffer_pointer()  # noqa: E731
@@ -446,8 +448,9 @@ def _watch_verify_steps(monkeypatch) -> list:
 
     def watched(params, cache, dcache, dl, io, *a, **k):
         before = leaves(cache, dcache, dl, io)
+        committed = all(x.committed for x in jax.tree.leaves((cache, dcache, dl, io)))
         out = orig(params, cache, dcache, dl, io, *a, **k)
-        calls.append((before == leaves(*out), ptr(out[3]), k["S"]))
+        calls.append((before == leaves(*out), ptr(out[3]), k["S"], committed))
         return out
 
     monkeypatch.setattr(spec, "spec_step_io_jit", watched)
@@ -466,6 +469,7 @@ def test_verify_steps_keep_their_buffers(model, prompts, plain, monkeypatch):
     assert len(calls) >= 4
     assert all(c[0] for c in calls), "a verify step's outputs must overwrite its donated inputs"
     assert len({c[1] for c in calls}) == 1, "the step buffer must keep one address"
+    assert all(c[3] for c in calls), "every verify step's state must be committed (else two compilations)"
 
 
 def test_calibrate_times_the_loops_verify_program(model, prompts, plain, monkeypatch):
@@ -482,7 +486,7 @@ def test_calibrate_times_the_loops_verify_program(model, prompts, plain, monkeyp
     cost = gen.calibrate(reps=2)
     G = model.cfg.dspark_block_size
     assert sorted(cost) == list(range(1, G + 2)) and len(set(cost.values())) == 1 and cost[1] > 0
-    assert [c[2] for c in calls] == [G + 1] * 3 and all(c[0] for c in calls)
+    assert [c[2] for c in calls] == [G + 1] * 3 and all(c[0] and c[3] for c in calls)
     assert len({c[1] for c in calls}) == 1  # one step-buffer address across the timed steps
     n_programs = orig._cache_size()
     assert gen.generate(prompts, NEW) == plain  # verify-all: every step at width G + 1
