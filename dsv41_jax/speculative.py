@@ -531,10 +531,9 @@ class SpeculativeGenerator:
     def _first_io(self, shape):
         """The verify steps' int32 buffer before the first step, placed as :func:`spec_step_io_jit`
         returns it (:meth:`_placed`; replicated over the parameters' mesh on a mesh)."""
-        ref = jax.tree.leaves(self.params)[0].sharding
-        if isinstance(ref, jax.sharding.NamedSharding):
-            ref = jax.sharding.NamedSharding(ref.mesh, jax.sharding.PartitionSpec())
-        return jax.device_put(np.zeros(shape, np.int32), ref)
+        if self.mesh is None:
+            return self._placed(np.zeros(shape, np.int32))
+        return jax.device_put(np.zeros(shape, np.int32), jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
 
     def _verify_step(self, cache, dcache, dl, io, host, sampling_args, *, sampler, S, forced, engram_ids):
         """One verify step as the generation loop runs it: the host inputs ``host`` (:func:`pack_io`)

@@ -498,7 +498,7 @@ def main(argv=None):
     if a.fma:
         sizes = tuple(int(v) for v in a.sizes.split(",")) if a.sizes else (1,) if a.quick else (1, 8)
         rows = fma_sweep(sizes, wide=a.wide, vias=a.vias and a.vias.split(","), default_only=a.default_only,
-                         experts=a.experts or E, mma_routes=a.mma_fp4 and a.mma_fp4.split(","))
+                         experts=a.experts, mma_routes=a.mma_fp4 and a.mma_fp4.split(","))
         if a.out:
             os.makedirs(a.out, exist_ok=True)
             with open(os.path.join(a.out, "moe_fma.json"), "w") as f:
