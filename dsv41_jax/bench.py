@@ -318,9 +318,10 @@ def run(args) -> dict:
 def table(out: dict) -> str:
     lines = [f"device {out['device']}, jax {out['jax']}, config {out['config']}"]
     lines += [f"note: {n}" for n in out["notes"]]
-    lines.append("| batch | decode tok/s (median) | floor tok/s | ratio | GB/step | peak GB | compile s | prompt prefill tok/s "
-                 "| host dispatch / wait ms per decode step |")
-    lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    if out["decode"]:
+        lines.append("| batch | decode tok/s (median) | floor tok/s | ratio | GB/step | peak GB | compile s | prompt prefill "
+                     "tok/s | host dispatch / wait ms per decode step |")
+        lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in out["decode"]:
         fl = f"{r['floor_tok_s']:.0f}" if r["floor_tok_s"] else "n/a"
         ra = f"{r['ratio_to_floor']:.3f}" if r["ratio_to_floor"] else "n/a"
@@ -370,7 +371,8 @@ def main(argv=None) -> int:
     ap.add_argument("--engram-vocab", type=int, default=None, help="Engram prime-bucket start (reduces table rows)")
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--new-tokens", type=int, default=1024)
-    ap.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32])
+    ap.add_argument("--batch-sizes", type=_ints_or_off, default=[1, 8, 32],
+                    help="decode rows (0: none, e.g. for the prefill rows alone)")
     ap.add_argument("--prefill-lens", type=_ints_or_off, default=[4096, 65536],
                     help="prompt lengths of the prefill rows (0: none; the decode rows report their prompts' prefill too)")
     ap.add_argument("--prefill-chunk", type=int, default=4096)
