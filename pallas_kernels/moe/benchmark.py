@@ -159,8 +159,12 @@ def fma_configs(w1, n, wide: bool = False):
                   ("fma", bt, bi, kga, bd, kgb, 4, 2), ("fma", bt, bi, kga, bd, kgb, 4, 4),
                   ("fma", bt, bi, kga, bd, kgb, 8, 2), ("fma", bt, bi // 2, kga // 2, bd // 2, kgb // 2, 2, stages),
                   ("fma", bt, bi, kga // 4, bd, kgb // 4, 4, 4)]
-    if n >= 4:
-        cands += [("fma", 2, bi, kga, bd, kgb, 4, stages), ("fma", 4, bi, kga, bd, kgb, 4, stages)]
+    if n >= 4:  # multi-row blocks; with 1-2 warps each thread holds more weight rows of a tile, so an
+        # activation value loaded once serves more of them (the one-row blocks load it per element)
+        cands += [("fma", 2, bi, kga, bd, kgb, 4, stages), ("fma", 4, bi, kga, bd, kgb, 4, stages),
+                  ("fma", 1, bi, kga, bd, kgb, 1, stages), ("fma", 2, bi, kga, bd, kgb, 1, stages),
+                  ("fma", 2, bi, kga, bd, kgb, 2, stages), ("fma", 4, bi, kga, bd, kgb, 1, stages),
+                  ("fma", 4, bi, kga, bd, kgb, 2, stages), ("fma", 2, bi * 2, kga, bd * 2, kgb, 2, stages)]
     out = []
     for c in cands:
         if c not in out and min(c[2:6]) >= 1 and pallas_triton.fma_reason(w1, c) is None:
