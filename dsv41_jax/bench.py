@@ -31,6 +31,8 @@ from .config import get_preset
 from .xla_flags import apply_runtime_defaults
 
 HBM_BW = {"H200": 4.8e12, "H100": 3.35e12, "MI350X": 8.0e12, "MI355X": 8.0e12}
+# dense bf16 tensor-core peaks (vendor data sheets), the prefill rows' compute floor
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "MI350X": 2.3e15, "MI355X": 2.5e15}
 
 
 def bench_config(preset: str, routed_experts: int | None, engram_vocab: int | None, *, dspark: bool = False,
@@ -156,6 +158,54 @@ def decode_bytes(cfg, params, batch: int, context: int, dp: int | None = None) -
     return total + batch * kv / (dp or 1)
 
 
+def _matmul_elements(node) -> int:
+    """Logical weight elements of the matrices in ``node`` (quantized tensors unpacked; vectors such
+    as norms and biases left out)."""
+    import jax
+
+    from .quant.tensors import Fp4Tensor, Fp8Tensor
+
+    leaves = jax.tree.leaves(node, is_leaf=lambda x: isinstance(x, (Fp8Tensor, Fp4Tensor)))
+    return int(sum(np.prod(a.shape) for a in leaves if len(a.shape) >= 2))
+
+
+def prefill_flops(cfg, params, prompt_len: int) -> float:
+    """Matmul FLOPs of one exact prefill of ``prompt_len`` tokens (every token through every layer,
+    as the reference): 2 x the weight elements each token multiplies (dense matrices, the shared and
+    ``n_activated_experts`` routed experts; no embedding or Engram table lookups, no head: logits
+    for one position), plus the sparse attention (QK and PV over the window and the top-k
+    compressed entries, or all of them without an indexer) and the indexer's score dots over the
+    compressed keys (the candidate blocks where the layer uses them)."""
+    per_token, per_expert = 0, 0
+    for l in range(cfg.n_layers):
+        for k, v in params["layers"][str(l)].items():
+            if k == "ffn":
+                for kk, vv in v.items():
+                    if kk == "experts":
+                        per_expert = _matmul_elements(vv) / cfg.n_routed_experts
+                    else:
+                        per_token += _matmul_elements(vv)
+            elif k == "engram":
+                per_token += _matmul_elements({kk: vv for kk, vv in v.items() if kk != "embed"})
+            else:
+                per_token += _matmul_elements(v)
+    total = 2.0 * prompt_len * (per_token + cfg.n_layers * cfg.n_activated_experts * per_expert)
+    seen = np.arange(1, prompt_len + 1, dtype=np.float64)  # tokens visible to each position
+    for l in range(cfg.n_layers):
+        keys = np.minimum(seen, cfg.window_size)
+        m = cfg.ratio(l)
+        if m:
+            comp = np.floor(seen / m)
+            keys = keys + (np.minimum(comp, cfg.index_topk) if cfg.index_source_of(l) is not None else comp)
+            if l in cfg.index_source_layers:
+                scan = comp
+                if cfg.uses_candidates(l):
+                    scan = np.minimum(scan, cfg.candidate_topk_blocks * cfg.candidate_block_size)
+                total += 2.0 * cfg.index_n_heads * cfg.index_head_dim * scan.sum()
+        total += 4.0 * cfg.n_heads * cfg.head_dim * keys.sum()
+    return total
+
+
 def device_bandwidth() -> tuple[str, float | None]:
     import jax
 
@@ -228,6 +278,7 @@ def run(args) -> dict:
         print(f"note: {n}", flush=True)
     kind, bw = device_bandwidth()
     bw = args.hbm_bw or bw
+    peak = next((v for k, v in PEAK_BF16.items() if k in kind), None)
     from sharding.engine_support import mesh_from_args
 
     mesh, dp = mesh_from_args(args), None  # multi-host start-up + the --mesh mesh (None without)
@@ -311,7 +362,10 @@ def run(args) -> dict:
             if r >= args.warmup:
                 times.append(res[0].timings["prefill_s"])
         med = statistics.median(times)
-        out["prefill"].append({"prompt_len": L, "median_s": med, "tok_s": L / med, "peak_bytes": mem()})
+        flops = prefill_flops(cfg, params, L)
+        floor = peak * L / flops if peak else None
+        out["prefill"].append({"prompt_len": L, "median_s": med, "runs_s": times, "tok_s": L / med, "peak_bytes": mem(),
+                               "flops": flops, "floor_tok_s": floor, "ratio_to_floor": L / med / floor if floor else None})
     return out
 
 
@@ -331,11 +385,14 @@ def table(out: dict) -> str:
         lines.append(f"| {r['batch']} | {r['median_tok_s']:.2f} | {fl} | {ra} | {r['bytes_per_step'] / 1e9:.2f} | {pk} "
                      f"| {r['compile_s']:.1f} | {r['prefill_tok_s']:.0f} | {hw} |")
     if out["prefill"]:
-        lines.append("| prompt | prefill s (median) | prefill tok/s | peak GB |")
-        lines.append("|---:|---:|---:|---:|")
+        lines.append("| prompt | prefill s (median) | prefill tok/s | TFLOP per prompt | bf16 floor tok/s | ratio | peak GB |")
+        lines.append("|---:|---:|---:|---:|---:|---:|---:|")
         for r in out["prefill"]:
             pk = f"{r['peak_bytes'] / 1e9:.1f}" if r["peak_bytes"] else "n/a"
-            lines.append(f"| {r['prompt_len']} | {r['median_s']:.3f} | {r['tok_s']:.1f} | {pk} |")
+            fl = f"{r['floor_tok_s']:.0f}" if r.get("floor_tok_s") else "n/a"
+            ra = f"{r['ratio_to_floor']:.3f}" if r.get("ratio_to_floor") else "n/a"
+            lines.append(f"| {r['prompt_len']} | {r['median_s']:.3f} | {r['tok_s']:.1f} | {r['flops'] / 1e12:.1f} | {fl} "
+                         f"| {ra} | {pk} |")
     return "\n".join(lines)
 
 

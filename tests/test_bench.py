@@ -125,3 +125,26 @@ def test_profile_asks_for_an_hlo_dump():
     assert f.startswith("--xla_gpu_autotune_level=0 ") and "--xla_dump_to=/tmp/p/hlo" in f
     assert "engine_step" in f and "--xla_dump_hlo_as_text" in f
     assert with_hlo_dump("--xla_dump_to=/x", "/tmp/p/hlo") == "--xla_dump_to=/x"  # the caller's dump wins
+
+
+def test_prefill_flops_per_token_matches_active_parameters():
+    """performance.md §1c: about 8B active parameters per token in 20 layers, so ~2 x 16B FLOPs per
+    token through all 40 (exact prefill), plus attention; reducing the routed experts keeps it
+    (only the router's rows differ)."""
+    from dsv41_jax.bench import prefill_flops
+
+    full, _ = bench_config("v41-flash", None, None)
+    red, _ = bench_config("v41-flash", 96, 16000)
+    f_full = prefill_flops(full, param_specs(full), 4096)
+    f_red = prefill_flops(red, param_specs(red), 4096)
+    assert 30e9 < f_full / 4096 < 38e9
+    assert abs(f_full - f_red) / f_full < 0.01
+    # the last position of a 64K prompt: weights plus 640 keys per compressed layer (window 128 +
+    # top-512), 128 in the SWA-only layers, and the indexer scans of 16K compressed keys
+    specs = param_specs(red)
+    step = prefill_flops(red, specs, 65536) - prefill_flops(red, specs, 65535)
+    weights = prefill_flops(red, specs, 1)  # a one-token prompt: the weights and one key per layer
+    swa = sum(1 for l in range(red.n_layers) if not red.ratio(l))
+    attn = 4 * red.n_heads * red.head_dim * (128 * swa + 640 * (red.n_layers - swa))
+    assert step > weights + attn  # plus the indexer's scans, which grow with the context
+    assert step - weights - attn < 0.25 * step
