@@ -345,9 +345,9 @@ _MESH_SCRIPT = textwrap.dedent(
 
 
 def test_roundtrips_on_virtual_mesh(tiny_ckpt, tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, tiny_ckpt, str(tmp_path / "o")], env=env,
+    from multi_device import env
+
+    r = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, tiny_ckpt, str(tmp_path / "o")], env=env(8),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "MESH_OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
 
