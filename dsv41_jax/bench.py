@@ -110,6 +110,26 @@ def _stored_bytes(node, per_device: bool = False) -> int:
     return int(sum(np.prod(shape(a)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(node)))
 
 
+def _per_token_and_expert(cfg, params, measure) -> tuple[float, float]:
+    """``measure`` (bytes, elements, ...) summed over the layers' weights every token uses (all but
+    the routed experts and the Engram tables, whose rows are looked up), and of one routed expert
+    of a layer. Head, final norm and embedding are left to the caller."""
+    per_token, per_expert = 0, 0
+    for l in range(cfg.n_layers):
+        for k, v in params["layers"][str(l)].items():
+            if k == "ffn":
+                for kk, vv in v.items():
+                    if kk == "experts":
+                        per_expert = measure(vv) / cfg.n_routed_experts
+                    else:
+                        per_token += measure(vv)
+            elif k == "engram":
+                per_token += measure({kk: vv for kk, vv in v.items() if kk != "embed"})
+            else:
+                per_token += measure(v)
+    return per_token, per_expert
+
+
 def decode_bytes(cfg, params, batch: int, context: int, dp: int | None = None) -> float:
     """HBM bytes one decode step must read for ``batch`` sequences at ``context`` tokens: every
     weight except the routed experts, the Engram tables and the embedding table (one row per token),
@@ -121,21 +141,7 @@ def decode_bytes(cfg, params, batch: int, context: int, dp: int | None = None) -
     experts spread evenly over the ep/tp shards) and its dp group's share of the KV reads."""
     per_dev = dp is not None
     _bytes = functools.partial(_stored_bytes, per_device=per_dev)
-    total = 0
-    per_expert = 0
-    for l in range(cfg.n_layers):
-        lp = params["layers"][str(l)]
-        for k, v in lp.items():
-            if k == "ffn":
-                for kk, vv in v.items():
-                    if kk == "experts":
-                        per_expert = _bytes(vv) / cfg.n_routed_experts
-                    else:
-                        total += _bytes(vv)
-            elif k == "engram":
-                total += _bytes({kk: vv for kk, vv in v.items() if kk != "embed"})
-            else:
-                total += _bytes(v)
+    total, per_expert = _per_token_and_expert(cfg, params, _bytes)
     total += _bytes(params["head"]) + _bytes(params["norm"])
     e, k = cfg.n_routed_experts, cfg.n_activated_experts
     distinct = e * (1 - (1 - k / e) ** batch)
@@ -176,19 +182,7 @@ def prefill_flops(cfg, params, prompt_len: int) -> float:
     for one position), plus the sparse attention (QK and PV over the window and the top-k
     compressed entries, or all of them without an indexer) and the indexer's score dots over the
     compressed keys (the candidate blocks where the layer uses them)."""
-    per_token, per_expert = 0, 0
-    for l in range(cfg.n_layers):
-        for k, v in params["layers"][str(l)].items():
-            if k == "ffn":
-                for kk, vv in v.items():
-                    if kk == "experts":
-                        per_expert = _matmul_elements(vv) / cfg.n_routed_experts
-                    else:
-                        per_token += _matmul_elements(vv)
-            elif k == "engram":
-                per_token += _matmul_elements({kk: vv for kk, vv in v.items() if kk != "embed"})
-            else:
-                per_token += _matmul_elements(v)
+    per_token, per_expert = _per_token_and_expert(cfg, params, _matmul_elements)
     total = 2.0 * prompt_len * (per_token + cfg.n_layers * cfg.n_activated_experts * per_expert)
     seen = np.arange(1, prompt_len + 1, dtype=np.float64)  # tokens visible to each position
     for l in range(cfg.n_layers):
