@@ -351,15 +351,19 @@ def run(args) -> dict:
         eng = Engine(model, batch_size=dp or 1, max_seq_len=L + 2, opts=opts, prefill_chunk=args.prefill_chunk,
                      stop_ids=(), mesh=mesh)
         times = []
+        req = Request(random_prompt(L, args.seed, cfg.vocab_size), max_new_tokens=1)
         for r in range(args.warmup + max(1, args.runs // 3)):
-            res = eng.generate([Request(random_prompt(L, args.seed, cfg.vocab_size), max_new_tokens=1)], SamplingParams())
+            res = eng.generate([req], SamplingParams())
             if r >= args.warmup:
                 times.append(res[0].timings["prefill_s"])
         med = statistics.median(times)
         flops = prefill_flops(cfg, params, L)
         floor = peak * L / flops if peak else None
+        prof = (profile_generate(eng, [req], 1, args.profile_dir or f"/tmp/dsv41_prof_p{L}")
+                if args.profile_prefill else None)
         out["prefill"].append({"prompt_len": L, "median_s": med, "runs_s": times, "tok_s": L / med, "peak_bytes": mem(),
-                               "flops": flops, "floor_tok_s": floor, "ratio_to_floor": L / med / floor if floor else None})
+                               "flops": flops, "floor_tok_s": floor, "ratio_to_floor": L / med / floor if floor else None,
+                               "profile": prof})
     return out
 
 
@@ -443,13 +447,17 @@ def main(argv=None) -> int:
     ap.add_argument("--probe-layers", action="store_true",
                     help="diagnostics: 7 real-width layers, one of each kind (not the protocol; compiles in a fraction "
                          "of the time)")
-    ap.add_argument("--profile-dir", default=None, help="where the profiler traces go (default /tmp/dsv41_prof_b<B>)")
+    ap.add_argument("--profile-prefill", action="store_true",
+                    help="after each prefill row, profile one more prefill of its prompt and print device time per "
+                         "program, model part and kernel")
+    ap.add_argument("--profile-dir", default=None,
+                    help="where the profiler traces go (default /tmp/dsv41_prof_b<B>, /tmp/dsv41_prof_p<prompt> for prefill)")
     from sharding.engine_support import add_mesh_argument
 
     add_mesh_argument(ap)  # --mesh: random parameters are built on their shardings, never whole on one device
     args = ap.parse_args(argv)
     apply_runtime_defaults()
-    if args.profile_tokens:  # read when the backend starts (no effect if a caller already started it)
+    if args.profile_tokens or args.profile_prefill:  # read when the backend starts (not if a caller started it)
         os.environ["XLA_FLAGS"] = with_hlo_dump(os.environ.get("XLA_FLAGS", ""),
                                                 os.path.join(args.profile_dir or "/tmp/dsv41_prof", "hlo"))
     try:

@@ -148,3 +148,21 @@ def test_prefill_flops_per_token_matches_active_parameters():
     attn = 4 * red.n_heads * red.head_dim * (128 * swa + 640 * (red.n_layers - swa))
     assert step > weights + attn  # plus the indexer's scans, which grow with the context
     assert step - weights - attn < 0.25 * step
+
+
+def test_prefill_row_profile_on_cpu(tmp_path):
+    """``--batch-sizes 0 --profile-prefill``: the prefill row alone, with the FLOP count and a
+    profile of one more prefill whose step program ran once per prompt chunk (40 tokens in chunks
+    of 16: 3)."""
+    import json
+
+    out = tmp_path / "b.json"
+    assert main(["--preset", "tiny", "--batch-sizes", "0", "--prefill-lens", "40", "--prefill-chunk", "16",
+                 "--warmup", "0", "--runs", "1", "--profile-prefill", "--profile-dir", str(tmp_path / "p"),
+                 "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["decode"] == [] and len(d["prefill"]) == 1
+    row = d["prefill"][0]
+    assert row["prompt_len"] == 40 and row["flops"] > 0 and row["tok_s"] > 0
+    steps = [p for p in row["profile"]["programs"] if "engine_step" in p["module"]]
+    assert steps and max(p["executions"] for p in steps) == 3, [(p["module"], p["executions"]) for p in steps]

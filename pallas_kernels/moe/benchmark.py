@@ -159,10 +159,11 @@ def fma_configs(w1, n, wide: bool = False):
                   ("fma", bt, bi, kga, bd, kgb, 4, 2), ("fma", bt, bi, kga, bd, kgb, 4, 4),
                   ("fma", bt, bi, kga, bd, kgb, 8, 2), ("fma", bt, bi // 2, kga // 2, bd // 2, kgb // 2, 2, stages),
                   ("fma", bt, bi, kga // 4, bd, kgb // 4, 4, 4)]
-    if n >= 4:  # multi-row blocks, also with 1-2 warps (the guess: each thread would then hold more
+    if n >= 4:
+        cands += [("fma", 2, bi, kga, bd, kgb, 4, stages), ("fma", 4, bi, kga, bd, kgb, 4, stages)]
+    if wide and n >= 4:  # multi-row blocks with 1-2 warps (the guess: each thread would then hold more
         # weight rows and reuse an activation value across them; all slower at 32 tokens, session 10)
-        cands += [("fma", 2, bi, kga, bd, kgb, 4, stages), ("fma", 4, bi, kga, bd, kgb, 4, stages),
-                  ("fma", 1, bi, kga, bd, kgb, 1, stages), ("fma", 2, bi, kga, bd, kgb, 1, stages),
+        cands += [("fma", 1, bi, kga, bd, kgb, 1, stages), ("fma", 2, bi, kga, bd, kgb, 1, stages),
                   ("fma", 2, bi, kga, bd, kgb, 2, stages), ("fma", 4, bi, kga, bd, kgb, 1, stages),
                   ("fma", 4, bi, kga, bd, kgb, 2, stages), ("fma", 2, bi * 2, kga, bd * 2, kgb, 2, stages)]
     out = []
