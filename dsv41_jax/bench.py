@@ -247,11 +247,18 @@ def profile_generate(eng, reqs, new_tokens: int, outdir: str) -> dict:
     rep = summarize(path, m.group(1) if m else None, top=400)  # the JSON keeps every kernel; the log the top 25
     rep["wall_s"] = wall
     # the runtime may not record executions per program: the decode program (most launches) ran
-    # new_tokens - 1 times, the prefill program ceil(prompt / chunk) times
+    # new_tokens - 1 times, the prefill program ceil(prompt / chunk) times (one step per chunk, the
+    # rows' chunks together); with new_tokens == 1 only the prefill program ran
     progs = [p for p in rep["programs"] if p["executions"] == 1 and "engine_step" in p["module"]]
-    if len(progs) >= 2:
-        dec = set_executions(max(progs, key=lambda p: p["launches"]), max(new_tokens - 1, 1))
-        dec["note"] = "decode program: per-step figures from the step count (the trace kept no execution ids)"
+    if len(progs) >= 2 or (progs and new_tokens == 1):
+        if new_tokens > 1:
+            dec = set_executions(max(progs, key=lambda p: p["launches"]), new_tokens - 1)
+            dec["note"] = "decode program: per-step figures from the step count (the trace kept no execution ids)"
+            progs = [p for p in progs if p is not dec]
+        chunks = max(-(-len(r.prompt_ids) // eng.chunk) for r in short)
+        for p in progs:
+            set_executions(p, chunks)["note"] = ("prefill program: per-step figures from ceil(prompt / chunk) "
+                                                 "steps (the trace kept no execution ids)")
     print(format_report(rep), flush=True)
     return rep
 

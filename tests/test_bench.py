@@ -166,3 +166,33 @@ def test_prefill_row_profile_on_cpu(tmp_path):
     assert row["prompt_len"] == 40 and row["flops"] > 0 and row["tok_s"] > 0
     steps = [p for p in row["profile"]["programs"] if "engine_step" in p["module"]]
     assert steps and max(p["executions"] for p in steps) == 3, [(p["module"], p["executions"]) for p in steps]
+
+
+def test_profile_without_execution_ids_counts_prefill_and_decode_steps(monkeypatch):
+    """A trace that kept no execution ids reports every program once: the decode program (most
+    launches) is re-expressed per one of new_tokens - 1 steps, the prefill program per one of
+    ceil(prompt / chunk) steps; with one new token only the prefill program ran."""
+    import types
+
+    import dsv41_jax.profiling as prof
+    from dsv41_jax.bench import profile_generate
+    from dsv41_jax.engine import Request
+
+    def prog(launches):
+        return {"module": "jit__engine_step_pipe", "executions": 1, "busy_ms": 60.0, "parts_ms": {"moe": 60.0},
+                "launches": launches, "kernels": []}
+
+    def fake(progs):
+        monkeypatch.setattr(prof, "trace", lambda f, d: (None, "trace"))
+        monkeypatch.setattr(prof, "summarize", lambda *a, **k: {"programs": progs})
+        monkeypatch.setattr(prof, "format_report", lambda rep: "")
+
+    eng = types.SimpleNamespace(chunk=16)
+    reqs = [Request(list(range(40)), 4), Request(list(range(20)), 4)]  # 3 prefill steps
+    fake([prog(900.0), prog(300.0)])
+    rep = profile_generate(eng, reqs, 7, "/tmp/unused")
+    assert [(p["executions"], p["busy_ms"]) for p in rep["programs"]] == [(6, 10.0), (3, 20.0)]
+    fake([prog(300.0)])
+    rep = profile_generate(eng, reqs, 1, "/tmp/unused")
+    assert [(p["executions"], p["busy_ms"]) for p in rep["programs"]] == [(3, 20.0)]
+    assert "prefill program" in rep["programs"][0]["note"]
