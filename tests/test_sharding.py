@@ -19,6 +19,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import multi_device
 from dsv41_jax.config import get_preset
 from dsv41_jax.options import RunOptions
 from dsv41_jax.params import param_specs
@@ -181,10 +182,7 @@ def test_distributed_env():
 
 @pytest.fixture(scope="module")
 def worker_results():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env = multi_device.env(8)
     # All four at once. One after another they took 898 and 995 s in two CI runs on the 2-core host
     # (874 s at once in session 8), with one core idle at the end of the suite, so no gain.
     procs = {k: subprocess.Popen([sys.executable, WORKER, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
