@@ -416,6 +416,10 @@ def lightning_indexer(q, weights, keys, visible, *, top_k, candidate_blocks=None
                                 block_size=block_size)
     if reason is not None:
         raise ValueError(f"lightning_indexer (pallas): {reason}")
+    if is_prefill(q) and prefill_reason(q, keys, config) is None:
+        return _prefill_indexer(q, weights, keys, visible, top_k=top_k, candidate_blocks=candidate_blocks,
+                                block_size=block_size, want_block_scores=want_block_scores, interpret=interpret,
+                                config=config)
     cfg = dict(DEFAULTS)
     cfg.update(config or {})
     cfg["block_size"] = block_size
@@ -445,9 +449,73 @@ def lightning_indexer(q, weights, keys, visible, *, top_k, candidate_blocks=None
     return IndexerResult(topk.astype(jnp.int32), block_scores)
 
 
+PREFILL_MIN_ROWS = 64  # query rows per sequence from which the tile score kernel runs
+
+
+def is_prefill(q) -> bool:
+    return _logical_shape(q)[1] >= PREFILL_MIN_ROWS
+
+
+def prefill_reason(q, keys, config=None):
+    from . import pallas_triton_prefill as pf
+
+    cfg = dict(pf.PREFILL_DEFAULTS)
+    cfg.update({k: v for k, v in (config or {}).items() if k in cfg})
+    return pf.unsupported_reason(_logical_shape(q), _logical_shape(keys), cfg)
+
+
+PREFILL_SCORE_BUDGET = 2 << 30  # bytes of [B, rows, Nc] f32 scores one prefill step holds
+
+
+def _prefill_indexer(q, weights, keys, visible, *, top_k, candidate_blocks, block_size, want_block_scores,
+                     interpret, config):
+    """Prefill chunks: the tile score kernel writes the masked scores of a block of query rows once;
+    the candidate mask, block maxima and top-k are the reference's own functions (same ties, same
+    order). Rows go in blocks of at most PREFILL_SCORE_BUDGET bytes of scores (one block up to a
+    4096-row chunk against 131,072 entries; a 1M-entry cache takes 512 rows at a time), one block
+    after another (``lax.map``), so the score matrix of a whole long prefill never exists at once."""
+    from . import pallas_triton_prefill as pf
+    from . import reference as ref
+
+    cfg = {k: v for k, v in (config or {}).items() if k in pf.PREFILL_DEFAULTS}
+    budget = (config or {}).get("prefill_score_budget", PREFILL_SCORE_BUDGET)
+    b, s = visible.shape
+    nc = _logical_shape(keys)[1]
+
+    def one(q, w, vis, cb):
+        sc = pf.index_scores(q, w, keys, vis, interpret=interpret, config=cfg)
+        if cb is not None:
+            sc = jnp.where(ref.expand_blocks(cb, block_size, nc), sc, _NEG_INF)
+        return ref.topk_ascending(sc, top_k), (ref.block_max(sc, block_size) if want_block_scores else None)
+
+    rb = s
+    while rb > 16 and b * rb * nc * 4 > budget:
+        rb = _next_pow2(rb) // 2
+    if rb >= s:
+        return IndexerResult(*one(q, weights, visible, candidate_blocks))
+    nblk = -(-s // rb)
+    pad = nblk * rb - s
+
+    def blocks(x):  # [B, S, ...] -> [nblk, B, rb, ...], padded rows see nothing (visible 0)
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(b, nblk, rb, *x.shape[2:]), 1, 0)
+
+    qb = jax.tree.map(blocks, q)
+    cbb = None if candidate_blocks is None else blocks(candidate_blocks)
+    topk, bmax = jax.lax.map(lambda a: one(*a), (qb, blocks(weights), blocks(visible), cbb))
+
+    def unblock(x):
+        return None if x is None else jnp.moveaxis(x, 0, 1).reshape(b, nblk * rb, *x.shape[3:])[:, :s]
+
+    return IndexerResult(unblock(topk), unblock(bmax))
+
+
 def auto_reason(q):
-    """Why plain 'auto' dispatch does not pick this kernel on a GPU (None: pick it). The kernel is
-    correct on the H200 but measured slower than the XLA reference there (BENCHMARKS.md, "Pallas
-    kernels I"), so 'auto' keeps the reference until a faster version is measured.
-    implementation='pallas' (argument, context or DSV41_KERNELS) still runs it."""
+    """Why plain 'auto' dispatch does not pick this kernel on a GPU (None: pick it). Decode-sized
+    calls: the streaming kernel is correct on the H200 but measured slower than the XLA reference
+    there (BENCHMARKS.md, "Pallas kernels I"), so 'auto' keeps the reference for them.
+    implementation='pallas' (argument, context or DSV41_KERNELS) still runs it. Prefill chunks
+    (>= PREFILL_MIN_ROWS query rows) take the tile score kernel."""
+    if is_prefill(q):
+        return None
     return "measured slower than the XLA reference on the H200 (BENCHMARKS.md)"
