@@ -9,7 +9,10 @@ one GPU target (``"cuda"`` = an NVIDIA H200, ``"rocm"`` = an AMD MI350X, gfx950)
 mesh whose abstract device names that GPU (see ``shared/spec/pallas_triton.md`` §5, method A). No
 device memory is touched; the inputs are ``jax.ShapeDtypeStruct``s. It raises what the backend's
 lowering raises (non-power-of-two blocks, scalar prefetch, fnuz casts, ...), which interpret mode
-would silently accept. This is the MI350X portability gate: no AMD GPU is lent to us.
+would silently accept. Every Triton module it produces is also run through the MLIR verifier
+(which the device's Triton runs when it parses the module: session 11's first indexer kernel lowered
+here but was refused on the H200 with "'scf.for' op failed to verify"). This is the MI350X
+portability gate: no AMD GPU is lent to us.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from jax.sharding import AxisType
 
 # AbstractDevice lives in a private module; keep that dependency in this one place.
 from jax._src.mesh import AbstractDevice, AbstractMesh  # noqa: PLC2701
+from jax._src.pallas.triton import lowering as _triton_lowering  # noqa: PLC2701
 
 TARGETS = {
     "cuda": ("NVIDIA H200", "cuda"),
@@ -39,8 +43,20 @@ def lower_for(target: str, fn, *specs):
     """
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; expected one of {sorted(TARGETS)}")
-    with jax.sharding.use_abstract_mesh(abstract_mesh(target)):
-        return jax.jit(fn).trace(*specs).lower(lowering_platforms=(target,))
+    lower_module = _triton_lowering.lower_jaxpr_to_triton_module
+
+    def verified(*args, **kwargs):
+        result = lower_module(*args, **kwargs)
+        if not result.module.operation.verify():  # raises with the diagnostics on failure
+            raise AssertionError("the Triton module did not verify")
+        return result
+
+    _triton_lowering.lower_jaxpr_to_triton_module = verified
+    try:
+        with jax.sharding.use_abstract_mesh(abstract_mesh(target)):
+            return jax.jit(fn).trace(*specs).lower(lowering_platforms=(target,))
+    finally:
+        _triton_lowering.lower_jaxpr_to_triton_module = lower_module
 
 
 GEMM_TOL = {"bfloat16": (2.0**-7, 2.0**-9), "float32": (1e-5, 1e-6)}

@@ -470,8 +470,8 @@ PREFILL_SCORE_BUDGET = 2 << 30  # bytes of [B, rows, Nc] f32 scores one prefill 
 def _prefill_indexer(q, weights, keys, visible, *, top_k, candidate_blocks, block_size, want_block_scores,
                      interpret, config):
     """Prefill chunks: the tile score kernel writes the masked scores of a block of query rows once;
-    the candidate mask, block maxima and top-k are the reference's own functions (same ties, same
-    order). Rows go in blocks of at most PREFILL_SCORE_BUDGET bytes of scores (one block up to a
+    the candidate mask and block maxima are the reference's functions, the top-k is
+    ``topk_by_groups`` over those block maxima (the reference's positions, ties included). Rows go in blocks of at most PREFILL_SCORE_BUDGET bytes of scores (one block up to a
     4096-row chunk against 131,072 entries; a 1M-entry cache takes 512 rows at a time), one block
     after another (``lax.map``), so the score matrix of a whole long prefill never exists at once."""
     from . import pallas_triton_prefill as pf
@@ -486,7 +486,8 @@ def _prefill_indexer(q, weights, keys, visible, *, top_k, candidate_blocks, bloc
         sc = pf.index_scores(q, w, keys, vis, interpret=interpret, config=cfg)
         if cb is not None:
             sc = jnp.where(ref.expand_blocks(cb, block_size, nc), sc, _NEG_INF)
-        return ref.topk_ascending(sc, top_k), (ref.block_max(sc, block_size) if want_block_scores else None)
+        bmax = ref.block_max(sc, block_size)
+        return pf.topk_by_groups(sc, top_k, block_size, bmax), (bmax if want_block_scores else None)
 
     rb = s
     while rb > 16 and b * rb * nc * 4 > budget:

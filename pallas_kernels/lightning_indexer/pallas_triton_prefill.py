@@ -54,22 +54,28 @@ def unsupported_reason(q_shape, k_shape, cfg) -> str | None:
 
 def _kernel(q_ref, w_ref, vis_ref, k_ref, o_ref, *, hi, di, nc, block_n, prec):
     j = pl.program_id(2)
-    k = k_ref[...]  # [block_n, di]
     vis = vis_ref[...]  # [block_s]
     start = j * block_n
-    # the tile's dots are needed only if some row sees its first key
-    n_heads = jnp.where(jnp.max(vis) > start, hi, 0)
+    active = jnp.max(vis) > start  # some row of the tile sees its first key: the dots are needed
 
-    def head(h, acc):
-        qh = q_ref[:, pl.ds(h * di, di)]  # [block_s, di]
-        wh = w_ref[:, pl.ds(h, 1)]  # [block_s, 1]
-        l = jnp.dot(qh, k.T, preferred_element_type=jnp.float32, precision=prec)
-        return acc + jnp.maximum(l, 0.0) * wh
+    @pl.when(active)
+    def _():
+        k = k_ref[...]  # [block_n, di]
 
-    acc = jax.lax.fori_loop(0, n_heads, head, jnp.zeros(o_ref.shape, jnp.float32))
-    pos = start + jnp.arange(block_n, dtype=jnp.int32)
-    ok = (pos[None, :] < vis[:, None]) & (pos[None, :] < nc)
-    o_ref[...] = jnp.where(ok, acc, _NEG_INF)
+        def head(h, acc):
+            qh = q_ref[:, pl.ds(h * di, di)]  # [block_s, di]
+            wh = w_ref[:, pl.ds(h, 1)]  # [block_s, 1]
+            l = jnp.dot(qh, k.T, preferred_element_type=jnp.float32, precision=prec)
+            return acc + jnp.maximum(l, 0.0) * wh
+
+        acc = jax.lax.fori_loop(0, hi, head, jnp.zeros(o_ref.shape, jnp.float32))
+        pos = start + jnp.arange(block_n, dtype=jnp.int32)
+        ok = (pos[None, :] < vis[:, None]) & (pos[None, :] < nc)
+        o_ref[...] = jnp.where(ok, acc, _NEG_INF)
+
+    @pl.when(jnp.logical_not(active))
+    def _():
+        o_ref[...] = jnp.full(o_ref.shape, _NEG_INF, jnp.float32)
 
 
 def index_scores(q, weights, keys, visible, *, interpret=False, config=None):
@@ -115,3 +121,34 @@ def index_scores(q, weights, keys, visible, *, interpret=False, config=None):
         name="indexer_prefill_scores",
     )(qf, w, vis, kf)
     return out[:, :s, :nc]
+
+
+def topk_by_groups(scores, top_k: int, group: int, group_max=None):
+    """``reference.topk_ascending`` (same positions, ties included) in two small ``lax.top_k`` calls
+    instead of one over the whole row: the top-k of the ``group``-wide maxima, then the top-k of the
+    scores in those groups. Exact: an element the reference picks has fewer than k elements before
+    it in (score desc, position asc) order, and every group before its own in (max desc, group asc)
+    order contributes a distinct such element, so its group is among the top-k groups; the chosen
+    groups are taken in ascending order, so candidate order follows position order and the second
+    top-k breaks ties toward the lower position as the reference does. ``group_max``: the
+    [..., ceil(n / group)] maxima when the caller already has them (``reference.block_max``)."""
+    from . import reference as ref
+
+    n = scores.shape[-1]
+    ng = -(-n // group)
+    if top_k * group >= n:  # nothing to gain
+        return ref.topk_ascending(scores, top_k)
+    gm = ref.block_max(scores, group) if group_max is None else group_max
+    _, gi = jax.lax.top_k(gm, min(top_k, ng))
+    gi = jnp.sort(gi, axis=-1)  # ascending groups: candidates in position order
+    pos = (gi[..., :, None] * group + jnp.arange(group, dtype=jnp.int32)).reshape(*gi.shape[:-1], -1)
+    inb = pos < n
+    cand = jnp.where(inb, jnp.take_along_axis(scores, jnp.where(inb, pos, 0), axis=-1), -jnp.inf)
+    vals, ci = jax.lax.top_k(cand, min(top_k, cand.shape[-1]))
+    picked = jnp.take_along_axis(pos, ci, axis=-1)
+    idx = jnp.where(jnp.isfinite(vals), picked, jnp.iinfo(jnp.int32).max)
+    idx = jnp.sort(idx, axis=-1)
+    idx = jnp.where(idx == jnp.iinfo(jnp.int32).max, -1, idx).astype(jnp.int32)
+    if idx.shape[-1] < top_k:
+        idx = jnp.pad(idx, [(0, 0)] * (idx.ndim - 1) + [(0, top_k - idx.shape[-1])], constant_values=-1)
+    return idx
