@@ -34,7 +34,10 @@ __all__ = ["PREFILL_DEFAULTS", "index_scores", "unsupported_reason"]
 
 _NEG_INF = float("-inf")
 
-PREFILL_DEFAULTS = dict(block_s=64, block_n=128, num_warps=4, num_stages=2)
+# Measured on the H200 (BENCHMARKS.md, issue 5, session 11): 64 x 128 tiles with 4 warps beat 128 x 128
+# / 8 warps, 64 x 64, 128 x 64 and 32 x 128 by 1.2-1.8x; 3 stages ~2 % over 2. num_stages None =
+# Pallas's platform default (3 on CUDA, 1 on ROCm).
+PREFILL_DEFAULTS = dict(block_s=64, block_n=128, num_warps=4, num_stages=None)
 
 
 def unsupported_reason(q_shape, k_shape, cfg) -> str | None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax.quant import Fp4Tensor, quantize_mxfp4
-from pallas_kernels.lightning_indexer import api, pallas_triton, reference
+from pallas_kernels.lightning_indexer import api, pallas_triton, pallas_triton_prefill, reference
 from pallas_kernels.testing import lower_for
 
 _mx = jax.jit(quantize_mxfp4)
@@ -171,9 +171,10 @@ def _real_specs(b, s, nc, cand):
         ((1, 1, 1 << 20, False), False),   # decode, 1M entries (hierarchical descent, 3 selects)
         ((8, 1, 65536 + 5, True), True),   # decode batch 8, candidate-block mask, block scores (layer 20)
         ((1, 6, 262144, False), False),    # speculative verify rows
-        ((1, 4096, 1 << 20, False), False),  # prefill chunk: g0 = 64 maxima, no [S, Nc] matrix
+        ((1, 4096, 1 << 20, False), False),  # prefill chunk, 1M cache: tile scores in 512-row blocks
+        ((1, 4096, 65538, True), True),    # prefill chunk of a 64K prompt at layer 20 / 24: one block
     ],
-    ids=["decode_1M", "decode_b8_cand_blockscores", "verify_s6_256K", "prefill_4096_1M"],
+    ids=["decode_1M", "decode_b8_cand_blockscores", "verify_s6_256K", "prefill_4096_1M", "prefill_4096_64K_cand"],
 )
 def test_cross_lowering(target, shape, wbs):
     def f(q, w, k, v, cb=None):
@@ -235,3 +236,88 @@ def test_index_scores_dot_is_bf16_for_mxfp4_and_fp32_otherwise():
 
     assert dots(_mx(q), _mx(k)) == [["bfloat16", "bfloat16"]]
     assert dots(q, k) == [["float32", "float32"]]
+
+
+# ------------------------------------------------------------------------------------------------
+# prefill chunks (>= PREFILL_MIN_ROWS query rows): the tile score kernel + the grouped top-k
+
+S_PRE = pallas_triton.PREFILL_MIN_ROWS + 32  # 96 query rows: one padded row tile at block_s 64
+
+
+def _causal_vis(b, s, nc, ratio=1, offsets=(0, 37)):
+    pos = jnp.arange(s, dtype=jnp.int32)[None, :] + jnp.asarray(offsets[:b], jnp.int32)[:, None]
+    return jnp.minimum((pos + 1) // ratio, nc).astype(jnp.int32)
+
+
+@pytest.mark.parametrize("quant", [True, False], ids=["mxfp4", "f32"])
+def test_prefill_tile_scores_equal_float64(quant):
+    """The tile kernel's masked scores on fresh random inputs (MXFP4 -> bf16 dots; float32 -> IEEE
+    fp32 dots) against sum_h w_h relu(q_h . k_j) in float64, every element; tiles past every row's
+    causal limit are -inf without their dots; rows and keys not multiples of the tile."""
+    rng = np.random.default_rng()
+    b, s, hi, di, nc = 2, S_PRE, 16, 64, 333
+    q = jnp.asarray(rng.normal(size=(b, s, hi, di)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(b, nc, di)), jnp.float32)
+    if quant:
+        q, k = _mx(q), _mx(k)
+    w = jnp.asarray(rng.uniform(size=(b, s, hi)), jnp.float32)
+    vis = _causal_vis(b, s, nc, ratio=1, offsets=(0, 200))
+    from dsv41_jax.quant import dequantize
+
+    qf, kf = np.asarray(dequantize(q, jnp.float32), np.float64), np.asarray(dequantize(k, jnp.float32), np.float64)
+    want = np.einsum("bsh,bshn->bsn", np.asarray(w, np.float64), np.maximum(np.einsum("bshd,bnd->bshn", qf, kf), 0))
+    want = np.where(np.arange(nc)[None, None] < np.asarray(vis)[..., None], want, -np.inf)
+    got = np.asarray(jax.jit(lambda *a: pallas_triton_prefill.index_scores(
+        *a, interpret=True, config=dict(block_s=32, block_n=64)))(q, w, k, vis))
+    assert got.shape == (b, s, nc) and got.dtype == np.float32
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=1e-5, atol=1e-6 * np.abs(want[fin]).max())
+
+
+@pytest.mark.parametrize("budget", [None, 40 * 300 * 4], ids=["one_block", "row_blocks"])
+def test_prefill_path_matches_reference(budget):
+    """A prefill-sized call (causal visibility, candidate-block mask, block maxima) through the tile
+    kernel gives the reference's top-k sets where margins are clear and its block maxima, in one
+    block of rows or in blocks of 32 rows under a small score budget (padded last block)."""
+    q, w, k, _ = margin_case(jax.random.PRNGKey(21), b=2, s=S_PRE, nc=300, quant=True)
+    vis = _causal_vis(2, S_PRE, 300, ratio=2, offsets=(0, 250))
+    cb = jax.random.bernoulli(jax.random.PRNGKey(4), 0.7, (2, S_PRE, -(-300 // 8)))
+    cfg = dict(block_s=32, block_n=64) if budget is None else dict(block_s=32, block_n=64, prefill_score_budget=budget)
+    r = _ref(q, w, k, vis, cb, 16, True)
+    o = _pal(q, w, k, vis, cb, 16, True, cfg)
+    scores = jax.jit(lambda q, w, k, v, c: reference.index_scores(q, w, k, v, candidate_blocks=c))(q, w, k, vis, cb)
+    assert check_result(o, r, scores, 16) >= S_PRE  # rows whose set was compared with the reference
+    if budget is not None:  # the blocked run gives the one-block run's result exactly
+        one = _pal(q, w, k, vis, cb, 16, True, dict(block_s=32, block_n=64))
+        np.testing.assert_array_equal(np.asarray(o.topk), np.asarray(one.topk))
+        np.testing.assert_array_equal(np.asarray(o.block_scores), np.asarray(one.block_scores))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_topk_by_groups_equals_reference_with_ties(seed):
+    """The two-level top-k returns exactly the reference's positions, ties included: scores drawn
+    from a handful of values (most rows tie at the k-th value), -inf entries, an all -inf row, k
+    above the finite count, k * group >= n (direct path), n not a multiple of the group."""
+    rng = np.random.default_rng(seed)
+    n = [300, 1001, 64, 4097][seed]
+    sc = rng.integers(0, [4, 50, 3, 1000][seed], size=(3, 5, n)).astype(np.float32)
+    sc[rng.random(sc.shape) < 0.3] = -np.inf
+    sc[0, 0] = -np.inf
+    sc = jnp.asarray(sc)
+    for k in (1, 7, 16, 100):
+        want = jax.jit(lambda x, k=k: reference.topk_ascending(x, k))(sc)
+        got = jax.jit(lambda x, k=k: pallas_triton_prefill.topk_by_groups(x, k, 8))(sc)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"n={n} k={k}")
+
+
+def test_prefill_dispatch_and_reasons():
+    """'auto' takes the tile kernel for prefill chunks only (decode-sized calls keep the reference);
+    shapes the tile kernel cannot run are named."""
+    q1 = jax.ShapeDtypeStruct((1, 1, 32, 128), jnp.float32)
+    qp = jax.ShapeDtypeStruct((1, pallas_triton.PREFILL_MIN_ROWS, 32, 128), jnp.float32)
+    assert pallas_triton.auto_reason(q1) is not None and pallas_triton.auto_reason(qp) is None
+    cfg = dict(pallas_triton_prefill.PREFILL_DEFAULTS)
+    assert "power of two" in pallas_triton_prefill.unsupported_reason((1, 64, 24, 128), (1, 100, 128), cfg)
+    assert "do not match" in pallas_triton_prefill.unsupported_reason((1, 64, 32, 128), (2, 100, 128), cfg)
+    assert "block_n" in pallas_triton_prefill.unsupported_reason((1, 64, 32, 128), (1, 100, 128), {**cfg, "block_n": 96})
