@@ -249,7 +249,7 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
     return rows
 
 
-def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int = 2, routes=None):
+def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int = 2, routes=None, plain=False):
     """Prefill-size fused MoE (tensor-core kernels): the default tiling and ``configs`` (default
     :data:`TUNE_CONFIGS_PREFILL`) at ``tokens`` tokens over ``experts`` MXFP4 experts (96 = the
     benchmark's reduced model: 256 rows per expert at 4096 tokens), each checked against the reference
@@ -257,7 +257,9 @@ def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int
     (:func:`device_time_op`); beside each, TFLOP/s and the share of the bf16 matmul ceiling measured in
     the same run (``jnp.dot`` of [tokens, D] x [D, 2I], the shape of one expert's gate/up GEMM over
     every token). The best correct config is printed last. ``routes``: the MXFP4 decode routes of the
-    tensor-core kernels to run every config with (``pallas_triton.MMA_FP4``; None: the current one)."""
+    tensor-core kernels to run every config with (``pallas_triton.MMA_FP4``; None: the current one).
+    ``plain``: also every config on the same experts dequantized to bf16 (no decode in the kernel; a
+    diagnostic of how much of the time the MXFP4 decode costs, not a model path)."""
     key = jax.random.PRNGKey(23)
     k1, k2, k3, k4 = jax.random.split(key, 4)
     w1, w2, w3 = random_fp4(k1, (experts, I, D)), random_fp4(k2, (experts, D, I)), random_fp4(k3, (experts, I, D))
@@ -276,26 +278,31 @@ def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int
     yr = jax.jit(lambda x, w, idx, a, b, c: reference.moe_experts(x, w, idx, a, b, c, swiglu_limit=LIMIT))(
         *args[0], w1, w2, w3)
     rows = []
-    for route in routes or [None]:
-        with pallas_triton.use_mma_fp4(route):
+    variants = [(r, (w1, w2, w3)) for r in routes or [None]]
+    if plain:
+        variants.append(("plain", tuple(jax.jit(lambda t: t.dequantize(jnp.bfloat16))(t) for t in (w1, w2, w3))))
+    for route, ws in variants:
+        with pallas_triton.use_mma_fp4(None if route == "plain" else route):
             for cfg in [None] + list(configs or TUNE_CONFIGS_PREFILL):
                 try:
                     f = lambda x, w, idx, a, b, c, cfg=cfg: pallas_triton.moe_experts(  # noqa: E731
                         x, w, idx, a, b, c, swiglu_limit=LIMIT, config=cfg)
-                    y = jax.jit(f)(*args[0], w1, w2, w3)
-                    err, frac = max_rel_err(y, yr), frac_off(y, yr)
-                    t = device_time_op(f, args, (w1, w2, w3), reps=reps)
+                    y = jax.jit(f)(*args[0], *ws)
+                    yv = yr if route != "plain" else jax.jit(lambda x, w, idx, a, b, c: reference.moe_experts(
+                        x, w, idx, a, b, c, swiglu_limit=LIMIT))(*args[0], *ws)  # its own reference
+                    err, frac = max_rel_err(y, yv), frac_off(y, yv)
+                    t = device_time_op(f, args, ws, reps=reps)
                     ok = frac <= TUNE_MAX_FRAC and err <= 8e-3
                     label = cfg or ("default", pallas_triton._config(tokens * TOPK, experts, I, D))
-                    log(f"  route={pallas_triton.MMA_FP4['route']} cfg={label}: {t * 1e3:8.3f} ms, "
+                    log(f"  route={'plain bf16 weights' if route == 'plain' else pallas_triton.MMA_FP4['route']} cfg={label}: {t * 1e3:8.3f} ms, "
                         f"{flops / t / 1e12:6.1f} TFLOP/s ({100 * flops / t / ceiling:5.1f}% of "
                         f"the ceiling), rel err {err:.2e}, {frac:.4f} of elements > 1%{'' if ok else '  WRONG'}")
                     rows.append(dict(op="prefill_moe", tokens=tokens, experts=experts, config=cfg,
-                                     route=pallas_triton.MMA_FP4["route"], pallas_s=t, tflops=flops / t / 1e12,
+                                     route="plain" if route == "plain" else pallas_triton.MMA_FP4["route"], pallas_s=t, tflops=flops / t / 1e12,
                                      ceiling_tflops=ceiling / 1e12, rel_err=err, frac_gt_1pct=frac, ok=ok))
                 except Exception as e:  # noqa: BLE001
                     log(f"  cfg={cfg} FAILED {type(e).__name__}: {str(e)[:300]}")
-    good = [r for r in rows if r["ok"]]
+    good = [r for r in rows if r["ok"] and r["route"] != "plain"]
     if good:
         best = min(good, key=lambda r: r["pallas_s"])
         log(f"# best: route {best['route']} {best['config'] or 'default'} {best['pallas_s'] * 1e3:.3f} ms, {best['tflops']:.1f} TFLOP/s "
@@ -479,6 +486,9 @@ def main(argv=None):
     ap.add_argument("--vias", default=None, help="with --fma: weight decode routes to compare, e.g. e4m3,f16w")
     ap.add_argument("--prefill", action="store_true", help="prefill-size tilings of the tensor-core kernels, then exit")
     ap.add_argument("--tokens", type=int, default=4096, help="with --prefill")
+    ap.add_argument("--configs", default=None, help="with --prefill: tilings bt,bi,bk_a,bd,bk_b,warps[,stages] separated by ;")
+    ap.add_argument("--plain", action="store_true", help="with --prefill: also every tiling on bf16 copies of the "
+                    "experts (no MXFP4 decode in the kernel; a diagnostic)")
     ap.add_argument("--experts", type=int, default=None,
                     help=f"routed experts (default: 96 with --prefill, {E} with --fma)")
     ap.add_argument("--sizes", default=None, help="with --fma: token counts, e.g. 1,8,32 (default 1,8; --quick 1)")
@@ -493,8 +503,10 @@ def main(argv=None):
         debug()
         return 0
     if a.prefill:
-        rows = prefill_sweep(a.tokens, a.experts or 96, routes=a.mma_fp4 and a.mma_fp4.split(","),
-                             configs=[(128, 128, 64, 128, 64, 8)] if a.quick else None)
+        cfgs = ([tuple(int(v) for v in c.split(",")) for c in a.configs.split(";")] if a.configs
+                else [(128, 128, 64, 128, 64, 8)] if a.quick else None)
+        rows = prefill_sweep(a.tokens, a.experts or 96, routes=a.mma_fp4 and a.mma_fp4.split(","), configs=cfgs,
+                             plain=a.plain)
         if a.out:
             os.makedirs(a.out, exist_ok=True)
             with open(os.path.join(a.out, "moe_prefill.json"), "w") as f:
