@@ -123,14 +123,17 @@ def prefill_model(args, log):
 
     s, k, prompt = PREFILL_SHAPE["rows"], 512, PREFILL_SHAPE["prompt"]
     rows = []
-    for ratio in (1, 2):
+    # V4.1: 32 index heads, ratio-1 and ratio-2 layers; V4(-Flash): 64 heads over its ratio-4 layers
+    for hi, ratio, wheres in ((32, 1, ("last", "middle")), (32, 2, ("last", "middle")), (64, 4, ("last",))):
         nc = (prompt + 2) // ratio  # the bench's cache: max_seq_len = prompt + 2
         for where, first in (("last", prompt - s), ("middle", prompt // 2 - s)):
-            q, w, kk, _ = make_inputs(jax.random.PRNGKey(nc + first), 1, s, nc)
+            if where not in wheres:
+                continue
+            q, w, kk, _ = make_inputs(jax.random.PRNGKey(nc + first), 1, s, nc, hi=hi)
             vis = ((first + jnp.arange(s, dtype=jnp.int32) + 1) // ratio)[None]
             seen = float(jnp.sum(vis))  # (row, key) pairs that must be scored
-            flops = 2 * 32 * 128 * seen
-            tag = f"ratio {ratio} Nc={nc} {where} chunk"
+            flops = 2 * hi * 128 * seen
+            tag = f"HI {hi} ratio {ratio} Nc={nc} {where} chunk"
 
             def run_ref(a, c):
                 o = ref.lightning_indexer(a[0], a[1] + c, a[2], a[3], top_k=k)
