@@ -28,9 +28,11 @@ from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.quant import Fp4Tensor, dequantize, exact_in_bf16
 
+from .reference import topk_by_groups  # noqa: F401  (re-exported: the prefill path's top-k)
+
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
 
-__all__ = ["PREFILL_DEFAULTS", "index_scores", "unsupported_reason"]
+__all__ = ["PREFILL_DEFAULTS", "index_scores", "topk_by_groups", "unsupported_reason"]
 
 _NEG_INF = float("-inf")
 
@@ -125,33 +127,3 @@ def index_scores(q, weights, keys, visible, *, interpret=False, config=None):
     )(qf, w, vis, kf)
     return out[:, :s, :nc]
 
-
-def topk_by_groups(scores, top_k: int, group: int, group_max=None):
-    """``reference.topk_ascending`` (same positions, ties included) in two small ``lax.top_k`` calls
-    instead of one over the whole row: the top-k of the ``group``-wide maxima, then the top-k of the
-    scores in those groups. Exact: an element the reference picks has fewer than k elements before
-    it in (score desc, position asc) order, and every group before its own in (max desc, group asc)
-    order contributes a distinct such element, so its group is among the top-k groups; the chosen
-    groups are taken in ascending order, so candidate order follows position order and the second
-    top-k breaks ties toward the lower position as the reference does. ``group_max``: the
-    [..., ceil(n / group)] maxima when the caller already has them (``reference.block_max``)."""
-    from . import reference as ref
-
-    n = scores.shape[-1]
-    ng = -(-n // group)
-    if top_k * group >= n:  # nothing to gain
-        return ref.topk_ascending(scores, top_k)
-    gm = ref.block_max(scores, group) if group_max is None else group_max
-    _, gi = jax.lax.top_k(gm, min(top_k, ng))
-    gi = jnp.sort(gi, axis=-1)  # ascending groups: candidates in position order
-    pos = (gi[..., :, None] * group + jnp.arange(group, dtype=jnp.int32)).reshape(*gi.shape[:-1], -1)
-    inb = pos < n
-    cand = jnp.where(inb, jnp.take_along_axis(scores, jnp.where(inb, pos, 0), axis=-1), -jnp.inf)
-    vals, ci = jax.lax.top_k(cand, min(top_k, cand.shape[-1]))
-    picked = jnp.take_along_axis(pos, ci, axis=-1)
-    idx = jnp.where(jnp.isfinite(vals), picked, jnp.iinfo(jnp.int32).max)
-    idx = jnp.sort(idx, axis=-1)
-    idx = jnp.where(idx == jnp.iinfo(jnp.int32).max, -1, idx).astype(jnp.int32)
-    if idx.shape[-1] < top_k:
-        idx = jnp.pad(idx, [(0, 0)] * (idx.ndim - 1) + [(0, top_k - idx.shape[-1])], constant_values=-1)
-    return idx

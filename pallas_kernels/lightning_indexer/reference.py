@@ -9,7 +9,9 @@ Decision (spec unsure): the reference computes the einsum in the activation dtyp
 we score in fp32 — tighter, and identical to the fp32 fixture. Dequantized MXFP4 q and k are bf16
 numbers exactly, so the dot runs as bf16 x bf16 with fp32 accumulation: the same fp32 products,
 summed in fp32 (only the order differs from an fp32 GEMM). Ties are broken toward the lower
-position (``lax.top_k``); torch's order is unspecified (attention.md §12).
+position (``lax.top_k``); torch's order is unspecified (attention.md §12). ``topk_ascending`` is the
+definition of the selection; above ``GROUPED_TOPK_MIN`` scores per call ``lightning_indexer`` computes
+the same positions by ``topk_by_groups`` (proof in its docstring), which is faster there.
 """
 
 from __future__ import annotations
@@ -102,10 +104,50 @@ def topk_ascending(scores, top_k: int):
     return idx
 
 
+def topk_by_groups(scores, top_k: int, group: int, group_max=None):
+    """``reference.topk_ascending`` (same positions, ties included) in two small ``lax.top_k`` calls
+    instead of one over the whole row: the top-k of the ``group``-wide maxima, then the top-k of the
+    scores in those groups. Exact: an element the reference picks has fewer than k elements before
+    it in (score desc, position asc) order, and every group before its own in (max desc, group asc)
+    order contributes a distinct such element, so its group is among the top-k groups; the chosen
+    groups are taken in ascending order, so candidate order follows position order and the second
+    top-k breaks ties toward the lower position as the reference does. ``group_max``: the
+    [..., ceil(n / group)] maxima when the caller already has them (``reference.block_max``)."""
+    n = scores.shape[-1]
+    ng = -(-n // group)
+    if top_k * group >= n:  # nothing to gain
+        return topk_ascending(scores, top_k)
+    gm = block_max(scores, group) if group_max is None else group_max
+    _, gi = jax.lax.top_k(gm, min(top_k, ng))
+    gi = jnp.sort(gi, axis=-1)  # ascending groups: candidates in position order
+    pos = (gi[..., :, None] * group + jnp.arange(group, dtype=jnp.int32)).reshape(*gi.shape[:-1], -1)
+    inb = pos < n
+    cand = jnp.where(inb, jnp.take_along_axis(scores, jnp.where(inb, pos, 0), axis=-1), -jnp.inf)
+    vals, ci = jax.lax.top_k(cand, min(top_k, cand.shape[-1]))
+    picked = jnp.take_along_axis(pos, ci, axis=-1)
+    idx = jnp.where(jnp.isfinite(vals), picked, jnp.iinfo(jnp.int32).max)
+    idx = jnp.sort(idx, axis=-1)
+    idx = jnp.where(idx == jnp.iinfo(jnp.int32).max, -1, idx).astype(jnp.int32)
+    if idx.shape[-1] < top_k:
+        idx = jnp.pad(idx, [(0, 0)] * (idx.ndim - 1) + [(0, top_k - idx.shape[-1])], constant_values=-1)
+    return idx
+
+
+# From this many scores per call (rows x entries) the top-k goes through ``topk_by_groups`` (the same
+# positions). H200, decode rows (BENCHMARKS.md, issue 5, session 11): 1.84x faster at 8 x 262,144 and
+# 2.70x at 8 x 1M, even at 8 x 65,536, 0.78-0.80x at one row of 64K / 256K; prefill chunks 4x.
+GROUPED_TOPK_MIN = 1 << 21
+
+
 def lightning_indexer(q, weights, keys, visible, *, top_k, candidate_blocks=None, block_size=8,
                       want_block_scores=False):
     s = index_scores(q, weights, keys, visible, candidate_blocks=candidate_blocks, block_size=block_size)
-    return IndexerResult(topk_ascending(s, top_k), block_max(s, block_size) if want_block_scores else None)
+    bmax = block_max(s, block_size) if want_block_scores else None
+    if s.size >= GROUPED_TOPK_MIN:
+        topk = topk_by_groups(s, top_k, block_size, bmax)
+    else:
+        topk = topk_ascending(s, top_k)
+    return IndexerResult(topk, bmax)
 
 
 def select_candidate_blocks(block_scores, visible, topk_blocks: int, block_size: int):

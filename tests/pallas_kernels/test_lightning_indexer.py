@@ -307,7 +307,7 @@ def test_topk_by_groups_equals_reference_with_ties(seed):
     sc = jnp.asarray(sc)
     for k in (1, 7, 16, 100):
         want = jax.jit(lambda x, k=k: reference.topk_ascending(x, k))(sc)
-        got = jax.jit(lambda x, k=k: pallas_triton_prefill.topk_by_groups(x, k, 8))(sc)
+        got = jax.jit(lambda x, k=k: reference.topk_by_groups(x, k, 8))(sc)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"n={n} k={k}")
 
 
@@ -321,3 +321,20 @@ def test_prefill_dispatch_and_reasons():
     assert "power of two" in pallas_triton_prefill.unsupported_reason((1, 64, 24, 128), (1, 100, 128), cfg)
     assert "do not match" in pallas_triton_prefill.unsupported_reason((1, 64, 32, 128), (2, 100, 128), cfg)
     assert "block_n" in pallas_triton_prefill.unsupported_reason((1, 64, 32, 128), (1, 100, 128), {**cfg, "block_n": 96})
+
+
+def test_reference_takes_the_grouped_top_k_above_its_threshold(monkeypatch):
+    """Above GROUPED_TOPK_MIN scores per call the reference's top-k runs two-level (measured faster
+    on the H200 for long rows); the positions are the direct top-k's, here with ties, -inf entries
+    and a candidate-block mask."""
+    q, w, k, _ = margin_case(jax.random.PRNGKey(8), b=2, s=3, nc=300, quant=True)
+    vis = jnp.array([[300, 5, 0], [100, 233, 299]], jnp.int32)
+    cb = jax.random.bernoulli(jax.random.PRNGKey(2), 0.6, (2, 3, -(-300 // 8)))
+    direct = _ref(q, w, k, vis, cb, 16, True)
+    monkeypatch.setattr(reference, "GROUPED_TOPK_MIN", 1)
+    jx = str(jax.make_jaxpr(lambda *a: reference.lightning_indexer(*a, top_k=16, candidate_blocks=cb))(q, w, k, vis))
+    assert jx.count("top_k") == 2  # block maxima, then the chosen blocks' scores
+    grouped = jax.jit(lambda q, w, k, v, c: reference.lightning_indexer(q, w, k, v, top_k=16, candidate_blocks=c,
+                                                                        want_block_scores=True))(q, w, k, vis, cb)
+    np.testing.assert_array_equal(np.asarray(grouped.topk), np.asarray(direct.topk))
+    np.testing.assert_array_equal(np.asarray(grouped.block_scores), np.asarray(direct.block_scores))
