@@ -471,9 +471,10 @@ def _prefill_indexer(q, weights, keys, visible, *, top_k, candidate_blocks, bloc
                      interpret, config):
     """Prefill chunks: the tile score kernel writes the masked scores of a block of query rows once;
     the candidate mask and block maxima are the reference's functions, the top-k is
-    ``topk_by_groups`` over those block maxima (the reference's positions, ties included). Rows go in blocks of at most PREFILL_SCORE_BUDGET bytes of scores (one block up to a
-    4096-row chunk against 131,072 entries; a 1M-entry cache takes 512 rows at a time), one block
-    after another (``lax.map``), so the score matrix of a whole long prefill never exists at once."""
+    ``topk_by_groups`` over those block maxima (the reference's positions, ties included). Rows go
+    in blocks of at most PREFILL_SCORE_BUDGET bytes of scores (one block up to a 4096-row chunk
+    against 131,072 entries; a 1M-entry cache takes 512 rows at a time), one block after another
+    (``lax.map``), so the score matrix of a whole long prefill chunk never exists at once."""
     from . import pallas_triton_prefill as pf
     from . import reference as ref
 

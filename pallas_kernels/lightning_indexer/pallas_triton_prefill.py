@@ -2,7 +2,7 @@
 
 ``score[b,s,j] = sum_h w[b,s,h] * relu(q[b,s,h] . k[b,j])`` for a whole prefill chunk (S query rows)
 against the key cache, ``-inf`` where ``j >= visible[b,s]``; the caller applies the candidate-block
-mask and takes the top-k (``reference.topk_ascending``), so ties and ordering are the reference's.
+mask and takes the top-k (``reference.topk_by_groups``: the reference's positions, ties included).
 
 Why a kernel: the XLA reference scores one head (or a few) at a time, and at prefill sizes each head
 writes and re-reads an [S, Nc] f32 intermediate (a 4096-row chunk against the 65,536 entries of a

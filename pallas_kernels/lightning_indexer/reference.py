@@ -105,14 +105,14 @@ def topk_ascending(scores, top_k: int):
 
 
 def topk_by_groups(scores, top_k: int, group: int, group_max=None):
-    """``reference.topk_ascending`` (same positions, ties included) in two small ``lax.top_k`` calls
+    """:func:`topk_ascending` (same positions, ties included) in two small ``lax.top_k`` calls
     instead of one over the whole row: the top-k of the ``group``-wide maxima, then the top-k of the
     scores in those groups. Exact: an element the reference picks has fewer than k elements before
     it in (score desc, position asc) order, and every group before its own in (max desc, group asc)
     order contributes a distinct such element, so its group is among the top-k groups; the chosen
     groups are taken in ascending order, so candidate order follows position order and the second
     top-k breaks ties toward the lower position as the reference does. ``group_max``: the
-    [..., ceil(n / group)] maxima when the caller already has them (``reference.block_max``)."""
+    [..., ceil(n / group)] maxima when the caller already has them (:func:`block_max`)."""
     n = scores.shape[-1]
     ng = -(-n // group)
     if top_k * group >= n:  # nothing to gain
