@@ -109,8 +109,24 @@ def compile_sass(ttir: str, num_warps: int, num_stages: int, arch: int = 90) -> 
         path = os.path.join(d, "kernel.ttir")
         with open(path, "w") as f:
             f.write(ttir)
-        k = triton.compile(path, target=GPUTarget("cuda", arch, 32),
-                           options=dict(num_warps=num_warps, num_stages=num_stages))
+        target = GPUTarget("cuda", arch, 32)
+        options = dict(num_warps=num_warps, num_stages=num_stages)
+        # triton.compile starts an IR file after its own stage, so a .ttir source would skip make_ttir
+        # (inliner, canonicalizer, combine: e.g. acc + dot(a, b, 0) -> dot(a, b, acc)), which XLA's
+        # Triton pipeline does run on the device: run it here first.
+        from triton._C.libtriton import ir
+        from triton.backends.nvidia.compiler import CUDABackend
+
+        backend = CUDABackend(target)
+        ctx = ir.context()
+        ir.load_dialects(ctx)
+        backend.load_dialects(ctx)
+        mod = ir.parse_mlir_module(path, ctx)
+        mod.context = ctx  # as triton.compile does for an IR source
+        mod = backend.make_ttir(mod, {}, backend.parse_options(options), arch)
+        with open(path, "w") as f:
+            f.write(str(mod))
+        k = triton.compile(path, target=target, options=options)
         cubin = os.path.join(d, "kernel.cubin")
         with open(cubin, "wb") as f:
             f.write(k.asm["cubin"])
