@@ -79,3 +79,50 @@ def test_router_weights_sum_to_route_scale_and_bias_only_selects():
         sel = np.asarray(idxb[n])
         np.testing.assert_allclose(np.asarray(wb[n]), s[n, sel] / s[n, sel].sum() * cfg.route_scale, rtol=1e-5)
     assert not np.array_equal(np.asarray(idx), np.asarray(idxb))
+
+
+def test_decode_step_runs_each_site_in_two_kernels(monkeypatch):
+    """V4.1 decode (the tiny preset cut to 3 layers, 2 rows): with the mHC ops on their kernels (interpret mode, every
+    other op on its reference) each delayed site is hc_site_in + hc_site_out, and the step's logits
+    and next caches equal the all-reference step's (more than 8 rows keep the three separate
+    kernels: ``tests/pallas_kernels/test_mhc.py::test_site_routes``)."""
+    import dataclasses
+    import functools
+
+    from dsv41_jax.cache import init_cache
+    from dsv41_jax.options import RunOptions
+    from dsv41_jax.params import init_params
+    from dsv41_jax.transformer import forward_step
+    from pallas_kernels import dispatch
+
+    # 3 layers (a dense and a compressed one with its indexer), no Engram / DSpark: the sites are the subject
+    cfg = dataclasses.replace(get_preset("tiny"), n_layers=3, n_mtp_layers=0, compress_ratios=(0, 0, 2),
+                              kv_source_layers=(2,), index_source_layers=(2,), candidate_source_layer=-1,
+                              engram_layer_ids=(), engram_num_embeddings=(), dspark_target_layer_ids=())
+    params = init_params(cfg, seed=np.random.randint(1 << 30))
+    opts = RunOptions(dtype="float32", kv_cache_dtype="float32")
+    rng = np.random.default_rng()
+    B, P = 2, 9
+    prompt = jnp.asarray(rng.integers(3, 5000, (B, P)), jnp.int32)
+    f = functools.partial(forward_step, cfg=cfg, opts=opts)
+    with dispatch.use_implementation("reference"):
+        _, cache = jax.jit(f)(params, init_cache(cfg, B, 32, opts), prompt, jnp.full((B,), P, jnp.int32))
+    tok = jnp.asarray(rng.integers(3, 5000, (B, 1)), jnp.int32)
+    one = jnp.ones((B,), jnp.int32)
+    with dispatch.use_implementation("reference"):
+        ref, ref_cache = jax.jit(f)(params, cache, tok, one)
+
+    choose, resolve = dispatch.choose, dispatch.resolve
+    mhc_ops = ("hc_site", "hc_mixes", "hc_collapse", "hc_expand")
+    monkeypatch.setattr(dispatch, "choose", lambda op, impl, *a, **k: choose(
+        op, "interpret" if op in mhc_ops else "reference", *a, **k))
+    monkeypatch.setattr(dispatch, "resolve", lambda impl=None, op=None: "interpret" if op in mhc_ops else resolve(impl, op))
+    # a fresh function: jit / make_jaxpr reuse a trace by function, and the kernel choice is made at trace time
+    fk = functools.partial(forward_step, cfg=cfg, opts=opts)
+    jaxpr = str(jax.make_jaxpr(fk)(params, cache, tok, one))
+    assert jaxpr.count("name=hc_site_in") == jaxpr.count("name=hc_site_out") == 2 * cfg.n_layers
+    assert "name=hc_expand" not in jaxpr and "name=hc_mixes" not in jaxpr
+    out, new_cache = jax.jit(fk)(params, cache, tok, one)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=0, atol=1e-4 * float(np.max(np.abs(ref))))
+    for a, b in zip(jax.tree.leaves(new_cache), jax.tree.leaves(ref_cache)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-4, atol=1e-4)

@@ -45,8 +45,11 @@ def unsupported_reason(x, fn, *args):
 
 
 def auto_reason(op: str):
-    """Plain 'auto' uses all three kernels: hc_mixes, hc_collapse and hc_expand matched the
-    reference on an H200 at T = 1, 8, 64 and 300 (BENCHMARKS.md, mHC)."""
+    """Plain 'auto' uses the three kernels hc_mixes, hc_collapse and hc_expand: they matched the
+    reference on an H200 at T = 1, 8, 64 and 300 (BENCHMARKS.md, mHC). The two-kernel decode site
+    (``hc_site``) is not yet checked on a GPU."""
+    if op == "hc_site":
+        return "the two-kernel site (hc_site_in / hc_site_out) is not yet checked on an H200"
     return None
 
 
@@ -312,3 +315,149 @@ def hc_expand(f, residual, post, comb, *, interpret=False):
     )(f.reshape(t, d), residual.reshape(t, hc, d), post.reshape(t, hc).astype(jnp.float32),
       comb.reshape(t, hc, hc).astype(jnp.float32))
     return y.reshape(*lead, hc, d)
+
+
+# --------------------------------------------------------------------------------------------------
+# a delayed (V4.1) mHC site at decode sizes in two kernels: site_in = this site's collapse with the
+# previous site's pre + the split-K partials of this site's mixes (one read of h); site_out = the
+# split (pre / post / comb from the partials, recomputed by every program) + the expansion, and it
+# writes pre and comb for later. 2 launches per site instead of 4 (partial, split, collapse, expand).
+
+SITE_SPLIT = 32  # K programs per row in site_in, at most (a power of two: site_out loads all partials at once)
+SITE_LANES = 32  # columns per step in site_in
+
+
+def site_split(d: int) -> int:
+    """K programs per row of site_in: the largest power of two <= SITE_SPLIT whose 32-column steps
+    tile D (32 for V4.1's 5120 = 32 x 5 x 32, V4's 4096 and 7168; 2 for the tiny preset's 64)."""
+    n = SITE_SPLIT
+    while n > 1 and d % (n * SITE_LANES):
+        n //= 2
+    return n
+
+
+def site_reason(h, fn):
+    """Why the two-kernel site does not take this call (None: it does)."""
+    reason = unsupported_reason(h, fn)
+    if reason is not None:
+        return reason
+    t = math.prod(h.shape[:-2])
+    d = h.shape[-1]
+    if t > 8:
+        return f"{t} rows: the two-kernel site is for decode sizes (<= 8 rows)"
+    if d % SITE_LANES:
+        return f"D={d} is not a multiple of {SITE_LANES}"
+    return None
+
+
+def _site_in_kernel(x_ref, pre_ref, fn_ref, y_ref, pa_ref, pb_ref, ps_ref, *, hc, d, steps):
+    """Program (row r, split j): columns (j * steps + s) * 32 .. + 32 of all hc streams, s < steps;
+    per step the collapse of those columns (stored) and the fp32 FMA lanes of the projection and of
+    the sum of squares (reduced over the lanes once, at the end)."""
+    r = pl.program_id(0)
+    j = pl.program_id(1)
+    row = pl.ds(r, 1)
+    bd = SITE_LANES
+    a = jnp.zeros((16, bd), jnp.float32)
+    b = jnp.zeros((16, bd), jnp.float32)
+    ss = jnp.zeros((1, bd), jnp.float32)
+    for s in range(steps):  # static (steps = D / 1024: 5 for V4.1)
+        c0 = pl.multiple_of((j * steps + s) * bd, bd)
+        y = jnp.zeros((1, bd), jnp.float32)
+        for i in range(hc):
+            xi = x_ref[row, pl.ds(i * d + c0, bd)].astype(jnp.float32)  # [1, bd]
+            y = y + pre_ref[row, pl.ds(i, 1)] * xi
+            a = a + fn_ref[pl.ds(0, 16), pl.ds(i * d + c0, bd)] * xi
+            b = b + fn_ref[pl.ds(2 * hc, hc * hc), pl.ds(i * d + c0, bd)] * xi
+            ss = ss + xi * xi
+        y_ref[row, pl.ds(c0, bd)] = y.astype(y_ref.dtype)
+    pa_ref[j, row, :] = jnp.sum(a, axis=1)[None, :]
+    pb_ref[j, row, :] = jnp.sum(b, axis=1)[None, :]
+    ps_ref[j, row] = jnp.sum(ss, axis=1)
+
+
+def _pick(v3, i: int, axis: int):
+    """v3[:, i, :] (axis 1) of a [1, 4, 4] register tensor as a masked sum (no tensor slicing in the
+    Triton lowering); exact (one nonzero term)."""
+    sel = jax.lax.broadcasted_iota(jnp.int32, v3.shape, axis) == i
+    return jnp.sum(jnp.where(sel, v3, 0.0), axis=axis)
+
+
+def _site_out_kernel(f_ref, r_ref, pa_ref, pb_ref, ps_ref, scale_ref, base_ref, o_ref, pre_ref, comb_ref, *,
+                     hc, d, bd, split_kw):
+    r = pl.program_id(0)
+    j = pl.program_id(1)
+    row = pl.ds(r, 1)
+    a = jnp.sum(pa_ref[:, row, :], axis=0)  # [1, 16]
+    b = jnp.sum(pb_ref[:, row, :], axis=0)
+    ss = jnp.sum(ps_ref[:, row], axis=0)  # [1]
+    pp, c = _split(a, b, ss, scale_ref, base_ref, **split_kw)  # [1, 16] (pre | post | 0), [1, hc*hc]
+    pp3 = pp.reshape(1, 4, 4)
+    c3 = c.reshape(1, hc, hc)  # [.., source j, target k]
+    post = _pick(pp3, 1, 1)  # [1, hc]
+    c0 = pl.multiple_of(j * bd, bd)
+    f = f_ref[row, pl.ds(c0, bd)].astype(jnp.float32)  # [1, bd]
+    res = [r_ref[row, pl.ds(i * d + c0, bd)].astype(jnp.float32) for i in range(hc)]
+    kk = jax.lax.broadcasted_iota(jnp.int32, (1, hc), 1)
+    rows_c = [_pick(c3, i, 1) for i in range(hc)]  # comb[i, :] as [1, hc]
+
+    def at(v, k):  # v[:, k] as [1, 1] (a masked sum: no tensor slicing, no 0-d values)
+        return jnp.sum(jnp.where(kk == k, v, 0.0), axis=1, keepdims=True)
+
+    for k in range(hc):
+        y = at(post, k) * f
+        for i in range(hc):
+            y = y + at(rows_c[i], k) * res[i]
+        o_ref[row, pl.ds(k * d + c0, bd)] = y.astype(o_ref.dtype)
+
+    @pl.when(j == 0)
+    def _():
+        pre_ref[row, :] = _pick(pp3, 0, 1)
+        comb_ref[row, :] = c
+
+
+def hc_site_in(h, pre_prev, fn, *, interpret=False):
+    """h [..., hc, D], the previous site's pre [..., hc] -> (collapse(h, pre_prev) [..., D] in h.dtype,
+    partials (pa [n, T, 16], pb [n, T, 16], ps [n, T]; n = :func:`site_split`) of this site's mixes)."""
+    reason = site_reason(h, fn)
+    if reason is not None:
+        raise ValueError(f"hc_site_in (pallas): {reason}")
+    lead = h.shape[:-2]
+    hc, d = h.shape[-2:]
+    t = math.prod(lead)
+    n_split = site_split(d)
+    steps = d // (n_split * SITE_LANES)
+    y, pa, pb, ps = pl.pallas_call(
+        functools.partial(_site_in_kernel, hc=hc, d=d, steps=steps),
+        out_shape=(jax.ShapeDtypeStruct((t, d), h.dtype),
+                   jax.ShapeDtypeStruct((n_split, t, 16), jnp.float32),
+                   jax.ShapeDtypeStruct((n_split, t, hc * hc), jnp.float32),
+                   jax.ShapeDtypeStruct((n_split, t), jnp.float32)),
+        grid=(t, n_split),
+        compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret,
+        name="hc_site_in",
+    )(h.reshape(t, hc * d), pre_prev.reshape(t, hc).astype(jnp.float32), fn.astype(jnp.float32))
+    return y.reshape(*lead, d), (pa, pb, ps)
+
+
+def hc_site_out(f, residual, partials, scale, base, *, norm_eps, hc_eps, sinkhorn_iters, interpret=False):
+    """f [..., D] (the layer's output), residual [..., hc, D] (the site's h), the partials of
+    :func:`hc_site_in` -> (expand(f, residual, post, comb) [..., hc, D] in f.dtype, pre [..., hc],
+    comb [..., hc, hc]) with this site's (pre, post, comb) split from the partials."""
+    lead = residual.shape[:-2]
+    hc, d = residual.shape[-2:]
+    t = math.prod(lead)
+    pa, pb, ps = partials
+    bd = pick_block(d, 512)
+    split_kw = dict(hc=hc, width=hc * d, norm_eps=float(norm_eps), hc_eps=float(hc_eps), iters=int(sinkhorn_iters))
+    out, pre, comb = pl.pallas_call(
+        functools.partial(_site_out_kernel, hc=hc, d=d, bd=bd, split_kw=split_kw),
+        out_shape=(jax.ShapeDtypeStruct((t, hc * d), f.dtype), jax.ShapeDtypeStruct((t, hc), jnp.float32),
+                   jax.ShapeDtypeStruct((t, hc * hc), jnp.float32)),
+        grid=(t, d // bd),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="hc_site_out",
+    )(f.reshape(t, d), residual.reshape(t, hc * d), pa, pb, ps, scale.astype(jnp.float32), base.astype(jnp.float32))
+    return out.reshape(*lead, hc, d), pre.reshape(*lead, hc), comb.reshape(*lead, hc, hc)

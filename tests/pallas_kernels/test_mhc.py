@@ -135,3 +135,69 @@ def test_mixes_refuses_a_split_that_leaves_k_blocks_out():
     out = pallas_triton.hc_mixes(x, fn, scale, base, interpret=True, config=(1, 64, 4), **KW)
     for a, b in zip(out, reference.hc_mixes(x, fn, scale, base, **KW)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# the two-kernel delayed site (hc_site_in / hc_site_out)
+
+
+def _site_ref(x, pre_prev, fn, scale, base, f):
+    pre, post, comb = reference.hc_mixes(x, fn, scale, base, **KW)
+    return reference.hc_collapse(x, pre_prev), reference.hc_expand(f, x, post, comb), pre, comb
+
+
+@pytest.mark.parametrize("t,d,dtype", [(1, 1024, jnp.bfloat16), (6, 2048, jnp.bfloat16), (8, 1024, jnp.float32),
+                                       (2, 192, jnp.bfloat16)])
+def test_site_kernels_parity_interpret(t, d, dtype):
+    """Through the API in interpret mode (decode sizes: the two kernels, split-K partials between
+    them): the collapse with the previous pre, the expansion, and this site's pre and comb against
+    the reference, every element, on fresh random inputs (the 20-round Sinkhorn included)."""
+    x, fn, scale, base, f = inputs(np.random.randint(1 << 30), t, d, dtype)
+    pre_prev = jax.nn.sigmoid(jax.random.normal(jax.random.PRNGKey(np.random.randint(1 << 30)), (t, HC)))
+    y, state = api.hc_site_in(x, pre_prev, fn, scale, base, implementation="interpret", **KW)
+    assert isinstance(state, api.SitePartials) and state.pa.shape == (pallas_triton.site_split(d), t, 16)
+    h, pre, comb = api.hc_site_out(f, x, state, scale, base, implementation="interpret", **KW)
+    ry, rh, rpre, rcomb = _site_ref(x, pre_prev, fn, scale, base, f)
+    tol = 2.0**-7 if dtype == jnp.bfloat16 else 2e-6
+    assert y.dtype == x.dtype and h.dtype == f.dtype and h.shape == x.shape
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ry, np.float32), rtol=tol, atol=tol)
+    # h uses the kernel's own post / comb (within 1e-5 of the reference's, below), so in float32 its
+    # error is that 1e-5 times the streams' magnitude, not one ulp
+    h_atol = tol if dtype == jnp.bfloat16 else 1e-5 * float(np.max(np.abs(np.asarray(rh))))
+    np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(rh, np.float32), rtol=tol, atol=h_atol)
+    np.testing.assert_allclose(np.asarray(pre), np.asarray(rpre), rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(comb), np.asarray(rcomb), rtol=1e-5, atol=2e-6)
+
+
+def test_site_routes():
+    """More than 8 rows (or a width the site kernels do not take) keep the mixes / collapse /
+    expand kernels, with the same results; 'auto' does not pick the site kernels before they are
+    checked on a GPU; the reference path returns the mixes themselves."""
+    x, fn, scale, base, f = inputs(3, 9, 1024, jnp.bfloat16)
+    pre_prev = jnp.full((9, HC), 0.5, jnp.float32)
+    assert "decode sizes" in pallas_triton.site_reason(x, fn)
+    assert [pallas_triton.site_split(d) for d in (5120, 4096, 7168, 64, 192)] == [32, 32, 32, 2, 2]
+    y, state = api.hc_site_in(x, pre_prev, fn, scale, base, **KW)  # CPU auto: the reference
+    assert isinstance(state, api.SiteMixes)
+    h, pre, comb = api.hc_site_out(f, x, state, scale, base, **KW)
+    ry, rh, rpre, rcomb = _site_ref(x, pre_prev, fn, scale, base, f)
+    for a, b in ((y, ry), (h, rh), (pre, rpre), (comb, rcomb)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    yi, si = api.hc_site_in(x, pre_prev, fn, scale, base, implementation="interpret", **KW)  # 9 rows: 3 kernels
+    assert isinstance(si, api.SiteMixes)
+    assert pallas_triton.auto_reason("hc_site") is not None and pallas_triton.auto_reason("hc_mixes") is None
+
+
+@pytest.mark.parametrize("target", ["cuda", "rocm"])
+def test_site_cross_lowering_real_shapes(target):
+    """V4.1's width at decode (1 row), verify (6) and batch 8: two Triton kernels per site."""
+    from jax.experimental.pallas import triton as pltriton
+
+    def site(x, f, pp, fn, s, b):
+        y, parts = pallas_triton.hc_site_in(x, pp, fn)
+        return (y,) + pallas_triton.hc_site_out(f, x, parts, s, b, **KW)
+
+    for t in (1, 6, 8):
+        txt = lower_for(target, site, S((t, HC, 5120), jnp.bfloat16), S((t, 5120), jnp.bfloat16), S((t, HC), jnp.float32),
+                        S((24, HC * 5120), jnp.float32), S((3,), jnp.float32), S((24,), jnp.float32)).as_text()
+        assert txt.count(pltriton.CUSTOM_CALL_TARGET_NAME) == 2
