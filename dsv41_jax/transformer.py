@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.mhc import hc_collapse, hc_expand, hc_mixes, hc_site_in, hc_site_out
+from pallas_kernels.mhc import hc_collapse, hc_expand, hc_mixes
 
 from .attention import attention
 from .config import ModelConfig
@@ -47,25 +47,12 @@ def hc_head(h, fn, scale, base, cfg):
     return jnp.sum(w[..., None] * h.astype(jnp.float32), axis=2).astype(h.dtype)
 
 
-def _site_in(p, site, h, pre_prev, cfg):
-    return hc_site_in(h, pre_prev, p[f"hc_{site}_fn"], p[f"hc_{site}_scale"], p[f"hc_{site}_base"],
-                      norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
-
-
-def _site_out(p, site, f, residual, state, cfg):
-    return hc_site_out(f, residual, state, p[f"hc_{site}_scale"], p[f"hc_{site}_base"], norm_eps=cfg.norm_eps,
-                       hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
-
-
 def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None, tokens=None):
-    """One layer. h [B,S,hc,D]; pre [B,S,hc] (the previous site's; unused in V4). Returns (h, ffn_pre, ...).
-    V4 collapses each site with its own pre (below); V4.1 with the previous site's (``_block_delayed``)."""
-    if not cfg.is_v4:
-        return _block_delayed(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux, tokens)
+    """One layer. h [B,S,hc,D]; pre [B,S,hc] (the previous site's; unused in V4). Returns (h, ffn_pre, ...)."""
     residual = h
     with jax.named_scope("attn_mhc"):
         attn_pre, attn_post, attn_comb = _mixes(p, "attn", h, cfg)
-        x = norm(hc_collapse(h, attn_pre), p["attn_norm"], cfg.norm_eps)
+        x = norm(hc_collapse(h, attn_pre if cfg.is_v4 else pre), p["attn_norm"], cfg.norm_eps)
     with jax.named_scope("attention"):
         x, cache_layers, shared = attention(p["attn"], x, l, cfg, opts, cache_layers, pos0, lengths, shared)
     with jax.named_scope("attn_mhc"):
@@ -73,7 +60,7 @@ def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None
     residual = h
     with jax.named_scope("ffn_mhc"):
         ffn_pre, ffn_post, ffn_comb = _mixes(p, "ffn", h, cfg)
-        x = norm(hc_collapse(h, ffn_pre), p["ffn_norm"], cfg.norm_eps)
+        x = norm(hc_collapse(h, ffn_pre if cfg.is_v4 else attn_pre), p["ffn_norm"], cfg.norm_eps)
     with jax.named_scope("moe"):
         if aux is not None:
             x, routing = moe(p["ffn"], x, l, cfg, return_routing=True, tokens=tokens)
@@ -83,36 +70,6 @@ def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None
             x = moe(p["ffn"], x, l, cfg, tokens=tokens)
     with jax.named_scope("ffn_mhc"):
         h = hc_expand(x, residual, ffn_post, ffn_comb)
-    return h, ffn_pre, cache_layers, shared
-
-
-def _block_delayed(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux, tokens):
-    """V4.1's layer (delayed mHC: each site collapses with the previous site's pre) as two site
-    calls around each sublayer: ``hc_site_in`` (this site's collapse + mixes) and ``hc_site_out``
-    (expansion; returns this site's pre for the next one). The same math as the V4 form above with
-    the previous pre; on a GPU at decode sizes each site is two kernels (``pallas_kernels.mhc``)."""
-    residual = h
-    with jax.named_scope("attn_mhc"):
-        x, state = _site_in(p, "attn", h, pre, cfg)
-        x = norm(x, p["attn_norm"], cfg.norm_eps)
-    with jax.named_scope("attention"):
-        x, cache_layers, shared = attention(p["attn"], x, l, cfg, opts, cache_layers, pos0, lengths, shared)
-    with jax.named_scope("attn_mhc"):
-        h, attn_pre, attn_comb = _site_out(p, "attn", x, residual, state, cfg)
-    residual = h
-    with jax.named_scope("ffn_mhc"):
-        x, state = _site_in(p, "ffn", h, attn_pre, cfg)
-        x = norm(x, p["ffn_norm"], cfg.norm_eps)
-    with jax.named_scope("moe"):
-        if aux is not None:
-            x, routing = moe(p["ffn"], x, l, cfg, return_routing=True, tokens=tokens)
-            aux.setdefault("routing", {})[l] = routing
-        else:
-            x = moe(p["ffn"], x, l, cfg, tokens=tokens)
-    with jax.named_scope("ffn_mhc"):
-        h, ffn_pre, ffn_comb = _site_out(p, "ffn", x, residual, state, cfg)
-    if aux is not None:
-        aux.setdefault("comb", {})[l] = (attn_comb, ffn_comb)
     return h, ffn_pre, cache_layers, shared
 
 

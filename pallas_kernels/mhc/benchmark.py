@@ -124,47 +124,6 @@ def sweep(tokens=(1, 8), reps=5):
     return rows
 
 
-def site_two_kernels(x, f, pre_prev, fn, scale, base):
-    """The same site as :func:`site` through hc_site_in / hc_site_out (two kernels)."""
-    y, parts = pallas_triton.hc_site_in(x, pre_prev, fn)
-    h, pre, _ = pallas_triton.hc_site_out(f, x, parts, scale, base, **KW)
-    return pre, h, y
-
-
-def site_sweep(tokens=(1, 6, 8), reps=5):
-    """Decode sites: the two-kernel site (hc_site_in + hc_site_out) against the four-kernel one
-    (hc_mixes' partial + split, hc_collapse, hc_expand) and the XLA reference, device time
-    (:func:`device_time_op`), each checked against the reference first on the GPU (pre: max abs err
-    <= 1e-5; collapse and expansion: rel err <= 8e-3)."""
-    mix = (2 + HC) * HC
-    log(f"# mHC decode site, two kernels vs four (hc={HC}, D={D}): {jax.devices()[0].device_kind}, jax {jax.__version__}")
-    rows, ok = [], True
-    for t in tokens:
-        args = []
-        for r in range(reps):
-            ks = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(11), 100 * t + r), 6)
-            args.append((jax.random.normal(ks[0], (t, HC, D), jnp.bfloat16),
-                         jax.random.normal(ks[1], (t, D), jnp.bfloat16),
-                         jax.nn.sigmoid(jax.random.normal(ks[2], (t, HC), jnp.float32)),
-                         jax.random.normal(ks[3], (mix, HC * D), jnp.float32) * 0.02,
-                         jax.random.uniform(ks[4], (3,), jnp.float32, 0.5, 2.0),
-                         jax.random.normal(ks[5], (mix,), jnp.float32)))
-        r2 = jax.jit(site_two_kernels)(*args[0])
-        rr = jax.jit(lambda *a: site(reference, *a))(*args[0])
-        e_pre = float(jnp.max(jnp.abs(r2[0] - rr[0])))
-        e_h, e_y = max_rel_err(r2[1], rr[1]), max_rel_err(r2[2], rr[2])
-        good = e_pre <= 1e-5 and e_h <= 8e-3 and e_y <= 8e-3
-        ok &= good
-        t2 = device_time_op(site_two_kernels, args, reps=reps)
-        t4 = device_time_op(lambda *a: site(pallas_triton, *a), args, reps=reps)
-        tx = device_time_op(lambda *a: site(reference, *a), args, reps=reps)
-        log(f"  T={t}: two kernels {t2 * 1e6:6.2f} us | four kernels {t4 * 1e6:6.2f} us | XLA {tx * 1e6:6.2f} us | "
-            f"pre err {e_pre:.1e}, expand rel {e_h:.1e}, collapse rel {e_y:.1e} {'PASS' if good else 'FAIL'}")
-        rows.append(dict(T=t, two_s=t2, four_s=t4, xla_s=tx, err_pre=e_pre, err_h=e_h, err_y=e_y, ok=good))
-    log(f"site check: {'ALL PASS' if ok else 'FAILURES'}")
-    return rows, ok
-
-
 CHECK_DIMS = (5120, 4096, 7168)  # V4.1-Flash, V4-Flash, V4-Pro hidden sizes
 
 
@@ -205,16 +164,8 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true", help="correctness only, then exit")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="decode-size hc_mixes configs and the site, device time")
-    ap.add_argument("--site", action="store_true", help="decode sites: two kernels vs four vs XLA, checked, device time")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
-    if a.site:
-        rows, ok = site_sweep()
-        if a.out:
-            os.makedirs(a.out, exist_ok=True)
-            with open(os.path.join(a.out, "mhc_site.json"), "w") as fh:
-                json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), fh, indent=1)
-        return 0 if ok else 1
     if a.check:
         return 0 if check() else 1
     if a.sweep:
