@@ -186,6 +186,37 @@ def test_moe_prefill_sweep_runs_in_interpret_mode(monkeypatch):
     assert [(r["route"], r["config"]) for r in rows] == [("bytes", None), ("bytes", cfgs[0]), ("f16w", None),
                                                           ("f16w", cfgs[0])]
     assert all(r["ok"] for r in rows) and bm.pallas_triton.MMA_FP4["route"] == "auto"
+    # --plain: every tiling also on bf16 copies of the experts, checked against their own reference
+    rows = bm.prefill_sweep(tokens=24, experts=4, configs=cfgs[:1], plain=True)
+    assert [r["route"] for r in rows] == ["auto", "auto", "plain", "plain"] and all(r["ok"] for r in rows)
+
+
+def test_indexer_prefill_and_decode_topk_run_in_interpret_mode(monkeypatch, tmp_path):
+    """``lightning_indexer.benchmark --prefill-model --decode-topk`` at small shapes (tile kernel in
+    interpret mode, timing stubbed): every case of both tables runs, and the kernel's and the grouped
+    top-k's positions equal the reference's in every row."""
+    import json
+
+    import pallas_kernels.lightning_indexer.benchmark as bm
+    from pallas_kernels.lightning_indexer import pallas_triton_prefill as pf
+
+    monkeypatch.setitem(bm.PREFILL_SHAPE, "rows", 64)
+    monkeypatch.setitem(bm.PREFILL_SHAPE, "prompt", 256)
+    monkeypatch.setattr(bm, "PREFILL_TILES", bm.PREFILL_TILES[:1])
+    monkeypatch.setattr(bm, "DECODE_TOPK_ENTRIES", (8192,))
+    monkeypatch.setattr(bm, "timed", lambda *a, **k: (1e-3, 0.0, 0.0))
+    orig = pf.index_scores
+    monkeypatch.setattr(pf, "index_scores", lambda *a, **k: orig(*a, **{**k, "interpret": True}))
+    assert bm.main(["--prefill-model", "--decode-topk", "--out", str(tmp_path)]) == 0
+    pre = json.loads((tmp_path / "lightning_indexer_prefill.json").read_text())
+    assert [r["tag"].split(" chunk")[0] for r in pre] == [
+        "HI 32 ratio 1 Nc=258 last", "HI 32 ratio 1 Nc=258 middle", "HI 32 ratio 2 Nc=129 last",
+        "HI 32 ratio 2 Nc=129 middle", "HI 64 ratio 4 Nc=64 last"]
+    for r in pre:
+        (t_p, t_ps, same_mask, err, same_rows), = [v for v in r.values() if isinstance(v, list)]
+        assert same_mask and err < 1e-5 and same_rows == 1.0, r
+    dec = json.loads((tmp_path / "lightning_indexer_decode_topk.json").read_text())
+    assert len(dec) == 2 and all(r["same"] for r in dec)
 
 
 def test_qmm_grouped_sweep_runs_in_interpret_mode(monkeypatch):
