@@ -136,7 +136,8 @@ def compile_sass(ttir: str, num_warps: int, num_stages: int, arch: int = 90) -> 
 
 def _cases(which: str, tokens: int = 1, experts: int = 384, config=None):
     """(fn, *specs) of a case: "moe" (V4.1 MXFP4 experts: ``tokens`` tokens over ``experts`` experts,
-    the default config for that size or ``config``) or "gemv" (wq_b at ``tokens`` rows)."""
+    the default config for that size or ``config``), "moe-bf16" (the same experts in bf16: the kernel
+    without its decode) or "gemv" (wq_b at ``tokens`` rows)."""
     import jax.numpy as jnp
     from jax import ShapeDtypeStruct as S
 
@@ -144,21 +145,24 @@ def _cases(which: str, tokens: int = 1, experts: int = 384, config=None):
     from pallas_kernels.moe import pallas_triton as moe
     from pallas_kernels.quantized_matmul import pallas_triton as qmm
 
-    if which == "moe":
+    if which in ("moe", "moe-bf16"):  # moe-bf16: the same experts as plain bf16 (no decode; a diagnostic)
         e, i, d = experts, 2304, 5120
-        w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)
-        w2 = Fp4Tensor(S((e, d, i // 2), jnp.uint8), S((e, d, i // 32), jnp.float8_e8m0fnu), 32)
+        if which == "moe-bf16":
+            w1, w2 = S((e, i, d), jnp.bfloat16), S((e, d, i), jnp.bfloat16)
+        else:
+            w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)
+            w2 = Fp4Tensor(S((e, d, i // 2), jnp.uint8), S((e, d, i // 32), jnp.float8_e8m0fnu), 32)
         return (lambda x, w, idx, a, b, c: moe.moe_experts(x, w, idx, a, b, c, swiglu_limit=10.0, config=config),
                 S((tokens, d), jnp.bfloat16), S((tokens, 6), jnp.float32), S((tokens, 6), jnp.int32), w1, w2, w1)
     if which == "gemv":
         w = Fp8Tensor(S((32768, 1280), jnp.float8_e4m3fn), S((1024, 40), jnp.float8_e8m0fnu), (32, 32))
         return (lambda x, w: qmm.quantized_matmul(x, w, config=config), S((tokens, 1280), jnp.bfloat16), w)
-    raise ValueError(f"unknown case {which!r}: expected moe or gemv")
+    raise ValueError(f"unknown case {which!r}: expected moe, moe-bf16 or gemv")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("case", choices=["moe", "gemv"])
+    ap.add_argument("case", choices=["moe", "moe-bf16", "gemv"])
     ap.add_argument("--decode", default=None, help="DSV41_FMA_DECODE for this run, e.g. fp4=e4m3")
     ap.add_argument("--tokens", type=int, default=1, help="tokens (moe) or rows (gemv)")
     ap.add_argument("--experts", type=int, default=384, help="moe: routed experts")
