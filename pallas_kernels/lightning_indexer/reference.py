@@ -135,7 +135,7 @@ def topk_by_groups(scores, top_k: int, group: int, group_max=None):
 
 # From this many scores per call (rows x entries) the top-k goes through ``topk_by_groups`` (the same
 # positions). H200, decode rows (BENCHMARKS.md, issue 5, session 11): 1.84x faster at 8 x 262,144 and
-# 2.70x at 8 x 1M, even at 8 x 65,536, 0.78-0.80x at one row of 64K / 256K; prefill chunks 4x.
+# 2.70x at 8 x 1M, 1.01x at 8 x 65,536, 0.78-0.80x at one row of 64K / 256K; prefill chunks 4x.
 GROUPED_TOPK_MIN = 1 << 21
 
 
