@@ -456,12 +456,17 @@ def is_prefill(q) -> bool:
     return _logical_shape(q)[1] >= PREFILL_MIN_ROWS
 
 
+def _prefill_config(config):
+    """The tile kernel's entries of a ``config`` (which may also hold the streaming kernel's)."""
+    from . import pallas_triton_prefill as pf
+
+    return {k: v for k, v in (config or {}).items() if k in pf.PREFILL_DEFAULTS}
+
+
 def prefill_reason(q, keys, config=None):
     from . import pallas_triton_prefill as pf
 
-    cfg = dict(pf.PREFILL_DEFAULTS)
-    cfg.update({k: v for k, v in (config or {}).items() if k in cfg})
-    return pf.unsupported_reason(_logical_shape(q), _logical_shape(keys), cfg)
+    return pf.unsupported_reason(_logical_shape(q), _logical_shape(keys), {**pf.PREFILL_DEFAULTS, **_prefill_config(config)})
 
 
 PREFILL_SCORE_BUDGET = 2 << 30  # bytes of [B, rows, Nc] f32 scores one prefill step holds
@@ -478,7 +483,7 @@ def _prefill_indexer(q, weights, keys, visible, *, top_k, candidate_blocks, bloc
     from . import pallas_triton_prefill as pf
     from . import reference as ref
 
-    cfg = {k: v for k, v in (config or {}).items() if k in pf.PREFILL_DEFAULTS}
+    cfg = _prefill_config(config)
     budget = (config or {}).get("prefill_score_budget", PREFILL_SCORE_BUDGET)
     b, s = visible.shape
     nc = _logical_shape(keys)[1]

@@ -278,27 +278,28 @@ def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int
     yr = jax.jit(lambda x, w, idx, a, b, c: reference.moe_experts(x, w, idx, a, b, c, swiglu_limit=LIMIT))(
         *args[0], w1, w2, w3)
     rows = []
-    variants = [(r, (w1, w2, w3)) for r in routes or [None]]
+    variants = [(r, (w1, w2, w3), yr) for r in routes or [None]]  # (decode route, experts, their reference)
     if plain:
-        variants.append(("plain", tuple(jax.jit(lambda t: t.dequantize(jnp.bfloat16))(t) for t in (w1, w2, w3))))
-    for route, ws in variants:
+        pw = tuple(jax.jit(lambda t: t.dequantize(jnp.bfloat16))(t) for t in (w1, w2, w3))
+        variants.append(("plain", pw, jax.jit(lambda x, w, idx, a, b, c: reference.moe_experts(
+            x, w, idx, a, b, c, swiglu_limit=LIMIT))(*args[0], *pw)))
+    for route, ws, yv in variants:
         with pallas_triton.use_mma_fp4(None if route == "plain" else route):
+            name = "plain" if route == "plain" else pallas_triton.MMA_FP4["route"]
             for cfg in [None] + list(configs or TUNE_CONFIGS_PREFILL):
                 try:
                     f = lambda x, w, idx, a, b, c, cfg=cfg: pallas_triton.moe_experts(  # noqa: E731
                         x, w, idx, a, b, c, swiglu_limit=LIMIT, config=cfg)
                     y = jax.jit(f)(*args[0], *ws)
-                    yv = yr if route != "plain" else jax.jit(lambda x, w, idx, a, b, c: reference.moe_experts(
-                        x, w, idx, a, b, c, swiglu_limit=LIMIT))(*args[0], *ws)  # its own reference
                     err, frac = max_rel_err(y, yv), frac_off(y, yv)
                     t = device_time_op(f, args, ws, reps=reps)
                     ok = frac <= TUNE_MAX_FRAC and err <= 8e-3
                     label = cfg or ("default", pallas_triton._config(tokens * TOPK, experts, I, D))
-                    log(f"  route={'plain bf16 weights' if route == 'plain' else pallas_triton.MMA_FP4['route']} cfg={label}: {t * 1e3:8.3f} ms, "
+                    log(f"  route={'plain bf16 weights' if name == 'plain' else name} cfg={label}: {t * 1e3:8.3f} ms, "
                         f"{flops / t / 1e12:6.1f} TFLOP/s ({100 * flops / t / ceiling:5.1f}% of "
                         f"the ceiling), rel err {err:.2e}, {frac:.4f} of elements > 1%{'' if ok else '  WRONG'}")
                     rows.append(dict(op="prefill_moe", tokens=tokens, experts=experts, config=cfg,
-                                     route="plain" if route == "plain" else pallas_triton.MMA_FP4["route"], pallas_s=t, tflops=flops / t / 1e12,
+                                     route=name, pallas_s=t, tflops=flops / t / 1e12,
                                      ceiling_tflops=ceiling / 1e12, rel_err=err, frac_gt_1pct=frac, ok=ok))
                 except Exception as e:  # noqa: BLE001
                     log(f"  cfg={cfg} FAILED {type(e).__name__}: {str(e)[:300]}")
