@@ -12,6 +12,7 @@ random quantized weights at real shapes, and the shared command-line flags.
 
 from __future__ import annotations
 
+import collections
 import math
 import statistics
 import time
@@ -84,14 +85,16 @@ def time_op(fn, per_rep_args, shared_args=(), *, reps=(3, 9), iters=5):
     return max((t2 - t1) / (r2 - r1), 1e-9), t2 / r2
 
 
-def device_time_op(fn, per_rep_args, shared_args=(), *, reps=5, iters=5, outdir=None):
+def device_time_op(fn, per_rep_args, shared_args=(), *, reps=5, iters=5, outdir=None, kernels=None):
     """Seconds of device time per op: one program applies ``fn`` to ``reps`` argument sets (distinct
     weights, as for :func:`time_op`), runs ``iters`` times under ``jax.profiler`` with the L2 flushed
     before each run, and the program's kernel time (the profiler's sum over its kernels) is divided
     by ``iters * reps``. Launch gaps and dispatch are left out, so this is the figure to compare
     kernel variants by: :func:`time_op`'s difference of two wall-clock programs was within their
     noise for ops of tens of microseconds on the H200 (session 4: per-op times under the byte floor,
-    zero or negative differences)."""
+    zero or negative differences).
+    ``kernels``: a list that receives (kernel name, seconds per op) for each kernel of the program,
+    slowest first (which of an op's launches the time goes to)."""
     import tempfile
 
     from dsv41_jax.profiling import summarize, trace
@@ -119,6 +122,12 @@ def device_time_op(fn, per_rep_args, shared_args=(), *, reps=5, iters=5, outdir=
     # executions (GPU traces carry no execution ids, so there it is 1 execution of iters' worth);
     # the trace holds exactly ``iters`` runs of ``reps`` ops (session 6: dividing by the counted
     # executions instead reported 5x the per-op time on the H200)
+    if kernels is not None:
+        per = collections.Counter()
+        for p in progs:
+            for k in p["kernels"]:
+                per[k["kernel"].split(": ", 1)[-1]] += k["ms"] * p["executions"] / 1e3 / (iters * reps)
+        kernels.extend(per.most_common())
     return sum(p["busy_ms"] * p["executions"] for p in progs) / 1e3 / (iters * reps)
 
 

@@ -292,15 +292,18 @@ def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int
                         x, w, idx, a, b, c, swiglu_limit=LIMIT, config=cfg)
                     y = jax.jit(f)(*args[0], *ws)
                     err, frac = max_rel_err(y, yv), frac_off(y, yv)
-                    t = device_time_op(f, args, ws, reps=reps)
+                    kernels = []
+                    t = device_time_op(f, args, ws, reps=reps, kernels=kernels)
                     ok = frac <= TUNE_MAX_FRAC and err <= 8e-3
                     label = cfg or ("default", pallas_triton._config(tokens * TOPK, experts, I, D))
                     log(f"  route={'plain bf16 weights' if name == 'plain' else name} cfg={label}: {t * 1e3:8.3f} ms, "
                         f"{flops / t / 1e12:6.1f} TFLOP/s ({100 * flops / t / ceiling:5.1f}% of "
                         f"the ceiling), rel err {err:.2e}, {frac:.4f} of elements > 1%{'' if ok else '  WRONG'}")
+                    log("    kernels (ms per op): " + ", ".join(f"{k[:40]} {s * 1e3:.3f}" for k, s in kernels[:6]))
                     rows.append(dict(op="prefill_moe", tokens=tokens, experts=experts, config=cfg,
                                      route=name, pallas_s=t, tflops=flops / t / 1e12,
-                                     ceiling_tflops=ceiling / 1e12, rel_err=err, frac_gt_1pct=frac, ok=ok))
+                                     ceiling_tflops=ceiling / 1e12, rel_err=err, frac_gt_1pct=frac, ok=ok,
+                                     kernels_s=dict(kernels)))
                 except Exception as e:  # noqa: BLE001
                     log(f"  cfg={cfg} FAILED {type(e).__name__}: {str(e)[:300]}")
     good = [r for r in rows if r["ok"] and r["route"] != "plain"]

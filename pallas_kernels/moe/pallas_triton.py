@@ -51,6 +51,7 @@ from pallas_kernels.quantized_matmul.pallas_triton import (
     load_weight_tiles,
     operand_dtype,
     pick_block,
+    split_even_odd,
     tile_dot,
     weight_format,
     weight_logical_shape,
@@ -224,9 +225,25 @@ def _weight_tile(fmt, fp4_words, w_ref, s_ref, e, rows, row0, bn, k0, bk, op_dty
     return load_weight_tiles(fmt, w_ref, s_ref, (e,), rows, row0, bn, k0, bk, op_dtype, wblock)
 
 
+def _swapped_dot(fmt, xt, wts, op_dtype):
+    """``tile_dot`` with the operands swapped: sum_k w[n, k] x[m, k] as [N, M] (the weight tile is the
+    dot's first operand, which Triton's Hopper MMA may take from registers; see ``_config``)."""
+    prec = jax.lax.Precision.HIGHEST if op_dtype == jnp.float32 else None
+    if fmt == "fp4" and len(wts) == 2:
+        xe, xo = split_even_odd(xt)
+        pairs = ((wts[0], xe), (wts[1], xo))
+    else:
+        pairs = ((wts[0], xt),)
+    out = None
+    for w, x in pairs:
+        d = jax.lax.dot_general(w, x, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
+        out = d if out is None else out + d
+    return out
+
+
 def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
                     fmt, bt, bi, bk, steps, op_dtype, x_dtype, limit, quant, wblock=32, act_block=32,
-                    fp4_words=False):
+                    fp4_words=False, swap=False):
     b = pl.program_id(0)
     j = pl.program_id(1)
     e = be_ref[b]
@@ -244,10 +261,13 @@ def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_r
             xt = x_ref[tok, pl.ds(k0, bk)]
             w1t = _weight_tile(fmt, fp4_words, w1_ref, s1_ref, e, rows, row0, bi, k0, bk, op_dtype, wblock)
             w3t = _weight_tile(fmt, fp4_words, w3_ref, s3_ref, e, rows, row0, bi, k0, bk, op_dtype, wblock)
-            return g + tile_dot(fmt, xt, w1t, op_dtype), u + tile_dot(fmt, xt, w3t, op_dtype)
+            dot = _swapped_dot if swap else tile_dot
+            return g + dot(fmt, xt, w1t, op_dtype), u + dot(fmt, xt, w3t, op_dtype)
 
-        z = jnp.zeros((bt, bi), jnp.float32)
+        z = jnp.zeros((bi, bt) if swap else (bt, bi), jnp.float32)
         g, u = jax.lax.fori_loop(0, steps, body, (z, z))
+        if swap:
+            g, u = g.T, u.T
         g = g.astype(x_dtype).astype(jnp.float32)
         u = u.astype(x_dtype).astype(jnp.float32)
         if limit > 0:
@@ -261,7 +281,7 @@ def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_r
 
 
 def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd, bk, steps, op_dtype, wblock=32,
-                 fp4_words=False):
+                 fp4_words=False, swap=False):
     b = pl.program_id(0)
     j = pl.program_id(1)
     e = be_ref[b]
@@ -275,9 +295,11 @@ def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd,
             k0 = pl.multiple_of(i * bk, bk)
             ht = h_ref[hrows, pl.ds(k0, bk)]
             wt = _weight_tile(fmt, fp4_words, w2_ref, s2_ref, e, rows, row0, bd, k0, bk, op_dtype, wblock)
-            return acc + tile_dot(fmt, ht, wt, op_dtype)
+            return acc + (_swapped_dot if swap else tile_dot)(fmt, ht, wt, op_dtype)
 
-        acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bt, bd), jnp.float32))
+        acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bd, bt) if swap else (bt, bd), jnp.float32))
+        if swap:
+            acc = acc.T
         y_ref[pair_ref[hrows], rows] = acc.astype(y_ref.dtype)
 
 
@@ -442,6 +464,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     cfg = tuple(config or _config(p, n_exp, i_dim, d))
     bt, bi, bk_a, bd, bk_b, warps = cfg[:6]
     stages = cfg[6] if len(cfg) > 6 else 3  # optional 7th entry: software-pipelining stages
+    swap = bool(cfg[7]) if len(cfg) > 7 else False  # optional 8th: 1 = weight tile as the dot's first operand
     for name, total, blk in (("I", i_dim, bi), ("D", d, bd), ("D (gate/up K)", d, bk_a), ("I (down K)", i_dim, bk_b)):
         if blk > total or total % blk:
             raise ValueError(f"moe_experts (pallas): config {cfg}: {name}={total} is not a multiple of its tile {blk}")
@@ -469,7 +492,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     h = pl.pallas_call(
         functools.partial(_gate_up_kernel, fmt=fmt, bt=bt, bi=bi, bk=bk_a, steps=d // bk_a, op_dtype=op,
                           x_dtype=x.dtype, limit=limit, quant=in_kernel, wblock=fp8_block(w1), act_block=act_block,
-                          fp4_words=words),
+                          fp4_words=words, swap=swap),
         # h leaves kernel A in x.dtype (the reference act-quantizes h.astype(x.dtype)); only the
         # in-kernel act-quant may store bf16 (its e4m3 values are exact there). Storing f32 h as bf16
         # before the XLA act_quant double-rounded and broke f32 parity.
@@ -488,7 +511,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
 
     y = pl.pallas_call(
         functools.partial(_down_kernel, fmt=fmt, bt=bt, bd=bd, bk=bk_b, steps=i_dim // bk_b, op_dtype=op,
-                          wblock=fp8_block(w1), fp4_words=words),
+                          wblock=fp8_block(w1), fp4_words=words, swap=swap),
         out_shape=jax.ShapeDtypeStruct((p + 1, d), x.dtype),
         grid=(nb, d // bd),
         compiler_params=params,

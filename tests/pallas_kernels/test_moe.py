@@ -108,6 +108,25 @@ def test_mma_fp4_word_route_interpret(n, dtype, act_block, config, monkeypatch):
         pallas_triton.moe_experts(x, wts, idx, w1, w2, w3, **{**kw, "config": (16, 16, 64, 16, 16, 2)})
 
 
+@pytest.mark.parametrize("fmt,dtype,route", [("fp4", jnp.bfloat16, "f16w"), ("fp4", jnp.float32, "bytes"),
+                                              ("fp8", jnp.bfloat16, "auto"), ("plain", jnp.float32, "auto")])
+def test_swapped_operands_interpret(fmt, dtype, route, monkeypatch):
+    """An 8th config entry of 1 makes the weight tile the dots' first operand (outputs [bi, bt] /
+    [bd, bt], transposed before the stores): the same products, fp32 sums perhaps in another order
+    (XLA's f32 dots on the CPU), so the unswapped kernels' result to 1e-6 of max|y|, and the
+    reference's within the parity tolerance."""
+    monkeypatch.setitem(pallas_triton.MMA_FP4, "route", route)
+    x, wts, idx, w1, w2, w3 = make(fmt, np.random.randint(1 << 30), 40, dtype)
+    cfg = (16, 32, 64, 64, 32, 4, 2)
+    kw = dict(swiglu_limit=1.0, interpret=True)
+    ys = np.asarray(pallas_triton.moe_experts(x, wts, idx, w1, w2, w3, config=cfg + (1,), **kw))
+    y0 = np.asarray(pallas_triton.moe_experts(x, wts, idx, w1, w2, w3, config=cfg, **kw))
+    yr = np.asarray(reference.moe_experts(x, wts, idx, w1, w2, w3, swiglu_limit=1.0))
+    np.testing.assert_allclose(ys, y0, rtol=1e-6, atol=1e-6 * float(np.max(np.abs(y0))))
+    tol = 2.0**-7 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(ys, yr, rtol=tol, atol=tol * float(np.max(np.abs(yr))))
+
+
 def test_tensor_core_config_wider_than_the_experts_is_refused():
     x, wts, idx, w1, w2, w3 = make("fp4", 5, 8, jnp.bfloat16)
     i_dim = w1.data.shape[1]
@@ -182,7 +201,8 @@ def test_tune_configs_lower(target):
     from pallas_kernels.moe.benchmark import TUNE_CONFIGS, TUNE_CONFIGS_PREFILL
 
     assert len(TUNE_CONFIGS) >= 8 and len(TUNE_CONFIGS_PREFILL) >= 6
-    for n, cfgs in ((1, TUNE_CONFIGS), (2048, TUNE_CONFIGS_PREFILL)):
+    swapped = [(64, 128, 64, 128, 64, 4, 3, 1), (64, 256, 64, 256, 64, 8, 3, 1)]  # weight tile as first operand
+    for n, cfgs in ((1, TUNE_CONFIGS), (2048, TUNE_CONFIGS_PREFILL + swapped)):
         for cfg in cfgs:
             lower_for(target, lambda x, w, i, a, b, c, cfg=cfg: pallas_triton.moe_experts(
                 x, w, i, a, b, c, swiglu_limit=10.0, config=cfg),
