@@ -131,7 +131,31 @@ def compile_sass(ttir: str, num_warps: int, num_stages: int, arch: int = 90) -> 
         with open(cubin, "wb") as f:
             f.write(k.asm["cubin"])
         nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-        return subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
+        cuobjdump = os.path.join(os.path.dirname(nvdisasm), "cuobjdump")
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin], capture_output=True, text=True).stdout
+        m = re.search(r"REG:(\d+)", usage)
+        return f"{RESOURCES} regs={m.group(1) if m else -1} shared={int(k.metadata.shared)}\n" + sass
+
+
+RESOURCES = "// dsv41 resources:"
+SM90_REGS, SM90_SMEM, SM90_MAX_WARPS = 65536, 232448, 64
+
+
+def resources(sass: str, num_warps: int) -> dict | None:
+    """Registers per thread and shared bytes per program from :func:`compile_sass`' first line, and
+    the programs one sm_90 SM can hold by each (registers are allocated per warp in units of 256)."""
+    m = re.match(re.escape(RESOURCES) + r" regs=(-?\d+) shared=(\d+)", sass)
+    if not m:
+        return None
+    regs, shared = int(m.group(1)), int(m.group(2))
+    out = {"regs": regs, "shared": shared, "by_shared": SM90_SMEM // max(shared, 1),
+           "by_warps": SM90_MAX_WARPS // num_warps}
+    if regs > 0:
+        per_warp = -(-regs * 32 // 256) * 256
+        out["by_regs"] = SM90_REGS // (per_warp * num_warps)
+    out["programs_per_sm"] = min(v for k, v in out.items() if k.startswith("by_"))
+    return out
 
 
 def _cases(which: str, tokens: int = 1, experts: int = 384, config=None):
@@ -204,6 +228,11 @@ def main(argv=None) -> int:
             for ext, txt in (("ttir", k["ttir"]), ("sass", sass)):
                 with open(os.path.join(a.out, f"{k['name']}.{ext}"), "w") as f:
                     f.write(txt)
+        res = resources(sass, k["num_warps"])
+        if res:
+            print(f"{k['name']}: {res['regs']} registers per thread, {res['shared']} shared bytes per program -> "
+                  f"{res['programs_per_sm']} programs per SM (by registers {res.get('by_regs', '?')}, by shared "
+                  f"memory {res['by_shared']}, by warps {res['by_warps']})")
         for lp in loop_mix(sass):
             top = ", ".join(f"{op} {n}" for op, n in sorted(lp["counts"].items(), key=lambda t: -t[1])[:12])
             spills = lp["counts"].get("LDL", 0) + lp["counts"].get("STL", 0)

@@ -499,6 +499,8 @@ def main(argv=None):
     ap.add_argument("--mma-fp4", default=None, help="with --prefill or --fma: the tensor-core kernels' MXFP4 decode routes "
                                                             "to compare, e.g. bytes,f16w")
     ap.add_argument("--default-only", action="store_true", help="with --fma: only the default fma config")
+    ap.add_argument("--grid-order", default=None, choices=["rows", "blocks"],
+                    help="the tensor-core kernels' launch order (pallas_triton.GRID_ORDER; default: as it is)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
     if a.check:
@@ -506,6 +508,8 @@ def main(argv=None):
     if a.debug:
         debug()
         return 0
+    if a.grid_order:
+        pallas_triton.GRID_ORDER["order"] = a.grid_order
     if a.prefill:
         cfgs = ([tuple(int(v) for v in c.split(",")) for c in a.configs.split(";")] if a.configs
                 else [(128, 128, 64, 128, 64, 8)] if a.quick else None)

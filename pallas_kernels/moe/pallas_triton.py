@@ -67,6 +67,13 @@ from pallas_kernels.quantized_matmul.pallas_triton import (
 # A's rows (h, block_pair) instead of y.
 DEBUG = {"act_quant_in_kernel": False, "return_h": False}
 
+# Launch order of the tensor-core kernels' programs. "rows": the weight-row tiles of one block vary
+# fastest (grid (I/bi, blocks) and (D/bd, blocks)), so the programs running together read the same
+# gathered activation rows and one expert's weights, which L2 then serves; "blocks": the blocks vary
+# fastest (grid (blocks, I/bi), the kernels up to session 11), so at prefill sizes every weight-row
+# tile re-reads the rows of hundreds of blocks from HBM. Read at trace time.
+GRID_ORDER = {"order": "rows"}
+
 MMA_FP4_ROUTES = ("auto", "bytes", "f16w")
 
 
@@ -241,11 +248,29 @@ def _swapped_dot(fmt, xt, wts, op_dtype):
     return out
 
 
+def _block_and_tile():
+    """(block, weight-row tile) of this program under ``GRID_ORDER`` (see :func:`_grid`)."""
+    if GRID_ORDER["order"] == "rows":
+        return pl.program_id(1), pl.program_id(0)
+    return pl.program_id(0), pl.program_id(1)
+
+
+MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension
+
+
+def _grid(nb: int, tiles: int) -> tuple[int, int]:
+    if GRID_ORDER["order"] == "rows":
+        if nb > MAX_GRID_Y:
+            raise ValueError(f"moe_experts (pallas): {nb} blocks exceed the grid's second dimension ({MAX_GRID_Y}); "
+                             f"use larger row blocks (config bt) or pallas_triton.GRID_ORDER['order'] = 'blocks'")
+        return tiles, nb
+    return nb, tiles
+
+
 def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
                     fmt, bt, bi, bk, steps, op_dtype, x_dtype, limit, quant, wblock=32, act_block=32,
                     fp4_words=False, swap=False):
-    b = pl.program_id(0)
-    j = pl.program_id(1)
+    b, j = _block_and_tile()
     e = be_ref[b]
     row0 = pl.multiple_of(j * bi, bi)
     rows = pl.ds(row0, bi)
@@ -282,8 +307,7 @@ def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_r
 
 def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd, bk, steps, op_dtype, wblock=32,
                  fp4_words=False, swap=False):
-    b = pl.program_id(0)
-    j = pl.program_id(1)
+    b, j = _block_and_tile()
     e = be_ref[b]
     row0 = pl.multiple_of(j * bd, bd)
     rows = pl.ds(row0, bd)
@@ -497,7 +521,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
         # in-kernel act-quant may store bf16 (its e4m3 values are exact there). Storing f32 h as bf16
         # before the XLA act_quant double-rounded and broke f32 parity.
         out_shape=jax.ShapeDtypeStruct((nb * bt, i_dim), op if in_kernel else x.dtype),
-        grid=(nb, i_dim // bi),
+        grid=_grid(nb, i_dim // bi),
         compiler_params=params,
         interpret=interpret,
         name=f"moe_gate_up_{fmt}",
@@ -513,7 +537,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
         functools.partial(_down_kernel, fmt=fmt, bt=bt, bd=bd, bk=bk_b, steps=i_dim // bk_b, op_dtype=op,
                           wblock=fp8_block(w1), fp4_words=words, swap=swap),
         out_shape=jax.ShapeDtypeStruct((p + 1, d), x.dtype),
-        grid=(nb, d // bd),
+        grid=_grid(nb, d // bd),
         compiler_params=params,
         interpret=interpret,
         name=f"moe_down_{fmt}",

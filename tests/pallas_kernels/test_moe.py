@@ -127,6 +127,24 @@ def test_swapped_operands_interpret(fmt, dtype, route, monkeypatch):
     np.testing.assert_allclose(ys, yr, rtol=tol, atol=tol * float(np.max(np.abs(yr))))
 
 
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_grid_orders_agree_interpret(fmt, monkeypatch):
+    """GRID_ORDER 'rows' (weight-row tiles fastest, the default) and 'blocks' launch the same programs
+    in another order: identical outputs; a block count beyond the grid's second dimension is refused
+    with the way out named."""
+    x, wts, idx, w1, w2, w3 = make(fmt, np.random.randint(1 << 30), 40, jnp.bfloat16)
+    kw = dict(swiglu_limit=1.0, interpret=True, config=(16, 32, 64, 64, 32, 4))
+    ys = {}
+    for order in ("rows", "blocks"):
+        monkeypatch.setitem(pallas_triton.GRID_ORDER, "order", order)
+        ys[order] = np.asarray(pallas_triton.moe_experts(x, wts, idx, w1, w2, w3, **kw))
+    np.testing.assert_array_equal(ys["rows"], ys["blocks"])
+    monkeypatch.setitem(pallas_triton.GRID_ORDER, "order", "rows")
+    monkeypatch.setattr(pallas_triton, "MAX_GRID_Y", 4)
+    with pytest.raises(ValueError, match=r"blocks exceed the grid's second dimension \(4\).*config bt"):
+        pallas_triton.moe_experts(x, wts, idx, w1, w2, w3, **kw)
+
+
 def test_tensor_core_config_wider_than_the_experts_is_refused():
     x, wts, idx, w1, w2, w3 = make("fp4", 5, 8, jnp.bfloat16)
     i_dim = w1.data.shape[1]
