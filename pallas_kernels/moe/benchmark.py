@@ -503,13 +503,13 @@ def main(argv=None):
                     help="the tensor-core kernels' launch order (pallas_triton.GRID_ORDER; default: as it is)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
+    if a.grid_order:
+        pallas_triton.GRID_ORDER["order"] = a.grid_order
     if a.check:
         return 0 if check() else 1
     if a.debug:
         debug()
         return 0
-    if a.grid_order:
-        pallas_triton.GRID_ORDER["order"] = a.grid_order
     if a.prefill:
         cfgs = ([tuple(int(v) for v in c.split(",")) for c in a.configs.split(";")] if a.configs
                 else [(128, 128, 64, 128, 64, 8)] if a.quick else None)
