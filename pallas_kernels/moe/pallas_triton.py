@@ -154,9 +154,12 @@ def auto_reason(w1=None, act_block=32):
 def _config(n_pairs: int, n_exp: int, i: int, d: int):
     """(bt, bi, bk_a, bd, bk_b, warps). From 256 rows per expert on (prefill chunks over few experts:
     the benchmark's 96 experts at 4096 tokens), 128-row blocks with 64-wide tiles: 13.45 ms against
-    15.98 ms for the 64-row default, the fastest of 8 tilings on the H200 (session 8, BENCHMARKS.md)."""
+    15.98 ms for the 64-row default, the fastest of 8 tilings on the H200 (session 8, BENCHMARKS.md).
+    The same tiling from 64 rows per expert on (a 4096-token chunk over the real 384 experts): 16.89
+    against 17.70 ms for (64, 128, 64, 128, 64, 4) with GRID_ORDER 'rows' (session 12) -- one
+    half-empty block per expert costs less than ~1.5 fuller ones, each decoding the expert's weights."""
     rows_per_expert = n_pairs / max(1, min(n_exp, n_pairs))
-    if rows_per_expert >= 256:
+    if rows_per_expert >= 64:
         return 128, pick_block(i, 64), pick_block(d, 64), pick_block(d, 64), pick_block(i, 64), 4
     bt = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64
     bi = pick_block(i, 64 if bt <= 32 else 128)

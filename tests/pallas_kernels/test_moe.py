@@ -356,13 +356,16 @@ def test_benchmark_check_v4_runs_in_interpret_mode(monkeypatch):
 
 
 def test_prefill_blocking_float32_exact_interpret():
-    """Prefill sizes (hundreds of rows per expert: 64-row token blocks, the default there) in float32
-    agree with the reference to fp32 rounding -- so the bf16 differences at such sizes (a few
-    elements by one e4m3 step of h) are rounding-order flips, not a blocking fault."""
+    """Prefill sizes (hundreds of rows per expert: 128-row token blocks, the default there, and
+    64-row ones) in float32 agree with the reference to fp32 rounding -- so the bf16 differences at
+    such sizes (a few elements by one e4m3 step of h) are rounding-order flips, not a blocking fault."""
     x, wts, idx, w1, w2, w3 = make("fp4", np.random.randint(1 << 30), 512, jnp.float32)
-    assert pallas_triton._config(512 * K, E, I, D)[0] == 64
-    y = np.asarray(api.moe_experts(x, wts, idx, w1, w2, w3, swiglu_limit=1.0, implementation="interpret"))
+    assert pallas_triton._config(512 * K, E, I, D)[0] == 128
     yr = np.asarray(reference.moe_experts(x, wts, idx, w1, w2, w3, swiglu_limit=1.0))
+    y = np.asarray(api.moe_experts(x, wts, idx, w1, w2, w3, swiglu_limit=1.0, implementation="interpret"))
+    np.testing.assert_allclose(y, yr, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(yr))))
+    y = np.asarray(pallas_triton.moe_experts(x, wts, idx, w1, w2, w3, swiglu_limit=1.0, interpret=True,
+                                             config=(64, 64, 64, 64, 64, 4)))
     np.testing.assert_allclose(y, yr, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(yr))))
 
 
