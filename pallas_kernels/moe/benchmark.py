@@ -351,9 +351,14 @@ def check():
             w, idx = routing(jax.random.fold_in(key, n), n)
             x = jax.random.normal(jax.random.fold_in(key, 99 + n), (n, D), jnp.bfloat16)
             ok &= check_case(label, x, w, idx, a, b, c)
-        # prefill blocking (64-token blocks: ~256 rows per expert, the 4096-token prefill over 96
+        # prefill blocking (128-token blocks: ~256 rows per expert, the 4096-token prefill over 96
         # experts): bf16 rounding-order flips move a few elements, so up to 1% may differ by > 1%
-        # (a blocking fault moves far more); the same in float32 must be exact to 1e-5
+        # (a blocking fault moves far more); in float32 no element may differ by > 1%. Not 1e-5: the
+        # kernel's SwiGLU (Triton's exp) and XLA's differ by ulps, and h's FP8 act-quant turns an ulp
+        # at a rounding or scale boundary into a step -- on the H200 the kernel was 2.98e-3 from the
+        # GPU reference, which was itself 4.5e-2 from the same reference run on the CPU (session 12;
+        # on the CPU, 4 ulps on h moved y by 9.7e-4 of max|y| at 256 tokens). Interpret mode, where
+        # both sides use XLA's functions, is checked to 1e-5 (tests/pallas_kernels/test_moe.py).
         ne, n = min(96, E), CHECK_PREFILL_TOKENS
         e96 = jax.tree.map(lambda t: t[:ne], (a, b, c))
         kr = jax.random.fold_in(key, n)
@@ -362,8 +367,7 @@ def check():
         x = jax.random.normal(jax.random.fold_in(key, 99 + n), (n, D), jnp.float32)
         ok &= check_case(f"{label} 96 experts (prefill blocking) bf16", x.astype(jnp.bfloat16), w, idx, *e96,
                          frac_limit=1e-2)
-        ok &= check_case(f"{label} 96 experts (prefill blocking) f32", x, w, idx, *e96, frac_limit=0.0,
-                         max_err=1e-5)
+        ok &= check_case(f"{label} 96 experts (prefill blocking) f32", x, w, idx, *e96, frac_limit=0.0)
     del sets
     # FP8 experts (the format of the reference's FP8 fallback), built from random e4m3 data
     def fp8(kk, e, r, cc):
