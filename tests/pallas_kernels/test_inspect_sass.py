@@ -65,3 +65,15 @@ def test_prefill_case_takes_its_config():
     assert all(k["num_warps"] == 8 for k in ks)
     with pytest.raises(SystemExit):
         inspect_sass.main(["moe", "--config", "(1, 2"])
+
+
+def test_resources_line_gives_programs_per_sm():
+    """compile_sass' first line (registers from cuobjdump, shared bytes from Triton's metadata) ->
+    programs per sm_90 SM by registers (allocated per warp in units of 256), shared memory and warps."""
+    r = inspect_sass.resources(f"{inspect_sass.RESOURCES} regs=255 shared=73728\n" + SASS, num_warps=4)
+    assert (r["by_regs"], r["by_shared"], r["by_warps"], r["programs_per_sm"]) == (2, 3, 16, 2)
+    r = inspect_sass.resources(f"{inspect_sass.RESOURCES} regs=128 shared=61440\n", num_warps=4)
+    assert (r["by_regs"], r["by_shared"], r["programs_per_sm"]) == (4, 3, 3)
+    r = inspect_sass.resources(f"{inspect_sass.RESOURCES} regs=-1 shared=1024\n", num_warps=8)
+    assert "by_regs" not in r and r["programs_per_sm"] == 8  # no register count: warps and shared memory only
+    assert inspect_sass.resources(SASS, num_warps=4) is None
