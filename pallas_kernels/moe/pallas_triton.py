@@ -95,11 +95,12 @@ def _parse_mma_fp4(text: str) -> str:
 # * "auto" (default): "f16w" for bf16 activations with K tiles of at most 64, else "bytes"
 #   (:func:`mma_fp4_words`). On the H200 (session 9, BENCHMARKS.md): the prefill tilings (64-wide K
 #   tiles) 13.50 -> 10.87 ms and 14.56 -> 11.94 ms at 4096 tokens over 96 experts; the decode tiling
-#   (256-wide K tiles) 2.05x slower with words (1046 -> 2145 us at 8 tokens); and with float32
-#   activations (bf16 operands either way; the kernels differ only in the dtype of the stored h and y)
-#   the word route was off by 2.96e-3 (rel err) on the GPU where the byte route is exact to 1e-5,
-#   while with bf16 activations it matched the reference to 7e-8. It is exact in interpret mode; the
-#   cause on the GPU was not found, so forcing it with float32 activations is refused there.
+#   (256-wide K tiles) 2.05x slower with words (1046 -> 2145 us at 8 tokens). With float32
+#   activations "auto" keeps bytes (not timed there). Session 9 found the word route 2.96e-3 from the
+#   GPU reference in float32 and refused it there; session 12 measured both routes on the same inputs:
+#   bytes 2.98e-3, words 2.96e-3 from the GPU reference, 4.0e-4 from each other -- the FP8 act-quant of
+#   h turns ulp differences (sums in another order, Triton's exp vs XLA's) into FP8 steps, the same
+#   for both routes (BENCHMARKS.md, issue 6, session 12), so forcing f16w is allowed for every dtype.
 MMA_FP4 = {"route": _parse_mma_fp4(os.environ.get("DSV41_MMA_FP4", ""))}
 
 
@@ -157,10 +158,12 @@ def _config(n_pairs: int, n_exp: int, i: int, d: int):
     15.98 ms for the 64-row default, the fastest of 8 tilings on the H200 (session 8, BENCHMARKS.md).
     The same tiling from 64 rows per expert on (a 4096-token chunk over the real 384 experts): 16.89
     against 17.70 ms for (64, 128, 64, 128, 64, 4) with GRID_ORDER 'rows' (session 12) -- one
-    half-empty block per expert costs less than ~1.5 fuller ones, each decoding the expert's weights."""
+    half-empty block per expert costs less than ~1.5 fuller ones, each decoding the expert's weights.
+    8 warps rather than 4 (session 12): 10.16 vs 10.52 ms at 96 experts, 16.67 vs 16.95 ms at 384 (the
+    gate/up kernel gains 0.5 ms, the down kernel loses 0.1-0.2)."""
     rows_per_expert = n_pairs / max(1, min(n_exp, n_pairs))
     if rows_per_expert >= 64:
-        return 128, pick_block(i, 64), pick_block(d, 64), pick_block(d, 64), pick_block(i, 64), 4
+        return 128, pick_block(i, 64), pick_block(d, 64), pick_block(d, 64), pick_block(i, 64), 8
     bt = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64
     bi = pick_block(i, 64 if bt <= 32 else 128)
     bd = pick_block(d, 64 if bt <= 32 else 128)
@@ -216,16 +219,12 @@ def sum_slots(y, indices):
     return jnp.sum(jnp.where((indices >= 0)[:, :, None], rows, 0.0), axis=1)
 
 
-def mma_fp4_words(x_dtype, bk_a: int, bk_b: int, interpret: bool = False) -> bool:
+def mma_fp4_words(x_dtype, bk_a: int, bk_b: int) -> bool:
     """Whether the tensor-core kernels read MXFP4 experts as words (``MMA_FP4``, see above) for
     activations of ``x_dtype`` and K tiles ``bk_a`` (gate/up) / ``bk_b`` (down)."""
     route = MMA_FP4["route"]
     if route == "auto":
         return x_dtype == jnp.bfloat16 and max(bk_a, bk_b) <= 64 and bk_a % 32 == 0 and bk_b % 32 == 0
-    if route == "f16w" and x_dtype != jnp.bfloat16 and not interpret:
-        raise ValueError(f"moe_experts (pallas): DSV41_MMA_FP4=f16w with {jnp.dtype(x_dtype).name} activations: on "
-                         f"the H200 this route was off by 3e-3 where the byte route is exact; use "
-                         f"DSV41_MMA_FP4=auto (bytes for them) or bytes")
     return route == "f16w"
 
 
@@ -501,7 +500,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     d1, s1 = weight_operands(w1)
     d2, s2 = weight_operands(w2)
     d3, s3 = weight_operands(w3)
-    words = fmt == "fp4" and mma_fp4_words(x.dtype, bk_a, bk_b, interpret)
+    words = fmt == "fp4" and mma_fp4_words(x.dtype, bk_a, bk_b)
     if words:  # packed codes as uint32 words; the activation in the words' K order (fused into act_quant)
         if bk_a % 32 or bk_b % 32:
             raise ValueError(f"moe_experts (pallas): DSV41_MMA_FP4=f16w needs K tiles that are multiples of 32, "

@@ -173,8 +173,8 @@ def test_mma_fp4_switch_refuses_unknown_routes():
 def test_mma_fp4_auto_route(monkeypatch):
     """DSV41_MMA_FP4=auto (the default): words for bf16 activations with K tiles <= 64 (the prefill
     tilings, faster on the H200), bytes for 256-wide K tiles (the decode tiling, 2x slower with words)
-    and for float32 activations (the word route was off by 3e-3 there on the GPU); a forced f16w with
-    float32 activations is refused on the GPU and allowed in interpret mode (exact there)."""
+    and for float32 activations (not timed there); a forced f16w applies to every dtype (in float32
+    both routes were ~3e-3 from the GPU reference and 4e-4 from each other, session 12)."""
     monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "auto")
     words = pallas_triton.mma_fp4_words
     assert words(jnp.bfloat16, 64, 64) and words(jnp.bfloat16, 32, 64)
@@ -184,9 +184,7 @@ def test_mma_fp4_auto_route(monkeypatch):
     cfg = pallas_triton._config(300 * 6, 384, 2304, 5120)
     assert not words(jnp.bfloat16, cfg[2], cfg[4])
     monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "f16w")
-    assert words(jnp.float32, 256, 256, interpret=True)
-    with pytest.raises(ValueError, match="f16w with float32 activations.*DSV41_MMA_FP4=auto"):
-        words(jnp.float32, 64, 64)
+    assert words(jnp.float32, 256, 256) and words(jnp.float32, 64, 64)
     monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "bytes")
     assert not words(jnp.bfloat16, 64, 64)
 
