@@ -181,16 +181,30 @@ def _cases(which: str, tokens: int = 1, experts: int = 384, config=None):
     if which == "gemv":
         w = Fp8Tensor(S((32768, 1280), jnp.float8_e4m3fn), S((1024, 40), jnp.float8_e8m0fnu), (32, 32))
         return (lambda x, w: qmm.quantized_matmul(x, w, config=config), S((tokens, 1280), jnp.bfloat16), w)
-    raise ValueError(f"unknown case {which!r}: expected moe, moe-bf16 or gemv")
+    if which == "sparse-attn":  # decode: ``tokens`` sequences of one query row, 64 heads x 512, window 128 +
+        # top-512 of a 65,536-entry compressed cache; ``config``: keyword overrides, e.g. {"block_h": 32}
+        from pallas_kernels.sparse_attention import pallas_triton as sa
+
+        b, h, d, nc = tokens, 64, 512, 65536
+        specs = (S((b, 1, h, d), jnp.bfloat16),
+                 Fp8Tensor(S((b, 128, d), jnp.float8_e4m3fn), S((b, 128, d // 32), jnp.float8_e8m0fnu), (1, 32)),
+                 S((b, 1, 128), jnp.int32), S((h,), jnp.float32),
+                 Fp4Tensor(S((b, nc, d // 2), jnp.uint8), S((b, nc, d // 16), jnp.float8_e4m3fn), 16),
+                 S((b, 1, 512), jnp.int32))
+        kw = dict(config or {})
+        return (lambda q, kv, wi, sink, ck, ci: sa.sparse_attention(q, kv, wi, sink, scale=d ** -0.5, comp_kv=ck,
+                                                                     comp_idx=ci, **kw), *specs)
+    raise ValueError(f"unknown case {which!r}: expected moe, moe-bf16, gemv or sparse-attn")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("case", choices=["moe", "moe-bf16", "gemv"])
+    ap.add_argument("case", choices=["moe", "moe-bf16", "gemv", "sparse-attn"])
     ap.add_argument("--decode", default=None, help="DSV41_FMA_DECODE for this run, e.g. fp4=e4m3")
-    ap.add_argument("--tokens", type=int, default=1, help="tokens (moe) or rows (gemv)")
+    ap.add_argument("--tokens", type=int, default=1, help="tokens (moe), rows (gemv) or sequences (sparse-attn)")
     ap.add_argument("--experts", type=int, default=384, help="moe: routed experts")
-    ap.add_argument("--config", default=None, help="the op's config tuple, e.g. \"(128, 128, 64, 128, 64, 8)\"")
+    ap.add_argument("--config", default=None, help="the op's config tuple, e.g. \"(128, 128, 64, 128, 64, 8)\"; "
+                    "sparse-attn: keyword arguments, e.g. \"{'block_h': 32, 'num_warps': 4}\"")
     ap.add_argument("--python", default=None, help="an interpreter with triton installed, for the SASS step")
     ap.add_argument("--out", default=None, help="also write each kernel's .ttir and .sass here")
     a = ap.parse_args(argv)
@@ -199,9 +213,14 @@ def main(argv=None) -> int:
         import ast
 
         try:
-            config = tuple(ast.literal_eval(a.config))
+            config = ast.literal_eval(a.config)
+            config = config if isinstance(config, dict) else tuple(config)
         except (ValueError, SyntaxError, TypeError):
-            ap.error(f"--config {a.config!r}: expected a tuple literal such as \"(128, 128, 64, 128, 64, 8)\"")
+            ap.error(f"--config {a.config!r}: expected a tuple literal such as \"(128, 128, 64, 128, 64, 8)\" "
+                     f"(sparse-attn: a dict of keyword arguments, e.g. \"{{'block_h': 32}}\")")
+        if isinstance(config, dict) != (a.case == "sparse-attn"):
+            ap.error(f"--config {a.config!r}: {a.case} takes a "
+                     f"{'dict of keyword arguments' if a.case == 'sparse-attn' else 'tuple'}")
     import jax
 
     jax.config.update("jax_platforms", "cpu")

@@ -77,3 +77,14 @@ def test_resources_line_gives_programs_per_sm():
     r = inspect_sass.resources(f"{inspect_sass.RESOURCES} regs=-1 shared=1024\n", num_warps=8)
     assert "by_regs" not in r and r["programs_per_sm"] == 8  # no register count: warps and shared memory only
     assert inspect_sass.resources(SASS, num_warps=4) is None
+
+
+def test_sparse_attention_case_takes_keyword_config():
+    """The sparse-attn case lowers the decode kernel with its keyword overrides; a tuple --config for
+    it (or a dict for the MoE) is refused by argparse."""
+    fn, *specs = inspect_sass._cases("sparse-attn", tokens=2, config={"block_h": 32, "num_warps": 4})
+    ks = inspect_sass.triton_kernels(fn, *specs)
+    assert [k["name"] for k in ks] == ["sparse_attention_sink"] and ks[0]["num_warps"] == 4
+    for argv in (["sparse-attn", "--config", "(1, 2)"], ["moe", "--config", "{'block_h': 32}"]):
+        with pytest.raises(SystemExit):
+            inspect_sass.main(argv)
