@@ -172,7 +172,7 @@ def _grid2(ids, cols):
     return jnp.broadcast_to(ids[:, None], shape), jnp.broadcast_to(cols[None, :], shape)
 
 
-def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d, nw_blocks, nc_blocks, split_out, cdt, prec):
+def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d, nw_blocks, nc_blocks, split_out, cdt, prec, d_split=1):
     it = iter(refs)
     q_ref = next(it)
     widx_ref = next(it)
@@ -193,11 +193,12 @@ def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d, nw_blocks, nc_bloc
         o_ref = next(it)
 
     split = pl.program_id(2)
-    col = jnp.arange(d, dtype=jnp.int32)
+    dv = d // d_split  # output columns of this program (d_split > 1: the value part of D is split)
+    c0 = (pl.program_id(1) % d_split) * dv if d_split > 1 else 0
     q = q_ref[...].astype(cdt)  # [BH, D], contiguous
     bh = q.shape[0]
 
-    def softmax_step(carry, k, valid):
+    def softmax_step(carry, k, v, valid):
         m, l, acc = carry
         s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=prec)
         s = jnp.where(valid[None, :], s * scale, _NEG_INF)  # [BH, BK]
@@ -206,46 +207,48 @@ def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d, nw_blocks, nc_bloc
         alpha = jnp.exp(m - m_safe)
         p = jnp.exp(s - m_safe[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(cdt), k, preferred_element_type=jnp.float32, precision=prec)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(cdt), v, preferred_element_type=jnp.float32, precision=prec)
         return m_new, l, acc
 
-    def window_body(i, carry):
-        start = (split * nw_blocks + i) * block_k
-        ids = widx_ref[pl.ds(start, block_k)]
-        valid = ids >= 0
-        ids = jnp.where(valid, ids, 0)
+    def window_rows(ids, first, width):
+        """Window rows ``ids``, columns [first, first + width), dequantized to ``cdt``."""
+        cols = first + jnp.arange(width, dtype=jnp.int32)
         if w_fp8:
             # rows gathered whole (contiguous along the row), ue8m0 scale per 32 broadcast in registers
-            sc = _e8m0_to_f32(wscale_ref[_grid2(ids, jnp.arange(d // 32, dtype=jnp.int32))])  # [BK, D/32]
-            k = (wdata_ref[_grid2(ids, col)].astype(jnp.float32) * _expand_cols(sc, 32)).astype(cdt)
-        else:
-            k = wkv_ref[_grid2(ids, col)].astype(cdt)
-        return softmax_step(carry, k, valid)
+            sc = _e8m0_to_f32(wscale_ref[_grid2(ids, first // 32 + jnp.arange(width // 32, dtype=jnp.int32))])
+            return (wdata_ref[_grid2(ids, cols)].astype(jnp.float32) * _expand_cols(sc, 32)).astype(cdt)
+        return wkv_ref[_grid2(ids, cols)].astype(cdt)
 
-    def comp_body(i, carry):
-        start = (split * nc_blocks + i) * block_k
-        ids = cidx_ref[pl.ds(start, block_k)]
-        valid = ids >= 0
-        ids = jnp.where(valid, ids, 0)
+    def comp_rows(ids, first, width):
+        """Compressed rows ``ids``, columns [first, first + width), dequantized to ``cdt``."""
         if c_fp4:
-            b = cdata_ref[_grid2(ids, jnp.arange(d // 2, dtype=jnp.int32))].astype(jnp.int32)  # [BK, D/2]
+            b = cdata_ref[_grid2(ids, first // 2 + jnp.arange(width // 2, dtype=jnp.int32))].astype(jnp.int32)
             # element 2i = low nibble, 2i+1 = high nibble: interleave with a 2-way join (tt.join)
-            codes = jnp.stack([b & 15, (b >> 4) & 15], axis=-1).reshape(b.shape[0], d)
-            sc = cscale_ref[_grid2(ids, jnp.arange(d // 16, dtype=jnp.int32))].astype(jnp.float32)  # e4m3 / 16
-            k = (_e2m1_to_f32(codes) * _expand_cols(sc, 16)).astype(cdt)
-        else:
-            k = ckv_ref[_grid2(ids, col)].astype(cdt)
-        return softmax_step(carry, k, valid)
+            codes = jnp.stack([b & 15, (b >> 4) & 15], axis=-1).reshape(b.shape[0], width)
+            sc = cscale_ref[_grid2(ids, first // 16 + jnp.arange(width // 16, dtype=jnp.int32))].astype(jnp.float32)
+            return (_e2m1_to_f32(codes) * _expand_cols(sc, 16)).astype(cdt)
+        return ckv_ref[_grid2(ids, first + jnp.arange(width, dtype=jnp.int32))].astype(cdt)
+
+    def body(rows_of, idx_ref, blocks):
+        def step(i, carry):
+            start = (split * blocks + i) * block_k
+            ids = idx_ref[pl.ds(start, block_k)]
+            valid = ids >= 0
+            ids = jnp.where(valid, ids, 0)
+            k = rows_of(ids, 0, d)  # the logits need every column
+            v = k if d_split == 1 else rows_of(ids, c0, dv)  # P.V only this program's columns
+            return softmax_step(carry, k, v, valid)
+        return step
 
     carry = (
         jnp.full((bh,), _NEG_INF, jnp.float32),
         jnp.zeros((bh,), jnp.float32),
-        jnp.zeros((bh, d), jnp.float32),
+        jnp.zeros((bh, dv), jnp.float32),
     )
     if nw_blocks:
-        carry = jax.lax.fori_loop(0, nw_blocks, window_body, carry)
+        carry = jax.lax.fori_loop(0, nw_blocks, body(window_rows, widx_ref, nw_blocks), carry)
     if has_comp and nc_blocks:
-        carry = jax.lax.fori_loop(0, nc_blocks, comp_body, carry)
+        carry = jax.lax.fori_loop(0, nc_blocks, body(comp_rows, cidx_ref, nc_blocks), carry)
     m, l, acc = carry
 
     if split_out:
@@ -269,11 +272,17 @@ def _pad_idx(idx, multiple):
 
 
 def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None, interpret=False,
-                     block_h=None, block_k=None, num_splits=None, num_warps=None, num_stages=None):
+                     block_h=None, block_k=None, num_splits=None, num_warps=None, num_stages=None, d_split=1):
+    """``d_split`` > 1: each program accumulates D / d_split output columns (the logits still use all
+    of D, so every key row is read d_split times, from L2 after the first), which divides the [block_h,
+    D] f32 accumulator that makes the one-program version spill (BENCHMARKS.md, issue 5, session 12)."""
     reason = unsupported_reason(q, kv, kv_idx, comp_kv, comp_idx)
     if reason is not None:
         raise ValueError(f"sparse_attention (pallas): {reason}")
     b, s, h, d = q.shape
+    if d_split < 1 or d % d_split or (d // d_split) % 32:
+        raise ValueError(f"sparse_attention (pallas): d_split={d_split} must divide D={d} into column blocks that "
+                         f"are multiples of 32 (the window's FP8 scale block)")
     rows = b * s
     has_comp = comp_kv is not None and comp_idx is not None and comp_idx.shape[-1] > 0
     kw = kv_idx.shape[-1]
@@ -310,8 +319,11 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
         return arr, pl.BlockSpec((None, n, c), lambda r, j, p: (r // s, 0, 0))
 
     row_spec = lambda width: pl.BlockSpec((None, width), lambda r, j, p: (r, 0))
+    ds = d_split
+    dv = d // ds
+    # grid axis 1 = head block x column block (j // ds: heads, j % ds: output columns)
     args, specs = [qf, widx], [
-        pl.BlockSpec((None, block_h, d), lambda r, j, p: (r, j, 0)),
+        pl.BlockSpec((None, block_h, d), lambda r, j, p: (r, j // ds, 0)),
         row_spec(widx.shape[-1]),
     ]
     w_fp8 = isinstance(kv, Fp8Tensor)
@@ -338,7 +350,7 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
             args.append(x)
             specs.append(sp)
     args.append(sinkf)
-    specs.append(pl.BlockSpec((block_h,), lambda r, j, p: (j,)))
+    specs.append(pl.BlockSpec((block_h,), lambda r, j, p: (j // ds,)))
 
     split_out = num_splits > 1
     if split_out:
@@ -347,23 +359,24 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
             jax.ShapeDtypeStruct((rows, num_splits, hp), jnp.float32),
             jax.ShapeDtypeStruct((rows, num_splits, hp), jnp.float32),
         )
+        # m and l are the same in every column block of a head block: each of them writes them
         out_specs = (
-            pl.BlockSpec((None, None, block_h, d), lambda r, j, p: (r, p, j, 0)),
-            pl.BlockSpec((None, None, block_h), lambda r, j, p: (r, p, j)),
-            pl.BlockSpec((None, None, block_h), lambda r, j, p: (r, p, j)),
+            pl.BlockSpec((None, None, block_h, dv), lambda r, j, p: (r, p, j // ds, j % ds)),
+            pl.BlockSpec((None, None, block_h), lambda r, j, p: (r, p, j // ds)),
+            pl.BlockSpec((None, None, block_h), lambda r, j, p: (r, p, j // ds)),
         )
     else:
         out_shape = jax.ShapeDtypeStruct((rows, hp, d), q.dtype)
-        out_specs = pl.BlockSpec((None, block_h, d), lambda r, j, p: (r, j, 0))
+        out_specs = pl.BlockSpec((None, block_h, dv), lambda r, j, p: (r, j // ds, j % ds))
 
     kernel = functools.partial(
         _kernel, has_comp=has_comp, w_fp8=w_fp8, c_fp4=c_fp4, scale=float(scale), block_k=block_k, d=d,
         nw_blocks=nw_blocks, nc_blocks=nc_blocks, split_out=split_out, cdt=cdt,
-        prec=jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None,
+        prec=jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None, d_split=ds,
     )
     out = pl.pallas_call(
         kernel,
-        grid=(rows, nhb, num_splits),
+        grid=(rows, nhb * ds, num_splits),
         in_specs=specs,
         out_specs=out_specs,
         out_shape=out_shape,
