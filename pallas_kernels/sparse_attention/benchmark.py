@@ -62,7 +62,14 @@ def floor_bytes(b, s, *, h=64, d=512, kw=128, kc=512, qbytes=2):
     return b * s * per_row
 
 
-def check(out_dir, log):
+# Column-split variants (session 12: fewer register spills offline, not yet timed), checked and swept
+# with --sweep beside the default.
+D_SPLIT_SWEEP = (dict(d_split=4), dict(d_split=8, num_warps=4), dict(d_split=4, block_h=32, num_warps=4))
+
+
+def check(out_dir, log, cfgs=({},)):
+    """Each config in ``cfgs`` against the reference on three cases (batch-8 decode at 64K, S = 6
+    verify rows, f32), a query with no valid key included."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -78,16 +85,18 @@ def check(out_dir, log):
         if dt == jnp.float32:
             win = win.dequantize(jnp.float32)
         f_ref = jax.jit(lambda *a: ref.sparse_attention(*a[:4], scale=512 ** -0.5, comp_kv=a[4], comp_idx=a[5]))
-        f_pal = jax.jit(lambda *a: pt.sparse_attention(*a[:4], scale=512 ** -0.5, comp_kv=a[4], comp_idx=a[5]))
         r = np.asarray(f_ref(q, win, widx, sink, ck, cidx).astype(jnp.float32))
-        o = np.asarray(f_pal(q, win, widx, sink, ck, cidx).astype(jnp.float32))
-        err = float(np.abs(o - r).max())
-        rel = float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30))
-        tol = 2e-2 if dt == jnp.bfloat16 else 1e-4
-        good = bool(np.isfinite(o).all() and rel < tol and np.abs(o[0, 0]).max() == 0.0)
-        ok &= good
-        log(f"check B={b} S={s} Nc={nc} {jnp.dtype(dt).name}: max|err|={err:.3e} rel={rel:.3e} "
-            f"empty-row-zero={np.abs(o[0, 0]).max() == 0.0} -> {'OK' if good else 'FAIL'}")
+        for cfg in cfgs:
+            f_pal = jax.jit(lambda *a, cfg=cfg: pt.sparse_attention(*a[:4], scale=512 ** -0.5, comp_kv=a[4],
+                                                                    comp_idx=a[5], **cfg))
+            o = np.asarray(f_pal(q, win, widx, sink, ck, cidx).astype(jnp.float32))
+            err = float(np.abs(o - r).max())
+            rel = float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30))
+            tol = 2e-2 if dt == jnp.bfloat16 else 1e-4
+            good = bool(np.isfinite(o).all() and rel < tol and np.abs(o[0, 0]).max() == 0.0)
+            ok &= good
+            log(f"check B={b} S={s} Nc={nc} {jnp.dtype(dt).name} {cfg or 'default'}: max|err|={err:.3e} rel={rel:.3e} "
+                f"empty-row-zero={np.abs(o[0, 0]).max() == 0.0} -> {'OK' if good else 'FAIL'}")
     return ok
 
 
@@ -109,7 +118,7 @@ def main(argv=None):
 
     dev = jax.devices()[0]
     log(f"# sparse attention decode | device {dev.device_kind} | jax {jax.__version__} | n={args.n} reps={args.reps}")
-    ok = check(args.out, log)
+    ok = check(args.out, log, ({},) + (D_SPLIT_SWEEP if args.sweep else ()))
 
     contexts = [4096, 65536] if args.quick else [4096, 65536, 1 << 20]
     batches = [1, 8, 64]
@@ -144,7 +153,7 @@ def main(argv=None):
                 f"({fb/1e6:.2f} MB)  xla/pallas {row['speedup']:.2f}x  floor/pallas {row['hbm_frac']*100:.1f}%  cfg {cfg}")
             if args.sweep and nc == 65536 and b in (1, 64):
                 for var in ([dict(block_k=16), dict(block_h=32, num_warps=4), dict(block_h=16, block_k=16, num_warps=4),
-                             dict(num_warps=4)]
+                             dict(num_warps=4)] + list(D_SPLIT_SWEEP)
                             + ([dict(num_splits=4)] if b == 1 else [])):
                     try:
                         t_v, _, _ = timed(run_pallas(var), a, n=args.n, reps=args.reps)
