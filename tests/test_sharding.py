@@ -191,7 +191,7 @@ def worker_results():
     out = {}
     for k, args in JOBS.items():
         p = subprocess.run([sys.executable, WORKER, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=2400)  # a hang guard; the engine job alone may take ~15 min here
+                           timeout=1200)
         if p.returncode:
             raise AssertionError(f"sharding worker {k} failed ({p.returncode}):\n{p.stderr[-4000:]}")
         out[k] = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
