@@ -183,11 +183,11 @@ def test_distributed_env():
 @pytest.fixture(scope="module")
 def worker_results():
     env = multi_device.env(8)
-    # One job at a time (at once, four 8-device processes and their thread pools shared the 2 cores
-    # with the other xdist worker). tests/conftest.py schedules this file first (``--dist loadfile``),
-    # so the jobs run beside the rest of the suite from its start and no core is left idle at its end.
-    # With an empty compilation cache (a fresh clone) the engine job alone compiles ~8 mesh programs
-    # of ~50 s each.
+    # One job at a time. Four 8-device processes at once on the 2-core host spend much of their CPU
+    # time waiting on each other (CPU seconds in one suite run: quant 115, moe 44, against 67 and 30
+    # alone); one at a time they keep close to their own figures. tests/conftest.py schedules this
+    # file first (``--dist loadfile``), so the jobs run beside the rest of the suite from its start
+    # and no core is left idle at its end.
     out = {}
     for k, args in JOBS.items():
         p = subprocess.run([sys.executable, WORKER, *args], cwd=ROOT, env=env, capture_output=True, text=True,
