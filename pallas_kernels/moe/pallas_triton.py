@@ -51,7 +51,6 @@ from pallas_kernels.quantized_matmul.pallas_triton import (
     load_weight_tiles,
     operand_dtype,
     pick_block,
-    split_even_odd,
     tile_dot,
     weight_format,
     weight_logical_shape,
@@ -234,22 +233,6 @@ def _weight_tile(fmt, fp4_words, w_ref, s_ref, e, rows, row0, bn, k0, bk, op_dty
     return load_weight_tiles(fmt, w_ref, s_ref, (e,), rows, row0, bn, k0, bk, op_dtype, wblock)
 
 
-def _swapped_dot(fmt, xt, wts, op_dtype):
-    """``tile_dot`` with the operands swapped: sum_k w[n, k] x[m, k] as [N, M] (the weight tile is the
-    dot's first operand, which Triton's Hopper MMA may take from registers; see ``_config``)."""
-    prec = jax.lax.Precision.HIGHEST if op_dtype == jnp.float32 else None
-    if fmt == "fp4" and len(wts) == 2:
-        xe, xo = split_even_odd(xt)
-        pairs = ((wts[0], xe), (wts[1], xo))
-    else:
-        pairs = ((wts[0], xt),)
-    out = None
-    for w, x in pairs:
-        d = jax.lax.dot_general(w, x, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
-        out = d if out is None else out + d
-    return out
-
-
 def _block_and_tile():
     """(block, weight-row tile) of this program under ``GRID_ORDER`` (see :func:`_grid`)."""
     if GRID_ORDER["order"] == "rows":
@@ -288,8 +271,7 @@ def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_r
             xt = x_ref[tok, pl.ds(k0, bk)]
             w1t = _weight_tile(fmt, fp4_words, w1_ref, s1_ref, e, rows, row0, bi, k0, bk, op_dtype, wblock)
             w3t = _weight_tile(fmt, fp4_words, w3_ref, s3_ref, e, rows, row0, bi, k0, bk, op_dtype, wblock)
-            dot = _swapped_dot if swap else tile_dot
-            return g + dot(fmt, xt, w1t, op_dtype), u + dot(fmt, xt, w3t, op_dtype)
+            return g + tile_dot(fmt, xt, w1t, op_dtype, swap), u + tile_dot(fmt, xt, w3t, op_dtype, swap)
 
         z = jnp.zeros((bi, bt) if swap else (bt, bi), jnp.float32)
         g, u = jax.lax.fori_loop(0, steps, body, (z, z))
@@ -321,7 +303,7 @@ def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd,
             k0 = pl.multiple_of(i * bk, bk)
             ht = h_ref[hrows, pl.ds(k0, bk)]
             wt = _weight_tile(fmt, fp4_words, w2_ref, s2_ref, e, rows, row0, bd, k0, bk, op_dtype, wblock)
-            return acc + (_swapped_dot if swap else tile_dot)(fmt, ht, wt, op_dtype)
+            return acc + tile_dot(fmt, ht, wt, op_dtype, swap)
 
         acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bd, bt) if swap else (bt, bd), jnp.float32))
         if swap:
@@ -490,7 +472,9 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     cfg = tuple(config or _config(p, n_exp, i_dim, d))
     bt, bi, bk_a, bd, bk_b, warps = cfg[:6]
     stages = cfg[6] if len(cfg) > 6 else 3  # optional 7th entry: software-pipelining stages
-    swap = bool(cfg[7]) if len(cfg) > 7 else False  # optional 8th: 1 = weight tile as the dot's first operand
+    # optional 8th: 1 = weight tile as the dots' first operand (tile_dot's swap; measured 10-40 % slower
+    # with MXFP4 on the H200, BENCHMARKS.md issue 6 session 12: an option, not a default)
+    swap = bool(cfg[7]) if len(cfg) > 7 else False
     for name, total, blk in (("I", i_dim, bi), ("D", d, bd), ("D (gate/up K)", d, bk_a), ("I (down K)", i_dim, bk_b)):
         if blk > total or total % blk:
             raise ValueError(f"moe_experts (pallas): config {cfg}: {name}={total} is not a multiple of its tile {blk}")

@@ -277,17 +277,21 @@ def split_even_odd(x):
     return ev.reshape(m, k // 2), od.reshape(m, k // 2)
 
 
-def tile_dot(fmt, xt, wts, op_dtype):
-    """sum_k x[m, k] w[n, k] for decoded weight tiles, fp32 accumulation."""
+def tile_dot(fmt, xt, wts, op_dtype, swap=False):
+    """sum_k x[m, k] w[n, k] for decoded weight tiles, fp32 accumulation: [M, N], or with ``swap``
+    the weight tile as the dots' first operand and the result [N, M] (on Hopper the wgmma then takes
+    the decoded weights from registers; BENCHMARKS.md, issue 6, session 12)."""
     prec = jax.lax.Precision.HIGHEST if op_dtype == jnp.float32 else None
     if fmt == "fp4" and len(wts) == 2:  # (even, odd) tiles; the word route returns one tile
-        xe, xo = split_even_odd(xt)
-        return (jax.lax.dot_general(xe, wts[0], (((1,), (1,)), ((), ())), precision=prec,
-                                    preferred_element_type=jnp.float32)
-                + jax.lax.dot_general(xo, wts[1], (((1,), (1,)), ((), ())), precision=prec,
-                                      preferred_element_type=jnp.float32))
-    return jax.lax.dot_general(xt, wts[0], (((1,), (1,)), ((), ())), precision=prec,
-                               preferred_element_type=jnp.float32)
+        pairs = zip(split_even_odd(xt), wts)
+    else:
+        pairs = ((xt, wts[0]),)
+    out = None
+    for x, w in pairs:
+        a, b = (w, x) if swap else (x, w)
+        d = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
+        out = d if out is None else out + d
+    return out
 
 
 def act_fake_quant_tile(h, block: int = 32):

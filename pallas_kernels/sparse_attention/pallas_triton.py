@@ -1,10 +1,11 @@
 """Pallas-Triton kernel: sparse MQA with an attention sink, FP8 window + FP4 compressed KV.
 
 One kernel covers decode (S = 1), speculative verify (S = 6) and prefill: every query row (b, s)
-has its own index lists, so the grid is ``(B*S, H // block_h, num_splits)``:
+has its own index lists, so the grid is ``(B*S, H // block_h * d_split, num_splits)``:
 
 * axis 0 — one query row (token);
-* axis 1 — a block of ``block_h`` heads (the dot's M dimension; 16..64);
+* axis 1 — a block of ``block_h`` heads (the dot's M dimension; 16..64) and, with ``d_split`` > 1,
+  a block of D / d_split output columns (the logits still use all of D);
 * axis 2 — flash-decoding split of the key lists: split ``p`` handles the ``p``-th slice of the
   window list *and* the ``p``-th slice of the compressed list, so work stays balanced. With more
   than one split the kernel writes unnormalised partials (acc, running max, running sum) and a
