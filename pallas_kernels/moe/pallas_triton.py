@@ -233,9 +233,9 @@ def _weight_tile(fmt, fp4_words, w_ref, s_ref, e, rows, row0, bn, k0, bk, op_dty
     return load_weight_tiles(fmt, w_ref, s_ref, (e,), rows, row0, bn, k0, bk, op_dtype, wblock)
 
 
-def _block_and_tile():
-    """(block, weight-row tile) of this program under ``GRID_ORDER`` (see :func:`_grid`)."""
-    if GRID_ORDER["order"] == "rows":
+def _block_and_tile(rows_first: bool):
+    """(block, weight-row tile) of this program in the grid :func:`_grid` built."""
+    if rows_first:
         return pl.program_id(1), pl.program_id(0)
     return pl.program_id(0), pl.program_id(1)
 
@@ -243,8 +243,8 @@ def _block_and_tile():
 MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension
 
 
-def _grid(nb: int, tiles: int) -> tuple[int, int]:
-    if GRID_ORDER["order"] == "rows":
+def _grid(nb: int, tiles: int, rows_first: bool) -> tuple[int, int]:
+    if rows_first:
         if nb > MAX_GRID_Y:
             raise ValueError(f"moe_experts (pallas): {nb} blocks exceed the grid's second dimension ({MAX_GRID_Y}); "
                              f"use larger row blocks (config bt) or pallas_triton.GRID_ORDER['order'] = 'blocks'")
@@ -254,8 +254,8 @@ def _grid(nb: int, tiles: int) -> tuple[int, int]:
 
 def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
                     fmt, bt, bi, bk, steps, op_dtype, x_dtype, limit, quant, wblock=32, act_block=32,
-                    fp4_words=False, swap=False):
-    b, j = _block_and_tile()
+                    fp4_words=False, swap=False, rows_first=True):
+    b, j = _block_and_tile(rows_first)
     e = be_ref[b]
     row0 = pl.multiple_of(j * bi, bi)
     rows = pl.ds(row0, bi)
@@ -290,8 +290,8 @@ def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_r
 
 
 def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd, bk, steps, op_dtype, wblock=32,
-                 fp4_words=False, swap=False):
-    b, j = _block_and_tile()
+                 fp4_words=False, swap=False, rows_first=True):
+    b, j = _block_and_tile(rows_first)
     e = be_ref[b]
     row0 = pl.multiple_of(j * bd, bd)
     rows = pl.ds(row0, bd)
@@ -475,6 +475,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     # optional 8th: 1 = weight tile as the dots' first operand (tile_dot's swap; measured 10-40 % slower
     # with MXFP4 on the H200, BENCHMARKS.md issue 6 session 12: an option, not a default)
     swap = bool(cfg[7]) if len(cfg) > 7 else False
+    rows_first = GRID_ORDER["order"] == "rows"  # read once: the grids and the kernels' program ids agree
     for name, total, blk in (("I", i_dim, bi), ("D", d, bd), ("D (gate/up K)", d, bk_a), ("I (down K)", i_dim, bk_b)):
         if blk > total or total % blk:
             raise ValueError(f"moe_experts (pallas): config {cfg}: {name}={total} is not a multiple of its tile {blk}")
@@ -502,12 +503,12 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     h = pl.pallas_call(
         functools.partial(_gate_up_kernel, fmt=fmt, bt=bt, bi=bi, bk=bk_a, steps=d // bk_a, op_dtype=op,
                           x_dtype=x.dtype, limit=limit, quant=in_kernel, wblock=fp8_block(w1), act_block=act_block,
-                          fp4_words=words, swap=swap),
+                          fp4_words=words, swap=swap, rows_first=rows_first),
         # h leaves kernel A in x.dtype (the reference act-quantizes h.astype(x.dtype)); only the
         # in-kernel act-quant may store bf16 (its e4m3 values are exact there). Storing f32 h as bf16
         # before the XLA act_quant double-rounded and broke f32 parity.
         out_shape=jax.ShapeDtypeStruct((nb * bt, i_dim), op if in_kernel else x.dtype),
-        grid=_grid(nb, i_dim // bi),
+        grid=_grid(nb, i_dim // bi, rows_first),
         compiler_params=params,
         interpret=interpret,
         name=f"moe_gate_up_{fmt}",
@@ -521,9 +522,9 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
 
     y = pl.pallas_call(
         functools.partial(_down_kernel, fmt=fmt, bt=bt, bd=bd, bk=bk_b, steps=i_dim // bk_b, op_dtype=op,
-                          wblock=fp8_block(w1), fp4_words=words, swap=swap),
+                          wblock=fp8_block(w1), fp4_words=words, swap=swap, rows_first=rows_first),
         out_shape=jax.ShapeDtypeStruct((p + 1, d), x.dtype),
-        grid=_grid(nb, d // bd),
+        grid=_grid(nb, d // bd, rows_first),
         compiler_params=params,
         interpret=interpret,
         name=f"moe_down_{fmt}",

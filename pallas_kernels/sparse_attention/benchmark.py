@@ -86,13 +86,13 @@ def check(out_dir, log, cfgs=({},)):
             win = win.dequantize(jnp.float32)
         f_ref = jax.jit(lambda *a: ref.sparse_attention(*a[:4], scale=512 ** -0.5, comp_kv=a[4], comp_idx=a[5]))
         r = np.asarray(f_ref(q, win, widx, sink, ck, cidx).astype(jnp.float32))
+        tol = 2e-2 if dt == jnp.bfloat16 else 1e-4
         for cfg in cfgs:
             f_pal = jax.jit(lambda *a, cfg=cfg: pt.sparse_attention(*a[:4], scale=512 ** -0.5, comp_kv=a[4],
                                                                     comp_idx=a[5], **cfg))
             o = np.asarray(f_pal(q, win, widx, sink, ck, cidx).astype(jnp.float32))
             err = float(np.abs(o - r).max())
             rel = float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30))
-            tol = 2e-2 if dt == jnp.bfloat16 else 1e-4
             good = bool(np.isfinite(o).all() and rel < tol and np.abs(o[0, 0]).max() == 0.0)
             ok &= good
             log(f"check B={b} S={s} Nc={nc} {jnp.dtype(dt).name} {cfg or 'default'}: max|err|={err:.3e} rel={rel:.3e} "
