@@ -200,6 +200,21 @@ def zero_of(x):
 
 
 
+def read_anchor(nbytes: int, *, n=20, reps=7) -> float:
+    """Per-call seconds, in the ``timed`` harness, of one XLA reduction reading ``nbytes`` of
+    contiguous bf16 once (the chain's zero scalar scales the input, so the calls stay distinct):
+    what "read the op's bytes once" costs in this harness, launch and tail included. Beside a byte
+    floor it shows how much of an op's gap is the floor's arithmetic and how much a single kernel's
+    fixed cost (a microsecond or more, against sub-microsecond floors at small batch)."""
+    x = jnp.ones((max(nbytes // 2, 1),), jnp.bfloat16)
+
+    def f(a, c):
+        o = jnp.sum(a[0].astype(jnp.float32) * (1.0 + c))
+        return o, zero_of(o)
+
+    return timed(f, (x,), n=n, reps=reps)[0]
+
+
 def chained_args(ap, *, n: int, reps: int, skip_xla_help: str):
     """The flags of the chained-call benchmarks (attention, indexer)."""
     import os

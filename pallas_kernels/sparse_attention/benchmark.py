@@ -11,7 +11,10 @@ Protocol (printed with the table):
   removes the Python dispatch cost; median over ``reps`` repetitions;
 * byte floor: the bytes the op must move once — q (bf16), the 128 window rows (512 B FP8 + 16 B
   scales), the 512 compressed rows (256 B FP4 + 32 B scales), the int32 index lists and the bf16
-  output — divided by 4.8 TB/s (H200 HBM, ``performance.md`` §4).
+  output — divided by 4.8 TB/s (H200 HBM, ``performance.md`` §4);
+* read anchor: one XLA reduction reading the floor's bytes contiguously, timed the same way: the
+  cost of a single kernel that only reads those bytes (at batch 1 and 8 it is launch and tail, not
+  bandwidth).
 
 Decode shapes: H = 64, D = 512, window 128 (ring, all valid), top-k 512 compressed picks over a cache
 of ``context`` entries (ratio-1 layer: one compressed entry per token), batch 1 / 8 / 64.
@@ -25,7 +28,7 @@ import os
 import sys
 
 
-from pallas_kernels.benchmarking import HBM_BYTES_PER_S, chained_args, timed, zero_of
+from pallas_kernels.benchmarking import HBM_BYTES_PER_S, chained_args, read_anchor, timed, zero_of
 
 def make_inputs(key, b, s, nc, *, kw=128, kc=512, h=64, d=512, dtype=None, pad_frac=0.0):
     import jax
@@ -64,7 +67,8 @@ def floor_bytes(b, s, *, h=64, d=512, kw=128, kc=512, qbytes=2):
 
 # Column-split variants (session 12: fewer register spills offline, not yet timed), checked and swept
 # with --sweep beside the default.
-D_SPLIT_SWEEP = (dict(d_split=4), dict(d_split=8, num_warps=4), dict(d_split=4, block_h=32, num_warps=4))
+D_SPLIT_SWEEP = (dict(d_split=2), dict(d_split=4), dict(d_split=4, num_warps=4), dict(d_split=8),
+                 dict(d_split=8, num_warps=4), dict(d_split=4, block_h=32, num_warps=4))
 
 
 def check(out_dir, log, cfgs=({},)):
@@ -144,14 +148,16 @@ def main(argv=None):
             t_floor = fb / HBM_BYTES_PER_S
             t_p, _, _ = timed(run_pallas({}), a, n=args.n, reps=args.reps)
             t_r = float("nan") if args.skip_xla else timed(run_ref, a, n=args.n, reps=args.reps)[0]
+            t_a = read_anchor(fb, n=args.n, reps=args.reps)
             cfg = pt.default_config(b, 64, 128, 512)
             row = dict(context=nc, batch=b, pallas_us=t_p * 1e6, xla_us=t_r * 1e6, floor_us=t_floor * 1e6,
+                       anchor_us=t_a * 1e6,
                        bytes=fb, speedup=t_r / t_p if t_p else float("nan"),
                        hbm_frac=t_floor / t_p if t_p else float("nan"), cfg=cfg)
             rows.append(row)
             log(f"ctx={nc:>8} B={b:>3}: pallas {t_p*1e6:8.1f} us  xla {t_r*1e6:8.1f} us  floor {t_floor*1e6:6.2f} us "
-                f"({fb/1e6:.2f} MB)  xla/pallas {row['speedup']:.2f}x  floor/pallas {row['hbm_frac']*100:.1f}%  cfg {cfg}")
-            if args.sweep and nc == 65536 and b in (1, 64):
+                f"({fb/1e6:.2f} MB)  read anchor {t_a*1e6:6.2f} us  xla/pallas {row['speedup']:.2f}x  floor/pallas {row['hbm_frac']*100:.1f}%  cfg {cfg}")
+            if args.sweep and nc == 65536:
                 for var in ([dict(block_k=16), dict(block_h=32, num_warps=4), dict(block_h=16, block_k=16, num_warps=4),
                              dict(num_warps=4)] + list(D_SPLIT_SWEEP)
                             + ([dict(num_splits=4)] if b == 1 else [])):
@@ -163,10 +169,11 @@ def main(argv=None):
             del a
 
     log("")
-    log("| context | batch | Pallas (us) | XLA ref (us) | byte floor (us) | XLA/Pallas | floor/Pallas (% of HBM BW) |")
-    log("|---:|---:|---:|---:|---:|---:|---:|")
+    log("| context | batch | Pallas (us) | XLA ref (us) | byte floor (us) | read anchor (us) | XLA/Pallas | "
+        "floor/Pallas (% of HBM BW) |")
+    log("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        log(f"| {r['context']} | {r['batch']} | {r['pallas_us']:.1f} | {r['xla_us']:.1f} | {r['floor_us']:.2f} | "
+        log(f"| {r['context']} | {r['batch']} | {r['pallas_us']:.1f} | {r['xla_us']:.1f} | {r['floor_us']:.2f} | {r['anchor_us']:.2f} | "
             f"{r['speedup']:.2f}x | {r['hbm_frac']*100:.1f}% |")
     log(f"correctness: {'OK' if ok else 'FAIL'}")
     with open(os.path.join(args.out, "sparse_attention_bench.json"), "w") as fh:

@@ -71,11 +71,14 @@ _VENDOR_CONFIG = {
 }
 
 
-def default_config(batch_rows: int, heads: int, kw: int, kc: int, vendor: str | None = None) -> dict:
+def default_config(batch_rows: int, heads: int, kw: int, kc: int, vendor: str | None = None, d: int = 512) -> dict:
     """Block sizes and splits for ``batch_rows`` = B*S query rows (decode or prefill).
 
-    H200 sweep (BENCHMARKS.md): all 64 heads in one program with 8 warps beat 32-head blocks with 4
-    warps by ~4x at batch 1 (one gather of each key row instead of two)."""
+    H200 sweeps (BENCHMARKS.md, issue 5): all 64 heads in one program with 8 warps beat 32-head
+    blocks with 4 warps by ~4x at batch 1 (one gather of each key row instead of two). When the grid
+    is still one program per flash-decoding split (batch 1), eight column blocks with 4 warps
+    (``d_split`` 8) ran 28.6 -> 16.7 us (session 13); at batch 8 the best split gained 8 % and at
+    batch 64 every split lost, so only the smallest grids use it."""
     vendor = vendor or _gpu_vendor()
     block_h = min(heads, 64) if heads >= 16 else 16
     block_k = 32
@@ -85,10 +88,12 @@ def default_config(batch_rows: int, heads: int, kw: int, kc: int, vendor: str | 
     # Flash-decoding split only while the grid is well below one wave of ~132 SMs.
     while programs * num_splits * 2 <= 132 and longest // (num_splits * 2) >= block_k:
         num_splits *= 2
-    cfg = dict(block_h=block_h, block_k=block_k, num_splits=num_splits)
+    cfg = dict(block_h=block_h, block_k=block_k, num_splits=num_splits, d_split=1)
     cfg.update(_VENDOR_CONFIG.get(vendor, _VENDOR_CONFIG["cuda"]))
     if block_h >= 64:
         cfg["num_warps"] = 8
+        if programs * num_splits <= 16 and d % 8 == 0 and (d // 8) % 32 == 0:
+            cfg.update(d_split=8, num_warps=4)
     return cfg
 
 
@@ -273,7 +278,7 @@ def _pad_idx(idx, multiple):
 
 
 def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None, interpret=False,
-                     block_h=None, block_k=None, num_splits=None, num_warps=None, num_stages=None, d_split=1):
+                     block_h=None, block_k=None, num_splits=None, num_warps=None, num_stages=None, d_split=None):
     """``d_split`` > 1: each program accumulates D / d_split output columns (the logits still use all
     of D, so every key row is read d_split times, from L2 after the first), which divides the [block_h,
     D] f32 accumulator that makes the one-program version spill (BENCHMARKS.md, issue 5, session 12)."""
@@ -281,18 +286,19 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     if reason is not None:
         raise ValueError(f"sparse_attention (pallas): {reason}")
     b, s, h, d = q.shape
-    if d_split < 1 or d % d_split or (d // d_split) % 32:
-        raise ValueError(f"sparse_attention (pallas): d_split={d_split} must divide D={d} into column blocks that "
-                         f"are multiples of 32 (the window's FP8 scale block)")
     rows = b * s
     has_comp = comp_kv is not None and comp_idx is not None and comp_idx.shape[-1] > 0
     kw = kv_idx.shape[-1]
     kc = comp_idx.shape[-1] if has_comp else 0
-    cfg = default_config(rows, h, kw, kc, "cuda" if interpret else None)
+    cfg = default_config(rows, h, kw, kc, "cuda" if interpret else None, d)
     if q.dtype == jnp.float32:
         # f32 (tests / debugging only): an IEEE f32 dot over a [64, 512] f32 tile did not finish
         # compiling within a minute on the H200 (jax 0.11.2); keep the f32 tiles small.
-        cfg.update(block_h=16, block_k=16, num_warps=4)
+        cfg.update(block_h=16, block_k=16, num_warps=4, d_split=1)
+    d_split = cfg["d_split"] if d_split is None else d_split
+    if d_split < 1 or d % d_split or (d // d_split) % 32:
+        raise ValueError(f"sparse_attention (pallas): d_split={d_split} must divide D={d} into column blocks that "
+                         f"are multiples of 32 (the window's FP8 scale block)")
     block_h = block_h or cfg["block_h"]
     block_k = block_k or cfg["block_k"]
     num_splits = num_splits or cfg["num_splits"]
