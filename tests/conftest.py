@@ -15,3 +15,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from dsv41_jax.compile_cache import enable_compilation_cache  # noqa: E402
 
 enable_compilation_cache(os.environ.get("DSV41_COMPILE_CACHE") or os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
+
+
+import compile_log  # noqa: E402  (tests/ is on sys.path: rootdir conftest)
+
+if compile_log.install():
+    import pytest
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(item):
+        compile_log.current["test"] = item.nodeid

@@ -317,6 +317,9 @@ def engine_check(meshes, preset, dtype, kv):
 
 
 def main(argv=None):
+    import compile_log  # tests/ (this file's directory) is sys.path[0]
+
+    compile_log.install("sharding_worker " + " ".join(sys.argv[1:] if argv is None else argv))
     ap = argparse.ArgumentParser()
     ap.add_argument("--meshes", default="tp=2;ep=2;dp=2,tp=2,ep=2")
     ap.add_argument("--dtype", default="float32")
