@@ -71,7 +71,7 @@ D_SPLIT_SWEEP = (dict(d_split=2), dict(d_split=4), dict(d_split=4, num_warps=4),
                  dict(d_split=8, num_warps=4), dict(d_split=4, block_h=32, num_warps=4))
 
 
-def check(out_dir, log, cfgs=({},)):
+def check(log, cfgs=({},)):
     """Each config in ``cfgs`` against the reference on three cases (batch-8 decode at 64K, S = 6
     verify rows, f32), a query with no valid key included."""
     import jax
@@ -122,7 +122,7 @@ def main(argv=None):
 
     dev = jax.devices()[0]
     log(f"# sparse attention decode | device {dev.device_kind} | jax {jax.__version__} | n={args.n} reps={args.reps}")
-    ok = check(args.out, log, ({},) + (D_SPLIT_SWEEP if args.sweep else ()))
+    ok = check(log, ({},) + (D_SPLIT_SWEEP if args.sweep else ()))
 
     contexts = [4096, 65536] if args.quick else [4096, 65536, 1 << 20]
     batches = [1, 8, 64]
