@@ -791,7 +791,9 @@ class Engine:
             raise ValueError("pipelined decoding needs the Engram tables on the device (engram_mode='device')")
         if pipe and (return_logits or any(r.forced_ids is not None for r in requests)):
             raise ValueError("return_logits / forced_ids need pipelined=False")
-        self.warmup(sp, prefill=True, decode=True, pipelined=pipe)
+        # one new token per request: each comes from its prompt's last chunk, so no decode step runs
+        # (bench's prefill rows: the decode program is not compiled)
+        self.warmup(sp, prefill=True, decode=any(r.max_new_tokens > 1 for r in requests), pipelined=pipe)
         waiting = deque(range(len(requests)))
         slots: list[_Slot | None] = [None] * self.B
         # every slot starts fresh

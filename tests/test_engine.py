@@ -63,6 +63,17 @@ def test_mixed_lengths_continuous_batching_equals_alone(model, requests, alone):
     assert eng.stats.prefill_tokens == 2 * sum(LENS) and eng.stats.steps > 0
 
 
+def test_one_new_token_compiles_no_decode_program(model, requests, alone):
+    """Requests of one new token each (bench's prefill rows): the first token comes from the
+    prompt's last chunk, so generate compiles the chunk program only, and the token is the one the
+    longer generation started with."""
+    eng = Engine(model, batch_size=2, max_seq_len=160, opts=F32, prefill_chunk=8)
+    out = eng.generate([dataclasses.replace(r, max_new_tokens=1) for r in requests[:3]])
+    assert [o.output_ids for o in out] == [a[:1] for a in alone[:3]]
+    widths = {k[0] for k in eng._compiled if isinstance(k, tuple)}
+    assert widths == {8}, eng._compiled
+
+
 def test_batch_size_and_chunk_independent(model, requests, alone):
     eng = Engine(model, batch_size=3, max_seq_len=160, opts=F32, prefill_chunk=1)
     assert [r.output_ids for r in eng.generate(requests)] == alone
