@@ -11,6 +11,11 @@ rounding flip: its other rows, and two other seeds, agreed to 1e-6). Reverted.""
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One thread per XLA CPU computation (inherited by the subprocess checks through XLA_FLAGS): with two
+# xdist workers and the sharding jobs on a 2-core host, Eigen's thread pools only oversubscribed the
+# cores. Session 13: the dp x tp x ep quant job 78.5 -> 65.4 s wall, 87 -> 75 s user CPU, cold cache.
+if "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
 
 from dsv41_jax.compile_cache import enable_compilation_cache  # noqa: E402
 
