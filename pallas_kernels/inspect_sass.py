@@ -194,17 +194,26 @@ def _cases(which: str, tokens: int = 1, experts: int = 384, config=None):
         kw = dict(config or {})
         return (lambda q, kv, wi, sink, ck, ci: sa.sparse_attention(q, kv, wi, sink, scale=d ** -0.5, comp_kv=ck,
                                                                      comp_idx=ci, **kw), *specs)
-    raise ValueError(f"unknown case {which!r}: expected moe, moe-bf16, gemv or sparse-attn")
+    if which == "indexer":  # decode: ``tokens`` sequences of one query row, 32 MXFP4 heads x 128 against a
+        # 1M-entry MXFP4 key cache, top-512 (the streaming pipeline: score, candidate and select kernels)
+        from pallas_kernels.lightning_indexer import pallas_triton as li
+
+        b, hi, di, nc = tokens, 32, 128, 1 << 20
+        q = Fp4Tensor(S((b, 1, hi, di // 2), jnp.uint8), S((b, 1, hi, di // 32), jnp.float8_e8m0fnu), 32)
+        k = Fp4Tensor(S((b, nc, di // 2), jnp.uint8), S((b, nc, di // 32), jnp.float8_e8m0fnu), 32)
+        return (lambda q, w, k, vis: li.lightning_indexer(q, w, k, vis, top_k=512, config=config).topk,
+                q, S((b, 1, hi), jnp.float32), k, S((b, 1), jnp.int32))
+    raise ValueError(f"unknown case {which!r}: expected moe, moe-bf16, gemv, sparse-attn or indexer")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("case", choices=["moe", "moe-bf16", "gemv", "sparse-attn"])
+    ap.add_argument("case", choices=["moe", "moe-bf16", "gemv", "sparse-attn", "indexer"])
     ap.add_argument("--decode", default=None, help="DSV41_FMA_DECODE for this run, e.g. fp4=e4m3")
-    ap.add_argument("--tokens", type=int, default=1, help="tokens (moe), rows (gemv) or sequences (sparse-attn)")
+    ap.add_argument("--tokens", type=int, default=1, help="tokens (moe), rows (gemv) or sequences (sparse-attn, indexer)")
     ap.add_argument("--experts", type=int, default=384, help="moe: routed experts")
     ap.add_argument("--config", default=None, help="the op's config tuple, e.g. \"(128, 128, 64, 128, 64, 8)\"; "
-                    "sparse-attn: keyword arguments, e.g. \"{'block_h': 32, 'num_warps': 4}\"")
+                    "sparse-attn, indexer: keyword arguments, e.g. \"{'block_h': 32, 'num_warps': 4}\"")
     ap.add_argument("--python", default=None, help="an interpreter with triton installed, for the SASS step")
     ap.add_argument("--out", default=None, help="also write each kernel's .ttir and .sass here")
     a = ap.parse_args(argv)
@@ -218,9 +227,9 @@ def main(argv=None) -> int:
         except (ValueError, SyntaxError, TypeError):
             ap.error(f"--config {a.config!r}: expected a tuple literal such as \"(128, 128, 64, 128, 64, 8)\" "
                      f"(sparse-attn: a dict of keyword arguments, e.g. \"{{'block_h': 32}}\")")
-        if isinstance(config, dict) != (a.case == "sparse-attn"):
-            ap.error(f"--config {a.config!r}: {a.case} takes a "
-                     f"{'dict of keyword arguments' if a.case == 'sparse-attn' else 'tuple'}")
+        takes_dict = a.case in ("sparse-attn", "indexer")
+        if isinstance(config, dict) != takes_dict:
+            ap.error(f"--config {a.config!r}: {a.case} takes a {'dict of keyword arguments' if takes_dict else 'tuple'}")
     import jax
 
     jax.config.update("jax_platforms", "cpu")

@@ -345,7 +345,7 @@ def main(argv=None):
                 f"{t_k*1e6:8.1f} us  floor {t_floor*1e6:6.2f} us  pallas/floor {t_p/t_floor:.2f}x  "
                 f"top_k/pallas {t_k/t_p:.2f}x")
             if args.sweep and b == 1 and nc == (1 << 20):
-                for var in (dict(tile_n=4096), dict(tile_n=256), dict(chunk=64), dict(score_warps=8),
+                for var in (dict(tile_n=4096), dict(tile_n=256), dict(chunk=64), dict(score_warps=4),
                             dict(select_warps=16)):
                     try:
                         t_v, _, _ = timed(run_pallas(var), a, n=args.n, reps=args.reps)

@@ -43,6 +43,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.quant import Fp4Tensor
 
+from pallas_kernels.quantized_matmul.pallas_triton_fma import e8m0_f32, fp4_byte_decode_f32
+
 from .reference import IndexerResult
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
 
@@ -118,28 +120,21 @@ def _grid2(rows, cols):
     return jnp.broadcast_to(rows[:, None], shape), jnp.broadcast_to(cols[None, :], shape)
 
 
-def _e8m0_to_f32(s):
-    return jax.lax.bitcast_convert_type(s.astype(jnp.int32) << 23, jnp.float32)
-
-
-def _e2m1_to_f32(c):
-    m = c & 7
-    e = m >> 1
-    f = (m & 1).astype(jnp.float32)
-    p = ((jnp.int32(1) << e) >> 1).astype(jnp.float32)
-    mag = jnp.where(e == 0, 0.5 * f, (1.0 + 0.5 * f) * p)
-    return jnp.where(c >= 8, -mag, mag)
-
-
 def _load_rows(data_ref, scale_ref, rows, d2, fp4, cdt):
     """Rows ``rows`` ([N] int32, in range) of an MXFP4 ([N, d2] bytes + [N, d2/16] e8m0) or plain
-    ([N, 2*d2]) store -> (even columns, odd columns), each [N, d2] in ``cdt``."""
+    ([N, 2*d2]) store -> (even columns, odd columns), each [N, d2] in ``cdt``.
+
+    MXFP4: each nibble goes to an e4m3 bit pattern that reads ``e2m1 * 2**-6`` and the hardware
+    e4m3 conversion (``fp4_byte_decode_f32``, the fused MoE's "e4m3" route); the 2**6 rides on the
+    scale's exponent. The values are exactly those of the former arithmetic decode, with fewer
+    instructions per code (BENCHMARKS.md, issue 5, session 13)."""
     half = jnp.arange(d2, dtype=jnp.int32)
     if fp4:
         b = data_ref[_grid2(rows, half)].astype(jnp.int32)  # whole rows: contiguous along the row
-        sc = _e8m0_to_f32(scale_ref[_grid2(rows, jnp.arange(d2 // 16, dtype=jnp.int32))])  # [N, d2/16]
+        lo, hi, shift = fp4_byte_decode_f32(b)
+        sc = e8m0_f32(scale_ref[_grid2(rows, jnp.arange(d2 // 16, dtype=jnp.int32))], shift)  # [N, d2/16]
         sc = jnp.broadcast_to(sc[:, :, None], (sc.shape[0], d2 // 16, 16)).reshape(sc.shape[0], d2)
-        return (_e2m1_to_f32(b & 15) * sc).astype(cdt), (_e2m1_to_f32((b >> 4) & 15) * sc).astype(cdt)
+        return (lo * sc).astype(cdt), (hi * sc).astype(cdt)
     return data_ref[_grid2(rows, 2 * half)].astype(cdt), data_ref[_grid2(rows, 2 * half + 1)].astype(cdt)
 
 
@@ -169,13 +164,16 @@ def _score_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, s_rows, tile_n, chunk
     heads = jnp.arange(hi, dtype=jnp.int32)
     local = jnp.arange(chunk, dtype=jnp.int32)
 
+    # decode (one query row per program): q decoded once, not again for every key chunk
+    q_once = _load_rows(qd_ref, qs_ref, heads, d2, q_fp4, cdt) if s_rows == 1 else None
+
     def chunk_body(c, _):
         pos = t * tile_n + c * chunk + local
         inb = pos < nc
         k_e, k_o = _load_rows(kd_ref, ks_ref, jnp.where(inb, pos, 0), d2, k_fp4, cdt)
 
         def row_body(r, _):
-            q_e, q_o = _load_rows(qd_ref, qs_ref, r * hi + heads, d2, q_fp4, cdt)
+            q_e, q_o = q_once if q_once is not None else _load_rows(qd_ref, qs_ref, r * hi + heads, d2, q_fp4, cdt)
             w = w_ref[pl.ds(r * hi, hi)]
             sc = _scores(q_e, q_o, k_e, k_o, w)
             ok = inb & (pos < vis_ref[pl.ds(r, 1)])

@@ -88,3 +88,15 @@ def test_sparse_attention_case_takes_keyword_config():
     for argv in (["sparse-attn", "--config", "(1, 2)"], ["moe", "--config", "{'block_h': 32}"]):
         with pytest.raises(SystemExit):
             inspect_sass.main(argv)
+
+
+def test_indexer_case_lowers_the_decode_pipeline():
+    """The indexer case lowers the streaming decode pipeline at 1M entries (score kernel, candidate
+    rescoring, selects) with its keyword config; a tuple --config for it is refused."""
+    fn, *specs = inspect_sass._cases("indexer", tokens=1, config={"score_warps": 4})
+    ks = inspect_sass.triton_kernels(fn, *specs)
+    names = [k["name"] for k in ks]
+    assert names[0] == "indexer_block_maxima" and ks[0]["num_warps"] == 4
+    assert {"indexer_select_topk", "indexer_candidate_scores"} <= set(names)
+    with pytest.raises(SystemExit):
+        inspect_sass.main(["indexer", "--config", "(1, 2)"])

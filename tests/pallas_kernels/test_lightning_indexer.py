@@ -124,6 +124,31 @@ def test_random_mxfp4_and_top_k_not_pow2():
     check_result(o, r, scores, 24)
 
 
+@pytest.mark.parametrize("s", [1, 2], ids=["decode_q_once", "rows"])
+def test_every_fp4_code_block_maxima(s):
+    """q and keys from random bytes (all 16 e2m1 codes in both nibbles, -0 included) and random e8m0
+    scales: the kernels' e4m3-placement decode (q decoded once per program at S = 1) gives the
+    reference's block maxima element by element and its top-k sets."""
+    rng = np.random.default_rng()
+    b, hi, di, nc = 1, 16, 64, 256
+
+    def fp4(shape):
+        data = rng.integers(0, 256, (*shape, di // 2), dtype=np.uint8)
+        data.reshape(-1)[:256] = np.arange(256, dtype=np.uint8)  # every byte at least once
+        sc = rng.integers(118, 136, (*shape, di // 32), dtype=np.uint8).view(jnp.float8_e8m0fnu)
+        return Fp4Tensor(jnp.asarray(data), jnp.asarray(sc), 32)
+
+    q, k = fp4((b, s, hi)), fp4((b, nc))
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (b, s, hi)), jnp.float32)
+    vis = jnp.full((b, s), nc, jnp.int32)
+    r = _ref(q, w, k, vis, None, 32, True)
+    o = _pal(q, w, k, vis, None, 32, True, cfg=dict(tile_n=128, chunk=64))
+    rb, ob = np.asarray(r.block_scores), np.asarray(o.block_scores)
+    np.testing.assert_allclose(ob, rb, rtol=1e-5, atol=1e-5 * np.abs(rb[np.isfinite(rb)]).max())
+    scores = jax.jit(lambda q, w, k, v: reference.index_scores(q, w, k, v))(q, w, k, vis)
+    check_result(o, r, scores, 32)
+
+
 def test_select_kernel():
     v = jnp.array([[1.0, 5.0, -jnp.inf, 3.0, 2.0, -1.0, 0.5, 7.0, jnp.nan, 3.0]], jnp.float32)
     sel = jax.jit(lambda v: pallas_triton.select_topk(v, 3, interpret=True))(v)
