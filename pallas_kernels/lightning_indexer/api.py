@@ -26,7 +26,7 @@ def lightning_indexer(q, weights, keys, visible, *, top_k, candidate_blocks=None
         "lightning_indexer", implementation, _kernel,
         lambda k: k.unsupported_reason(q, weights, keys, visible, top_k=top_k, candidate_blocks=candidate_blocks,
                                        block_size=block_size),
-        lambda k: k.auto_reason(q))
+        lambda k: k.auto_reason(q, keys))
     if kernel is not None:
         return dispatch.call_kernel(
             lambda q, w, k, v, c: kernel.lightning_indexer(q, w, k, v, top_k=top_k, candidate_blocks=c,

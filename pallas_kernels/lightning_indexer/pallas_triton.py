@@ -515,12 +515,14 @@ def _prefill_indexer(q, weights, keys, visible, *, top_k, candidate_blocks, bloc
     return IndexerResult(unblock(topk), unblock(bmax))
 
 
-def auto_reason(q):
-    """Why plain 'auto' dispatch does not pick this kernel on a GPU (None: pick it). Decode-sized
-    calls: the streaming kernel is correct on the H200 but measured slower than the XLA reference
-    there (BENCHMARKS.md, "Pallas kernels I"), so 'auto' keeps the reference for them.
-    implementation='pallas' (argument, context or DSV41_KERNELS) still runs it. Prefill chunks
-    (>= PREFILL_MIN_ROWS query rows) take the tile score kernel."""
-    if is_prefill(q):
+def auto_reason(q, keys=None):
+    """Why plain 'auto' dispatch does not pick this kernel on a GPU (None: pick it). Prefill chunks
+    (>= PREFILL_MIN_ROWS query rows) take the tile score kernel (5.5-8.5x faster than XLA at a 64K
+    prompt). Decode-sized calls with MXFP4 keys (V4.1's stores) take the streaming pipeline: with
+    the e4m3-placement decode it measured faster than the XLA reference at every size on the H200
+    (4K-1M entries, batch 1 and 8: 1.04-2.1x; BENCHMARKS.md, issue 5, session 13). Decode over
+    plain float keys (V4 keeps them fake-quantized in bf16) runs the kernel's strided even/odd
+    loads, not timed on a GPU, so it keeps the reference."""
+    if is_prefill(q) or keys is None or isinstance(keys, Fp4Tensor):
         return None
-    return "measured slower than the XLA reference on the H200 (BENCHMARKS.md)"
+    return "decode over plain float keys is not timed on a GPU (BENCHMARKS.md, issue 5)"
