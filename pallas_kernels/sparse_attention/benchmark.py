@@ -65,8 +65,8 @@ def floor_bytes(b, s, *, h=64, d=512, kw=128, kc=512, qbytes=2):
     return b * s * per_row
 
 
-# Column-split variants (session 12: fewer register spills offline, not yet timed), checked and swept
-# with --sweep beside the default.
+# Column-split variants (fewer register spills offline, session 12; timed in session 13, BENCHMARKS.md),
+# checked and swept with --sweep beside the default.
 D_SPLIT_SWEEP = (dict(d_split=2), dict(d_split=4), dict(d_split=4, num_warps=4), dict(d_split=8),
                  dict(d_split=8, num_warps=4), dict(d_split=4, block_h=32, num_warps=4))
 

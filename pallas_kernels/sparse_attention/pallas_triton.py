@@ -71,14 +71,17 @@ _VENDOR_CONFIG = {
 }
 
 
-def default_config(batch_rows: int, heads: int, kw: int, kc: int, vendor: str | None = None, d: int = 512) -> dict:
+def default_config(batch_rows: int, heads: int, kw: int, kc: int, vendor: str | None = None, d: int = 512,
+                   d_split: int | None = None) -> dict:
     """Block sizes and splits for ``batch_rows`` = B*S query rows (decode or prefill).
 
     H200 sweeps (BENCHMARKS.md, issue 5): all 64 heads in one program with 8 warps beat 32-head
     blocks with 4 warps by ~4x at batch 1 (one gather of each key row instead of two). When the grid
     is still one program per flash-decoding split (batch 1), eight column blocks with 4 warps
     (``d_split`` 8) ran 28.6 -> 16.7 us (session 13); at batch 8 the best split gained 8 % and at
-    batch 64 every split lost, so only the smallest grids use it."""
+    batch 64 every split lost, so only the smallest grids use it. A ``d_split`` given by the caller
+    is kept, with 4 warps when it splits (better in 5 of the 6 measured split and batch cases) and
+    8 when it does not."""
     vendor = vendor or _gpu_vendor()
     block_h = min(heads, 64) if heads >= 16 else 16
     block_k = 32
@@ -90,10 +93,11 @@ def default_config(batch_rows: int, heads: int, kw: int, kc: int, vendor: str | 
         num_splits *= 2
     cfg = dict(block_h=block_h, block_k=block_k, num_splits=num_splits, d_split=1)
     cfg.update(_VENDOR_CONFIG.get(vendor, _VENDOR_CONFIG["cuda"]))
+    if d_split is None and block_h >= 64 and programs * num_splits <= 16 and d % 8 == 0 and (d // 8) % 32 == 0:
+        d_split = 8
+    cfg["d_split"] = d_split or 1
     if block_h >= 64:
-        cfg["num_warps"] = 8
-        if programs * num_splits <= 16 and d % 8 == 0 and (d // 8) % 32 == 0:
-            cfg.update(d_split=8, num_warps=4)
+        cfg["num_warps"] = 4 if cfg["d_split"] > 1 else 8
     return cfg
 
 
@@ -290,11 +294,11 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     has_comp = comp_kv is not None and comp_idx is not None and comp_idx.shape[-1] > 0
     kw = kv_idx.shape[-1]
     kc = comp_idx.shape[-1] if has_comp else 0
-    cfg = default_config(rows, h, kw, kc, "cuda" if interpret else None, d)
+    cfg = default_config(rows, h, kw, kc, "cuda" if interpret else None, d, d_split)
     if q.dtype == jnp.float32:
         # f32 (tests / debugging only): an IEEE f32 dot over a [64, 512] f32 tile did not finish
         # compiling within a minute on the H200 (jax 0.11.2); keep the f32 tiles small.
-        cfg.update(block_h=16, block_k=16, num_warps=4, d_split=1)
+        cfg.update(block_h=16, block_k=16, num_warps=4, d_split=d_split or 1)
     d_split = cfg["d_split"] if d_split is None else d_split
     if d_split < 1 or d % d_split or (d // d_split) % 32:
         raise ValueError(f"sparse_attention (pallas): d_split={d_split} must divide D={d} into column blocks that "

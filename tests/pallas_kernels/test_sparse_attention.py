@@ -98,6 +98,9 @@ def test_default_config_splits_columns_only_for_the_smallest_grids():
     for rows, h, d in [(8, 64, 512), (64, 64, 512), (2048, 64, 512), (1, 4, 512), (1, 64, 128)]:
         cfg = pallas_triton.default_config(rows, h, 128, 512, "cuda", d)
         assert cfg["d_split"] == 1, (rows, h, d, cfg)
+    # a caller's d_split is kept, with its measured warps (one column block at batch 1: 8 warps, as before)
+    assert pallas_triton.default_config(1, 64, 128, 512, "cuda", 512, 1)["num_warps"] == 8
+    assert [pallas_triton.default_config(64, 64, 128, 512, "cuda", 512, 4)[k] for k in ("d_split", "num_warps")] == [4, 4]
     q, kv, widx, sink, ck, cidx = make_case(jax.random.PRNGKey(3), d=128)
     with pytest.raises(ValueError, match="d_split=0 must divide D=128"):
         _kernel(q, kv, widx, sink, ck, cidx, q.shape[-1] ** -0.5, d_split=0)
