@@ -519,8 +519,8 @@ def auto_reason(q, keys=None):
     """Why plain 'auto' dispatch does not pick this kernel on a GPU (None: pick it). Prefill chunks
     (>= PREFILL_MIN_ROWS query rows) take the tile score kernel (5.5-8.5x faster than XLA at a 64K
     prompt). Decode-sized calls with MXFP4 keys (V4.1's stores) take the streaming pipeline: with
-    the e4m3-placement decode it measured faster than the XLA reference at every size on the H200
-    (4K-1M entries, batch 1 and 8: 1.04-2.1x; BENCHMARKS.md, issue 5, session 13). Decode over
+    the e4m3-placement decode it measured faster than the XLA reference in every timed cell on the
+    H200 (4K-1M entries, batch 1 and 8: 1.04-2.1x; BENCHMARKS.md, issue 5, session 13). Decode over
     plain float keys (V4 keeps them fake-quantized in bf16) runs the kernel's strided even/odd
     loads, not timed on a GPU, so it keeps the reference."""
     if is_prefill(q) or keys is None or isinstance(keys, Fp4Tensor):
