@@ -14,7 +14,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One thread per XLA CPU computation (inherited by the subprocess checks through XLA_FLAGS): with two
 # xdist workers and the sharding jobs on a 2-core host, Eigen's thread pools only oversubscribed the
 # cores. Session 13: the dp x tp x ep quant job alone 78.5 -> 65.4 s wall (cold cache); the whole suite
-# from a fresh clone 58.5 -> 56.6 CPU-minutes, pytest 30.2 -> 30.4 min (no gain in wall time).
+# from a fresh clone 56.6 and 59.8 CPU-minutes with it against 58.5 without: within the run-to-run spread.
 if "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
 
