@@ -226,7 +226,7 @@ def main(argv=None) -> int:
             config = config if isinstance(config, dict) else tuple(config)
         except (ValueError, SyntaxError, TypeError):
             ap.error(f"--config {a.config!r}: expected a tuple literal such as \"(128, 128, 64, 128, 64, 8)\" "
-                     f"(sparse-attn: a dict of keyword arguments, e.g. \"{{'block_h': 32}}\")")
+                     f"(sparse-attn, indexer: a dict of keyword arguments, e.g. \"{{'block_h': 32}}\")")
         takes_dict = a.case in ("sparse-attn", "indexer")
         if isinstance(config, dict) != takes_dict:
             ap.error(f"--config {a.config!r}: {a.case} takes a {'dict of keyword arguments' if takes_dict else 'tuple'}")

@@ -515,7 +515,7 @@ def _prefill_indexer(q, weights, keys, visible, *, top_k, candidate_blocks, bloc
     return IndexerResult(unblock(topk), unblock(bmax))
 
 
-def auto_reason(q, keys=None):
+def auto_reason(q, keys):
     """Why plain 'auto' dispatch does not pick this kernel on a GPU (None: pick it). Prefill chunks
     (>= PREFILL_MIN_ROWS query rows) take the tile score kernel (5.5-8.5x faster than XLA at a 64K
     prompt). Decode-sized calls with MXFP4 keys (V4.1's stores) take the streaming pipeline: with
@@ -523,6 +523,6 @@ def auto_reason(q, keys=None):
     H200 (4K-1M entries, batch 1 and 8: 1.04-2.1x; BENCHMARKS.md, issue 5, session 13). Decode over
     plain float keys (V4 keeps them fake-quantized in bf16) runs the kernel's strided even/odd
     loads, not timed on a GPU, so it keeps the reference."""
-    if is_prefill(q) or keys is None or isinstance(keys, Fp4Tensor):
+    if is_prefill(q) or isinstance(keys, Fp4Tensor):
         return None
     return "decode over plain float keys is not timed on a GPU (BENCHMARKS.md, issue 5)"

@@ -91,11 +91,12 @@ def default_config(batch_rows: int, heads: int, kw: int, kc: int, vendor: str | 
     # Flash-decoding split only while the grid is well below one wave of ~132 SMs.
     while programs * num_splits * 2 <= 132 and longest // (num_splits * 2) >= block_k:
         num_splits *= 2
-    cfg = dict(block_h=block_h, block_k=block_k, num_splits=num_splits, d_split=1)
+    cfg = dict(block_h=block_h, block_k=block_k, num_splits=num_splits)
     cfg.update(_VENDOR_CONFIG.get(vendor, _VENDOR_CONFIG["cuda"]))
-    if d_split is None and block_h >= 64 and programs * num_splits <= 16 and d % 8 == 0 and (d // 8) % 32 == 0:
-        d_split = 8
-    cfg["d_split"] = d_split or 1
+    if d_split is None:
+        small = block_h >= 64 and programs * num_splits <= 16 and d % 8 == 0 and (d // 8) % 32 == 0
+        d_split = 8 if small else 1
+    cfg["d_split"] = d_split
     if block_h >= 64:
         cfg["num_warps"] = 4 if cfg["d_split"] > 1 else 8
     return cfg
@@ -298,8 +299,8 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     if q.dtype == jnp.float32:
         # f32 (tests / debugging only): an IEEE f32 dot over a [64, 512] f32 tile did not finish
         # compiling within a minute on the H200 (jax 0.11.2); keep the f32 tiles small.
-        cfg.update(block_h=16, block_k=16, num_warps=4, d_split=d_split or 1)
-    d_split = cfg["d_split"] if d_split is None else d_split
+        cfg.update(block_h=16, block_k=16, num_warps=4, d_split=1 if d_split is None else d_split)
+    d_split = cfg["d_split"]
     if d_split < 1 or d % d_split or (d // d_split) % 32:
         raise ValueError(f"sparse_attention (pallas): d_split={d_split} must divide D={d} into column blocks that "
                          f"are multiples of 32 (the window's FP8 scale block)")
