@@ -515,14 +515,25 @@ def _prefill_indexer(q, weights, keys, visible, *, top_k, candidate_blocks, bloc
     return IndexerResult(unblock(topk), unblock(bmax))
 
 
+DECODE_MIN_ENTRIES = 2048  # compressed entries from which 'auto' takes the streaming pipeline for decode
+
+
 def auto_reason(q, keys):
     """Why plain 'auto' dispatch does not pick this kernel on a GPU (None: pick it). Prefill chunks
     (>= PREFILL_MIN_ROWS query rows) take the tile score kernel (5.5-8.5x faster than XLA at a 64K
-    prompt). Decode-sized calls with MXFP4 keys (V4.1's stores) take the streaming pipeline: with
-    the e4m3-placement decode it measured faster than the XLA reference in every timed cell on the
-    H200 (4K-1M entries, batch 1 and 8: 1.04-2.1x; BENCHMARKS.md, issue 5, session 13). Decode over
-    plain float keys (V4 keeps them fake-quantized in bf16) runs the kernel's strided even/odd
-    loads, not timed on a GPU, so it keeps the reference."""
-    if is_prefill(q) or isinstance(keys, Fp4Tensor):
+    prompt). Decode-sized calls with MXFP4 keys (V4.1's stores) take the streaming pipeline from
+    DECODE_MIN_ENTRIES entries: with the e4m3-placement decode it measured 1.04-2.1x faster than the
+    XLA reference from 4K to 1M entries at batch 1 and 8, and ~1.5-2x at 5,120 and 8,192 (the
+    protocol's ratio-1 layers); at 2,560 the two were within the noise, and at 1,280 the reference
+    was as fast or faster (30-34 vs 34-46 us at batch 1; BENCHMARKS.md, issue 5, sessions 13-14).
+    Decode over plain float keys (V4 keeps them fake-quantized in bf16) runs the kernel's strided
+    even/odd loads, not timed on a GPU, so it keeps the reference."""
+    if is_prefill(q):
         return None
-    return "decode over plain float keys is not timed on a GPU (BENCHMARKS.md, issue 5)"
+    if not isinstance(keys, Fp4Tensor):
+        return "decode over plain float keys is not timed on a GPU (BENCHMARKS.md, issue 5)"
+    nc = _logical_shape(keys)[1]
+    if nc < DECODE_MIN_ENTRIES:
+        return (f"decode over {nc} compressed entries (< DECODE_MIN_ENTRIES = {DECODE_MIN_ENTRIES}): the XLA "
+                "reference measured as fast on the H200 (BENCHMARKS.md, issue 5, session 14)")
+    return None

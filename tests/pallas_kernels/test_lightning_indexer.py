@@ -338,14 +338,20 @@ def test_topk_by_groups_equals_reference_with_ties(seed):
 
 def test_prefill_dispatch_and_reasons():
     """'auto' takes the tile kernel for prefill chunks and the streaming pipeline for decode over
-    MXFP4 keys (V4.1); decode over plain float keys (V4) keeps the reference; shapes the tile
-    kernel cannot run are named."""
+    MXFP4 keys (V4.1) from DECODE_MIN_ENTRIES entries; decode over fewer entries or plain float keys
+    (V4) keeps the reference; shapes the tile kernel cannot run are named."""
     q1 = jax.ShapeDtypeStruct((1, 1, 32, 128), jnp.float32)
     qp = jax.ShapeDtypeStruct((1, pallas_triton.PREFILL_MIN_ROWS, 32, 128), jnp.float32)
-    k_fp4 = Fp4Tensor(jax.ShapeDtypeStruct((1, 64, 64), jnp.uint8), jax.ShapeDtypeStruct((1, 64, 4), jnp.uint8), 32)
+    def fp4_keys(n):
+        return Fp4Tensor(jax.ShapeDtypeStruct((1, n, 64), jnp.uint8), jax.ShapeDtypeStruct((1, n, 4), jnp.uint8), 32)
+
+    k_fp4 = fp4_keys(pallas_triton.DECODE_MIN_ENTRIES)
     k_bf16 = jax.ShapeDtypeStruct((1, 64, 128), jnp.bfloat16)
     assert pallas_triton.auto_reason(q1, k_fp4) is None and pallas_triton.auto_reason(qp, k_bf16) is None
+    assert pallas_triton.auto_reason(qp, fp4_keys(64)) is None  # prefill: any cache size
     assert "plain float keys" in pallas_triton.auto_reason(q1, k_bf16)
+    assert "1280 compressed entries" in pallas_triton.auto_reason(q1, fp4_keys(1280))
+    assert "2047 compressed entries" in pallas_triton.auto_reason(q1, fp4_keys(pallas_triton.DECODE_MIN_ENTRIES - 1))
     cfg = dict(pallas_triton_prefill.PREFILL_DEFAULTS)
     assert "power of two" in pallas_triton_prefill.unsupported_reason((1, 64, 24, 128), (1, 100, 128), cfg)
     assert "do not match" in pallas_triton_prefill.unsupported_reason((1, 64, 32, 128), (2, 100, 128), cfg)
