@@ -81,8 +81,11 @@ def run(quick=False, out_dir=None):
     return rows
 
 
-SWEEP_CONFIGS = {1: [(1, 128, 8), (1, 128, 16), (1, 64, 64), (1, 64, 128)],  # (1, 64, 128) is refused: 160 K blocks of 64 do not split in 128
-                 8: [(1, 128, 4), (1, 128, 8), (1, 128, 32), (1, 64, 32)]}
+# (rows per program, K block, K splits[, split-kernel warps]); (1, 64, 128) is refused: 160 K blocks
+# of 64 do not split in 128. Splits that are not a power of two are summed in power-of-two groups.
+SWEEP_CONFIGS = {1: [(1, 128, 32, 4), (1, 128, 16, 1), (1, 64, 64, 1), (1, 64, 128), (1, 128, 80, 1), (1, 128, 160, 1),
+                     (1, 256, 80, 1)],
+                 8: [(1, 128, 32, 4), (1, 128, 8, 1), (1, 128, 80, 1), (1, 64, 32, 1)]}
 
 
 def sweep(tokens=(1, 8), reps=5):

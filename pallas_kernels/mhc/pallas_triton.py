@@ -143,19 +143,31 @@ def _mix_partial_kernel(x_ref, fn_ref, pa_ref, pb_ref, ps_ref, *, bt, bk, steps,
 def _mix_split_kernel(pa_ref, pb_ref, ps_ref, scale_ref, base_ref, p_ref, c_ref, *, bt, n_split, split_kw):
     t0 = pl.multiple_of(pl.program_id(0) * bt, bt)
     rows = pl.ds(t0, bt)
-    a = jnp.sum(pa_ref[:, rows, :], axis=0)
-    b = jnp.sum(pb_ref[:, rows, :], axis=0)
-    ss = jnp.sum(ps_ref[:, rows], axis=0)
+    # the partials in power-of-two groups of splits (Triton's block shapes), summed over the groups
+    grp = min(n_split & -n_split, 64)
+
+    def part(i):
+        sp = pl.ds(0 if isinstance(i, int) else pl.multiple_of(i * grp, grp), grp)
+        return (jnp.sum(pa_ref[sp, rows, :], axis=0), jnp.sum(pb_ref[sp, rows, :], axis=0),
+                jnp.sum(ps_ref[sp, rows], axis=0))
+
+    if grp == n_split:
+        a, b, ss = part(0)
+    else:
+        a, b, ss = jax.lax.fori_loop(1, n_split // grp, lambda i, c: tuple(u + v for u, v in zip(c, part(i))), part(0))
     pp, c = _split(a, b, ss, scale_ref, base_ref, **split_kw)
     p_ref[rows, :] = pp
     c_ref[rows, :] = c
 
 
 def _mix_config(t: int, width: int):
-    """(bt, bk, n_split): one row per program for decode (T <= 8), 16/64-row dot tiles otherwise;
-    K split (power of two) so that a decode site has ~256 programs (dot tiles: ~32). On the H200
-    (session 8) at 8 rows: 16 splits 13.9 us, 32 splits 11.7 us; at 1 row 32 splits (the most that
-    divide 160 K blocks) 10.9 us."""
+    """(bt, bk, n_split, split_warps): one row per program for decode (T <= 8), 16/64-row dot tiles
+    otherwise; K split (power of two) so that a decode site has ~256 programs (dot tiles: ~32). On
+    the H200 (session 8) at 8 rows: 16 splits 13.9 us, 32 splits 11.7 us; at 1 row 32 splits (the
+    most that divide 160 K blocks) 10.9 us. The split kernel (the 20-round Sinkhorn on one row's 4 x 4
+    matrix, a chain of small reductions) runs one warp for one-row programs: 4.57 -> 3.66 us at 1
+    row (session 14; more splits, 80 or 160, halve the partial kernel but cost the split kernel more
+    than that)."""
     if t <= 8:
         bt, bk = 1, pick_block(width, 128)
     else:
@@ -166,7 +178,7 @@ def _mix_config(t: int, width: int):
     target = 256 if bt == 1 else 32
     while n_t * n_split < target and chunks % (n_split * 2) == 0 and n_split * 2 * bt * 16 <= 8192:
         n_split *= 2
-    return bt, bk, n_split
+    return bt, bk, n_split, 1 if bt == 1 else 4
 
 
 def hc_mixes(x, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters, interpret=False, config=None):
@@ -181,7 +193,8 @@ def hc_mixes(x, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters, interpret=
     fn = fn.astype(jnp.float32)
     scale = scale.astype(jnp.float32)
     base = base.astype(jnp.float32)
-    bt, bk, n_split = config or _mix_config(t, width)
+    bt, bk, n_split, *rest = config or _mix_config(t, width)
+    split_warps = rest[0] if rest else 4  # warps of the split kernel (n_split > 1)
     if width % (bk * n_split):
         raise ValueError(f"hc_mixes (pallas): config {(bt, bk, n_split)}: the width {width} (hc x D) must split into "
                          f"{n_split} parts of whole {bk}-wide K blocks")
@@ -208,8 +221,8 @@ def hc_mixes(x, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters, interpret=
         )(xf, fn)
         pp, c = pl.pallas_call(
             functools.partial(_mix_split_kernel, bt=bt, n_split=n_split, split_kw=split_kw),
-            out_shape=out_shape, grid=(tp // bt,), compiler_params=params, interpret=interpret,
-            name="hc_mixes_split",
+            out_shape=out_shape, grid=(tp // bt,), interpret=interpret, name="hc_mixes_split",
+            compiler_params=pltriton.CompilerParams(num_warps=split_warps, num_stages=1),
         )(pa, pb, ps, scale, base)
     pre = pp[:t, :hc].reshape(*lead, hc)
     post = pp[:t, hc : 2 * hc].reshape(*lead, hc)

@@ -28,14 +28,18 @@ def inputs(seed, t, d, dtype):
 # hc_mixes: all fp32 in both; the projection's products are exact in the kernel (fp32 FMAs, or
 # three bf16 pieces of fn against bf16 x), only the summation order differs: atol 2e-6 on values
 # in [0, 2]. (config: (rows per program, K block, K splits); None = the default for that T.)
-@pytest.mark.parametrize("t,dtype,config", [
-    (1, jnp.bfloat16, None),          # decode: one row per program, split K, two kernels
-    (3, jnp.float32, (1, 128, 4)),
-    (5, jnp.bfloat16, (16, 128, 1)),  # dot path, rows padded to 16, one fused kernel
-    (20, jnp.float32, (16, 128, 2)),  # dot path, two row tiles, split K
+@pytest.mark.parametrize("t,dtype,config,d", [
+    (1, jnp.bfloat16, None, 256),          # decode: one row per program, split K, two kernels
+    (3, jnp.float32, (1, 128, 4), 256),
+    (5, jnp.bfloat16, (16, 128, 1), 256),  # dot path, rows padded to 16, one fused kernel
+    (20, jnp.float32, (16, 128, 2), 256),  # dot path, two row tiles, split K
+    # splits that are not a power of two (the split kernel sums them in power-of-two groups: 4 x 5,
+    # 2 x 5) and a 1-warp split kernel (the config's 4th entry)
+    (1, jnp.bfloat16, (1, 64, 20, 1), 320),
+    (2, jnp.float32, (1, 64, 10, 2), 320),
 ])
-def test_mixes_parity_interpret(t, dtype, config):
-    x, fn, scale, base, _ = inputs(np.random.randint(1 << 30), t, 256, dtype)
+def test_mixes_parity_interpret(t, dtype, config, d):
+    x, fn, scale, base, _ = inputs(np.random.randint(1 << 30), t, d, dtype)
     out = pallas_triton.hc_mixes(x, fn, scale, base, interpret=True, config=config, **KW)
     ref = reference.hc_mixes(x, fn, scale, base, **KW)
     for a, b in zip(out, ref):
@@ -91,6 +95,11 @@ def test_cross_lowering_real_shapes(target):
         txt = lower_for(target, pallas_triton.hc_expand, S((t, 5120), jnp.bfloat16), S((t, HC, 5120), jnp.bfloat16),
                         S((t, HC), jnp.float32), S((t, HC, HC), jnp.float32)).as_text()
         assert txt.count(name) == 1
+    for cfg in ((1, 128, 160, 1), (1, 128, 80, 2), (1, 256, 40, 1)):  # splits in power-of-two groups
+        mix = lambda x, fn, s, b, cfg=cfg: pallas_triton.hc_mixes(x, fn, s, b, config=cfg, **KW)
+        txt = lower_for(target, mix, S((1, HC, 5120), jnp.bfloat16), S((24, HC * 5120), jnp.float32),
+                        S((3,), jnp.float32), S((24,), jnp.float32)).as_text()
+        assert txt.count(name) == 2
 
 
 def test_benchmark_check_covers_v4_widths_in_interpret_mode(monkeypatch):
