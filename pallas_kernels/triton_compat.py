@@ -40,3 +40,86 @@ def _patch_triton_offsets() -> bool:
 
 
 TRITON_OFFSETS_PATCHED = _patch_triton_offsets()
+
+
+# ------------------------------------------------------------------------------------------------
+# Opt-in: software-pipeline the loads of loops without a dot.
+#
+# Triton pipelines (cp.async into shared memory, ``num_stages - 1`` steps ahead) only the loads that
+# feed a dot, unless the loop carries its own ``tt.num_stages`` attribute (``tl.range(...,
+# num_stages=)``): then every load of a dot-free innermost loop that is at least 32 bits wide per
+# thread is pipelined too (Triton's AssignLatencies, "pipelineWithoutDot"). Pallas-Triton's
+# ``fori_loop`` lowering never sets that attribute, so the weight-streaming fma kernels have no load
+# in flight while they decode (BENCHMARKS.md, issue 6, session 7). ``DSV41_TRITON_LOOP_STAGES``
+# (e.g. ``qmm_fma=3,moe_gate_up_fma=3``: kernel-name prefix = stages) sets it on every scf.for of
+# the kernels whose name starts with a listed prefix. Read at lowering time; unset = no change.
+
+LOOP_STAGES_ENV = "DSV41_TRITON_LOOP_STAGES"
+
+
+def parse_loop_stages(text: str | None) -> dict[str, int]:
+    """``DSV41_TRITON_LOOP_STAGES`` -> {kernel-name prefix: stages}; a clear error for bad entries."""
+    out: dict[str, int] = {}
+    for part in filter(None, (t.strip() for t in (text or "").split(","))):
+        name, sep, stages = part.partition("=")
+        if not sep or not name.strip() or not stages.strip().isdigit() or int(stages) < 1:
+            raise ValueError(f"{LOOP_STAGES_ENV}={text!r}: entry {part!r} is not KERNEL_PREFIX=STAGES "
+                             "(e.g. qmm_fma=3; stages >= 1)")
+        out[name.strip()] = int(stages)
+    return out
+
+
+def loop_stages_for(kernel_name: str, table: dict[str, int]) -> int | None:
+    """The stages of the longest listed prefix of ``kernel_name`` (None: not listed)."""
+    hits = [p for p in table if kernel_name.startswith(p)]
+    return table[max(hits, key=len)] if hits else None
+
+
+def _set_loop_stages(module, stages: int) -> int:
+    """Set ``tt.num_stages`` on every scf.for of ``module``; returns how many loops it marked."""
+    from jax._src.lib.mlir import ir
+
+    marked = []
+
+    def visit(op):
+        if op.name == "scf.for":
+            marked.append(op)
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit)
+    with module.context:
+        attr = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), stages)
+        for op in marked:
+            op.attributes["tt.num_stages"] = attr
+    return len(marked)
+
+
+def _patch_loop_stages() -> bool:
+    """Wrap the Triton module lowering so that listed kernels' loops carry ``tt.num_stages``."""
+    import os
+
+    from jax._src.pallas.triton import lowering as tl
+
+    orig = tl.lower_jaxpr_to_triton_module
+    if getattr(orig, "_dsv41_loop_stages", False):
+        return True
+
+    def lower(*args, **kwargs):
+        res = orig(*args, **kwargs)
+        table = parse_loop_stages(os.environ.get(LOOP_STAGES_ENV))
+        if table:
+            name = str(res.module.operation.attributes["sym_name"]).strip('"')  # the kernel's name
+            stages = loop_stages_for(name, table)
+            if stages is not None:
+                _set_loop_stages(res.module, stages)
+        return res
+
+    lower._dsv41_loop_stages = True
+    try:
+        tl.lower_jaxpr_to_triton_module = lower
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+LOOP_STAGES_PATCHED = _patch_loop_stages()

@@ -1,0 +1,41 @@
+"""pallas_kernels.triton_compat: the opt-in ``tt.num_stages`` attribute on the loops of listed
+kernels (``DSV41_TRITON_LOOP_STAGES``), which lets Triton software-pipeline the loads of dot-free
+loops. Checked on the Triton IR of a CPU lowering for cuda and rocm; the device effect is measured
+on a GPU (BENCHMARKS.md, issue 6)."""
+
+import pytest
+
+from pallas_kernels import inspect_sass, triton_compat
+
+
+def test_parse_loop_stages():
+    assert triton_compat.parse_loop_stages(None) == {}
+    assert triton_compat.parse_loop_stages(" qmm_fma=3, moe_down=2 ,") == {"qmm_fma": 3, "moe_down": 2}
+    for bad in ("qmm_fma", "qmm_fma=x", "=3", "qmm_fma=0", "qmm_fma=-1"):
+        with pytest.raises(ValueError, match="DSV41_TRITON_LOOP_STAGES.*KERNEL_PREFIX=STAGES"):
+            triton_compat.parse_loop_stages(bad)
+
+
+def test_longest_prefix_wins():
+    table = {"moe_": 2, "moe_gate_up": 4}
+    assert triton_compat.loop_stages_for("moe_gate_up_fma_fp4", table) == 4
+    assert triton_compat.loop_stages_for("moe_down_fma_fp4", table) == 2
+    assert triton_compat.loop_stages_for("qmm_fma_fp8", table) is None
+
+
+@pytest.mark.parametrize("target", ["cuda", "rocm"])
+def test_listed_kernels_loops_carry_num_stages(monkeypatch, target):
+    assert triton_compat.LOOP_STAGES_PATCHED
+    fn, *specs = inspect_sass._cases("moe")  # two fma kernels, each with one K loop
+    monkeypatch.delenv(triton_compat.LOOP_STAGES_ENV, raising=False)
+    # a new function object each time: the env var is read when a kernel is lowered, and a cached
+    # lowering (the same jitted function) would not lower again
+    plain = {k["name"]: k["ttir"] for k in inspect_sass.triton_kernels(lambda *a: fn(*a), *specs, target=target)}
+    assert plain and all("tt.num_stages" not in t for t in plain.values())
+    monkeypatch.setenv(triton_compat.LOOP_STAGES_ENV, "moe_gate_up=2")
+    marked = {k["name"]: k["ttir"] for k in inspect_sass.triton_kernels(lambda *a: fn(*a), *specs, target=target)}
+    up, down = marked["moe_gate_up_fma_fp4"], marked["moe_down_fma_fp4"]
+    assert up.count("scf.for") >= 1 and up.count("tt.num_stages = 2 : i32") == up.count("scf.for")
+    assert "tt.num_stages" not in down  # not listed
+    # the attribute is the only change
+    assert up.replace(" {tt.num_stages = 2 : i32}", "") == plain["moe_gate_up_fma_fp4"]
