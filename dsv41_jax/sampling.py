@@ -70,6 +70,9 @@ def _whole_rows(x):
         return x
     if m is None or getattr(m, "empty", False) or not getattr(m, "axis_names", ()):
         return x
+    types = getattr(m, "axis_types", None)
+    if types is not None and all(t == jax.sharding.AxisType.Manual for t in types):
+        return x  # inside a shard_map manual over every axis: rows are already whole per device
     return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec())
 
 
