@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from sharding.rules import context_mesh
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -64,11 +66,8 @@ def _whole_rows(x):
     over ``tp`` is partitioned into XLA's O(V^2) reduce-window (on 8 virtual CPU devices ~10 s of
     CPU per sampled step at V = 129280, against ~0.01 s for whole rows, where XLA rewrites the
     reduce-window into a scan); whole rows also sum in the single-device order."""
-    try:
-        m = jax.sharding.get_abstract_mesh()
-    except Exception:  # pragma: no cover
-        return x
-    if m is None or getattr(m, "empty", False) or not getattr(m, "axis_names", ()):
+    m = context_mesh()
+    if m is None:
         return x
     types = getattr(m, "axis_types", None)
     if types is not None and all(t == jax.sharding.AxisType.Manual for t in types):

@@ -27,7 +27,8 @@ def inputs(seed, t, d, dtype):
 
 # hc_mixes: all fp32 in both; the projection's products are exact in the kernel (fp32 FMAs, or
 # three bf16 pieces of fn against bf16 x), only the summation order differs: atol 2e-6 on values
-# in [0, 2]. (config: (rows per program, K block, K splits); None = the default for that T.)
+# in [0, 2]. (config: (rows per program, K block, K splits[, split-kernel warps]); None = the default
+# for that T.)
 @pytest.mark.parametrize("t,dtype,config,d", [
     (1, jnp.bfloat16, None, 256),          # decode: one row per program, split K, two kernels
     (3, jnp.float32, (1, 128, 4), 256),
