@@ -52,7 +52,8 @@ TRITON_OFFSETS_PATCHED = _patch_triton_offsets()
 # ``fori_loop`` lowering never sets that attribute, so the weight-streaming fma kernels have no load
 # in flight while they decode (BENCHMARKS.md, issue 6, session 7). ``DSV41_TRITON_LOOP_STAGES``
 # (e.g. ``qmm_fma=3,moe_gate_up_fma=3``: kernel-name prefix = stages) sets it on every scf.for of
-# the kernels whose name starts with a listed prefix. Read at lowering time; unset = no change.
+# the kernels whose name starts with a listed prefix. Read at lowering time; unset = no change. The
+# attribute overrides the kernel's own ``num_stages`` for its loops (a 1-stage config is pipelined too).
 
 LOOP_STAGES_ENV = "DSV41_TRITON_LOOP_STAGES"
 
