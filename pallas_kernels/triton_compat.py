@@ -76,8 +76,8 @@ def loop_stages_for(kernel_name: str, table: dict[str, int]) -> int | None:
     return table[max(hits, key=len)] if hits else None
 
 
-def _set_loop_stages(module, stages: int) -> int:
-    """Set ``tt.num_stages`` on every scf.for of ``module``; returns how many loops it marked."""
+def _set_loop_stages(module, stages: int) -> None:
+    """Set ``tt.num_stages`` on every scf.for of ``module``."""
     from jax._src.lib.mlir import ir
 
     marked = []
@@ -92,7 +92,6 @@ def _set_loop_stages(module, stages: int) -> int:
         attr = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), stages)
         for op in marked:
             op.attributes["tt.num_stages"] = attr
-    return len(marked)
 
 
 def _patch_loop_stages() -> bool:

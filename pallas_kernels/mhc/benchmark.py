@@ -81,7 +81,7 @@ def run(quick=False, out_dir=None):
     return rows
 
 
-# (rows per program, K block, K splits[, split-kernel warps]); (1, 64, 128) is refused: 160 K blocks
+# (rows per program, K block, K splits[, split-kernel warps; default by rows]); (1, 64, 128) is refused: 160 K blocks
 # of 64 do not split in 128. Splits that are not a power of two are summed in power-of-two groups.
 SWEEP_CONFIGS = {1: [(1, 128, 32, 4), (1, 128, 16, 1), (1, 64, 64, 1), (1, 64, 128), (1, 128, 80, 1), (1, 128, 160, 1),
                      (1, 256, 80, 1)],

@@ -161,13 +161,11 @@ def _mix_split_kernel(pa_ref, pb_ref, ps_ref, scale_ref, base_ref, p_ref, c_ref,
 
 
 def _mix_config(t: int, width: int):
-    """(bt, bk, n_split, split_warps): one row per program for decode (T <= 8), 16/64-row dot tiles
-    otherwise; K split (power of two) so that a decode site has ~256 programs (dot tiles: ~32). On
-    the H200 (session 8) at 8 rows: 16 splits 13.9 us, 32 splits 11.7 us; at 1 row 32 splits (the
-    most that divide 160 K blocks) 10.9 us. The split kernel (the 20-round Sinkhorn on one row's 4 x 4
-    matrix, a chain of small reductions) runs one warp for one-row programs: 4.57 -> 3.66 us at 1
-    row (session 14; more splits, 80 or 160, halve the partial kernel but cost the split kernel more
-    than that)."""
+    """(bt, bk, n_split): one row per program for decode (T <= 8), 16/64-row dot tiles otherwise;
+    K split (power of two) so that a decode site has ~256 programs (dot tiles: ~32). On the H200
+    (session 8) at 8 rows: 16 splits 13.9 us, 32 splits 11.7 us; at 1 row 32 splits (the most that
+    divide 160 K blocks) 10.9 us. (Session 14: 80 or 160 splits halve the partial kernel but cost
+    the split kernel more than that.) The split kernel's warps: :func:`_split_warps`."""
     if t <= 8:
         bt, bk = 1, pick_block(width, 128)
     else:
@@ -178,7 +176,13 @@ def _mix_config(t: int, width: int):
     target = 256 if bt == 1 else 32
     while n_t * n_split < target and chunks % (n_split * 2) == 0 and n_split * 2 * bt * 16 <= 8192:
         n_split *= 2
-    return bt, bk, n_split, 1 if bt == 1 else 4
+    return bt, bk, n_split
+
+
+def _split_warps(bt: int) -> int:
+    """Warps of the split kernel (the 20-round Sinkhorn on each row's 4 x 4 matrix, a chain of small
+    reductions): one for one-row programs, 4.57 -> 3.66 us at 1 row on the H200 (session 14)."""
+    return 1 if bt == 1 else 4
 
 
 def hc_mixes(x, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters, interpret=False, config=None):
@@ -194,7 +198,7 @@ def hc_mixes(x, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters, interpret=
     scale = scale.astype(jnp.float32)
     base = base.astype(jnp.float32)
     bt, bk, n_split, *rest = config or _mix_config(t, width)
-    split_warps = rest[0] if rest else 4  # warps of the split kernel (n_split > 1)
+    split_warps = rest[0] if rest else _split_warps(bt)  # an optional 4th config entry
     if width % (bk * n_split):
         raise ValueError(f"hc_mixes (pallas): config {(bt, bk, n_split)}: the width {width} (hc x D) must split into "
                          f"{n_split} parts of whole {bk}-wide K blocks")
