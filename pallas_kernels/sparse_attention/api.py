@@ -21,7 +21,7 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     A query with no valid key returns 0."""
     kernel, interpret = dispatch.choose(
         "sparse_attention", implementation, _kernel,
-        lambda k: k.unsupported_reason(q, kv, kv_idx, comp_kv, comp_idx), lambda k: k.auto_reason(q))
+        lambda k: k.unsupported_reason(q, kv, kv_idx, comp_kv, comp_idx), lambda k: k.auto_reason(q, kv, comp_kv))
     if kernel is not None:
         return dispatch.call_kernel(
             lambda q, kv, kv_idx, sink, comp_kv, comp_idx: kernel.sparse_attention(

@@ -143,6 +143,31 @@ def test_api_routes_and_reasons():
     assert "block" in pallas_triton.unsupported_reason(q, kv8, widx)
 
 
+
+def test_auto_picks_the_kernel_only_for_one_row_over_v41_stores(monkeypatch):
+    """'auto' on a GPU: the kernel for batch-1 decode over an FP8 window + FP4 compressed cache (timed
+    faster than XLA there), the reference for more rows and for stores that were not timed."""
+    q, kv, widx, sink, ck, cidx = make_case(jax.random.PRNGKey(4), b=1, s=1)
+    assert pallas_triton.auto_reason(q, kv, ck) is None
+    q8, kv8, widx8, sink8, ck8, cidx8 = make_case(jax.random.PRNGKey(5), b=8, s=1)
+    assert "8 query rows" in pallas_triton.auto_reason(q8, kv8, ck8)
+    qv, kvv, _, _, ckv, _ = make_case(jax.random.PRNGKey(6), b=1, s=6)
+    assert "6 query rows" in pallas_triton.auto_reason(qv, kvv, ckv)
+    qp, kvp, _, _, ckp, _ = make_case(jax.random.PRNGKey(7), b=1, s=1, quant=False)
+    assert "FP8 window" in pallas_triton.auto_reason(qp, kvp, ckp)
+    assert "FP8 window" in pallas_triton.auto_reason(q, kv, None)
+    # the dispatch under plain 'auto' as on a GPU (the kernel in interpret mode): which calls take it
+    from pallas_kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "resolve", lambda implementation=None, op=None: "interpret")
+    calls = []
+    kernel = pallas_triton.sparse_attention
+    monkeypatch.setattr(pallas_triton, "sparse_attention", lambda *a, **k: calls.append(a[0].shape) or kernel(*a, **k))
+    for args in ((q, kv, widx, sink, ck, cidx), (q8, kv8, widx8, sink8, ck8, cidx8)):
+        o = jax.jit(lambda *a: api.sparse_attention(*a[:4], scale=0.125, comp_kv=a[4], comp_idx=a[5]))(*args)
+        check_close(o, _ref(*args, 0.125))
+    assert calls == [q.shape]
+
 SD = jax.ShapeDtypeStruct
 
 
