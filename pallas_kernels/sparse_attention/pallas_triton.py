@@ -410,18 +410,17 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
 
 
 def auto_reason(q, kv=None, comp_kv=None):
-    """Why plain 'auto' dispatch does not pick this kernel on a GPU (None: pick it).
-    One query row (batch-1 decode) over V4.1's stores (FP8 window, FP4 compressed cache) takes the
-    kernel: by device time (profiler) it measured 18.8-19.0 us against the XLA reference's 22.1 us
-    (12 kernels) at 2,560 to 65,536 compressed entries (BENCHMARKS.md, issue 5, session 15). With
-    more rows the reference stays: at batch 8 it measured 33.9-34.1 us against the kernel's 46.5-46.9
-    us, and verify / prefill rows and other stores are not timed. implementation='pallas' (argument,
-    context or DSV41_KERNELS) still runs it for any supported shape."""
+    """Why plain 'auto' dispatch does not pick this kernel on a GPU (None: pick it). It never does
+    today: measured on the H200 (BENCHMARKS.md, issue 5, session 15), by device time (profiler):
+    * one query row (batch-1 decode) over V4.1's stores: the op 18.8-19.0 us against the XLA
+      reference's 22.1 us, but the model's whole site (attention, inverse RoPE, wo_a) a tie, 32.4-32.6
+      against 32.9 us, and in the 40-layer model decode went 112.85 -> 110.76 tok/s with it (the
+      flash-decoding combine lands in wo_a's input fusion, 2 more launches per layer);
+    * batch 8: 46.5-46.9 us against the reference's 33.9-34.1 us.
+    implementation='pallas' (argument, context or DSV41_KERNELS) still runs it for any supported
+    shape. ``kv`` / ``comp_kv`` let a later rule depend on the stores."""
     rows = q.shape[0] * q.shape[1]
-    if rows != 1:
-        return (f"{rows} query rows: the XLA reference measured faster above one row on the H200 "
+    if rows == 1 and isinstance(kv, Fp8Tensor) and isinstance(comp_kv, Fp4Tensor):
+        return ("batch-1 decode: faster as an op but slower in the model than the XLA reference on the H200 "
                 "(BENCHMARKS.md, issue 5, session 15)")
-    if not isinstance(kv, Fp8Tensor) or not isinstance(comp_kv, Fp4Tensor):
-        return ("only the FP8 window with an FP4 compressed cache (V4.1's stores) is timed faster than the "
-                "XLA reference on the H200 (BENCHMARKS.md, issue 5, session 15)")
-    return None
+    return f"{rows} query row(s): measured slower than the XLA reference on the H200 (BENCHMARKS.md, issue 5)"
