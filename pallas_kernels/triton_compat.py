@@ -54,6 +54,8 @@ TRITON_OFFSETS_PATCHED = _patch_triton_offsets()
 # (e.g. ``qmm_fma=3,moe_gate_up_fma=3``: kernel-name prefix = stages) sets it on every scf.for of
 # the kernels whose name starts with a listed prefix. Read at lowering time; unset = no change. The
 # attribute overrides the kernel's own ``num_stages`` for its loops (a 1-stage config is pipelined too).
+# Timed on the H200 (BENCHMARKS.md, issue 6, session 15): every pipelined fma GEMV and MoE config was
+# 19-60 % slower than the unmarked loop, so nothing sets it by default; it stays for experiments.
 
 LOOP_STAGES_ENV = "DSV41_TRITON_LOOP_STAGES"
 
