@@ -137,6 +137,20 @@ def window_indices(positions, pos0, window: int):
     return jnp.where(a >= 0, slot, -1).astype(jnp.int32)
 
 
+def ring_window_indices(positions, window: int):
+    """[B,1,W] indices into the ring itself of the window keys of one query per row, once its own
+    token is in the ring (:func:`write_ring_token`): positions t-W+1..t in slots position % W."""
+    a = positions[..., None] - window + 1 + jnp.arange(window, dtype=jnp.int32)  # key positions
+    return jnp.where(a >= 0, jnp.mod(a, window), -1).astype(jnp.int32)
+
+
+def write_ring_token(ring, token, pos0, lengths, window: int):
+    """Write one token per row ([B,1,...] store) into slot pos0 % W of the ring; rows with
+    ``lengths == 0`` (idle) are left unchanged. Equal to :func:`update_ring` for one-token chunks."""
+    slot = jnp.where(lengths > 0, jnp.mod(pos0, window), window)[:, None]  # window: out of range -> dropped
+    return scatter_rows(ring, slot, token)
+
+
 def update_ring(ring, chunk, pos0, lengths, window: int):
     """Write the valid chunk tokens into the ring (slot = position % W; the last token wins)."""
     end = pos0 + lengths  # [B]
@@ -233,9 +247,20 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
     kv = apply_rope(kv, ang)
     kv_chunk = _store_v4(kv, "window", opts, cfg.rope_head_dim) if cfg.is_v4 else cache_store(kv, "window", opts)
     lc = dict(cache_layers[str(l)])
-    window_kv = concat_rows(lc["window"], kv_chunk)
-    win_idx = window_indices(positions, pos0, W)
-    lc["window"] = update_ring(lc["window"], kv_chunk, pos0, lengths, W)
+    if S == 1:
+        # Decode: write the token into its ring slot first, then attend over the ring alone. Exact for
+        # one token (the ring then holds positions t-W+1..t; the same rows in the same order as the
+        # concatenation below), and the ring is updated in place: reading the old ring beside the
+        # write made XLA copy it (and concatenate W + 1 rows) in every layer of every step.
+        # The barrier keeps XLA from moving the dequantization across the write (convert of the old
+        # ring + update of the converted ring), which reads the old ring again and brings the copy back.
+        lc["window"] = jax.lax.optimization_barrier(write_ring_token(lc["window"], kv_chunk, pos0, lengths, W))
+        window_kv = lc["window"]
+        win_idx = ring_window_indices(positions, W)
+    else:
+        window_kv = concat_rows(lc["window"], kv_chunk)
+        win_idx = window_indices(positions, pos0, W)
+        lc["window"] = update_ring(lc["window"], kv_chunk, pos0, lengths, W)
     cache_layers = {**cache_layers, str(l): lc}
 
     comp_kv, comp_idx = None, None
