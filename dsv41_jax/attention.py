@@ -251,10 +251,10 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
         # Decode: write the token into its ring slot first, then attend over the ring alone. Exact for
         # one token (the ring then holds positions t-W+1..t; the same rows in the same order as the
         # concatenation below), and the ring is updated in place: reading the old ring beside the
-        # write made XLA copy it (and concatenate W + 1 rows) in every layer of every step.
-        # The barrier keeps XLA from moving the dequantization across the write (convert of the old
-        # ring + update of the converted ring), which reads the old ring again and brings the copy back.
-        lc["window"] = jax.lax.optimization_barrier(write_ring_token(lc["window"], kv_chunk, pos0, lengths, W))
+        # write made XLA copy it (and concatenate W + 1 rows) in every layer of every step (H200 HLO:
+        # 8 of the 14 copies of a 7-layer step; BENCHMARKS.md, issue 8, session 15). XLA's CPU backend
+        # still copies: it widens the FP8 update to f16 and back.
+        lc["window"] = write_ring_token(lc["window"], kv_chunk, pos0, lengths, W)
         window_kv = lc["window"]
         win_idx = ring_window_indices(positions, W)
     else:
