@@ -44,7 +44,7 @@ from jax.experimental.pallas import triton as pltriton
 from dsv41_jax.quant import Fp4Tensor, Fp8Tensor
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
 
-__all__ = ["sparse_attention", "unsupported_reason", "default_config"]
+__all__ = ["sparse_attention", "unsupported_reason", "default_config", "combine_splits", "combine_reason"]
 
 _NEG_INF = float("-inf")
 
@@ -282,9 +282,71 @@ def _pad_idx(idx, multiple):
     return idx
 
 
+# Flash-decoding combine: merge the per-split partial outputs (acc [rows, P, H, D] f32, running max m
+# and sum l [rows, P, H]) with the sink into the output. XLA's version of it (the einsum below) fused
+# into wo_a's input fusion in the model and cost more than the kernel saved (BENCHMARKS.md, issue 5,
+# session 15); ``combine="pallas"`` runs this kernel instead: one program per (row, head block,
+# column block) reads its P partial tiles once and writes the output in q's dtype.
+COMBINE_BLOCK_H = 16
+COMBINE_BLOCK_D = 128
+
+
+def _combine_kernel(acc_ref, m_ref, l_ref, sink_ref, o_ref, *, num_splits: int):
+    m = m_ref[...]  # [P, bh]
+    mx = jnp.max(m, axis=0)
+    mxs = jnp.where(mx == _NEG_INF, 0.0, mx)
+    den = jnp.sum(jnp.exp(m - mxs[None, :]) * l_ref[...], axis=0) + jnp.exp(sink_ref[...] - mxs)
+    inv = jnp.where(mx == _NEG_INF, 0.0, 1.0 / den)
+
+    def body(p, o):
+        w = jnp.exp(m_ref[p, :] - mxs)  # exp(-inf) = 0 for an empty split
+        return o + w[:, None] * acc_ref[p, :, :]
+
+    o = jax.lax.fori_loop(0, num_splits, body, jnp.zeros(o_ref.shape, jnp.float32))
+    o_ref[...] = (o * inv[:, None]).astype(o_ref.dtype)
+
+
+def combine_reason(num_splits: int, heads: int, d: int) -> str | None:
+    """Why the Pallas combine cannot merge these partials (None: it can)."""
+    if not _is_pow2(num_splits):
+        return f"num_splits={num_splits} is not a power of two (the [splits, heads] tile of m and l)"
+    bh, bd = min(heads, COMBINE_BLOCK_H), min(d, COMBINE_BLOCK_D)
+    if not _is_pow2(bh) or heads % bh or d % bd or not _is_pow2(bd):
+        return f"heads={heads} / D={d} do not split into power-of-two blocks of {bh} x {bd}"
+    return None
+
+
+def combine_splits(acc, m, l, sink, out_dtype, *, interpret=False, num_warps=4):
+    """acc [rows, P, H, D] f32, m / l [rows, P, H] f32, sink [H] f32 -> [rows, H, D] out_dtype: the
+    same merge as the XLA combine (rows whose splits are all empty give 0)."""
+    rows, nsp, hp, d = acc.shape
+    reason = combine_reason(nsp, hp, d)
+    if reason is not None:
+        raise ValueError(f"sparse_attention (pallas): the Pallas combine cannot run: {reason}")
+    bh, bd = min(hp, COMBINE_BLOCK_H), min(d, COMBINE_BLOCK_D)
+    return pl.pallas_call(
+        functools.partial(_combine_kernel, num_splits=nsp),
+        grid=(rows, hp // bh, d // bd),
+        in_specs=[
+            pl.BlockSpec((None, nsp, bh, bd), lambda r, i, j: (r, 0, i, j)),
+            pl.BlockSpec((None, nsp, bh), lambda r, i, j: (r, 0, i)),
+            pl.BlockSpec((None, nsp, bh), lambda r, i, j: (r, 0, i)),
+            pl.BlockSpec((bh,), lambda r, i, j: (i,)),
+        ],
+        out_specs=pl.BlockSpec((None, bh, bd), lambda r, i, j: (r, i, j)),
+        out_shape=jax.ShapeDtypeStruct((rows, hp, d), out_dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="sparse_attention_combine",
+    )(acc, m, l, sink.astype(jnp.float32))
+
+
 def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None, interpret=False,
-                     block_h=None, block_k=None, num_splits=None, num_warps=None, num_stages=None, d_split=None):
-    """``d_split`` > 1: each program accumulates D / d_split output columns (the logits still use all
+                     block_h=None, block_k=None, num_splits=None, num_warps=None, num_stages=None, d_split=None,
+                     combine=None):
+    """``combine``: how the flash-decoding splits are merged, ``"xla"`` (default) or ``"pallas"``
+    (:func:`combine_splits`; falls back to XLA where :func:`combine_reason` says it cannot run).
+    ``d_split`` > 1: each program accumulates D / d_split output columns (the logits still use all
     of D, so every key row is read d_split times, from L2 after the first), which divides the [block_h,
     D] f32 accumulator that makes the one-program version spill (BENCHMARKS.md, issue 5, session 12)."""
     reason = unsupported_reason(q, kv, kv_idx, comp_kv, comp_idx)
@@ -300,6 +362,9 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
         # f32 (tests / debugging only): an IEEE f32 dot over a [64, 512] f32 tile did not finish
         # compiling within a minute on the H200 (jax 0.11.2); keep the f32 tiles small.
         cfg.update(block_h=16, block_k=16, num_warps=4, d_split=1 if d_split is None else d_split)
+    combine = combine or "xla"
+    if combine not in ("xla", "pallas"):
+        raise ValueError(f"sparse_attention (pallas): combine={combine!r}; expected 'xla' or 'pallas'")
     d_split = cfg["d_split"]
     if d_split < 1 or d % d_split or (d // d_split) % 32:
         raise ValueError(f"sparse_attention (pallas): d_split={d_split} must divide D={d} into column blocks that "
@@ -397,7 +462,9 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
         name="sparse_attention_sink",
     )(*args)
 
-    if split_out:
+    if split_out and combine == "pallas" and combine_reason(num_splits, hp, d) is None:
+        out = combine_splits(*out, sinkf, q.dtype, interpret=interpret)
+    elif split_out:
         acc, m, l = out
         mx = jnp.max(m, axis=1)  # [rows, hp]
         mxs = jnp.where(mx == _NEG_INF, 0.0, mx)

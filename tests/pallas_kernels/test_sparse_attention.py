@@ -89,6 +89,52 @@ def test_column_split_interpret(d_split, quant, dtype, num_splits):
         _kernel(q, kv, widx, sink, ck, cidx, scale, d_split=8)
 
 
+
+def _xla_combine(acc, m, l, sink):
+    mx = jnp.max(m, axis=1)
+    mxs = jnp.where(mx == -jnp.inf, 0.0, mx)
+    w = jnp.exp(m - mxs[:, None, :])
+    den = jnp.sum(w * l, axis=1) + jnp.exp(sink[None, :] - mxs)
+    inv = jnp.where(mx == -jnp.inf, 0.0, 1.0 / den)
+    return jnp.einsum("rph,rphd->rhd", w, acc, precision=jax.lax.Precision.HIGHEST) * inv[..., None]
+
+
+@pytest.mark.parametrize("rows,nsp,h,d", [(2, 16, 64, 512), (3, 4, 16, 64), (1, 2, 8, 32)])
+def test_pallas_combine_equals_the_xla_combine(rows, nsp, h, d):
+    """The Pallas combine merges random partials like the XLA combine (f32 to summation order; bf16
+    to one rounding), with empty splits (m = -inf, l = 0) and a row whose splits are all empty (0)."""
+    k = jax.random.split(jax.random.PRNGKey(np.random.randint(1 << 30)), 4)
+    acc = jax.random.normal(k[0], (rows, nsp, h, d), jnp.float32) * 3
+    m = jax.random.normal(k[1], (rows, nsp, h), jnp.float32) * 4
+    l = jax.random.uniform(k[2], (rows, nsp, h), jnp.float32, 0.5, 40.0)
+    empty = jax.random.bernoulli(k[3], 0.3, (rows, nsp, h)).at[0, :, 0].set(True)  # row 0, head 0: no key
+    m, l = jnp.where(empty, -jnp.inf, m), jnp.where(empty, 0.0, l)
+    acc = jnp.where(empty[..., None], 0.0, acc)
+    sink = jax.random.normal(k[3], (h,), jnp.float32)
+    want = np.asarray(_xla_combine(acc, m, l, sink))
+    got = np.asarray(jax.jit(lambda *a: pallas_triton.combine_splits(*a, jnp.float32, interpret=True))(acc, m, l, sink))
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
+    assert np.all(got[0, 0] == 0.0)
+    got16 = jax.jit(lambda *a: pallas_triton.combine_splits(*a, jnp.bfloat16, interpret=True))(acc, m, l, sink)
+    assert got16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got16, np.float32), want, rtol=2.0**-7, atol=2.0**-8 * np.abs(want).max())
+
+
+def test_op_with_the_pallas_combine_matches_the_reference():
+    """combine="pallas": the whole op (flash-decoding splits merged by the Pallas combine) against the
+    reference; a split count that is not a power of two falls back to the XLA combine; a bad name
+    is refused."""
+    q, kv, widx, sink, ck, cidx = make_case(jax.random.PRNGKey(np.random.randint(1 << 30)), d=128)
+    scale = q.shape[-1] ** -0.5
+    r = _ref(q, kv, widx, sink, ck, cidx, scale)
+    o = _kernel(q, kv, widx, sink, ck, cidx, scale, block_k=16, num_splits=2, combine="pallas")
+    check_close(o, r)
+    assert np.all(np.asarray(o[0, 0], np.float32) == 0.0)
+    assert "not a power of two" in pallas_triton.combine_reason(3, 64, 512)
+    assert pallas_triton.combine_reason(16, 64, 512) is None
+    with pytest.raises(ValueError, match="combine='tree'"):
+        _kernel(q, kv, widx, sink, ck, cidx, scale, combine="tree")
+
 def test_default_config_splits_columns_only_for_the_smallest_grids():
     """Batch-1 decode (one program per flash-decoding split) takes eight column blocks with 4 warps
     (H200, session 13: 28.6 -> 16.7 us); batch 8 and 64, prefill rows, tiny head counts and a D whose
@@ -204,6 +250,11 @@ def test_cross_lowering(target, shape):
     if shape[1] == 1:  # decode: the column-split variant lowers too
         lower_for(target, lambda *a: pallas_triton.sparse_attention(*a[:4], scale=512 ** -0.5, comp_kv=a[4],
                                                                     comp_idx=a[5], d_split=4), *_real_specs(*shape))
+        text = lower_for(target, lambda *a: pallas_triton.sparse_attention(*a[:4], scale=512 ** -0.5, comp_kv=a[4],
+                                                                           comp_idx=a[5], combine="pallas"),
+                         *_real_specs(*shape)).as_text()
+        if shape[0] == 1:  # batch 1 splits the keys: the Pallas combine is a second Triton call
+            assert text.count("__gpu$xla.gpu.triton") == 2, text.count("__gpu$xla.gpu.triton")
 
 
 def test_cross_lowering_f32_plain():
