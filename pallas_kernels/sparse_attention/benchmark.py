@@ -68,7 +68,7 @@ def floor_bytes(b, s, *, h=64, d=512, kw=128, kc=512, qbytes=2):
 # Column-split variants (fewer register spills offline, session 12; timed in session 13, BENCHMARKS.md),
 # checked and swept with --sweep beside the default.
 D_SPLIT_SWEEP = (dict(d_split=2), dict(d_split=4), dict(d_split=4, num_warps=4), dict(d_split=8),
-                 dict(d_split=8, num_warps=4), dict(d_split=4, block_h=32, num_warps=4))
+                 dict(d_split=8, num_warps=4), dict(d_split=4, block_h=32, num_warps=4), dict(combine="pallas"))
 
 
 def check(log, cfgs=({},)):
@@ -104,8 +104,67 @@ def check(log, cfgs=({},)):
     return ok
 
 
+# The --site variants: (label, sparse_attention keyword arguments; None = the XLA reference)
+SITE_VARIANTS = (("xla", None), ("pallas default", {}), ("pallas combine", dict(combine="pallas")),
+                 ("pallas 8 splits", dict(num_splits=8)), ("pallas 8 splits combine", dict(num_splits=8, combine="pallas")))
+
+
+def site(log, contexts=(2560, 5121), batches=(1,), variants=SITE_VARIANTS, reps=5):
+    """The model's attention site at decode (sparse attention -> inverse RoPE -> wo_a, the grouped FP8
+    GEMV of 8 groups x 1024 rows), by device time (:func:`device_time_op`: the sum of the site's
+    kernels, 5 distinct input sets, L2 flushed), for the XLA reference and Pallas variants. Each
+    variant is first compared with the XLA site (rel err of the wo_a output). The kernel alone can win
+    while the site does not: XLA fuses its combine into wo_a's input (BENCHMARKS.md, issue 5, session 15)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dsv41_jax.rope import apply_rope
+    from pallas_kernels.benchmarking import device_time_op, random_fp8
+    from pallas_kernels.quantized_matmul.api import grouped_matmul
+    from pallas_kernels.sparse_attention import pallas_triton as pt
+    from pallas_kernels.sparse_attention import reference as ref
+
+    scale = 512 ** -0.5
+    w = random_fp8(jax.random.PRNGKey(3), 8 * 1024, 4096)
+
+    def site_fn(cfg):
+        def f(q, win, widx, sink, ck, cidx, ang, w):
+            kw = dict(scale=scale, comp_kv=ck, comp_idx=cidx)
+            o = ref.sparse_attention(q, win, widx, sink, **kw) if cfg is None else pt.sparse_attention(
+                q, win, widx, sink, **kw, **cfg)
+            o = apply_rope(o, ang, inverse=True)
+            return grouped_matmul(o.reshape(*o.shape[:2], 8, -1).astype(jnp.bfloat16), w, groups=8)
+        return f
+
+    rows = []
+    for nc in contexts:
+        for b in batches:
+            args = [(*make_inputs(jax.random.PRNGKey(100 * nc + 10 * b + r), b, 1, nc),
+                     jax.random.uniform(jax.random.PRNGKey(r), (b, 1, 32), jnp.float32, 0, 6.28)) for r in range(reps)]
+            y0 = np.asarray(jax.jit(site_fn(None))(*args[0], w).astype(jnp.float32))
+            t_x = None
+            for label, cfg in variants:
+                try:
+                    y = np.asarray(jax.jit(site_fn(cfg))(*args[0], w).astype(jnp.float32))
+                    rel = float(np.linalg.norm(y - y0) / np.linalg.norm(y0))
+                    kernels = []
+                    t = device_time_op(site_fn(cfg), args, (w,), reps=reps, kernels=kernels)
+                    t_x = t if cfg is None else t_x
+                    rows.append(dict(context=nc, batch=b, variant=label, site_us=t * 1e6, kernels=len(kernels),
+                                     rel_err=rel, ok=rel < 2e-2))
+                    top = ", ".join(f"{n[:28]} {k * 1e6:.2f}" for n, k in kernels[:4])
+                    log(f"site ctx={nc} B={b} {label:26s} {t * 1e6:7.2f} us  {len(kernels):2d} kernels  rel {rel:.1e}"
+                        f"{'' if rel < 2e-2 else '  WRONG'}  xla/this {t_x / t if t_x else float('nan'):.2f}  [{top}]")
+                except Exception as e:  # noqa: BLE001
+                    log(f"site ctx={nc} B={b} {label}: FAILED {type(e).__name__}: {str(e)[:200]}")
+    return rows
+
+
 def main(argv=None):
     ap = chained_args(argparse.ArgumentParser(), n=20, reps=7, skip_xla_help="time the Pallas kernel only")
+    ap.add_argument("--site", action="store_true",
+                    help="the model's decode site (attention -> inverse RoPE -> wo_a) by device time, then exit")
     args = ap.parse_args(argv)
 
     import jax
@@ -121,6 +180,13 @@ def main(argv=None):
         lines.append(msg)
 
     dev = jax.devices()[0]
+    if args.site:
+        log(f"# sparse attention site (attention -> inverse RoPE -> wo_a), device time | {dev.device_kind} | "
+            f"jax {jax.__version__}")
+        rows = site(log, batches=(1,) if args.quick else (1, 8))
+        with open(os.path.join(args.out, "sparse_attention_site.json"), "w") as fh:
+            json.dump(dict(device=dev.device_kind, jax=jax.__version__, rows=rows), fh, indent=1)
+        return 0 if rows and all(r["ok"] for r in rows) else 1
     log(f"# sparse attention decode | device {dev.device_kind} | jax {jax.__version__} | n={args.n} reps={args.reps}")
     ok = check(log, ({},) + (D_SPLIT_SWEEP if args.sweep else ()))
 

@@ -281,3 +281,21 @@ def test_reference_bf16_logits_equal_float32_logits():
     assert dots(q, kv32, widx, sink, ck32, cidx)[0] == ["float32", "float32"]
     check_close(low, full)
     assert np.array_equal(np.asarray(low[0, 0], np.float32), np.zeros_like(np.asarray(low[0, 0], np.float32)))
+
+
+def test_site_benchmark_runs_and_checks_each_variant(monkeypatch):
+    """benchmark.site (the model's decode site by device time) on the CPU: the kernel in interpret
+    mode, the profiler timing replaced by a stub; every variant is checked against the XLA site."""
+    import functools
+
+    import pallas_kernels.benchmarking as bm
+    from pallas_kernels.sparse_attention import benchmark
+
+    monkeypatch.setattr(bm, "device_time_op", lambda fn, args, shared=(), reps=5, kernels=None: 1e-5)
+    monkeypatch.setattr(pallas_triton, "sparse_attention",
+                        functools.partial(pallas_triton.sparse_attention, interpret=True))
+    lines = []
+    rows = benchmark.site(lines.append, contexts=(700,), batches=(1,),
+                          variants=benchmark.SITE_VARIANTS[:1] + benchmark.SITE_VARIANTS[2:3], reps=1)
+    assert [r["variant"] for r in rows] == ["xla", "pallas combine"], lines
+    assert rows[0]["rel_err"] == 0.0 and 0.0 < rows[1]["rel_err"] < 2e-2 and all(r["ok"] for r in rows)
