@@ -146,7 +146,9 @@ def ring_window_indices(positions, window: int):
 
 def write_ring_token(ring, token, pos0, lengths, window: int):
     """Write one token per row ([B,1,...] store) into slot pos0 % W of the ring; rows with
-    ``lengths == 0`` (idle) are left unchanged. Equal to :func:`update_ring` for one-token chunks."""
+    ``lengths == 0`` (idle) are left unchanged. Equal to :func:`update_ring` for one-token chunks. A
+    scatter, not update_ring's select: XLA duplicates a select into the attention's gather fusion,
+    which then reads the old ring again and the copy comes back (session 15, CPU HLO)."""
     slot = jnp.where(lengths > 0, jnp.mod(pos0, window), window)[:, None]  # window: out of range -> dropped
     return scatter_rows(ring, slot, token)
 
