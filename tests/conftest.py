@@ -28,6 +28,29 @@ import compile_log  # noqa: E402  (tests/ is on sys.path: rootdir conftest)
 if compile_log.install():
     import pytest
 
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_setup(item):
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
         compile_log.current["test"] = item.nodeid
+        compile_log.test_bounds(item.nodeid, "start")
+        yield
+        compile_log.test_bounds(item.nodeid, "end")
+
+
+def pytest_collection_finish(session):
+    """Start test_sharding.py's multi-device subprocesses right after collection (only when one of
+    its worker_results tests is selected), so they run beside the whole suite instead of from the
+    point where xdist reaches that module (they then held the suite's last minutes)."""
+    for item in session.items:
+        if "worker_results" in getattr(item, "fixturenames", ()):
+            item.module.start_jobs()
+            return
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The process that started the multi-device jobs waits for them (ends them if interrupted)."""
+    import sys
+
+    mod = next((m for name, m in list(sys.modules.items()) if name.endswith("test_sharding") and
+                hasattr(m, "finish_jobs")), None)
+    if mod is not None:
+        mod.finish_jobs(interrupted=exitstatus in (2, 3, 4) or bool(session.shouldstop or session.shouldfail))

@@ -4,15 +4,23 @@ generation equal to one device on several meshes (tp, ep, dp x tp x ep), and the
 
 Multi-device checks run tests/sharding_worker.py in subprocesses with
 ``--xla_force_host_platform_device_count=8`` (it must be set before JAX is imported, and must not
-leak into the other tests). The subprocesses are started together, once per module.
+leak into the other tests). The subprocesses are started together, once per test run, as soon as
+collection has finished (``start_jobs``, called by tests/conftest.py; under xdist by worker gw0,
+whichever worker then runs these tests reads their results), so they overlap the whole suite.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import pathlib
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 import types
 
 import jax
@@ -37,12 +45,23 @@ QUANT_MESHES = "dp=2,tp=2,ep=2"
 MOE_MESHES = "ep=2,tp=2;dp=2,ep=2,tp=2;ep=8;tp=4"
 ENGINE_MESHES = "dp=2,tp=2,ep=2"  # the engine has 4 slots (sharding_worker.ENGINE_BATCH); dp alone is a subcase
 
+_ENGINE = ["--engine", "--meshes", ENGINE_MESHES, "--kv", "reference"]
 JOBS = {
     "f32": ["--meshes", F32_MESHES, "--dtype", "float32", "--kv", "float32"],
     "quant": ["--meshes", QUANT_MESHES, "--dtype", "float32", "--kv", "reference", "--check-collectives"],
     "moe": ["--moe-unit", "--meshes", MOE_MESHES],
-    "engine": ["--engine", "--meshes", ENGINE_MESHES, "--kv", "reference"],
+    # the engine check in three processes (one device; the pipelined loop; the synced loop): one
+    # process took 682 CPU-s alone (12 programs of 40-90 s), the longest path of the suite
+    "engine:single": [*_ENGINE, "--engine-part", "single"],
+    "engine:device": [*_ENGINE, "--engine-part", "device"],
+    "engine:host": [*_ENGINE, "--engine-part", "host"],
 }
+# each job's exit status is written to <dir>/<job>.rc when it ends, so a process that did not start
+# the jobs (the other xdist worker) can wait for them
+_WRAP = ("import os, subprocess, sys; rc = subprocess.call(sys.argv[2:]); "
+         "open(sys.argv[1] + '.tmp', 'w').write(str(rc)); os.replace(sys.argv[1] + '.tmp', sys.argv[1])")
+_STARTED: dict = {}  # job name -> Popen, in the process that started them
+_DIR: list = []  # the job directory this process uses
 
 
 def fake_mesh(**sizes):
@@ -180,19 +199,63 @@ def test_distributed_env():
 # 8 virtual CPU devices (subprocesses)
 
 
+def _job_dir() -> str:
+    if not _DIR:
+        uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every xdist worker of one run
+        _DIR.append(os.path.join(tempfile.gettempdir(), f"dsv41_sharding_{uid}") if uid else
+                    tempfile.mkdtemp(prefix="dsv41_sharding_"))
+    return _DIR[0]
+
+
+def start_jobs(force: bool = False) -> None:
+    """Start every job of ``JOBS`` in the background (all at once: one after another they took 898
+    and 995 s in two CI runs on the 2-core host, 874 s at once in session 8). Under xdist only worker
+    gw0 starts them (``force``: this process, whatever it is; the fixture's fallback)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if _STARTED or (worker not in (None, "gw0") and not force):
+        return
+    d = _job_dir()
+    if worker is not None:  # a shared directory per xdist run, kept after it: drop those a day old
+        for old in glob.glob(os.path.join(tempfile.gettempdir(), "dsv41_sharding_*")):
+            if time.time() - os.path.getmtime(old) > 86400:
+                shutil.rmtree(old, ignore_errors=True)
+    os.makedirs(d, exist_ok=True)
+    env = multi_device.env(8)
+    for k, args in JOBS.items():
+        base = os.path.join(d, k)
+        with open(base + ".out", "w") as so, open(base + ".err", "w") as se:
+            _STARTED[k] = subprocess.Popen([sys.executable, "-c", _WRAP, base + ".rc", sys.executable, WORKER, *args],
+                                           cwd=ROOT, env=env, stdout=so, stderr=se, start_new_session=True)
+
+
+def finish_jobs(interrupted: bool) -> None:
+    """End of this process's session: jobs it started are waited for (another xdist worker may be
+    reading them), or ended when the run was interrupted; without xdist their directory is removed."""
+    for p in _STARTED.values():
+        if p.poll() is None and interrupted:
+            os.killpg(p.pid, signal.SIGTERM)
+        p.wait()
+    if _DIR and "PYTEST_XDIST_WORKER" not in os.environ:
+        shutil.rmtree(_DIR[0], ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def worker_results():
-    env = multi_device.env(8)
-    # All four at once. One after another they took 898 and 995 s in two CI runs on the 2-core host
-    # (874 s at once in session 8), with one core idle at the end of the suite, so no gain.
-    procs = {k: subprocess.Popen([sys.executable, WORKER, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True) for k, args in JOBS.items()}
+    d = _job_dir()
+    if not os.path.exists(os.path.join(d, next(iter(JOBS)) + ".out")):
+        start_jobs(force=True)  # not started at collection (e.g. the module imported another way)
+    deadline = time.monotonic() + 3600  # they share the 2 cores with the rest of the suite
     out = {}
-    for k, p in procs.items():
-        so, se = p.communicate(timeout=1200)
-        if p.returncode:
-            raise AssertionError(f"sharding worker {k} failed ({p.returncode}):\n{se[-4000:]}")
-        out[k] = [json.loads(line) for line in so.splitlines() if line.startswith("{")]
+    for k in JOBS:
+        base = os.path.join(d, k)
+        while not os.path.exists(base + ".rc"):
+            assert time.monotonic() < deadline, f"sharding worker {k} did not finish"
+            time.sleep(1.0)
+        rc = int(pathlib.Path(base + ".rc").read_text())
+        so, se = pathlib.Path(base + ".out").read_text(), pathlib.Path(base + ".err").read_text()
+        if rc:
+            raise AssertionError(f"sharding worker {k} failed ({rc}):\n{se[-4000:]}")
+        out.setdefault(k.split(":")[0], []).extend(json.loads(line) for line in so.splitlines() if line.startswith("{"))
     return out
 
 
