@@ -40,6 +40,8 @@ def pytest_collection_finish(session):
     """Start test_sharding.py's multi-device subprocesses right after collection (only when one of
     its worker_results tests is selected), so they run beside the whole suite instead of from the
     point where xdist reaches that module (they then held the suite's last minutes)."""
+    if session.config.option.collectonly or session.config.option.setupplan:
+        return
     for item in session.items:
         if "worker_results" in getattr(item, "fixturenames", ()):
             item.module.start_jobs()
