@@ -61,6 +61,19 @@ def test_pack_unpack_round_trip():
     np.testing.assert_array_equal(np.asarray(unpack_nibbles(pack_nibbles(codes))), np.asarray(codes))
 
 
+def test_e8m0_decode_every_byte():
+    """Every e8m0 byte decodes to ml_dtypes' float8_e8m0fnu value: 2**(b - 127), byte 0 the subnormal
+    2**-127 (not 0), byte 255 NaN; from uint8 bytes and from float8_e8m0fnu alike."""
+    b = np.arange(256, dtype=np.uint8)
+    want = b.view(jnp.float8_e8m0fnu).astype(np.float32)
+    for x in (jnp.asarray(b), jnp.asarray(b).view(jnp.float8_e8m0fnu)):
+        got = np.asarray(jax.jit(e8m0_decode)(x))
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got[:255], want[:255])
+        assert np.isnan(got[255]) and np.isnan(want[255])
+    assert np.asarray(e8m0_decode(jnp.asarray([0], jnp.uint8)))[0] == 2.0**-127 > 0
+
+
 @pytest.mark.parametrize("k", [-3, 0, 4])
 def test_fp8_power_of_two_amax_gives_exact_scale(k):
     # amax = 448 * 2**k -> scale 2**k, so the max element is exactly 448 in e4m3
