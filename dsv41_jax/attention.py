@@ -130,9 +130,14 @@ def scatter_rows(store, idx, rows):
     return jax.tree.map(put, store, rows)
 
 
+def _window_positions(positions, window: int):
+    """[..., W] positions t-W+1..t of the window keys of each query position t."""
+    return positions[..., None] - window + 1 + jnp.arange(window, dtype=jnp.int32)
+
+
 def window_indices(positions, pos0, window: int):
     """[B,S,W] indices into concat(ring[W], chunk[S]) of the window keys of each query."""
-    a = positions[..., None] - window + 1 + jnp.arange(window, dtype=jnp.int32)  # key positions
+    a = _window_positions(positions, window)
     slot = jnp.where(a >= pos0[:, None, None], window + a - pos0[:, None, None], jnp.mod(a, window))
     return jnp.where(a >= 0, slot, -1).astype(jnp.int32)
 
@@ -140,7 +145,7 @@ def window_indices(positions, pos0, window: int):
 def ring_window_indices(positions, window: int):
     """[B,1,W] indices into the ring itself of the window keys of one query per row, once its own
     token is in the ring (:func:`write_ring_token`): positions t-W+1..t in slots position % W."""
-    a = positions[..., None] - window + 1 + jnp.arange(window, dtype=jnp.int32)  # key positions
+    a = _window_positions(positions, window)
     return jnp.where(a >= 0, jnp.mod(a, window), -1).astype(jnp.int32)
 
 

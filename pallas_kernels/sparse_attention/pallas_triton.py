@@ -306,6 +306,16 @@ def _combine_kernel(acc_ref, m_ref, l_ref, sink_ref, o_ref, *, num_splits: int):
     o_ref[...] = (o * inv[:, None]).astype(o_ref.dtype)
 
 
+def _xla_combine(acc, m, l, sink):
+    """The same merge as :func:`combine_splits`, in XLA (float32 result)."""
+    mx = jnp.max(m, axis=1)  # [rows, hp]
+    mxs = jnp.where(mx == _NEG_INF, 0.0, mx)
+    w = jnp.exp(m - mxs[:, None, :])  # exp(-inf) = 0 for empty splits
+    den = jnp.sum(w * l, axis=1) + jnp.exp(sink[None, :] - mxs)
+    inv = jnp.where(mx == _NEG_INF, 0.0, 1.0 / den)
+    return jnp.einsum("rph,rphd->rhd", w, acc, precision=jax.lax.Precision.HIGHEST) * inv[..., None]
+
+
 def combine_reason(num_splits: int, heads: int, d: int) -> str | None:
     """Why the Pallas combine cannot merge these partials (None: it can)."""
     if not _is_pow2(num_splits):
@@ -465,14 +475,7 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     if split_out and combine == "pallas" and combine_reason(num_splits, hp, d) is None:
         out = combine_splits(*out, sinkf, q.dtype, interpret=interpret)
     elif split_out:
-        acc, m, l = out
-        mx = jnp.max(m, axis=1)  # [rows, hp]
-        mxs = jnp.where(mx == _NEG_INF, 0.0, mx)
-        w = jnp.exp(m - mxs[:, None, :])  # exp(-inf) = 0 for empty splits
-        den = jnp.sum(w * l, axis=1) + jnp.exp(sinkf[None, :] - mxs)
-        inv = jnp.where(mx == _NEG_INF, 0.0, 1.0 / den)
-        o = jnp.einsum("rph,rphd->rhd", w, acc, precision=jax.lax.Precision.HIGHEST) * inv[..., None]
-        out = o.astype(q.dtype)
+        out = _xla_combine(*out, sinkf).astype(q.dtype)
     return out[:, :h].reshape(b, s, h, d)
 
 

@@ -90,15 +90,6 @@ def test_column_split_interpret(d_split, quant, dtype, num_splits):
 
 
 
-def _xla_combine(acc, m, l, sink):
-    mx = jnp.max(m, axis=1)
-    mxs = jnp.where(mx == -jnp.inf, 0.0, mx)
-    w = jnp.exp(m - mxs[:, None, :])
-    den = jnp.sum(w * l, axis=1) + jnp.exp(sink[None, :] - mxs)
-    inv = jnp.where(mx == -jnp.inf, 0.0, 1.0 / den)
-    return jnp.einsum("rph,rphd->rhd", w, acc, precision=jax.lax.Precision.HIGHEST) * inv[..., None]
-
-
 @pytest.mark.parametrize("rows,nsp,h,d", [(2, 16, 64, 512), (3, 4, 16, 64), (1, 2, 8, 32)])
 def test_pallas_combine_equals_the_xla_combine(rows, nsp, h, d):
     """The Pallas combine merges random partials like the XLA combine (f32 to summation order; bf16
@@ -111,7 +102,7 @@ def test_pallas_combine_equals_the_xla_combine(rows, nsp, h, d):
     m, l = jnp.where(empty, -jnp.inf, m), jnp.where(empty, 0.0, l)
     acc = jnp.where(empty[..., None], 0.0, acc)
     sink = jax.random.normal(k[3], (h,), jnp.float32)
-    want = np.asarray(_xla_combine(acc, m, l, sink))
+    want = np.asarray(pallas_triton._xla_combine(acc, m, l, sink))  # the op's XLA combine
     got = np.asarray(jax.jit(lambda *a: pallas_triton.combine_splits(*a, jnp.float32, interpret=True))(acc, m, l, sink))
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
     assert np.all(got[0, 0] == 0.0)
