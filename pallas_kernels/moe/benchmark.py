@@ -12,6 +12,7 @@ experts touched in that rep) x 3 x (5120 x 2304 / 2 + scales) bytes / 4.8 TB/s, 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -21,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.moe import pallas_triton, reference
-from pallas_kernels.benchmarking import HBM_BYTES_PER_S, device_time_op, fmt_us, log, max_rel_err, random_fp4, time_op
+from pallas_kernels.benchmarking import (HBM_BYTES_PER_S, device_time_op, fmt_us, log, max_rel_err, random_fp4,
+                                         random_fp8, time_op)
 
 E, I, D, TOPK = 384, 2304, 5120, 6
 LIMIT = 10.0
@@ -33,21 +35,62 @@ def frac_off(y, yr, rel: float = 0.01) -> float:
     return float(np.mean(np.abs(y - yr) > rel * float(np.max(np.abs(yr)))))
 
 
+# Input construction: each helper is one jitted program per shape (the same values as the eager
+# jax.random calls; eager, every jax.random call compiled its own program per shape: ~10 s of the
+# interpret-mode tests' time). Shapes and the module constants they read (E, D, TOPK: the tests patch
+# them) are static arguments.
+_random_fp4 = jax.jit(random_fp4, static_argnums=1)
+_random_fp8 = jax.jit(random_fp8, static_argnums=(1, 2, 3, 4))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _normal(key, shape, dtype):
+    return jax.random.normal(key, shape, dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _routing(key, n, experts, topk):
+    k1, k2 = jax.random.split(key)
+    idx = jnp.argsort(jax.random.uniform(k1, (n, experts)), axis=1)[:, :topk].astype(jnp.int32)
+    w = jax.random.uniform(k2, (n, topk), jnp.float32, 0.05, 0.5)
+    return w, idx
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _topk_routing(kr, n, experts, topk):
+    """Indices from ``uniform(kr)``, weights from ``uniform(fold_in(kr, 1))`` (the checks' routing)."""
+    idx = jnp.argsort(jax.random.uniform(kr, (n, experts)), axis=1)[:, :topk].astype(jnp.int32)
+    w = jax.random.uniform(jax.random.fold_in(kr, 1), (n, topk), jnp.float32, 0.05, 0.5)
+    return idx, w
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _fp8_experts(kk, e, r, cc):
+    """FP8 experts (32x32 blocks) from random e4m3 data and e8m0 scales 2^-15..2^-8, one key for both."""
+    from dsv41_jax.quant import Fp8Tensor
+
+    d8 = (jax.random.normal(kk, (e, r, cc), jnp.float32) * 64).astype(jnp.float8_e4m3fn)
+    s8 = jax.random.randint(kk, (e, r // 32, cc // 32), 112, 120).astype(jnp.uint8)
+    return Fp8Tensor(data=d8, scale=jax.lax.bitcast_convert_type(s8, jnp.float8_e8m0fnu), block=(32, 32))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _plain_experts(kk, e, r, cc):
+    return (jax.random.normal(kk, (e, r, cc), jnp.float32) / np.sqrt(cc)).astype(jnp.bfloat16)
+
+
 def routing(key, n, experts=None):
     """Random top-TOPK routing of ``n`` tokens over ``experts`` (default E) experts: (weights, indices)."""
-    k1, k2 = jax.random.split(key)
-    idx = jnp.argsort(jax.random.uniform(k1, (n, experts or E)), axis=1)[:, :TOPK].astype(jnp.int32)
-    w = jax.random.uniform(k2, (n, TOPK), jnp.float32, 0.05, 0.5)
-    return w, idx
+    return _routing(key, n, experts or E, TOPK)
 
 
 def run(quick=False, out_dir=None, tune=False):
     rows = []
     key = jax.random.PRNGKey(1)
     k1, k2, k3, key = jax.random.split(key, 4)
-    w1 = random_fp4(k1, (E, I, D))
-    w2 = random_fp4(k2, (E, D, I))
-    w3 = random_fp4(k3, (E, I, D))
+    w1 = _random_fp4(k1, (E, I, D))
+    w2 = _random_fp4(k2, (E, D, I))
+    w3 = _random_fp4(k3, (E, I, D))
     expert_bytes = sum(int(t.data[0].size + t.scale[0].size) for t in (w1, w2, w3))
     log(f"# MoE benchmark (MXFP4 experts E={E} I={I} D={D} top-{TOPK}): {jax.devices()[0].device_kind}, "
         f"jax {jax.__version__}; bytes per expert {expert_bytes / 1e6:.2f} MB")
@@ -61,7 +104,7 @@ def run(quick=False, out_dir=None, tune=False):
         for r in range(reps[1]):
             kr = jax.random.fold_in(key, 1000 * n + r)
             w, idx = routing(kr, n)
-            x = jax.random.normal(jax.random.fold_in(kr, 7), (n, D), jnp.bfloat16)
+            x = _normal(jax.random.fold_in(kr, 7), (n, D), jnp.bfloat16)
             args.append((x, w, idx))
             touched.append(len(np.unique(np.asarray(idx))))
         floor = float(np.mean(touched)) * expert_bytes / HBM_BYTES_PER_S
@@ -90,7 +133,7 @@ def run(quick=False, out_dir=None, tune=False):
             for r in range(5):
                 kr = jax.random.fold_in(key, 777 * n + r)
                 w, idx = routing(kr, n)
-                args.append((jax.random.normal(jax.random.fold_in(kr, 7), (n, D), jnp.bfloat16), w, idx))
+                args.append((_normal(jax.random.fold_in(kr, 7), (n, D), jnp.bfloat16), w, idx))
             yr = jax.jit(lambda x, w, idx, a, b, c: reference.moe_experts(x, w, idx, a, b, c, swiglu_limit=LIMIT))(
                 *args[0], w1, w2, w3)
             for cfg in cfgs:
@@ -191,8 +234,8 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
     experts = experts or E
     key = jax.random.PRNGKey(11)
     k1, k2, k3 = jax.random.split(key, 3)
-    w1, w2, w3 = (random_fp4(k1, (experts, I, D)), random_fp4(k2, (experts, D, I)),
-                  random_fp4(k3, (experts, I, D)))
+    w1, w2, w3 = (_random_fp4(k1, (experts, I, D)), _random_fp4(k2, (experts, D, I)),
+                  _random_fp4(k3, (experts, I, D)))
     expert_bytes = sum(int(t.data[0].size + t.scale[0].size) for t in (w1, w2, w3))
     rows, summary = [], []
     log(f"# MoE fma sweep (MXFP4 E={experts} I={I} D={D} top-{TOPK}), {jax.devices()[0].device_kind}, "
@@ -202,7 +245,7 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
         for r in range(5):
             kr = jax.random.fold_in(key, 991 * n + r)
             w, idx = routing(kr, n, experts)
-            args.append((jax.random.normal(jax.random.fold_in(kr, 7), (n, D), jnp.bfloat16), w, idx))
+            args.append((_normal(jax.random.fold_in(kr, 7), (n, D), jnp.bfloat16), w, idx))
             touched.append(len(np.unique(np.asarray(idx))))
         floor = float(np.mean(touched)) * expert_bytes / HBM_BYTES_PER_S
         yr = jax.jit(lambda x, w, idx, a, b, c: reference.moe_experts(x, w, idx, a, b, c, swiglu_limit=LIMIT))(
@@ -262,15 +305,15 @@ def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int
     diagnostic of how much of the time the MXFP4 decode costs, not a model path)."""
     key = jax.random.PRNGKey(23)
     k1, k2, k3, k4 = jax.random.split(key, 4)
-    w1, w2, w3 = random_fp4(k1, (experts, I, D)), random_fp4(k2, (experts, D, I)), random_fp4(k3, (experts, I, D))
+    w1, w2, w3 = _random_fp4(k1, (experts, I, D)), _random_fp4(k2, (experts, D, I)), _random_fp4(k3, (experts, I, D))
     args = []
     for r in range(reps):
         kr = jax.random.fold_in(k4, r)
         w, idx = routing(kr, tokens, experts)
-        args.append((jax.random.normal(jax.random.fold_in(kr, 2), (tokens, D), jnp.bfloat16), w, idx))
+        args.append((_normal(jax.random.fold_in(kr, 2), (tokens, D), jnp.bfloat16), w, idx))
     flops = 2 * tokens * TOPK * 3 * I * D
-    a = [(jax.random.normal(jax.random.fold_in(k4, 100 + r), (tokens, D), jnp.bfloat16),
-          jax.random.normal(jax.random.fold_in(k4, 200 + r), (D, 2 * I), jnp.bfloat16)) for r in range(reps)]
+    a = [(_normal(jax.random.fold_in(k4, 100 + r), (tokens, D), jnp.bfloat16),
+          _normal(jax.random.fold_in(k4, 200 + r), (D, 2 * I), jnp.bfloat16)) for r in range(reps)]
     t_mm = device_time_op(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32), a, reps=reps)
     ceiling = 2 * tokens * D * 2 * I / t_mm
     log(f"# MoE prefill sweep: {tokens} tokens, {experts} MXFP4 experts (I={I} D={D} top-{TOPK}), "
@@ -340,16 +383,14 @@ def check():
     """Correctness only at the real expert shapes (MXFP4 at 1/8/64/300 tokens, FP8 at 8 tokens; then
     V4's act_block 128 and FP8 128x128 experts, :func:`check_v4`): rel err <= 8e-3 and at most 0.1%
     of elements off by more than 1% of max|y|."""
-    from dsv41_jax.quant import Fp8Tensor
-
     ok = True
     key = jax.random.PRNGKey(3)
     k1, k2, k3 = jax.random.split(key, 3)
-    sets = [("mxfp4", random_fp4(k1, (E, I, D)), random_fp4(k2, (E, D, I)), random_fp4(k3, (E, I, D)), (1, 8, 64, 300))]
+    sets = [("mxfp4", _random_fp4(k1, (E, I, D)), _random_fp4(k2, (E, D, I)), _random_fp4(k3, (E, I, D)), (1, 8, 64, 300))]
     for label, a, b, c, ns in sets:
         for n in ns:
             w, idx = routing(jax.random.fold_in(key, n), n)
-            x = jax.random.normal(jax.random.fold_in(key, 99 + n), (n, D), jnp.bfloat16)
+            x = _normal(jax.random.fold_in(key, 99 + n), (n, D), jnp.bfloat16)
             ok &= check_case(label, x, w, idx, a, b, c)
         # prefill blocking (128-token blocks: ~256 rows per expert, the 4096-token prefill over 96
         # experts): bf16 rounding-order flips move a few elements, so up to 1% may differ by > 1%
@@ -361,23 +402,17 @@ def check():
         # both sides use XLA's functions, is checked to 1e-5 (tests/pallas_kernels/test_moe.py).
         ne, n = min(96, E), CHECK_PREFILL_TOKENS
         e96 = jax.tree.map(lambda t: t[:ne], (a, b, c))
-        kr = jax.random.fold_in(key, n)
-        idx = jnp.argsort(jax.random.uniform(kr, (n, ne)), axis=1)[:, :TOPK].astype(jnp.int32)
-        w = jax.random.uniform(jax.random.fold_in(kr, 1), (n, TOPK), jnp.float32, 0.05, 0.5)
-        x = jax.random.normal(jax.random.fold_in(key, 99 + n), (n, D), jnp.float32)
+        idx, w = _topk_routing(jax.random.fold_in(key, n), n, ne, TOPK)
+        x = _normal(jax.random.fold_in(key, 99 + n), (n, D), jnp.float32)
         ok &= check_case(f"{label} 96 experts (prefill blocking) bf16", x.astype(jnp.bfloat16), w, idx, *e96,
                          frac_limit=1e-2)
         ok &= check_case(f"{label} 96 experts (prefill blocking) f32", x, w, idx, *e96, frac_limit=0.0)
     del sets
     # FP8 experts (the format of the reference's FP8 fallback), built from random e4m3 data
-    def fp8(kk, e, r, cc):
-        d8 = (jax.random.normal(kk, (e, r, cc), jnp.float32) * 64).astype(jnp.float8_e4m3fn)
-        s8 = jax.random.randint(kk, (e, r // 32, cc // 32), 112, 120).astype(jnp.uint8)
-        return Fp8Tensor(data=d8, scale=jax.lax.bitcast_convert_type(s8, jnp.float8_e8m0fnu), block=(32, 32))
-    a, b, c = fp8(k1, E, I, D), fp8(k2, E, D, I), fp8(k3, E, I, D)
+    a, b, c = _fp8_experts(k1, E, I, D), _fp8_experts(k2, E, D, I), _fp8_experts(k3, E, I, D)
     n = 8
     w, idx = routing(jax.random.fold_in(key, 7), n)
-    x = jax.random.normal(key, (n, D), jnp.bfloat16)
+    x = _normal(key, (n, D), jnp.bfloat16)
     ok &= check_case("fp8", x, w, idx, a, b, c, frac_limit=1.0)
     del a, b, c
     ok &= check_v4(key)
@@ -392,20 +427,17 @@ def check_v4(key):
     """V4's formats, not yet run on a GPU: MXFP4 experts with act_block 128 at the V4-Flash shape
     (1/8/64/300 tokens) and FP8 128x128 experts (the Flash-Base layout with e8m0 scales) at 8 tokens;
     same criteria as :func:`check`."""
-    from pallas_kernels.benchmarking import random_fp8
-
     ok = True
     e4, i4, d4 = V4_SHAPE
     k1, k2, k3 = jax.random.split(jax.random.fold_in(key, 4), 3)
-    sets = [("v4 mxfp4 act128", lambda kk, r, c: random_fp4(kk, (e4, r, c)), (1, 8, 64, 300)),
-            ("v4 fp8-128", lambda kk, r, c: random_fp8(kk, r, c, 128, lead=(e4,)), (8,))]
+    sets = [("v4 mxfp4 act128", lambda kk, r, c: _random_fp4(kk, (e4, r, c)), (1, 8, 64, 300)),
+            ("v4 fp8-128", lambda kk, r, c: _random_fp8(kk, r, c, 128, (e4,)), (8,))]
     for label, mk, ns in sets:
         a, b, c = mk(k1, i4, d4), mk(k2, d4, i4), mk(k3, i4, d4)
         for n in ns:
             kr = jax.random.fold_in(key, 500 + n)
-            idx = jnp.argsort(jax.random.uniform(kr, (n, e4)), axis=1)[:, :TOPK].astype(jnp.int32)
-            w = jax.random.uniform(jax.random.fold_in(kr, 1), (n, TOPK), jnp.float32, 0.05, 0.5)
-            x = jax.random.normal(jax.random.fold_in(kr, 2), (n, d4), jnp.bfloat16)
+            idx, w = _topk_routing(kr, n, e4, TOPK)
+            x = _normal(jax.random.fold_in(kr, 2), (n, d4), jnp.bfloat16)
             ok &= check_case(label, x, w, idx, a, b, c, act_block=128)
         del a, b, c
     return ok
@@ -422,32 +454,25 @@ def debug(n_exp=16, interpret=False, formats=("fp8", "mxfp4", "bf16"), sizes=(1,
 
 
 def _debug(n_exp, interpret, formats, sizes):
-    from dsv41_jax.quant import Fp8Tensor, act_quant
+    from dsv41_jax.quant import act_quant
     from pallas_kernels.quantized_matmul.reference import quantized_matmul as qref
 
     key = jax.random.PRNGKey(3)
     k1, k2, k3, key = jax.random.split(key, 4)
-
-    def fp8(kk, e, r, cc):
-        d8 = (jax.random.normal(kk, (e, r, cc), jnp.float32) * 64).astype(jnp.float8_e4m3fn)
-        s8 = jax.random.randint(kk, (e, r // 32, cc // 32), 112, 120).astype(jnp.uint8)
-        return Fp8Tensor(data=d8, scale=jax.lax.bitcast_convert_type(s8, jnp.float8_e8m0fnu), block=(32, 32))
-
-    def plain(kk, e, r, cc):
-        return (jax.random.normal(kk, (e, r, cc), jnp.float32) / np.sqrt(cc)).astype(jnp.bfloat16)
-
-    sets = {"fp8": [fp8(k, n_exp, *s) for k, s in ((k1, (I, D)), (k2, (D, I)), (k3, (I, D)))],
-            "mxfp4": [random_fp4(k, (n_exp, *s)) for k, s in ((k1, (I, D)), (k2, (D, I)), (k3, (I, D)))],
-            "bf16": [plain(k, n_exp, *s) for k, s in ((k1, (I, D)), (k2, (D, I)), (k3, (I, D)))]}
+    builders = {"fp8": lambda k, r, c: _fp8_experts(k, n_exp, r, c),
+                "mxfp4": lambda k, r, c: _random_fp4(k, (n_exp, r, c)),
+                "bf16": lambda k, r, c: _plain_experts(k, n_exp, r, c)}
+    # only the formats asked for are built (each set is a few hundred MB at the real shape)
+    sets = {label: [mk(k, *s) for k, s in ((k1, (I, D)), (k2, (D, I)), (k3, (I, D)))]
+            for label, mk in builders.items() if label in formats}
     results = []
     for label, (a, b, c) in sets.items():
         if label not in formats:
             continue
         for n in sizes:
             kr = jax.random.fold_in(key, n)
-            idx = jnp.argsort(jax.random.uniform(kr, (n, n_exp)), axis=1)[:, :TOPK].astype(jnp.int32)
-            w = jax.random.uniform(jax.random.fold_in(kr, 1), (n, TOPK), jnp.float32, 0.05, 0.5)
-            x = jax.random.normal(jax.random.fold_in(kr, 2), (n, D), jnp.bfloat16)
+            idx, w = _topk_routing(kr, n, n_exp, TOPK)
+            x = _normal(jax.random.fold_in(kr, 2), (n, D), jnp.bfloat16)
             yr = jax.jit(lambda *t: reference.moe_experts(*t, swiglu_limit=LIMIT))(x, w, idx, a, b, c)
             for inside in (True, False):
                 pallas_triton.DEBUG.update(act_quant_in_kernel=inside, return_h=False)
