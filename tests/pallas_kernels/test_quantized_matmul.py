@@ -20,13 +20,39 @@ from pallas_kernels.testing import assert_close as check_close, lower_for
 # output scale for elements near zero).
 
 
-def make_weight(fmt, key, n, k, dtype=jnp.float32):
-    wf = jax.random.normal(key, (n, k), jnp.float32) * 0.05
-    if fmt == "fp8":
-        return quantize_fp8(wf)
-    if fmt == "fp4":
-        return quantize_mxfp4(wf)
-    return wf.astype(dtype)
+# Inputs come from numpy (fresh every run) and the weights are quantized by one jitted program per
+# shape; every kernel and reference call runs as one jitted program. Eager, each of the many small jnp
+# ops of the input builders, the kernels' glue and the references compiled on its own (most of this
+# module's time). Kernel calls get a fresh jax.jit each (``run``): the switches that tests monkeypatch
+# (DECODE_GEMV, FMA_DECODE, SCALE_MODE, ...) and the dispatch context are read at trace time.
+_q8 = jax.jit(quantize_fp8, static_argnames="block")
+_q4 = jax.jit(quantize_mxfp4, static_argnames="block")
+_reference = jax.jit(reference.quantized_matmul, static_argnames=("act_block", "out_dtype"))
+_reference_grouped = jax.jit(reference.grouped_matmul, static_argnames=("groups", "out_dtype"))
+
+
+def run(fn, *args, **kw):
+    """``fn(*args, **kw)`` as one freshly traced jitted program (``kw``: static arguments)."""
+    return jax.jit(lambda *a: fn(*a, **kw))(*args)
+
+
+def activations(rng, shape, dtype):
+    """N(0, 9) activations in ``dtype``; in float32 also spread over many binades (x 2^-20..2^19)."""
+    x = rng.standard_normal(shape, np.float32) * np.float32(3)
+    if np.dtype(dtype) == np.float32:
+        x = x * np.exp2(rng.integers(-20, 20, shape)).astype(np.float32)
+    return jnp.asarray(x.astype(np.dtype(dtype)))
+
+
+def quantized(fmt, wf, block=32):
+    return _q8(jnp.asarray(wf), block=(block, block)) if fmt == "fp8" else _q4(jnp.asarray(wf))
+
+
+def make_weight(fmt, rng, n, k, dtype=jnp.float32):
+    wf = rng.standard_normal((n, k), np.float32) * np.float32(0.05)
+    if fmt in ("fp8", "fp4"):
+        return quantized(fmt, wf)
+    return jnp.asarray(wf.astype(np.dtype(dtype)))
 
 
 @pytest.mark.parametrize("fmt,dtype,m,n,k,decode_gemv", [
@@ -43,33 +69,29 @@ def test_parity_interpret(fmt, dtype, m, n, k, decode_gemv, monkeypatch):
     from pallas_kernels.quantized_matmul import pallas_triton_fma
 
     monkeypatch.setitem(pallas_triton_fma.DECODE_GEMV, "qmm", decode_gemv)
-    seed = np.random.randint(1 << 30)  # fresh inputs every run
-    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
-    x = jax.random.normal(k1, (m, k), dtype) * 3
-    if dtype == jnp.float32:
-        x = x * jnp.exp2(jax.random.randint(k3, (m, k), -20, 20)).astype(dtype)
-    w = make_weight(fmt, k2, n, k, dtype)
-    y = api.quantized_matmul(x, w, implementation="interpret")
-    check_close(y, reference.quantized_matmul(x, w))
+    rng = np.random.default_rng()  # fresh inputs every run
+    x = activations(rng, (m, k), dtype)
+    w = make_weight(fmt, rng, n, k, dtype)
+    y = run(api.quantized_matmul, x, w, implementation="interpret")
+    check_close(y, _reference(x, w))
 
 
 @pytest.mark.parametrize("fmt,mode", [("fp8", "gather"), ("fp8", "mma8"), ("fp4", "view3d")])
 def test_split_k_leading_dims_scale_modes(fmt, mode, monkeypatch):
     monkeypatch.setitem(pallas_triton.SCALE_MODE, fmt, mode)
-    seed = np.random.randint(1 << 30)
-    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-    x = jax.random.normal(k1, (2, 3, 256), jnp.bfloat16)
-    w = make_weight(fmt, k2, 64, 256)
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((2, 3, 256), np.float32).astype(jnp.bfloat16))
+    w = make_weight(fmt, rng, 64, 256)
     # 2 N blocks x 2 K splits x 2 K steps each, f32 output
-    y = pallas_triton.quantized_matmul(x, w, out_dtype=jnp.float32, interpret=True, config=(16, 32, 64, 2, 4, 3))
-    check_close(y, reference.quantized_matmul(x, w, out_dtype=jnp.float32))
+    y = run(pallas_triton.quantized_matmul, x, w, out_dtype=jnp.float32, interpret=True, config=(16, 32, 64, 2, 4, 3))
+    check_close(y, _reference(x, w, out_dtype=jnp.float32))
 
 
 def test_unsupported_reasons_and_dispatch():
     x = jnp.ones((2, 256), jnp.bfloat16)
-    w_bad_n = quantize_fp8(jnp.ones((48, 256)))
+    w_bad_n = _q8(jnp.ones((48, 256)))
     assert "multiple of 32" in pallas_triton.unsupported_reason(x, w_bad_n)
-    w = quantize_fp8(jnp.ones((64, 256)))
+    w = _q8(jnp.ones((64, 256)))
     assert "act_block" in pallas_triton.unsupported_reason(x, w, act_block=128)
     assert "K=" in pallas_triton.unsupported_reason(jnp.ones((2, 128), jnp.bfloat16), w)
     assert pallas_triton.unsupported_reason(x, w) is None
@@ -78,9 +100,8 @@ def test_unsupported_reasons_and_dispatch():
         api.quantized_matmul(x, w_bad_n, implementation="interpret")
     # not explicit (context / env / auto): falls back to the reference
     with dispatch.use_implementation("interpret"):
-        y = api.quantized_matmul(x, w_bad_n)
-    np.testing.assert_array_equal(np.asarray(y, np.float32),
-                                  np.asarray(reference.quantized_matmul(x, w_bad_n), np.float32))
+        y = run(api.quantized_matmul, x, w_bad_n)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(_reference(x, w_bad_n), np.float32))
 
 
 PROJECTIONS = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wkv", 512, 5120), ("wo_b", 5120, 8192),
@@ -125,16 +146,19 @@ def test_cross_lowering_fp4_and_plain(target):
 
 def test_auto_gate_on_gpu(monkeypatch):
     """Plain 'auto' on a GPU keeps the reference for paths not yet verified on an H200."""
+    x = jnp.ones((2, 256), jnp.bfloat16)
+    w4, w8 = _q4(jnp.ones((64, 256))), _q8(jnp.ones((64, 256)))
+    yr = _reference(x, w4)
     monkeypatch.delenv("DSV41_KERNELS", raising=False)
     monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
     assert dispatch.resolve(None) == "pallas"
-    x = jnp.ones((2, 256), jnp.bfloat16)
-    w4 = quantize_mxfp4(jnp.ones((64, 256)))
     assert pallas_triton.auto_reason(x, w4) is not None
-    assert pallas_triton.auto_reason(jnp.ones((65, 256), jnp.bfloat16), quantize_fp8(jnp.ones((64, 256)))) is not None
-    assert pallas_triton.auto_reason(x, quantize_fp8(jnp.ones((64, 256)))) is None
-    y = api.quantized_matmul(x, w4)  # would need a GPU if it took the Pallas path
-    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(reference.quantized_matmul(x, w4), np.float32))
+    assert pallas_triton.auto_reason(jnp.ones((65, 256), jnp.bfloat16), w8) is not None
+    assert pallas_triton.auto_reason(x, w8) is None
+    txt = str(jax.make_jaxpr(api.quantized_matmul)(x, w4))  # the reference: no kernel in the program
+    assert "pallas_call" not in txt
+    y = run(api.quantized_matmul, x, w4)  # would need a GPU if it took the Pallas path
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(yr, np.float32))
 
 
 @pytest.mark.parametrize("target", ["cuda", "rocm"])
@@ -160,22 +184,19 @@ def test_fma_gemv_parity_interpret(fmt, dtype, m, n, k, block, via, monkeypatch)
     from pallas_kernels.quantized_matmul.pallas_triton_fma import default_config
 
     monkeypatch.setattr(pallas_triton_fma, "FMA_DECODE", {"fp4": via, "fp8": via})
-    seed = np.random.randint(1 << 30)
-    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
-    x = jax.random.normal(k1, (m, k), dtype) * 3
-    if dtype == jnp.float32:
-        x = x * jnp.exp2(jax.random.randint(k3, (m, k), -20, 20)).astype(dtype)
-    wf = jax.random.normal(k2, (n, k), jnp.float32) * 0.05
-    w = quantize_fp8(wf, (block, block)) if fmt == "fp8" else quantize_mxfp4(wf)
+    rng = np.random.default_rng()
+    x = activations(rng, (m, k), dtype)
+    w = quantized(fmt, rng.standard_normal((n, k), np.float32) * np.float32(0.05), block)
+    yr = _reference(x, w, act_block=block)
     base = default_config(m, n, k, w)
     ran = 0
     for cfg in (base, base[:3] + (2,) + base[4:], base[:4] + (2, 3)):
         try:
-            y = pallas_triton.quantized_matmul(x, w, act_block=block, interpret=True, config=cfg)
+            y = run(pallas_triton.quantized_matmul, x, w, act_block=block, interpret=True, config=cfg)
         except ValueError as e:  # a split that does not divide this K
             assert "must split" in str(e)
             continue
-        check_close(y, reference.quantized_matmul(x, w, act_block=block))
+        check_close(y, yr)
         ran += 1
     assert ran >= 2
 
@@ -293,12 +314,12 @@ def test_fma_default_falls_back_where_it_cannot_run(monkeypatch):
     monkeypatch.setitem(fma.DECODE_GEMV, "qmm", "fma")
     monkeypatch.setattr(fma, "default_config", lambda m, n, k, w: ("fma", 64, 1, 1, 4, 3))
     rng = np.random.default_rng()
-    w = quantize_fp8(jnp.asarray(rng.normal(size=(64, 256)) * 0.05, jnp.float32))
+    w = _q8(jnp.asarray(rng.normal(size=(64, 256)) * 0.05, jnp.float32))
     assert "bn=64" in fma.unsupported_reason(1, w, fma.default_config(1, 64, 256, w))
     x = jnp.asarray(rng.normal(size=(2, 256)), jnp.float32)
     txt = str(jax.make_jaxpr(lambda x, w: pallas_triton.quantized_matmul(x, w, interpret=True))(x, w))
     assert "qmm_fp8" in txt and "qmm_fma" not in txt
-    check_close(pallas_triton.quantized_matmul(x, w, interpret=True), reference.quantized_matmul(x, w))
+    check_close(run(pallas_triton.quantized_matmul, x, w, interpret=True), _reference(x, w))
 
 
 @pytest.mark.parametrize("fmt,dtype,m,ns,k,block", [
@@ -310,22 +331,17 @@ def test_fma_multi_gemv_parity_interpret(fmt, dtype, m, ns, k, block):
     w3) equals one reference call per weight, every element of every output, with and without split K."""
     from pallas_kernels.quantized_matmul.pallas_triton_fma import default_config
 
-    seed = np.random.randint(1 << 30)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(ns) + 2)
-    x = jax.random.normal(keys[0], (1, m, k), dtype) * 3
-    if dtype == jnp.float32:
-        x = x * jnp.exp2(jax.random.randint(keys[1], (1, m, k), -20, 20)).astype(dtype)
-    ws = []
-    for kk, n in zip(keys[2:], ns):
-        wf = jax.random.normal(kk, (n, k), jnp.float32) * 0.05
-        ws.append(quantize_fp8(wf, (block, block)) if fmt == "fp8" else quantize_mxfp4(wf))
+    rng = np.random.default_rng()
+    x = activations(rng, (1, m, k), dtype)
+    ws = [quantized(fmt, rng.standard_normal((n, k), np.float32) * np.float32(0.05), block) for n in ns]
+    yrs = [_reference(x, w, act_block=block) for w in ws]
     base = pallas_triton.fused_gemv_config(x, ws, act_block=block)
     assert base == default_config(m, ns, k, ws[0])
     for cfg in (base, base[:3] + (1,) + base[4:]):
-        ys = pallas_triton.quantized_matmul_multi(x, ws, act_block=block, interpret=True, config=cfg)
+        ys = run(pallas_triton.quantized_matmul_multi, x, ws, act_block=block, interpret=True, config=cfg)
         assert [y.shape for y in ys] == [(1, m, n) for n in ns]
-        for y, w in zip(ys, ws):
-            check_close(y, reference.quantized_matmul(x, w, act_block=block))
+        for y, yr in zip(ys, yrs):
+            check_close(y, yr)
             assert y.dtype == x.dtype
 
 
@@ -339,9 +355,9 @@ def test_multi_gemv_dispatch(monkeypatch):
     monkeypatch.setitem(fma.DECODE_GEMV, "qmm", "fma")
     rng = np.random.default_rng()
     x = jnp.asarray(rng.normal(size=(2, 256)), jnp.float32)
-    w1 = quantize_fp8(jnp.asarray(rng.normal(size=(64, 256)) * 0.05, jnp.float32))
-    w2 = quantize_fp8(jnp.asarray(rng.normal(size=(96, 256)) * 0.05, jnp.float32))
-    w_other_k = quantize_fp8(jnp.asarray(rng.normal(size=(64, 512)) * 0.05, jnp.float32))
+    w1 = _q8(jnp.asarray(rng.normal(size=(64, 256)) * 0.05, jnp.float32))
+    w2 = _q8(jnp.asarray(rng.normal(size=(96, 256)) * 0.05, jnp.float32))
+    w_other_k = _q8(jnp.asarray(rng.normal(size=(64, 512)) * 0.05, jnp.float32))
     plain = jnp.asarray(rng.normal(size=(64, 256)) * 0.05, jnp.float32)
 
     def kernels(fn, *a):
@@ -351,9 +367,9 @@ def test_multi_gemv_dispatch(monkeypatch):
     with dispatch.use_implementation("interpret"):
         n, txt = kernels(lambda x, a, b: api.quantized_matmul_multi(x, [a, b]), x, w1, w2)
         assert n == 1 and "qmm_fma_fp8_x2" in txt
-        ys = api.quantized_matmul_multi(x, [w1, w2])
+        ys = run(api.quantized_matmul_multi, x, [w1, w2])
         for y, w in zip(ys, (w1, w2)):
-            check_close(y, reference.quantized_matmul(x, w))
+            check_close(y, _reference(x, w))
         assert pallas_triton.fused_gemv_config(x, [w1, plain]) is None
         assert pallas_triton.fused_gemv_config(jnp.zeros((8, 256)), [w1, w2]) is None  # > 4 rows
         assert "does not share" in fma.multi_reason(2, [w1, w_other_k], fma.default_config(2, (64, 64), 256, w1))
@@ -369,8 +385,8 @@ def test_multi_gemv_dispatch(monkeypatch):
     with dispatch.use_implementation("reference"):
         n, _ = kernels(lambda x, a, b: api.quantized_matmul_multi(x, [a, b]), x, w1, w2)
         assert n == 0
-        for y, w in zip(api.quantized_matmul_multi(x, [w1, w2]), (w1, w2)):
-            np.testing.assert_array_equal(np.asarray(y), np.asarray(reference.quantized_matmul(x, w)))
+        for y, w in zip(run(api.quantized_matmul_multi, x, [w1, w2]), (w1, w2)):
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(_reference(x, w)))
 
 
 @pytest.mark.parametrize("target", ["cuda", "rocm"])
@@ -412,23 +428,22 @@ def test_grouped_gemv_parity_interpret(fmt, dtype, lead, groups, n, k, block, vi
     from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
 
     monkeypatch.setattr(fma, "FMA_DECODE", {"fp4": via, "fp8": via})
-    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(np.random.randint(1 << 30)), 3)
-    x = jax.random.normal(k1, (*lead, groups, k), dtype) * 3
-    if dtype == jnp.float32:  # values over many binades: no fake-quant may creep in
-        x = x * jnp.exp2(jax.random.randint(k3, x.shape, -20, 20)).astype(dtype)
-    wf = jax.random.normal(k2, (groups * n, k), jnp.float32) * 0.05
-    w = quantize_fp8(wf, (block, block)) if fmt == "fp8" else quantize_mxfp4(wf)
-    ref = reference.grouped_matmul(x, w, groups=groups)
+    rng = np.random.default_rng()
+    x = activations(rng, (*lead, groups, k), dtype)  # f32: values over many binades: no fake-quant may creep in
+    w = quantized(fmt, rng.standard_normal((groups * n, k), np.float32) * np.float32(0.05), block)
+    ref = _reference_grouped(x, w, groups=groups)
     assert ref.shape == (*lead, groups, n) and ref.dtype == dtype
     m = int(np.prod(lead))
     base = fma.grouped_config(m, w, groups)
     for cfg in (base, base[:3] + (1,) + base[4:]):  # default (split K) and one K part
-        y = pallas_triton.grouped_matmul(x, w, groups=groups, interpret=True, config=cfg)
+        y = run(pallas_triton.grouped_matmul, x, w, groups=groups, interpret=True, config=cfg)
         assert y.shape == ref.shape and y.dtype == dtype
         check_close(y, ref)
     # the groups are not mixed up: each group's output depends on its own rows only
-    x2 = x.at[..., 0, :].multiply(-1.0)
-    y2 = pallas_triton.grouped_matmul(x2, w, groups=groups, interpret=True)
+    x2 = np.array(x)
+    x2[..., 0, :] *= -1
+    y2 = np.asarray(run(pallas_triton.grouped_matmul, jnp.asarray(x2), w, groups=groups, interpret=True))
+    ref = np.asarray(ref)
     check_close(y2[..., 1:, :], ref[..., 1:, :])
     check_close(y2[..., 0, :], -ref[..., 0, :])
 
@@ -437,17 +452,17 @@ def test_grouped_gemv_dispatch_and_reasons():
     """api.grouped_matmul: the kernel for quantized weights up to 8 rows per group, the reference for
     more rows and plain weights (identical values there); clear reasons for shapes it cannot take."""
     rng = np.random.default_rng()
-    w = quantize_fp8(jnp.asarray(rng.normal(size=(4 * 64, 256)) * 0.05, jnp.float32))
-    x = jnp.asarray(rng.normal(size=(1, 2, 4, 256)), jnp.bfloat16)
+    w = _q8(jnp.asarray(rng.normal(size=(4 * 64, 256)) * 0.05, jnp.float32))
+    x = jnp.asarray(rng.normal(size=(1, 2, 4, 256)).astype(jnp.bfloat16))
     count = lambda fn, *a: str(jax.make_jaxpr(fn)(*a)).count("pallas_call")  # noqa: E731
     with dispatch.use_implementation("interpret"):
         assert count(lambda x, w: api.grouped_matmul(x, w, groups=4), x, w) == 1
-        check_close(api.grouped_matmul(x, w, groups=4), reference.grouped_matmul(x, w, groups=4))
+        check_close(run(api.grouped_matmul, x, w, groups=4), _reference_grouped(x, w, groups=4))
         x9 = jnp.asarray(rng.normal(size=(9, 4, 256)), jnp.float32)  # 9 rows: the reference
         assert count(lambda x, w: api.grouped_matmul(x, w, groups=4), x9, w) == 0
-        plain = w.dequantize(jnp.float32)
-        np.testing.assert_array_equal(np.asarray(api.grouped_matmul(x9, plain, groups=4)),
-                                      np.asarray(reference.grouped_matmul(x9, plain, groups=4)))
+        plain = run(lambda w: w.dequantize(jnp.float32), w)
+        np.testing.assert_array_equal(np.asarray(run(api.grouped_matmul, x9, plain, groups=4)),
+                                      np.asarray(_reference_grouped(x9, plain, groups=4)))
     with pytest.raises(ValueError, match=r"x must be \[\.\.\., 4, 256\]"):
         api.grouped_matmul(x[..., :128], w, groups=4, implementation="interpret")
     with pytest.raises(ValueError, match="do not split into 3 groups"):
