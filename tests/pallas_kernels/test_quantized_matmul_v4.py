@@ -27,14 +27,28 @@ B = 128  # V4's FP8 weight block and activation block
 # bf16 rtol 2^-7, f32 rtol 1e-5, plus an absolute term relative to max|y| for elements near zero.
 
 
-def make_weight(key, n, k, block=B):
+# Inputs come from numpy (fresh every run) and the weights are quantized by one jitted program per
+# shape; kernel and reference calls run as one jitted program each (eager, every small jnp op of the
+# builders, the kernels' glue and the reference compiled on its own). Kernel calls get a fresh jax.jit
+# each (``run``): SCALE_MODE (monkeypatched) and the dispatch context are read at trace time.
+_q8 = jax.jit(quantize_fp8, static_argnames="block")
+_q4 = jax.jit(quantize_mxfp4, static_argnames="block")
+_reference = jax.jit(reference.quantized_matmul, static_argnames=("act_block", "out_dtype"))
+
+
+def run(fn, *args, **kw):
+    """``fn(*args, **kw)`` as one freshly traced jitted program (``kw``: static arguments)."""
+    return jax.jit(lambda *a: fn(*a, **kw))(*args)
+
+
+def make_weight(seed, n, k, block=B):
     """Random weight whose 128x128 blocks span many binades (a per-block factor 2^-6..2^6), so a scale
-    read from the wrong block row or column changes the result by a power of two."""
-    k1, k2 = jax.random.split(key)
-    wf = jax.random.normal(k1, (n, k), jnp.float32) * 0.05
-    e = jax.random.randint(k2, (-(-n // block), -(-k // block)), -6, 7)
-    f = jnp.exp2(jnp.repeat(jnp.repeat(e, block, 0), block, 1)[:n, :k].astype(jnp.float32))
-    return quantize_fp8(wf * f, (block, block))
+    read from the wrong block row or column changes the result by a power of two. ``seed`` None: fresh."""
+    rng = np.random.default_rng(seed)
+    wf = rng.standard_normal((n, k), np.float32) * np.float32(0.05)
+    e = rng.integers(-6, 7, (-(-n // block), -(-k // block)))
+    f = np.exp2(np.repeat(np.repeat(e, block, 0), block, 1)[:n, :k].astype(np.float32))
+    return _q8(jnp.asarray(wf * f), block=(block, block))
 
 
 # V4-Flash projections scaled down by 8-32 (K and N multiples of 128): wq_a [1024, 4096] -> [256, 512],
@@ -51,15 +65,15 @@ def test_parity_interpret_fp8_128(m, n, k, dtype):
     """GEMV (M = 1, 8, 64: 16/16/64-row tiles, 64-row weight tiles inside one 128-row block, K tiles
     of 128-256 = 1-2 block columns, split-K) and tiled (M = 256: 128x128 output tiles, K stepped 64,
     i.e. half a block column per step). The f32 cases spread x over many binades too."""
-    seed = np.random.randint(1 << 30)  # fresh inputs every run
-    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
-    x = jax.random.normal(k1, (m, k), dtype) * 3
+    rng = np.random.default_rng()  # fresh inputs every run
+    x = rng.standard_normal((m, k), np.float32) * np.float32(3)
     if dtype == jnp.float32:
-        x = x * jnp.exp2(jax.random.randint(k3, (m, k), -20, 20)).astype(dtype)
-    w = make_weight(k2, n, k)
+        x = x * np.exp2(rng.integers(-20, 20, (m, k))).astype(np.float32)
+    x = jnp.asarray(x.astype(np.dtype(dtype)))
+    w = make_weight(None, n, k)
     assert pallas_triton.unsupported_reason(x, w, act_block=B) is None
-    y = api.quantized_matmul(x, w, act_block=B, implementation="interpret")
-    check_close(y, reference.quantized_matmul(x, w, act_block=B))
+    y = run(api.quantized_matmul, x, w, act_block=B, implementation="interpret")
+    check_close(y, _reference(x, w, act_block=B))
 
 
 def test_configs_cover_both_scale_tilings():
@@ -81,81 +95,79 @@ def test_scale_modes_split_k_leading_dims(mode, monkeypatch):
     """Explicit configs: 32-row tiles with 2 K splits of 2 steps of 64 (both K tiles inside one block
     column), and 256-row tiles with K tiles of 256 (two block columns); leading dims, f32 output."""
     monkeypatch.setitem(pallas_triton.SCALE_MODE, "fp8", mode)
-    seed = np.random.randint(1 << 30)
-    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-    x = jax.random.normal(k1, (2, 3, 512), jnp.bfloat16)
-    w = make_weight(k2, 384, 512)
-    yr = reference.quantized_matmul(x, w, act_block=B, out_dtype=jnp.float32)
+    x = jnp.asarray(np.random.default_rng().standard_normal((2, 3, 512), np.float32).astype(jnp.bfloat16))
+    w = make_weight(None, 384, 512)
+    yr = _reference(x, w, act_block=B, out_dtype=jnp.float32)
     for cfg in [(16, 32, 64, 2, 4, 3), (16, 128, 256, 1, 4, 3), (16, 256, 128, 2, 4, 3)]:
         if 384 % cfg[1]:
             continue
-        y = pallas_triton.quantized_matmul(x, w, act_block=B, out_dtype=jnp.float32, interpret=True, config=cfg)
+        y = run(pallas_triton.quantized_matmul, x, w, act_block=B, out_dtype=jnp.float32, interpret=True, config=cfg)
         check_close(y, yr)
 
 
 def test_unsupported_reasons_and_dispatch():
     x = jnp.ones((2, 256), jnp.bfloat16)
-    w = make_weight(jax.random.PRNGKey(0), 128, 256)
+    w = make_weight(0, 128, 256)
     assert pallas_triton.unsupported_reason(x, w, act_block=B) is None
     # act_block must equal the weight block (the only pairings in the checkpoints)
     r = pallas_triton.unsupported_reason(x, w, act_block=32)
     assert "act_block must equal the FP8 weight block (128" in r
     assert "act_block must equal the FP8 weight block (32" in pallas_triton.unsupported_reason(
-        x, quantize_fp8(jnp.ones((128, 256))), act_block=B)
+        x, _q8(jnp.ones((128, 256))), act_block=B)
     # K not a multiple of the 128 activation block
-    w_k = quantize_fp8(jnp.ones((128, 192)), (B, B))
+    w_k = _q8(jnp.ones((128, 192)), block=(B, B))
     assert "multiple of the activation block 128" in pallas_triton.unsupported_reason(jnp.ones((1, 192)), w_k, act_block=B)
     # N not a multiple of 32 (the smallest row tile)
-    w_n = quantize_fp8(jnp.ones((48, 256)), (B, B))
+    w_n = _q8(jnp.ones((48, 256)), block=(B, B))
     assert "multiple of 32" in pallas_triton.unsupported_reason(x, w_n, act_block=B)
     # other block shapes
     assert "(32, 32) (V4.1) or (128, 128) (V4)" in pallas_triton.unsupported_reason(
-        x, quantize_fp8(jnp.ones((128, 256)), (64, 64)), act_block=64)
+        x, _q8(jnp.ones((128, 256)), block=(64, 64)), act_block=64)
     assert "(32, 32) (V4.1) or (128, 128) (V4)" in pallas_triton.unsupported_reason(
-        x, quantize_fp8(jnp.ones((128, 256)), (1, 128)), act_block=B)
+        x, _q8(jnp.ones((128, 256)), block=(1, 128)), act_block=B)
     # scale array inconsistent with the block
     bad = Fp8Tensor(w.data, w.scale[:, :1], (B, B))
     assert "does not match 128x128 blocks" in pallas_triton.unsupported_reason(x, bad, act_block=B)
     # MXFP4 takes V4's act_block 128 too (the act-quant is an XLA op before the kernel)
-    assert pallas_triton.unsupported_reason(x, quantize_mxfp4(jnp.ones((64, 256))), act_block=B) is None
-    assert "act_block must be 32 (V4.1) or 128 (V4)" in pallas_triton.unsupported_reason(
-        x, quantize_mxfp4(jnp.ones((64, 256))), act_block=64)
+    w4 = _q4(jnp.ones((64, 256)))
+    assert pallas_triton.unsupported_reason(x, w4, act_block=B) is None
+    assert "act_block must be 32 (V4.1) or 128 (V4)" in pallas_triton.unsupported_reason(x, w4, act_block=64)
     # explicit implementation raises the reason; context / env fall back to the reference
     with pytest.raises(ValueError, match="cannot run this shape.*multiple of 32"):
         api.quantized_matmul(x, w_n, act_block=B, implementation="interpret")
     with dispatch.use_implementation("interpret"):
-        y = api.quantized_matmul(x, w_n, act_block=B)
-    np.testing.assert_array_equal(np.asarray(y, np.float32),
-                                  np.asarray(reference.quantized_matmul(x, w_n, act_block=B), np.float32))
+        y = run(api.quantized_matmul, x, w_n, act_block=B)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(_reference(x, w_n, act_block=B), np.float32))
 
 
 def test_mma8_rejects_128_blocks(monkeypatch):
     monkeypatch.setitem(pallas_triton.SCALE_MODE, "fp8", "mma8")
     x = jnp.ones((2, 256), jnp.bfloat16)
-    r = pallas_triton.unsupported_reason(x, make_weight(jax.random.PRNGKey(0), 128, 256), act_block=B)
+    w = make_weight(0, 128, 256)
+    r = pallas_triton.unsupported_reason(x, w, act_block=B)
     assert "'mma8'" in r and "only 32x32" in r
     with pytest.raises(ValueError, match="mma8"):
-        pallas_triton.quantized_matmul(x, make_weight(jax.random.PRNGKey(0), 128, 256), act_block=B, interpret=True)
-    assert pallas_triton.unsupported_reason(x, quantize_fp8(jnp.ones((128, 256)))) is None  # 32x32 still allowed
+        pallas_triton.quantized_matmul(x, w, act_block=B, interpret=True)
+    assert pallas_triton.unsupported_reason(x, _q8(jnp.ones((128, 256)))) is None  # 32x32 still allowed
 
 
 def test_auto_gate_on_gpu_takes_the_gemv_for_128(monkeypatch):
     """V4's 128x128 GEMV passed --check on an H200 (session 3): plain 'auto' on a GPU takes it at
     decode sizes and keeps the reference for the (untimed) tiled prefill configuration."""
+    x = jnp.ones((2, 256), jnp.bfloat16)
+    w = make_weight(1, 128, 256)
+    yr = _reference(jnp.ones((65, 256), jnp.bfloat16), w, act_block=B)
     monkeypatch.delenv("DSV41_KERNELS", raising=False)
     monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
     assert dispatch.resolve(None) == "pallas"
-    x = jnp.ones((2, 256), jnp.bfloat16)
-    w = make_weight(jax.random.PRNGKey(1), 128, 256)
     assert pallas_triton.auto_reason(x, w) is None
     assert "tiled" in pallas_triton.auto_reason(jnp.ones((65, 256), jnp.bfloat16), w)
     seen = []
     monkeypatch.setattr(pallas_triton, "quantized_matmul", lambda x, w, **k: seen.append(k.get("act_block")) or "kernel")
     assert api.quantized_matmul(x, w, act_block=B) == "kernel"
     assert seen == [B]
-    y = api.quantized_matmul(jnp.ones((65, 256), jnp.bfloat16), w, act_block=B)  # prefill size: the reference
-    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(
-        reference.quantized_matmul(jnp.ones((65, 256), jnp.bfloat16), w, act_block=B), np.float32))
+    y = run(api.quantized_matmul, jnp.ones((65, 256), jnp.bfloat16), w, act_block=B)  # prefill size: the reference
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(yr, np.float32))
 
 
 S = jax.ShapeDtypeStruct
