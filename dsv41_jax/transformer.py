@@ -16,11 +16,12 @@ The token ids reach the MoE (hash routing in the first ``n_hash_layers`` layers)
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.mhc import hc_collapse, hc_expand, hc_mixes
+from pallas_kernels.mhc import hc_collapse, hc_expand, hc_expand_collapse, hc_mixes
 
 from .attention import attention
 from .config import ModelConfig
@@ -30,6 +31,9 @@ from .moe import moe
 from .options import RunOptions
 
 _HI = jax.lax.Precision.HIGHEST
+# V4.1: each mHC expansion fused with the next site's collapse (hc_expand_collapse; one kernel instead
+# of two per site on a GPU). DSV41_MHC_FUSED_COLLAPSE=off restores separate ops (A/B measurements).
+FUSE_EXPAND_COLLAPSE = os.environ.get("DSV41_MHC_FUSED_COLLAPSE", "on").lower() != "off"
 
 
 def _mixes(p, site, h, cfg):
@@ -47,20 +51,35 @@ def hc_head(h, fn, scale, base, cfg):
     return jnp.sum(w[..., None] * h.astype(jnp.float32), axis=2).astype(h.dtype)
 
 
-def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None, tokens=None):
-    """One layer. h [B,S,hc,D]; pre [B,S,hc] (the previous site's; unused in V4). Returns (h, ffn_pre, ...)."""
+def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None, tokens=None, *,
+          collapsed=None, collapse_next: bool = False):
+    """One layer. h [B,S,hc,D]; pre [B,S,hc] (the previous site's; unused in V4). Returns (h, ffn_pre, ...).
+
+    V4.1 collapses a site's input with the *previous* site's ``pre``, known before the expansion
+    that produces the input runs, so the expansion and the next collapse are one op
+    (:func:`hc_expand_collapse`, one kernel on a GPU): always for the FFN site's input, and for the
+    next layer's attention input when ``collapse_next`` (then the collapse is returned as a fifth
+    element and comes back as ``collapsed``: the layer's input collapse with ``pre``). V4 collapses
+    with the site's own ``pre`` and keeps the separate ops."""
+    fuse = not cfg.is_v4 and FUSE_EXPAND_COLLAPSE
     residual = h
     with jax.named_scope("attn_mhc"):
         attn_pre, attn_post, attn_comb = _mixes(p, "attn", h, cfg)
-        x = norm(hc_collapse(h, attn_pre if cfg.is_v4 else pre), p["attn_norm"], cfg.norm_eps)
+        x = collapsed if collapsed is not None else hc_collapse(h, attn_pre if cfg.is_v4 else pre)
+        x = norm(x, p["attn_norm"], cfg.norm_eps)
     with jax.named_scope("attention"):
         x, cache_layers, shared = attention(p["attn"], x, l, cfg, opts, cache_layers, pos0, lengths, shared)
     with jax.named_scope("attn_mhc"):
-        h = hc_expand(x, residual, attn_post, attn_comb)
+        if fuse:
+            h, x_ffn = hc_expand_collapse(x, residual, attn_post, attn_comb, attn_pre)
+        else:
+            h = hc_expand(x, residual, attn_post, attn_comb)
     residual = h
     with jax.named_scope("ffn_mhc"):
         ffn_pre, ffn_post, ffn_comb = _mixes(p, "ffn", h, cfg)
-        x = norm(hc_collapse(h, ffn_pre if cfg.is_v4 else attn_pre), p["ffn_norm"], cfg.norm_eps)
+        if not fuse:
+            x_ffn = hc_collapse(h, ffn_pre if cfg.is_v4 else attn_pre)
+        x = norm(x_ffn, p["ffn_norm"], cfg.norm_eps)
     with jax.named_scope("moe"):
         if aux is not None:
             x, routing = moe(p["ffn"], x, l, cfg, return_routing=True, tokens=tokens)
@@ -69,6 +88,9 @@ def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None
         else:
             x = moe(p["ffn"], x, l, cfg, tokens=tokens)
     with jax.named_scope("ffn_mhc"):
+        if fuse and collapse_next:
+            h, x_next = hc_expand_collapse(x, residual, ffn_post, ffn_comb, ffn_pre)
+            return h, ffn_pre, cache_layers, shared, x_next
         h = hc_expand(x, residual, ffn_post, ffn_comb)
     return h, ffn_pre, cache_layers, shared
 
@@ -122,6 +144,7 @@ def forward_step(params, cache, tokens, lengths, engram_ids=None, engram_rows=No
     cache_layers = dict(cache["layers"])
     shared: dict = {}
     aux: dict | None = {"features": [], "engram_gate": {}} if return_aux else None
+    collapsed = None  # the current layer's attention-input collapse, when the previous layer fused it
     for l in range(cfg.n_layers):
         p = params["layers"][str(l)]
         if l in cfg.engram_layer_ids:
@@ -135,12 +158,17 @@ def forward_step(params, cache, tokens, lengths, engram_ids=None, engram_rows=No
                     aux["engram_gate"][l] = gate
                 else:
                     h = engram(p["engram"], h, rows, cfg)
+            collapsed = None
         if aux is not None:
             if l in cfg.dspark_target_layer_ids:
                 aux["features"].append(jnp.mean(h, axis=2))
             aux.setdefault("pre", {})[l] = pre
-        h, pre, cache_layers, shared = block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux,
-                                             tokens=tokens)
+        # the next collapse fused into this layer's last expansion unless Engram changes h in between
+        nxt = l + 1 not in cfg.engram_layer_ids
+        out = block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux, tokens=tokens,
+                    collapsed=collapsed, collapse_next=nxt)
+        h, pre, cache_layers, shared = out[:4]
+        collapsed = out[4] if len(out) > 4 else None
         if aux is not None:
             aux.setdefault("resid", []).append(h)
             aux.setdefault("pre_out", []).append(pre)
@@ -150,7 +178,7 @@ def forward_step(params, cache, tokens, lengths, engram_ids=None, engram_rows=No
         if cfg.has_hc_head:
             y = hc_head(h, params["hc_head_fn"], params["hc_head_scale"], params["hc_head_base"], cfg)
         else:
-            y = hc_collapse(h, pre)
+            y = collapsed if collapsed is not None else hc_collapse(h, pre)
         logits = lm_logits(y, params["norm"], params["head"], lengths, cfg, logits_mode)
     new_cache = {"pos": pos0 + lengths, "layers": cache_layers}
     if return_aux:

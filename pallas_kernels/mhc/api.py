@@ -38,3 +38,13 @@ def hc_expand(f, residual, post, comb, *, implementation=None):
     if kernel is not None:
         return dispatch.call_kernel(kernel.hc_expand, f, residual, post, comb, interpret=interpret)
     return reference.hc_expand(f, residual, post, comb)
+
+
+def hc_expand_collapse(f, residual, post, comb, pre, *, implementation=None):
+    """(hc_expand(f, residual, post, comb), hc_collapse(that, pre)) -- one kernel on a GPU."""
+    kernel, interpret = dispatch.choose("hc_expand_collapse", implementation, _kernel,
+                                        lambda k: k.expand_collapse_reason(f, residual, post, comb, pre),
+                                        lambda k: k.auto_reason("hc_expand_collapse"))
+    if kernel is not None:
+        return dispatch.call_kernel(kernel.hc_expand_collapse, f, residual, post, comb, pre, interpret=interpret)
+    return reference.hc_expand_collapse(f, residual, post, comb, pre)

@@ -124,6 +124,15 @@ def sweep(tokens=(1, 8), reps=5):
             ts = device_time_op(lambda *a, mod=mod: site(mod, *a), args, reps=reps)
             log(f"  T={t} site ({name}): {ts * 1e6:7.2f} us")
             rows.append(dict(op="mhc_site", T=t, impl=name, s=ts))
+        # the expansion followed by the next site's collapse (V4.1), two kernels or one
+        two = lambda x, f, p, fn, s, b: (lambda h: (h, pallas_triton.hc_collapse(h, p)))(  # noqa: E731
+            pallas_triton.hc_expand(f, x, jnp.ones_like(p) * 0.5, jnp.full(p.shape + (HC,), 0.25)))
+        one = lambda x, f, p, fn, s, b: pallas_triton.hc_expand_collapse(  # noqa: E731
+            f, x, jnp.ones_like(p) * 0.5, jnp.full(p.shape + (HC,), 0.25), p)
+        for name, fn_ in (("expand + collapse, two kernels", two), ("hc_expand_collapse, one kernel", one)):
+            ts = device_time_op(fn_, args, reps=reps)
+            log(f"  T={t} {name}: {ts * 1e6:7.2f} us")
+            rows.append(dict(op="expand_collapse", T=t, impl=name, s=ts))
     return rows
 
 
@@ -131,7 +140,7 @@ CHECK_DIMS = (5120, 4096, 7168)  # V4.1-Flash, V4-Flash, V4-Pro hidden sizes
 
 
 def check(dims=CHECK_DIMS, tokens=(1, 8, 64, 300)):
-    """Correctness only (hc_mixes, hc_collapse, hc_expand separately) at T = 1, 8, 64, 300 for
+    """Correctness only (hc_mixes, hc_collapse, hc_expand, hc_expand_collapse) at T = 1, 8, 64, 300 for
     each model width in ``dims``."""
     ok = True
     mix = (2 + HC) * HC
@@ -150,9 +159,13 @@ def check(dims=CHECK_DIMS, tokens=(1, 8, 64, 300)):
             e_col = max_rel_err(jax.jit(pallas_triton.hc_collapse)(x, pre), jax.jit(reference.hc_collapse)(x, pre))
             e_exp = max_rel_err(jax.jit(pallas_triton.hc_expand)(f, x, post, comb),
                                 jax.jit(reference.hc_expand)(f, x, post, comb))
+            hp, yp = jax.jit(pallas_triton.hc_expand_collapse)(f, x, post, comb, pre)
+            hr, yr = jax.jit(reference.hc_expand_collapse)(f, x, post, comb, pre)
+            e_ec = max(max_rel_err(hp, hr), max_rel_err(yp, yr))
             res = [("hc_mixes", e_mix <= 1e-5, f"max abs err {e_mix:.2e}"),
                    ("hc_collapse", e_col <= 8e-3, f"rel err {e_col:.2e}"),
-                   ("hc_expand", e_exp <= 8e-3, f"rel err {e_exp:.2e}")]
+                   ("hc_expand", e_exp <= 8e-3, f"rel err {e_exp:.2e}"),
+                   ("hc_expand_collapse", e_ec <= 8e-3, f"rel err {e_ec:.2e}")]
         except Exception as e:  # noqa: BLE001
             res = [("mhc", False, f"{type(e).__name__}: {str(e)[:200]}")]
         for name, good, msg in res:

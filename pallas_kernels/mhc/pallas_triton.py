@@ -329,3 +329,51 @@ def hc_expand(f, residual, post, comb, *, interpret=False):
     )(f.reshape(t, d), residual.reshape(t, hc, d), post.reshape(t, hc).astype(jnp.float32),
       comb.reshape(t, hc, hc).astype(jnp.float32))
     return y.reshape(*lead, hc, d)
+
+
+def _expand_collapse_kernel(f_ref, r_ref, post_ref, comb_ref, pre_ref, o_ref, y_ref, *, hc):
+    f = f_ref[...].astype(jnp.float32)
+    h = post_ref[...][:, :, None] * f[:, None, :]
+    for j in range(hc):
+        h += comb_ref[:, j, :][:, :, None] * r_ref[:, j, :].astype(jnp.float32)[:, None, :]
+    h = h.astype(o_ref.dtype)
+    o_ref[...] = h
+    # the collapse of the stored (rounded) streams, as hc_collapse would read them back
+    p = pre_ref[...].astype(jnp.float32)
+    y_ref[...] = jnp.sum(h.astype(jnp.float32) * p[:, :, None], axis=1).astype(y_ref.dtype)
+
+
+def expand_collapse_reason(f, residual, post, comb, pre):
+    reason = expand_reason(f, residual, post, comb)
+    if reason is None and pre.shape != post.shape:
+        reason = f"pre {pre.shape} must have the shape of post {post.shape}"
+    return reason
+
+
+def hc_expand_collapse(f, residual, post, comb, pre, *, interpret=False):
+    """(hc_expand(f, residual, post, comb), hc_collapse(of that, pre)) in one kernel: the expanded
+    streams [..., hc, D] in f.dtype and their collapse [..., D] in f.dtype. One launch and no
+    read-back of the streams instead of two kernels."""
+    reason = expand_collapse_reason(f, residual, post, comb, pre)
+    if reason is not None:
+        raise ValueError(f"hc_expand_collapse (pallas): {reason}")
+    lead = residual.shape[:-2]
+    hc, d = residual.shape[-2:]
+    t = math.prod(lead)
+    bt, bd = _rows_block(t, d)
+    h, y = pl.pallas_call(
+        functools.partial(_expand_collapse_kernel, hc=hc),
+        out_shape=(jax.ShapeDtypeStruct((t, hc, d), f.dtype), jax.ShapeDtypeStruct((t, d), f.dtype)),
+        grid=(-(-t // bt), d // bd),
+        in_specs=[pl.BlockSpec((bt, bd), lambda i, j: (i, j)),
+                  pl.BlockSpec((bt, hc, bd), lambda i, j: (i, 0, j)),
+                  pl.BlockSpec((bt, hc), lambda i, j: (i, 0)),
+                  pl.BlockSpec((bt, hc, hc), lambda i, j: (i, 0, 0)),
+                  pl.BlockSpec((bt, hc), lambda i, j: (i, 0))],
+        out_specs=(pl.BlockSpec((bt, hc, bd), lambda i, j: (i, 0, j)), pl.BlockSpec((bt, bd), lambda i, j: (i, j))),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="hc_expand_collapse",
+    )(f.reshape(t, d), residual.reshape(t, hc, d), post.reshape(t, hc).astype(jnp.float32),
+      comb.reshape(t, hc, hc).astype(jnp.float32), pre.reshape(t, hc).astype(jnp.float32))
+    return h.reshape(*lead, hc, d), y.reshape(*lead, d)

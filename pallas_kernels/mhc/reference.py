@@ -50,3 +50,10 @@ def hc_expand(f, residual, post, comb):
         "...jk,...jd->...kd", comb, residual.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
     )
     return y.astype(f.dtype)
+
+
+def hc_expand_collapse(f, residual, post, comb, pre):
+    """(h, y): h = hc_expand(f, residual, post, comb), y = hc_collapse(h, pre) (the next site's
+    collapse of the expanded streams, as stored in f.dtype)."""
+    h = hc_expand(f, residual, post, comb)
+    return h, hc_collapse(h, pre)

@@ -66,6 +66,25 @@ def test_collapse_expand_parity_interpret(t, dtype):
     np.testing.assert_allclose(np.asarray(ye, np.float32), np.asarray(re_, np.float32), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("t,dtype", [(1, jnp.bfloat16), (6, jnp.float32), (16, jnp.bfloat16)])
+def test_expand_collapse_parity_interpret(t, dtype):
+    """The fused expansion + next collapse equals hc_expand then hc_collapse of its (rounded) output;
+    the streams within one output ulp of the reference (as hc_expand), the collapse within one ulp
+    of the reference collapse of the kernel's own streams."""
+    x, fn, scale, base, f = inputs(np.random.randint(1 << 30), t, 256, dtype)
+    pre, post, comb = reference.hc_mixes(x, fn, scale, base, **KW)
+    pre_next = jax.nn.sigmoid(jax.random.normal(jax.random.PRNGKey(np.random.randint(1 << 30)), pre.shape)) + 0.1
+    tol = 2.0**-7 if dtype == jnp.bfloat16 else 2e-6
+    h, y = api.hc_expand_collapse(f, x, post, comb, pre_next, implementation="interpret")
+    hr, yr = reference.hc_expand_collapse(f, x, post, comb, pre_next)
+    assert h.dtype == y.dtype == f.dtype and h.shape == x.shape and y.shape == f.shape
+    np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(hr, np.float32), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(reference.hc_collapse(h, pre_next), np.float32),
+                               rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(yr, np.float32), rtol=2 * tol, atol=2 * tol)
+    assert "pre" in pallas_triton.expand_collapse_reason(f, x, post, comb, pre_next[:, :2])
+
+
 def test_api_routes_and_reasons():
     x, fn, scale, base, _ = inputs(0, 2, 256, jnp.bfloat16)
     assert pallas_triton.unsupported_reason(x, fn) is None
@@ -96,6 +115,10 @@ def test_cross_lowering_real_shapes(target):
         txt = lower_for(target, pallas_triton.hc_expand, S((t, 5120), jnp.bfloat16), S((t, HC, 5120), jnp.bfloat16),
                         S((t, HC), jnp.float32), S((t, HC, HC), jnp.float32)).as_text()
         assert txt.count(name) == 1
+        txt = lower_for(target, pallas_triton.hc_expand_collapse, S((t, 5120), jnp.bfloat16),
+                        S((t, HC, 5120), jnp.bfloat16), S((t, HC), jnp.float32), S((t, HC, HC), jnp.float32),
+                        S((t, HC), jnp.float32)).as_text()
+        assert txt.count(name) == 1
     for cfg in ((1, 128, 160, 1), (1, 128, 80, 2), (1, 256, 40, 1)):  # splits in power-of-two groups
         mix = lambda x, fn, s, b, cfg=cfg: pallas_triton.hc_mixes(x, fn, s, b, config=cfg, **KW)
         txt = lower_for(target, mix, S((1, HC, 5120), jnp.bfloat16), S((24, HC * 5120), jnp.float32),
@@ -111,12 +134,12 @@ def test_benchmark_check_covers_v4_widths_in_interpret_mode(monkeypatch):
     import pallas_kernels.mhc.benchmark as bm
 
     assert set(bm.CHECK_DIMS) == {5120, 4096, 7168}
-    for name in ("hc_mixes", "hc_collapse", "hc_expand"):
+    for name in ("hc_mixes", "hc_collapse", "hc_expand", "hc_expand_collapse"):
         monkeypatch.setattr(bm.pallas_triton, name, functools.partial(getattr(pallas_triton, name), interpret=True))
     lines = []
     monkeypatch.setattr(bm, "log", lambda *a: lines.append(" ".join(map(str, a))))
     assert bm.check(dims=(256,), tokens=(1, 3))
-    assert sum(s.startswith("PASS") and "D=256" in s for s in lines) == 6
+    assert sum(s.startswith("PASS") and "D=256" in s for s in lines) == 8
 
 
 def test_reference_sinkhorn_unrolled_on_gpu(monkeypatch):
