@@ -21,7 +21,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.mhc import hc_collapse, hc_expand, hc_expand_collapse, hc_mixes
+from pallas_kernels.mhc import hc_collapse, hc_expand, hc_expand_collapse, hc_expand_collapse_mixes, hc_mixes
 
 from .attention import attention
 from .config import ModelConfig
@@ -31,8 +31,9 @@ from .moe import moe
 from .options import RunOptions
 
 _HI = jax.lax.Precision.HIGHEST
-# V4.1: each mHC expansion fused with the next site's collapse (hc_expand_collapse; one kernel instead
-# of two per site on a GPU). DSV41_MHC_FUSED_COLLAPSE=off restores separate ops (A/B measurements).
+# V4.1: each mHC expansion fused with the next site's collapse and mixes (hc_expand_collapse_mixes /
+# hc_expand_collapse; fewer kernels per site on a GPU). DSV41_MHC_FUSED_COLLAPSE=off restores the
+# separate ops (A/B measurements).
 FUSE_EXPAND_COLLAPSE = os.environ.get("DSV41_MHC_FUSED_COLLAPSE", "on").lower() != "off"
 
 
@@ -52,32 +53,39 @@ def hc_head(h, fn, scale, base, cfg):
 
 
 def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None, tokens=None, *,
-          collapsed=None, collapse_next: bool = False):
+          entry=None, collapse_next: bool = False, next_p=None):
     """One layer. h [B,S,hc,D]; pre [B,S,hc] (the previous site's; unused in V4). Returns (h, ffn_pre, ...).
 
     V4.1 collapses a site's input with the *previous* site's ``pre``, known before the expansion
-    that produces the input runs, so the expansion and the next collapse are one op
-    (:func:`hc_expand_collapse`, one kernel on a GPU): always for the FFN site's input, and for the
-    next layer's attention input when ``collapse_next`` (then the collapse is returned as a fifth
-    element and comes back as ``collapsed``: the layer's input collapse with ``pre``). V4 collapses
-    with the site's own ``pre`` and keeps the separate ops."""
+    that produces the input runs, so an expansion, the next collapse and the next site's mix
+    coefficients are one op (:func:`hc_expand_collapse_mixes`; on a GPU at decode sizes two kernels
+    instead of four, else :func:`hc_expand_collapse` + :func:`hc_mixes`): always for the FFN site,
+    and for the next layer's attention site when ``collapse_next`` (its mixes too when its params
+    ``next_p`` are given). Then a fifth element ``(collapsed input, mixes or None)`` is returned; it
+    comes back as ``entry`` of the next layer. V4 collapses with the site's own ``pre`` and keeps the
+    separate ops."""
     fuse = not cfg.is_v4 and FUSE_EXPAND_COLLAPSE
+    mix_kw = dict(norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
+    x_in, mixes = entry if entry is not None else (None, None)
     residual = h
     with jax.named_scope("attn_mhc"):
-        attn_pre, attn_post, attn_comb = _mixes(p, "attn", h, cfg)
-        x = collapsed if collapsed is not None else hc_collapse(h, attn_pre if cfg.is_v4 else pre)
+        attn_pre, attn_post, attn_comb = mixes if mixes is not None else _mixes(p, "attn", h, cfg)
+        x = x_in if x_in is not None else hc_collapse(h, attn_pre if cfg.is_v4 else pre)
         x = norm(x, p["attn_norm"], cfg.norm_eps)
     with jax.named_scope("attention"):
         x, cache_layers, shared = attention(p["attn"], x, l, cfg, opts, cache_layers, pos0, lengths, shared)
     with jax.named_scope("attn_mhc"):
         if fuse:
-            h, x_ffn = hc_expand_collapse(x, residual, attn_post, attn_comb, attn_pre)
+            h, x_ffn, ffn_mixes = hc_expand_collapse_mixes(x, residual, attn_post, attn_comb, attn_pre, p["hc_ffn_fn"],
+                                                           p["hc_ffn_scale"], p["hc_ffn_base"], **mix_kw)
         else:
             h = hc_expand(x, residual, attn_post, attn_comb)
     residual = h
     with jax.named_scope("ffn_mhc"):
-        ffn_pre, ffn_post, ffn_comb = _mixes(p, "ffn", h, cfg)
-        if not fuse:
+        if fuse:
+            ffn_pre, ffn_post, ffn_comb = ffn_mixes
+        else:
+            ffn_pre, ffn_post, ffn_comb = _mixes(p, "ffn", h, cfg)
             x_ffn = hc_collapse(h, ffn_pre if cfg.is_v4 else attn_pre)
         x = norm(x_ffn, p["ffn_norm"], cfg.norm_eps)
     with jax.named_scope("moe"):
@@ -88,9 +96,13 @@ def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None
         else:
             x = moe(p["ffn"], x, l, cfg, tokens=tokens)
     with jax.named_scope("ffn_mhc"):
+        if fuse and collapse_next and next_p is not None:
+            h, x_next, next_mixes = hc_expand_collapse_mixes(x, residual, ffn_post, ffn_comb, ffn_pre, next_p["hc_attn_fn"],
+                                                             next_p["hc_attn_scale"], next_p["hc_attn_base"], **mix_kw)
+            return h, ffn_pre, cache_layers, shared, (x_next, next_mixes)
         if fuse and collapse_next:
             h, x_next = hc_expand_collapse(x, residual, ffn_post, ffn_comb, ffn_pre)
-            return h, ffn_pre, cache_layers, shared, x_next
+            return h, ffn_pre, cache_layers, shared, (x_next, None)
         h = hc_expand(x, residual, ffn_post, ffn_comb)
     return h, ffn_pre, cache_layers, shared
 
@@ -144,7 +156,7 @@ def forward_step(params, cache, tokens, lengths, engram_ids=None, engram_rows=No
     cache_layers = dict(cache["layers"])
     shared: dict = {}
     aux: dict | None = {"features": [], "engram_gate": {}} if return_aux else None
-    collapsed = None  # the current layer's attention-input collapse, when the previous layer fused it
+    entry = None  # (attention-input collapse, its mixes or None) when the previous layer fused them
     for l in range(cfg.n_layers):
         p = params["layers"][str(l)]
         if l in cfg.engram_layer_ids:
@@ -158,17 +170,18 @@ def forward_step(params, cache, tokens, lengths, engram_ids=None, engram_rows=No
                     aux["engram_gate"][l] = gate
                 else:
                     h = engram(p["engram"], h, rows, cfg)
-            collapsed = None
+            entry = None
         if aux is not None:
             if l in cfg.dspark_target_layer_ids:
                 aux["features"].append(jnp.mean(h, axis=2))
             aux.setdefault("pre", {})[l] = pre
         # the next collapse fused into this layer's last expansion unless Engram changes h in between
         nxt = l + 1 not in cfg.engram_layer_ids
+        next_p = params["layers"][str(l + 1)] if l + 1 < cfg.n_layers else None
         out = block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux, tokens=tokens,
-                    collapsed=collapsed, collapse_next=nxt)
+                    entry=entry, collapse_next=nxt, next_p=next_p)
         h, pre, cache_layers, shared = out[:4]
-        collapsed = out[4] if len(out) > 4 else None
+        entry = out[4] if len(out) > 4 else None
         if aux is not None:
             aux.setdefault("resid", []).append(h)
             aux.setdefault("pre_out", []).append(pre)
@@ -178,7 +191,7 @@ def forward_step(params, cache, tokens, lengths, engram_ids=None, engram_rows=No
         if cfg.has_hc_head:
             y = hc_head(h, params["hc_head_fn"], params["hc_head_scale"], params["hc_head_base"], cfg)
         else:
-            y = collapsed if collapsed is not None else hc_collapse(h, pre)
+            y = entry[0] if entry is not None else hc_collapse(h, pre)
         logits = lm_logits(y, params["norm"], params["head"], lengths, cfg, logits_mode)
     new_cache = {"pos": pos0 + lengths, "layers": cache_layers}
     if return_aux:

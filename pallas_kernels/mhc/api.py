@@ -48,3 +48,19 @@ def hc_expand_collapse(f, residual, post, comb, pre, *, implementation=None):
     if kernel is not None:
         return dispatch.call_kernel(kernel.hc_expand_collapse, f, residual, post, comb, pre, interpret=interpret)
     return reference.hc_expand_collapse(f, residual, post, comb, pre)
+
+
+def hc_expand_collapse_mixes(f, residual, post, comb, pre, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters,
+                             implementation=None):
+    """(h, y, (pre', post', comb')): :func:`hc_expand_collapse` and the next site's
+    :func:`hc_mixes` of h. At decode sizes one op on a GPU (two kernels instead of four); where
+    that kernel cannot run (prefill sizes, or not chosen), the two ops, each dispatched on its own."""
+    kernel, interpret = dispatch.choose("hc_expand_collapse_mixes", implementation, _kernel,
+                                        lambda k: k.expand_mix_reason(f, residual, post, comb, pre, fn),
+                                        lambda k: k.auto_reason("hc_expand_collapse_mixes"))
+    kw = dict(norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters)
+    if kernel is not None:
+        return dispatch.call_kernel(kernel.hc_expand_collapse_mixes, f, residual, post, comb, pre, fn, scale, base,
+                                    interpret=interpret, **kw)
+    h, y = hc_expand_collapse(f, residual, post, comb, pre, implementation=implementation)
+    return h, y, hc_mixes(h, fn, scale, base, implementation=implementation, **kw)

@@ -129,7 +129,13 @@ def sweep(tokens=(1, 8), reps=5):
             pallas_triton.hc_expand(f, x, jnp.ones_like(p) * 0.5, jnp.full(p.shape + (HC,), 0.25)))
         one = lambda x, f, p, fn, s, b: pallas_triton.hc_expand_collapse(  # noqa: E731
             f, x, jnp.ones_like(p) * 0.5, jnp.full(p.shape + (HC,), 0.25), p)
-        for name, fn_ in (("expand + collapse, two kernels", two), ("hc_expand_collapse, one kernel", one)):
+        mixf = lambda x, f, p, fn, s, b: pallas_triton.hc_expand_collapse_mixes(  # noqa: E731
+            f, x, jnp.ones_like(p) * 0.5, jnp.full(p.shape + (HC,), 0.25), p, fn, s, b, **KW)
+        sep = lambda x, f, p, fn, s, b: (lambda hy: (hy, pallas_triton.hc_mixes(hy[0], fn, s, b, **KW)))(  # noqa: E731
+            one(x, f, p, fn, s, b))
+        for name, fn_ in (("expand + collapse, two kernels", two), ("hc_expand_collapse, one kernel", one),
+                          ("hc_expand_collapse + hc_mixes, three kernels", sep),
+                          ("hc_expand_collapse_mixes, two kernels", mixf)):
             ts = device_time_op(fn_, args, reps=reps)
             log(f"  T={t} {name}: {ts * 1e6:7.2f} us")
             rows.append(dict(op="expand_collapse", T=t, impl=name, s=ts))
@@ -166,6 +172,14 @@ def check(dims=CHECK_DIMS, tokens=(1, 8, 64, 300)):
                    ("hc_collapse", e_col <= 8e-3, f"rel err {e_col:.2e}"),
                    ("hc_expand", e_exp <= 8e-3, f"rel err {e_exp:.2e}"),
                    ("hc_expand_collapse", e_ec <= 8e-3, f"rel err {e_ec:.2e}")]
+            if t <= pallas_triton.MIX_FUSED_MAX_T:  # decode sizes: + the next site's mixes, two kernels
+                fm = lambda *a: pallas_triton.hc_expand_collapse_mixes(*a, **KW)  # noqa: E731
+                h3, y3, m3 = jax.jit(fm)(f, x, post, comb, pre, fn, scale, base)
+                m3r = jax.jit(lambda *a: reference.hc_mixes(*a, **KW))(h3, fn, scale, base)
+                e3 = max(max_rel_err(h3, hp), max_rel_err(y3, yp))
+                e3m = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(m3, m3r))
+                res.append(("hc_expand_collapse_mixes", e3 <= 8e-3 and e3m <= 1e-5,
+                            f"streams/collapse rel err {e3:.2e}, mixes max abs err {e3m:.2e}"))
         except Exception as e:  # noqa: BLE001
             res = [("mhc", False, f"{type(e).__name__}: {str(e)[:200]}")]
         for name, good, msg in res:

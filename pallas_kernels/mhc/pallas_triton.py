@@ -45,8 +45,13 @@ def unsupported_reason(x, fn, *args):
 
 
 def auto_reason(op: str):
-    """Plain 'auto' uses all three kernels: hc_mixes, hc_collapse and hc_expand matched the
-    reference on an H200 at T = 1, 8, 64 and 300 (BENCHMARKS.md, mHC)."""
+    """Plain 'auto' uses hc_mixes, hc_collapse and hc_expand (they matched the reference on an H200
+    at T = 1, 8, 64 and 300; BENCHMARKS.md, mHC) and hc_expand_collapse (the expansion kernel
+    followed by the collapse kernel's operations). hc_expand_collapse_mixes has not run on a GPU:
+    ``DSV41_KERNELS=hc_expand_collapse_mixes=pallas`` selects it (the model then calls one op where
+    it called hc_expand_collapse and hc_mixes)."""
+    if op == "hc_expand_collapse_mixes":
+        return "not yet checked and timed on a GPU (BENCHMARKS.md, mHC)"
     return None
 
 
@@ -377,3 +382,88 @@ def hc_expand_collapse(f, residual, post, comb, pre, *, interpret=False):
     )(f.reshape(t, d), residual.reshape(t, hc, d), post.reshape(t, hc).astype(jnp.float32),
       comb.reshape(t, hc, hc).astype(jnp.float32), pre.reshape(t, hc).astype(jnp.float32))
     return h.reshape(*lead, hc, d), y.reshape(*lead, d)
+
+
+# --------------------------------------------------------------------------------------------------
+# the expansion, the next collapse and the next site's mix coefficients (decode sizes)
+
+MIX_FUSED_MAX_T = 8  # rows: one row per program, as hc_mixes' decode configuration
+MIX_FUSED_BD = 64  # columns of every stream per program: D / 64 programs per row, as many K splits
+
+
+def _expand_mix_kernel(f_ref, r_ref, post_ref, comb_ref, pre_ref, fn_ref, o_ref, y_ref, pa_ref, pb_ref, ps_ref, *,
+                       hc, bd):
+    """Program (t, j): row t, columns [j*bd, +bd) of every stream: the expansion (as
+    :func:`_expand_kernel`), the collapse of the stored streams with ``pre`` (as
+    :func:`_collapse_kernel`), and the next mixes' partial sums over these hc*bd inputs (as
+    :func:`_partial`'s one-row path: exact fp32 products of the stored streams and fn), written as
+    K split j of :func:`_mix_split_kernel`'s inputs."""
+    t = pl.program_id(0)
+    j = pl.program_id(1)
+    row = pl.ds(t, 1)
+    cols = pl.ds(pl.multiple_of(j * bd, bd), bd)
+    f = f_ref[row, cols].astype(jnp.float32)  # [1, bd]
+    h = post_ref[row, :][:, :, None] * f[:, None, :]  # [1, hc, bd]
+    for i in range(hc):
+        h += comb_ref[row, i, :][:, :, None] * r_ref[row, i, cols].astype(jnp.float32)[:, None, :]
+    h = h.astype(o_ref.dtype)
+    o_ref[row, :, cols] = h
+    hf = h.astype(jnp.float32)
+    y_ref[row, cols] = jnp.sum(hf * pre_ref[row, :][:, :, None], axis=1).astype(y_ref.dtype)
+    fa = fn_ref[pl.ds(0, 16), :, cols]  # [16, hc, bd]: pre and post rows
+    fb = fn_ref[pl.ds(2 * hc, hc * hc), :, cols]  # the comb rows
+    a = jnp.sum(jnp.sum(fa * hf, axis=2), axis=1)
+    b = jnp.sum(jnp.sum(fb * hf, axis=2), axis=1)
+    ss = jnp.sum(jnp.sum(hf * hf, axis=2), axis=1)  # [1]
+    pa_ref[pl.ds(j, 1), row, :] = a[None, None, :]
+    pb_ref[pl.ds(j, 1), row, :] = b[None, None, :]
+    ps_ref[pl.ds(j, 1), row] = ss[None, :]
+
+
+def expand_mix_reason(f, residual, post, comb, pre, fn):
+    reason = expand_collapse_reason(f, residual, post, comb, pre) or unsupported_reason(residual, fn)
+    if reason is not None:
+        return reason
+    t = math.prod(residual.shape[:-2])
+    if t > MIX_FUSED_MAX_T:
+        return f"{t} rows: the fused expansion + mixes is for decode sizes (<= {MIX_FUSED_MAX_T} rows)"
+    if residual.shape[-1] % MIX_FUSED_BD:
+        return f"D={residual.shape[-1]} must be a multiple of {MIX_FUSED_BD}"
+    return None
+
+
+def hc_expand_collapse_mixes(f, residual, post, comb, pre, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters,
+                             interpret=False):
+    """(h, y, (pre', post', comb')): h = hc_expand(f, residual, post, comb), y = hc_collapse(h, pre)
+    and the next site's hc_mixes(h, fn, scale, base), in two kernels (the expansion kernel also
+    forms the mixes' split-K partial sums; then hc_mixes' split kernel) instead of four."""
+    reason = expand_mix_reason(f, residual, post, comb, pre, fn)
+    if reason is not None:
+        raise ValueError(f"hc_expand_collapse_mixes (pallas): {reason}")
+    lead = residual.shape[:-2]
+    hc, d = residual.shape[-2:]
+    t = math.prod(lead)
+    bd = MIX_FUSED_BD
+    ns = d // bd
+    f32 = jnp.float32
+    h, y, pa, pb, ps = pl.pallas_call(
+        functools.partial(_expand_mix_kernel, hc=hc, bd=bd),
+        out_shape=(jax.ShapeDtypeStruct((t, hc, d), f.dtype), jax.ShapeDtypeStruct((t, d), f.dtype),
+                   jax.ShapeDtypeStruct((ns, t, 16), f32), jax.ShapeDtypeStruct((ns, t, hc * hc), f32),
+                   jax.ShapeDtypeStruct((ns, t), f32)),
+        grid=(t, ns),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="hc_expand_mix",
+    )(f.reshape(t, d), residual.reshape(t, hc, d), post.reshape(t, hc).astype(f32),
+      comb.reshape(t, hc, hc).astype(f32), pre.reshape(t, hc).astype(f32),
+      fn.astype(f32).reshape(fn.shape[0], hc, d))
+    split_kw = dict(hc=hc, width=hc * d, norm_eps=float(norm_eps), hc_eps=float(hc_eps), iters=int(sinkhorn_iters))
+    pp, c = pl.pallas_call(
+        functools.partial(_mix_split_kernel, bt=1, n_split=ns, split_kw=split_kw),
+        out_shape=(jax.ShapeDtypeStruct((t, 16), f32), jax.ShapeDtypeStruct((t, hc * hc), f32)),
+        grid=(t,), interpret=interpret, name="hc_mixes_split",
+        compiler_params=pltriton.CompilerParams(num_warps=_split_warps(1), num_stages=1),
+    )(pa, pb, ps, scale.astype(f32), base.astype(f32))
+    mixes = (pp[:, :hc].reshape(*lead, hc), pp[:, hc:2 * hc].reshape(*lead, hc), c.reshape(*lead, hc, hc))
+    return h.reshape(*lead, hc, d), y.reshape(*lead, d), mixes

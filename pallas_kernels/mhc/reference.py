@@ -57,3 +57,9 @@ def hc_expand_collapse(f, residual, post, comb, pre):
     collapse of the expanded streams, as stored in f.dtype)."""
     h = hc_expand(f, residual, post, comb)
     return h, hc_collapse(h, pre)
+
+
+def hc_expand_collapse_mixes(f, residual, post, comb, pre, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters):
+    """(h, y, hc_mixes(h, fn, scale, base)) with (h, y) = :func:`hc_expand_collapse`."""
+    h, y = hc_expand_collapse(f, residual, post, comb, pre)
+    return h, y, hc_mixes(h, fn, scale, base, norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters)

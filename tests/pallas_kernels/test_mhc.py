@@ -85,6 +85,36 @@ def test_expand_collapse_parity_interpret(t, dtype):
     assert "pre" in pallas_triton.expand_collapse_reason(f, x, post, comb, pre_next[:, :2])
 
 
+@pytest.mark.parametrize("t,dtype,d", [(1, jnp.bfloat16, 256), (3, jnp.float32, 192), (8, jnp.bfloat16, 128)])
+def test_expand_collapse_mixes_parity_interpret(t, dtype, d):
+    """Expansion + next collapse + the next site's mixes in two kernels: the streams and the
+    collapse equal hc_expand_collapse's (the same operations), the mixes those of hc_mixes on the
+    kernel's own streams within the mixes tolerance (fp32 products, another summation order; D = 192:
+    3 K splits, summed by the split kernel in power-of-two groups)."""
+    x, fn, scale, base, f = inputs(np.random.randint(1 << 30), t, d, dtype)
+    _, post, comb = reference.hc_mixes(x, fn, scale, base, **KW)
+    key = jax.random.PRNGKey(np.random.randint(1 << 30))
+    pre_next = jax.nn.sigmoid(jax.random.normal(key, (t, HC))) + 0.1
+    fn_next = jax.random.normal(jax.random.fold_in(key, 1), fn.shape, jnp.float32) * 0.05
+    h, y, mixes = api.hc_expand_collapse_mixes(f, x, post, comb, pre_next, fn_next, scale, base,
+                                               implementation="interpret", **KW)
+    h2, y2 = pallas_triton.hc_expand_collapse(f, x, post, comb, pre_next, interpret=True)
+    np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(h2, np.float32))
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y2, np.float32))
+    for a, b in zip(mixes, reference.hc_mixes(h, fn_next, scale, base, **KW)):
+        assert a.shape == b.shape and a.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-6)
+    # prefill sizes are refused with the reason; the api then composes the two dispatched ops
+    xl, _, _, _, fl = inputs(1, 9, 128, dtype)
+    pl_ = jnp.full((9, HC), 0.5)
+    cl = jnp.full((9, HC, HC), 0.25)
+    assert "decode sizes" in pallas_triton.expand_mix_reason(fl, xl, pl_, cl, pl_, fn_next[:, : HC * 128])
+    out = api.hc_expand_collapse_mixes(fl, xl, pl_, cl, pl_, fn_next[:, : HC * 128], scale, base, **KW)
+    ref = reference.hc_expand_collapse_mixes(fl, xl, pl_, cl, pl_, fn_next[:, : HC * 128], scale, base, **KW)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_api_routes_and_reasons():
     x, fn, scale, base, _ = inputs(0, 2, 256, jnp.bfloat16)
     assert pallas_triton.unsupported_reason(x, fn) is None
@@ -119,6 +149,12 @@ def test_cross_lowering_real_shapes(target):
                         S((t, HC, 5120), jnp.bfloat16), S((t, HC), jnp.float32), S((t, HC, HC), jnp.float32),
                         S((t, HC), jnp.float32)).as_text()
         assert txt.count(name) == 1
+        if t <= pallas_triton.MIX_FUSED_MAX_T:
+            f = lambda *a: pallas_triton.hc_expand_collapse_mixes(*a, **KW)  # noqa: E731
+            txt = lower_for(target, f, S((t, 5120), jnp.bfloat16), S((t, HC, 5120), jnp.bfloat16),
+                            S((t, HC), jnp.float32), S((t, HC, HC), jnp.float32), S((t, HC), jnp.float32),
+                            S((24, HC * 5120), jnp.float32), S((3,), jnp.float32), S((24,), jnp.float32)).as_text()
+            assert txt.count(name) == 2
     for cfg in ((1, 128, 160, 1), (1, 128, 80, 2), (1, 256, 40, 1)):  # splits in power-of-two groups
         mix = lambda x, fn, s, b, cfg=cfg: pallas_triton.hc_mixes(x, fn, s, b, config=cfg, **KW)
         txt = lower_for(target, mix, S((1, HC, 5120), jnp.bfloat16), S((24, HC * 5120), jnp.float32),
@@ -134,12 +170,12 @@ def test_benchmark_check_covers_v4_widths_in_interpret_mode(monkeypatch):
     import pallas_kernels.mhc.benchmark as bm
 
     assert set(bm.CHECK_DIMS) == {5120, 4096, 7168}
-    for name in ("hc_mixes", "hc_collapse", "hc_expand", "hc_expand_collapse"):
+    for name in ("hc_mixes", "hc_collapse", "hc_expand", "hc_expand_collapse", "hc_expand_collapse_mixes"):
         monkeypatch.setattr(bm.pallas_triton, name, functools.partial(getattr(pallas_triton, name), interpret=True))
     lines = []
     monkeypatch.setattr(bm, "log", lambda *a: lines.append(" ".join(map(str, a))))
     assert bm.check(dims=(256,), tokens=(1, 3))
-    assert sum(s.startswith("PASS") and "D=256" in s for s in lines) == 8
+    assert sum(s.startswith("PASS") and "D=256" in s for s in lines) == 10  # 5 checks at T = 1 and 3 (both decode sizes)
 
 
 def test_reference_sinkhorn_unrolled_on_gpu(monkeypatch):
