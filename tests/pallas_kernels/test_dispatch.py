@@ -17,6 +17,7 @@ def test_parse_kernels_env():
     assert dispatch.parse_kernels_env("auto") == ("auto", {})
     d, per = dispatch.parse_kernels_env("pallas, mhc=reference, moe_experts=interpret")
     assert d == "pallas" and per == {"hc_mixes": "reference", "hc_collapse": "reference", "hc_expand": "reference",
+                                     "hc_expand_collapse": "reference", "hc_expand_collapse_mixes": "reference",
                                      "moe_experts": "interpret"}
     assert dispatch.parse_kernels_env("quantized_matmul=interpret") == ("auto", {"quantized_matmul": "interpret"})
     with pytest.raises(ValueError, match="unknown op 'mlp'"):
