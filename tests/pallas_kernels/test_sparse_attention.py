@@ -35,21 +35,25 @@ def _kernel(q, kv, widx, sink, ck, cidx, scale, **cfg):
     return f(q, kv, widx, sink, ck, cidx)
 
 
-def make_case(key, *, b=2, s=2, h=16, d=64, nw=40, nc=100, kw=20, kc=40, dtype=jnp.bfloat16, quant=True):
-    ks = jax.random.split(key, 7)
-    q = jax.random.normal(ks[0], (b, s, h, d), jnp.float32).astype(dtype)
-    kvf = jax.random.normal(ks[1], (b, nw, d), jnp.float32)
-    ckf = jax.random.normal(ks[2], (b, nc, d), jnp.float32)
-    kv = _q8(kvf) if quant else kvf.astype(dtype)
-    ck = _q4(ckf) if quant else ckf.astype(dtype)
-    widx = jax.random.randint(ks[3], (b, s, kw), -1, nw)  # about 1 in nw picks is -1
-    cidx = jax.random.randint(ks[4], (b, s, kc), -1, nc)
-    widx = jnp.where(jax.random.bernoulli(ks[5], 0.2, widx.shape), -1, widx)  # more -1 padding
+def make_case(seed=None, *, b=2, s=2, h=16, d=64, nw=40, nc=100, kw=20, kc=40, dtype=jnp.bfloat16, quant=True):
+    """Random inputs from numpy (a fixed ``seed`` or fresh ones); the stores quantized by one jitted
+    program each. (jax.random compiled each of its draws on its own: most of a test's time.)"""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((b, s, h, d), np.float32).astype(dtype))  # RNE as XLA's convert
+    kvf = rng.standard_normal((b, nw, d), np.float32)
+    ckf = rng.standard_normal((b, nc, d), np.float32)
+    kv = _q8(jnp.asarray(kvf)) if quant else jnp.asarray(kvf.astype(dtype))
+    ck = _q4(jnp.asarray(ckf)) if quant else jnp.asarray(ckf.astype(dtype))
+    widx = rng.integers(-1, nw, (b, s, kw), dtype=np.int32)  # about 1 in nw picks is -1
+    cidx = rng.integers(-1, nc, (b, s, kc), dtype=np.int32)
+    widx[rng.random(widx.shape) < 0.2] = -1  # more -1 padding
     # row (0, 0): no valid key at all -> output 0; row (1, s-1): compressed picks only
-    widx = widx.at[0, 0].set(-1).at[1, s - 1].set(-1)
-    cidx = cidx.at[0, 0].set(-1)
-    sink = jax.random.normal(ks[6], (h,), jnp.float32)
-    return q, kv, widx, sink, ck, cidx
+    widx[0, 0] = -1
+    if b > 1:
+        widx[1, s - 1] = -1
+    cidx[0, 0] = -1
+    sink = jnp.asarray(rng.standard_normal((h,), np.float32))
+    return q, kv, jnp.asarray(widx), sink, ck, jnp.asarray(cidx)
 
 
 def check_close(o, r):
@@ -64,7 +68,7 @@ def check_close(o, r):
 @pytest.mark.parametrize("quant", [True, False], ids=["fp8win_fp4comp", "plain"])
 def test_parity_interpret(dtype, quant):
     seed = int(quant) * 2 + int(dtype == jnp.float32)
-    q, kv, widx, sink, ck, cidx = make_case(jax.random.PRNGKey(seed), dtype=dtype, quant=quant)
+    q, kv, widx, sink, ck, cidx = make_case(seed, dtype=dtype, quant=quant)
     scale = q.shape[-1] ** -0.5
     r = _ref(q, kv, widx, sink, ck, cidx, scale)
     o = _kernel(q, kv, widx, sink, ck, cidx, scale, block_k=16)
@@ -78,7 +82,7 @@ def test_column_split_interpret(d_split, quant, dtype, num_splits):
     """d_split > 1: each program accumulates D / d_split output columns (logits over all of D): the
     reference's result at the parity tolerance, with and without flash-decoding splits, every
     column block of every head block written (D = 128: blocks of 64 / 32)."""
-    q, kv, widx, sink, ck, cidx = make_case(jax.random.PRNGKey(np.random.randint(1 << 30)), d=128, dtype=dtype,
+    q, kv, widx, sink, ck, cidx = make_case(None, d=128, dtype=dtype,
                                             quant=quant)
     scale = q.shape[-1] ** -0.5
     r = _ref(q, kv, widx, sink, ck, cidx, scale)
@@ -94,15 +98,17 @@ def test_column_split_interpret(d_split, quant, dtype, num_splits):
 def test_pallas_combine_equals_the_xla_combine(rows, nsp, h, d):
     """The Pallas combine merges random partials like the XLA combine (f32 to summation order; bf16
     to one rounding), with empty splits (m = -inf, l = 0) and a row whose splits are all empty (0)."""
-    k = jax.random.split(jax.random.PRNGKey(np.random.randint(1 << 30)), 4)
-    acc = jax.random.normal(k[0], (rows, nsp, h, d), jnp.float32) * 3
-    m = jax.random.normal(k[1], (rows, nsp, h), jnp.float32) * 4
-    l = jax.random.uniform(k[2], (rows, nsp, h), jnp.float32, 0.5, 40.0)
-    empty = jax.random.bernoulli(k[3], 0.3, (rows, nsp, h)).at[0, :, 0].set(True)  # row 0, head 0: no key
-    m, l = jnp.where(empty, -jnp.inf, m), jnp.where(empty, 0.0, l)
-    acc = jnp.where(empty[..., None], 0.0, acc)
-    sink = jax.random.normal(k[3], (h,), jnp.float32)
-    want = np.asarray(pallas_triton._xla_combine(acc, m, l, sink))  # the op's XLA combine
+    rng = np.random.default_rng()  # fresh inputs from numpy (jax.random compiled every draw on its own)
+    acc = rng.standard_normal((rows, nsp, h, d), np.float32) * 3
+    m = rng.standard_normal((rows, nsp, h), np.float32) * 4
+    l = rng.uniform(0.5, 40.0, (rows, nsp, h)).astype(np.float32)
+    empty = rng.random((rows, nsp, h)) < 0.3
+    empty[0, :, 0] = True  # row 0, head 0: no key
+    m, l = np.where(empty, -np.inf, m).astype(np.float32), np.where(empty, 0.0, l).astype(np.float32)
+    acc = np.where(empty[..., None], 0.0, acc).astype(np.float32)
+    sink = rng.standard_normal((h,), np.float32)
+    acc, m, l, sink = (jnp.asarray(a) for a in (acc, m, l, sink))
+    want = np.asarray(jax.jit(pallas_triton._xla_combine)(acc, m, l, sink))  # the op's XLA combine
     got = np.asarray(jax.jit(lambda *a: pallas_triton.combine_splits(*a, jnp.float32, interpret=True))(acc, m, l, sink))
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
     assert np.all(got[0, 0] == 0.0)
@@ -115,7 +121,7 @@ def test_op_with_the_pallas_combine_matches_the_reference():
     """combine="pallas": the whole op (flash-decoding splits merged by the Pallas combine) against the
     reference; a split count that is not a power of two falls back to the XLA combine; a bad name
     is refused."""
-    q, kv, widx, sink, ck, cidx = make_case(jax.random.PRNGKey(np.random.randint(1 << 30)), d=128)
+    q, kv, widx, sink, ck, cidx = make_case(None, d=128)
     scale = q.shape[-1] ** -0.5
     r = _ref(q, kv, widx, sink, ck, cidx, scale)
     o = _kernel(q, kv, widx, sink, ck, cidx, scale, block_k=16, num_splits=2, combine="pallas")
@@ -138,7 +144,7 @@ def test_default_config_splits_columns_only_for_the_smallest_grids():
     # a caller's d_split is kept, with its measured warps (one column block at batch 1: 8 warps, as before)
     assert pallas_triton.default_config(1, 64, 128, 512, "cuda", 512, 1)["num_warps"] == 8
     assert [pallas_triton.default_config(64, 64, 128, 512, "cuda", 512, 4)[k] for k in ("d_split", "num_warps")] == [4, 4]
-    q, kv, widx, sink, ck, cidx = make_case(jax.random.PRNGKey(3), d=128)
+    q, kv, widx, sink, ck, cidx = make_case(3, d=128)
     with pytest.raises(ValueError, match="d_split=0 must divide D=128"):
         _kernel(q, kv, widx, sink, ck, cidx, q.shape[-1] ** -0.5, d_split=0)
 
@@ -146,7 +152,7 @@ def test_default_config_splits_columns_only_for_the_smallest_grids():
 def test_splits_verify_rows_and_window_only():
     """Flash-decoding splits (jnp merge with the sink), S = 6 verify rows, odd list lengths (padding to
     the split granularity), and a window-only call (comp_kv=None)."""
-    q, kv, widx, sink, ck, cidx = make_case(jax.random.PRNGKey(7), b=1, s=6, h=16, kw=37, kc=51)
+    q, kv, widx, sink, ck, cidx = make_case(7, b=1, s=6, h=16, kw=37, kc=51)
     scale = q.shape[-1] ** -0.5
     r = _ref(q, kv, widx, sink, ck, cidx, scale)
     o = _kernel(q, kv, widx, sink, ck, cidx, scale, block_k=16, num_splits=2)
@@ -157,7 +163,7 @@ def test_splits_verify_rows_and_window_only():
 
 
 def test_api_routes_and_reasons():
-    q, kv, widx, sink, ck, cidx = make_case(jax.random.PRNGKey(3), b=1, s=1)
+    q, kv, widx, sink, ck, cidx = make_case(3, b=1, s=1)
     scale = q.shape[-1] ** -0.5
     # auto on CPU = reference; explicit interpret = the kernel; both agree
     r = jax.jit(lambda *a: api.sparse_attention(*a[:4], scale=scale, comp_kv=a[4], comp_idx=a[5]))(
@@ -184,11 +190,11 @@ def test_api_routes_and_reasons():
 def test_auto_keeps_the_reference_with_the_measured_reason(monkeypatch):
     """'auto' on a GPU keeps the XLA reference: batch-1 decode over V4.1's stores was faster as an op but
     slower in the model, more rows slower as an op (session 15); the dispatch passes the stores."""
-    q, kv, widx, sink, ck, cidx = make_case(jax.random.PRNGKey(4), b=1, s=1)
+    q, kv, widx, sink, ck, cidx = make_case(4, b=1, s=1)
     assert "slower in the model" in pallas_triton.auto_reason(q, kv, ck)
-    q8, kv8, widx8, sink8, ck8, cidx8 = make_case(jax.random.PRNGKey(5), b=8, s=1)
+    q8, kv8, widx8, sink8, ck8, cidx8 = make_case(5, b=8, s=1)
     assert "8 query row(s)" in pallas_triton.auto_reason(q8, kv8, ck8)
-    qp, kvp, _, _, ckp, _ = make_case(jax.random.PRNGKey(7), b=1, s=1, quant=False)
+    qp, kvp, _, _, ckp, _ = make_case(7, b=1, s=1, quant=False)
     assert "1 query row(s)" in pallas_triton.auto_reason(qp, kvp, ckp)
     # the dispatch under plain 'auto' as on a GPU (resolved to the kernel in interpret mode)
     from pallas_kernels import dispatch
@@ -259,8 +265,8 @@ def test_reference_bf16_logits_equal_float32_logits():
     """With bf16 q and keys exact in bf16 (FP8 window, FP4 compressed), the reference takes bf16 rows
     and one bf16 dot with fp32 accumulation; the same keys as float32 stores take the fp32 path. The
     two agree within the output's bf16 rounding (the logits differ only in fp32 summation order)."""
-    q, kv, widx, sink, ck, cidx = make_case(jax.random.PRNGKey(np.random.randint(1 << 30)), d=128)
-    kv32, ck32 = kv.dequantize(jnp.float32), ck.dequantize(jnp.float32)
+    q, kv, widx, sink, ck, cidx = make_case(None, d=128)
+    kv32, ck32 = jax.jit(lambda a, b: (a.dequantize(jnp.float32), b.dequantize(jnp.float32)))(kv, ck)
     assert exact_in_bf16(kv) and exact_in_bf16(ck) and not exact_in_bf16(kv32)
     low = _ref(q, kv, widx, sink, ck, cidx, 0.1)
     full = _ref(q, kv32, widx, sink, ck32, cidx, 0.1)
