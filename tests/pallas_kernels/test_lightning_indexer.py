@@ -20,14 +20,15 @@ HIER = dict(select_max=64, tile_n=128, chunk=64)
 PREFILL = dict(select_max=64, tile_n=128, chunk=64, maxima_budget_bytes=0)
 
 
-def margin_case(key, *, b=2, s=3, hi=16, di=64, nc=300, quant=False):
+def margin_case(seed, *, b=2, s=3, hi=16, di=64, nc=300, quant=False):
     """Scores with clear margins: every key is c_j * u for one direction u, with distinct |c_j| on a
     grid of step 1 (shuffled), and every head sees q_h = u; with w >= 0 the score of key j is
     W * relu(c_j) * |u|^2 -- distinct positive scores, ratios >= 4/3 apart. In MXFP4 the magnitudes
     {1, 1.5} x 2^e are exact (one key row = its own 32-blocks and e8m0 scales), so the quantized case
-    keeps the margins."""
-    ks = jax.random.split(key, 5)
-    u = jnp.zeros((di,), jnp.float32).at[: di // 2].set(1.0)
+    keeps the margins. Drawn with numpy (jax.random compiled each draw on its own)."""
+    rng = np.random.default_rng(seed)
+    u = np.zeros((di,), np.float32)
+    u[: di // 2] = 1.0
     if quant:
         # exactly representable, all distinct: {1, 1.5} x 2^e, e in -80..79
         mags = np.sort(np.outer([1.0, 1.5], 2.0 ** np.arange(-80, 80)).ravel())[:nc]
@@ -35,19 +36,30 @@ def margin_case(key, *, b=2, s=3, hi=16, di=64, nc=300, quant=False):
         mags = np.arange(1, nc + 1, dtype=np.float32)
     vals = np.resize(mags, nc).astype(np.float32)
     vals = vals * np.where(np.arange(nc) % 5 == 0, -1.0, 1.0)  # some negatives -> relu 0 (ties at 0)
-    perm = np.asarray(jax.random.permutation(ks[0], nc))
-    c = jnp.asarray(vals[perm])
-    keys = jnp.broadcast_to(c[None, :, None] * u[None, None, :], (b, nc, di))
-    q = jnp.broadcast_to(u, (b, s, hi, di))
-    w = jax.random.uniform(ks[1], (b, s, hi), jnp.float32, 0.1, 1.0)
+    c = vals[rng.permutation(nc)]
+    keys = jnp.asarray(np.broadcast_to(c[None, :, None] * u[None, None, :], (b, nc, di)))
+    q = jnp.asarray(np.broadcast_to(u, (b, s, hi, di)))
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (b, s, hi)).astype(np.float32))
     if quant:
         keys, q = _mx(keys), _mx(q)
-    return q, w, keys, c
+    return q, w, keys, jnp.asarray(c)
+
+
+def _bernoulli(seed, p, shape):
+    return jnp.asarray(np.random.default_rng(seed).random(shape) < p)
 
 
 def _ref(q, w, k, vis, cb, top_k, wbs):
     f = jax.jit(lambda q, w, k, v, c: reference.lightning_indexer(q, w, k, v, top_k=top_k, candidate_blocks=c,
                                                                   want_block_scores=wbs))
+    return f(q, w, k, vis, cb)
+
+
+def _ref_and_scores(q, w, k, vis, cb, top_k, wbs):
+    """The reference's result and its scores (``reference.index_scores``), as one jitted program."""
+    f = jax.jit(lambda q, w, k, v, c: (
+        reference.lightning_indexer(q, w, k, v, top_k=top_k, candidate_blocks=c, want_block_scores=wbs),
+        reference.index_scores(q, w, k, v, candidate_blocks=c)))
     return f(q, w, k, vis, cb)
 
 
@@ -98,29 +110,27 @@ def check_result(o, r, scores, top_k):
 )
 def test_parity_margins(quant, cfg, cand, wbs):
     top_k = 16
-    q, w, k, _ = margin_case(jax.random.PRNGKey(int(quant) + 3 * int(cand)), quant=quant)
+    q, w, k, _ = margin_case(int(quant) + 3 * int(cand), quant=quant)
     b, s, nc = 2, 3, 300
     # visible: all, few (< top_k -> -1 padding), none (all -1), partial
     vis = jnp.array([[nc, 5, 0], [100, 233, nc - 1]], jnp.int32)
-    cb = jax.random.bernoulli(jax.random.PRNGKey(9), 0.6, (b, s, -(-nc // 8))) if cand else None
-    r = _ref(q, w, k, vis, cb, top_k, wbs)
+    cb = _bernoulli(9, 0.6, (b, s, -(-nc // 8))) if cand else None
+    r, scores = _ref_and_scores(q, w, k, vis, cb, top_k, wbs)
     o = _pal(q, w, k, vis, cb, top_k, wbs, cfg)
-    scores = jax.jit(lambda q, w, k, v, c: reference.index_scores(q, w, k, v, candidate_blocks=c))(q, w, k, vis, cb)
     assert check_result(o, r, scores, top_k) >= 3  # rows whose set was compared with the reference
     assert np.all(np.asarray(o.topk)[0, 2] == -1)  # nothing visible
 
 
 def test_random_mxfp4_and_top_k_not_pow2():
     """Fresh random MXFP4 q/k (the real format), top_k = 24 (padded to 32 inside), S = 2."""
-    ks = jax.random.split(jax.random.PRNGKey(11), 3)
+    rng = np.random.default_rng(11)
     b, s, hi, di, nc = 1, 2, 16, 64, 200
-    q = _mx(jax.random.normal(ks[0], (b, s, hi, di)))
-    k = _mx(jax.random.normal(ks[1], (b, nc, di)))
-    w = jax.random.uniform(ks[2], (b, s, hi))
+    q = _mx(jnp.asarray(rng.standard_normal((b, s, hi, di), np.float32)))
+    k = _mx(jnp.asarray(rng.standard_normal((b, nc, di), np.float32)))
+    w = jnp.asarray(rng.random((b, s, hi), np.float32))
     vis = jnp.array([[nc, 150]], jnp.int32)
-    r = _ref(q, w, k, vis, None, 24, True)
+    r, scores = _ref_and_scores(q, w, k, vis, None, 24, True)
     o = _pal(q, w, k, vis, None, 24, True)
-    scores = jax.jit(lambda q, w, k, v: reference.index_scores(q, w, k, v))(q, w, k, vis)
     check_result(o, r, scores, 24)
 
 
@@ -140,12 +150,11 @@ def test_every_fp4_code_block_maxima(s):
 
     q, k = fp4((b, s, hi)), fp4((b, nc))
     w = jnp.asarray(rng.uniform(0.1, 1.0, (b, s, hi)), jnp.float32)
-    vis = jnp.full((b, s), nc, jnp.int32)
-    r = _ref(q, w, k, vis, None, 32, True)
+    vis = jnp.asarray(np.full((b, s), nc, np.int32))
+    r, scores = _ref_and_scores(q, w, k, vis, None, 32, True)
     o = _pal(q, w, k, vis, None, 32, True, cfg=dict(tile_n=128, chunk=64))
     rb, ob = np.asarray(r.block_scores), np.asarray(o.block_scores)
     np.testing.assert_allclose(ob, rb, rtol=1e-5, atol=1e-5 * np.abs(rb[np.isfinite(rb)]).max())
-    scores = jax.jit(lambda q, w, k, v: reference.index_scores(q, w, k, v))(q, w, k, vis)
     check_result(o, r, scores, 32)
 
 
@@ -158,7 +167,7 @@ def test_select_kernel():
 
 
 def test_api_routes_and_reasons():
-    q, w, k, _ = margin_case(jax.random.PRNGKey(5), b=1, s=1, nc=64)
+    q, w, k, _ = margin_case(5, b=1, s=1, nc=64)
     vis = jnp.array([[64]], jnp.int32)
     r = jax.jit(lambda *a: api.lightning_indexer(*a, top_k=8))(q, w, k, vis)
     o = jax.jit(lambda *a: api.lightning_indexer(*a, top_k=8, implementation="interpret"))(q, w, k, vis)
@@ -223,7 +232,8 @@ def test_index_scores_head_groups_equal_per_head_float64(budget, monkeypatch):
     vis = jnp.array([[nc, 150, 7]], jnp.int32)
     from dsv41_jax.quant import dequantize
 
-    qf, kf = np.asarray(dequantize(q, jnp.float32), np.float64), np.asarray(dequantize(k, jnp.float32), np.float64)
+    qf, kf = (np.asarray(a, np.float64) for a in jax.jit(lambda a, b: (dequantize(a, jnp.float32),
+                                                                  dequantize(b, jnp.float32)))(q, k))
     want = np.einsum("bsh,bshn->bsn", np.asarray(w, np.float64),
                      np.maximum(np.einsum("bshd,bnd->bshn", qf, kf), 0.0))
     want = np.where(np.arange(nc)[None, None] < np.asarray(vis)[..., None], want, -np.inf)
@@ -270,8 +280,8 @@ S_PRE = pallas_triton.PREFILL_MIN_ROWS + 32  # 96 query rows: one padded row til
 
 
 def _causal_vis(b, s, nc, ratio=1, offsets=(0, 37)):
-    pos = jnp.arange(s, dtype=jnp.int32)[None, :] + jnp.asarray(offsets[:b], jnp.int32)[:, None]
-    return jnp.minimum((pos + 1) // ratio, nc).astype(jnp.int32)
+    pos = np.arange(s, dtype=np.int32)[None, :] + np.asarray(offsets[:b], np.int32)[:, None]
+    return jnp.asarray(np.minimum((pos + 1) // ratio, nc).astype(np.int32))
 
 
 @pytest.mark.parametrize("quant", [True, False], ids=["mxfp4", "f32"])
@@ -289,7 +299,8 @@ def test_prefill_tile_scores_equal_float64(quant):
     vis = _causal_vis(b, s, nc, ratio=1, offsets=(0, 200))
     from dsv41_jax.quant import dequantize
 
-    qf, kf = np.asarray(dequantize(q, jnp.float32), np.float64), np.asarray(dequantize(k, jnp.float32), np.float64)
+    qf, kf = (np.asarray(a, np.float64) for a in jax.jit(lambda a, b: (dequantize(a, jnp.float32),
+                                                                  dequantize(b, jnp.float32)))(q, k))
     want = np.einsum("bsh,bshn->bsn", np.asarray(w, np.float64), np.maximum(np.einsum("bshd,bnd->bshn", qf, kf), 0))
     want = np.where(np.arange(nc)[None, None] < np.asarray(vis)[..., None], want, -np.inf)
     got = np.asarray(jax.jit(lambda *a: pallas_triton_prefill.index_scores(
@@ -305,13 +316,12 @@ def test_prefill_path_matches_reference(budget):
     """A prefill-sized call (causal visibility, candidate-block mask, block maxima) through the tile
     kernel gives the reference's top-k sets where margins are clear and its block maxima, in one
     block of rows or in blocks of 32 rows under a small score budget (padded last block)."""
-    q, w, k, _ = margin_case(jax.random.PRNGKey(21), b=2, s=S_PRE, nc=300, quant=True)
+    q, w, k, _ = margin_case(21, b=2, s=S_PRE, nc=300, quant=True)
     vis = _causal_vis(2, S_PRE, 300, ratio=2, offsets=(0, 250))
-    cb = jax.random.bernoulli(jax.random.PRNGKey(4), 0.7, (2, S_PRE, -(-300 // 8)))
+    cb = _bernoulli(4, 0.7, (2, S_PRE, -(-300 // 8)))
     cfg = dict(block_s=32, block_n=64) if budget is None else dict(block_s=32, block_n=64, prefill_score_budget=budget)
-    r = _ref(q, w, k, vis, cb, 16, True)
+    r, scores = _ref_and_scores(q, w, k, vis, cb, 16, True)
     o = _pal(q, w, k, vis, cb, 16, True, cfg)
-    scores = jax.jit(lambda q, w, k, v, c: reference.index_scores(q, w, k, v, candidate_blocks=c))(q, w, k, vis, cb)
     assert check_result(o, r, scores, 16) >= S_PRE  # rows whose set was compared with the reference
     if budget is not None:  # the blocked run gives the one-block run's result exactly
         one = _pal(q, w, k, vis, cb, 16, True, dict(block_s=32, block_n=64))
@@ -329,10 +339,11 @@ def test_topk_by_groups_equals_reference_with_ties(seed):
     sc = rng.integers(0, [4, 50, 3, 1000][seed], size=(3, 5, n)).astype(np.float32)
     sc[rng.random(sc.shape) < 0.3] = -np.inf
     sc[0, 0] = -np.inf
-    sc = jnp.asarray(sc)
-    for k in (1, 7, 16, 100):
-        want = jax.jit(lambda x, k=k: reference.topk_ascending(x, k))(sc)
-        got = jax.jit(lambda x, k=k: reference.topk_by_groups(x, k, 8))(sc)
+    ks = (1, 7, 16, 100)
+    # every k's direct and two-level top-k in one jitted program
+    both = jax.jit(lambda x: [(reference.topk_ascending(x, k), reference.topk_by_groups(x, k, 8)) for k in ks])(
+        jnp.asarray(sc))
+    for k, (want, got) in zip(ks, both):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"n={n} k={k}")
 
 
@@ -362,9 +373,9 @@ def test_reference_takes_the_grouped_top_k_above_its_threshold(monkeypatch):
     """Above GROUPED_TOPK_MIN scores per call the reference's top-k runs two-level (measured faster
     on the H200 for long rows); the positions are the direct top-k's, here with ties, -inf entries
     and a candidate-block mask."""
-    q, w, k, _ = margin_case(jax.random.PRNGKey(8), b=2, s=3, nc=300, quant=True)
+    q, w, k, _ = margin_case(8, b=2, s=3, nc=300, quant=True)
     vis = jnp.array([[300, 5, 0], [100, 233, 299]], jnp.int32)
-    cb = jax.random.bernoulli(jax.random.PRNGKey(2), 0.6, (2, 3, -(-300 // 8)))
+    cb = _bernoulli(2, 0.6, (2, 3, -(-300 // 8)))
     direct = _ref(q, w, k, vis, cb, 16, True)
     monkeypatch.setattr(reference, "GROUPED_TOPK_MIN", 1)
     jx = str(jax.make_jaxpr(lambda *a: reference.lightning_indexer(*a, top_k=16, candidate_blocks=cb))(q, w, k, vis))
