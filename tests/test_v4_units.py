@@ -2,6 +2,7 @@
 model.md §4.4, §5.2): the overlapping compressor with ``ape`` under any chunking, the KV storage
 rounding, the Hadamard rotation, hash routing and ``hc_head``."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,6 +15,14 @@ from dsv41_jax.quant.fake_quant import fake_quant_fp8
 from dsv41_jax.transformer import hc_head
 
 CFG = get_preset("v4-flash").replace(dim=32, head_dim=16, rope_head_dim=8, dtype="bf16", expert_dtype=None)
+
+# The units under test as one jitted program each (as in the model): eagerly, each of their jnp ops
+# compiled on its own, most of this module's time.
+_compress = jax.jit(compress, static_argnums=(5, 6, 7), static_argnames="overlap")
+_store = jax.jit(_store_v4, static_argnums=(1, 2, 3))
+_fq8 = jax.jit(fake_quant_fp8, static_argnums=1)
+_route = jax.jit(route, static_argnums=(2, 3))
+_hc_head = jax.jit(hc_head, static_argnums=4)
 
 
 def _compress_ref(x, wkv, wgate, ape, normw, m, overlap, eps):
@@ -51,14 +60,15 @@ def test_compressor_any_chunking_matches_spec(m, overlap):
         p["wkv"]["weight"], p["wgate"]["weight"], p["ape"], p["norm"]["weight"])), m, overlap, 1e-6)
     opts = RunOptions(dtype="float32", kv_cache_dtype="float32")
     lead = m if overlap else 0
-    lc = {"state_kv": jnp.zeros((1, lead + m, C)), "state_score": jnp.full((1, lead + m, C), -jnp.inf)}
+    lc = {"state_kv": jnp.asarray(np.zeros((1, lead + m, C), np.float32)),
+          "state_score": jnp.asarray(np.full((1, lead + m, C), -np.inf, np.float32))}
     got = np.full((T // m, d), np.nan)
     pos = 0
     for n in (3, 1, 9, 4, 7, 2, 11, 8):  # chunks crossing block boundaries at every offset
         chunk = np.zeros((1, 12, D), np.float32)
         chunk[0, :n] = x[pos:pos + n]
-        lat, idx, ok, st = compress(p, jnp.asarray(chunk), lc, jnp.array([pos]), jnp.array([n]), m, CFG, opts,
-                                    overlap=overlap)
+        lat, idx, ok, st = _compress(p, jnp.asarray(chunk), lc, jnp.array([pos]), jnp.array([n]), m, CFG, opts,
+                                     overlap=overlap)
         lc = {**lc, **st}
         for j, v in zip(np.asarray(idx[0]), np.asarray(ok[0])):
             if v:
@@ -71,11 +81,12 @@ def test_compressor_any_chunking_matches_spec(m, overlap):
 def test_kv_storage_rounding():
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((2, 3, 512)) * 3, jnp.float32)
-    ref = _store_v4(x, "window", RunOptions(dtype="float32", kv_cache_dtype="reference"), 64)
-    np.testing.assert_array_equal(np.asarray(ref[..., 448:]), np.asarray(x[..., 448:].astype(jnp.bfloat16), np.float32))
-    np.testing.assert_array_equal(np.asarray(ref[..., :448]), np.asarray(fake_quant_fp8(x[..., :448], 64)))
-    assert not np.array_equal(np.asarray(ref[..., :448]), np.asarray(x[..., :448]))
-    plain = _store_v4(x, "window", RunOptions(dtype="float32", kv_cache_dtype="float32"), 64)
+    ref = np.asarray(_store(x, "window", RunOptions(dtype="float32", kv_cache_dtype="reference"), 64))
+    xn = np.asarray(x)
+    np.testing.assert_array_equal(ref[..., 448:], xn[..., 448:].astype(jnp.bfloat16).astype(np.float32))  # RNE
+    np.testing.assert_array_equal(ref[..., :448], np.asarray(_fq8(jnp.asarray(xn[..., :448]), 64)))
+    assert not np.array_equal(ref[..., :448], xn[..., :448])
+    plain = _store(x, "window", RunOptions(dtype="float32", kv_cache_dtype="float32"), 64)
     np.testing.assert_array_equal(np.asarray(plain), np.asarray(x))
 
 
@@ -107,7 +118,7 @@ def test_hash_routing_uses_tid2eid_and_unbiased_scores():
             "tid2eid": jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(V)]), jnp.int32)}
     x = jnp.asarray(rng.standard_normal((6, D)), jnp.float32)
     toks = jnp.asarray([0, 5, 7, 49, 5, 1])
-    w, idx = route(gate, x, CFG, k, toks)
+    w, idx = _route(gate, x, CFG, k, toks)
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(gate["tid2eid"])[np.asarray(toks)])
     s = np.sqrt(np.log1p(np.exp(np.asarray(x, np.float64) @ np.asarray(gate["weight"], np.float64).T)))
     sel = np.take_along_axis(s, np.asarray(idx), 1)
@@ -120,7 +131,7 @@ def test_hc_head_formula():
     rng = np.random.default_rng(5)
     h = rng.standard_normal((2, 3, 4, 32)).astype(np.float32)
     fn, base, scale = rng.standard_normal((4, 128)) / 10, rng.standard_normal(4), np.array([0.7])
-    y = np.asarray(hc_head(jnp.asarray(h), jnp.asarray(fn, jnp.float32), jnp.asarray(scale, jnp.float32),
+    y = np.asarray(_hc_head(jnp.asarray(h), jnp.asarray(fn, jnp.float32), jnp.asarray(scale, jnp.float32),
                            jnp.asarray(base, jnp.float32), CFG))
     xf = h.reshape(2, 3, 128).astype(np.float64)
     mix = xf @ fn.T / np.sqrt((xf * xf).mean(-1, keepdims=True) + CFG.norm_eps)
