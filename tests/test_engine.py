@@ -127,9 +127,13 @@ def test_decode_program_has_no_conditional(pipe_engine):
 def test_reset_slot_restores_one_row(model):
     cfg = model.cfg
     opts = RunOptions(dtype="float32", kv_cache_dtype="reference")
-    fresh = init_cache(cfg, 3, 32, opts)
-    dirty = jax.tree.map(lambda a: (a.astype(np.float32) + 1).astype(a.dtype) if a.dtype != np.uint8 else a + 1, fresh)
-    out = reset_slot(dirty, 1, cfg=cfg, opts=opts, max_seq_len=32)
+    # one jitted program each (as the engine runs reset_slot): eagerly, every op on every cache leaf
+    # compiled on its own
+    fresh = jax.jit(init_cache, static_argnums=(0, 1, 2, 3))(cfg, 3, 32, opts)
+    dirty = jax.jit(lambda c: jax.tree.map(
+        lambda a: (a.astype(np.float32) + 1).astype(a.dtype) if a.dtype != np.uint8 else a + 1, c))(fresh)
+    out = jax.jit(reset_slot, static_argnames=("cfg", "opts", "max_seq_len"))(dirty, 1, cfg=cfg, opts=opts,
+                                                                              max_seq_len=32)
     for o, f, d in zip(jax.tree.leaves(out), jax.tree.leaves(fresh), jax.tree.leaves(dirty)):
         o, f, d = (np.asarray(x).astype(np.float32) for x in (o, f, d))
         np.testing.assert_array_equal(o[1], f[1])
