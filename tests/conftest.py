@@ -21,6 +21,14 @@ if "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
 from dsv41_jax.compile_cache import enable_compilation_cache  # noqa: E402
 
 enable_compilation_cache(os.environ.get("DSV41_COMPILE_CACHE") or os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
+# Persist every compiled program, not only those over the CLI's 0.5 s threshold: most interpret-mode
+# kernels, references and jitted input builders compile in 0.1-0.5 s, and the same program recurs across
+# tests and the two xdist workers (the per-module fixtures of test_moe / test_quantized_matmul* /
+# test_benchmark_scripts did this for their modules first). The subprocess jobs (sharding_worker,
+# the CLI tests) keep the 0.5 s of enable_compilation_cache.
+import jax  # noqa: E402
+
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 import compile_log  # noqa: E402  (tests/ is on sys.path: rootdir conftest)
