@@ -54,7 +54,7 @@ def hc_expand_collapse_mixes(f, residual, post, comb, pre, fn, scale, base, *, n
                              implementation=None):
     """(h, y, (pre', post', comb')): :func:`hc_expand_collapse` and the next site's
     :func:`hc_mixes` of h. At decode sizes one op on a GPU (two kernels instead of four); where
-    that kernel cannot run (prefill sizes, or not chosen), the two ops, each dispatched on its own."""
+    that kernel cannot run (prefill sizes), the two ops, each dispatched on its own."""
     kernel, interpret = dispatch.choose("hc_expand_collapse_mixes", implementation, _kernel,
                                         lambda k: k.expand_mix_reason(f, residual, post, comb, pre, fn),
                                         lambda k: k.auto_reason("hc_expand_collapse_mixes"))
