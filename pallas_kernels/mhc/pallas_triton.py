@@ -301,12 +301,17 @@ def hc_collapse(x, pre, *, interpret=False):
     return y.reshape(*lead, d)
 
 
-def _expand_kernel(f_ref, r_ref, post_ref, comb_ref, o_ref, *, hc):
+def _expand_block(f_ref, r_ref, post_ref, comb_ref, hc):
+    """The expanded streams [bt, hc, bd] (fp32) of one block: post * f + sum_j comb[j] * residual[j]."""
     f = f_ref[...].astype(jnp.float32)
     y = post_ref[...][:, :, None] * f[:, None, :]
     for j in range(hc):
         y += comb_ref[:, j, :][:, :, None] * r_ref[:, j, :].astype(jnp.float32)[:, None, :]
-    o_ref[...] = y.astype(o_ref.dtype)
+    return y
+
+
+def _expand_kernel(f_ref, r_ref, post_ref, comb_ref, o_ref, *, hc):
+    o_ref[...] = _expand_block(f_ref, r_ref, post_ref, comb_ref, hc).astype(o_ref.dtype)
 
 
 def hc_expand(f, residual, post, comb, *, interpret=False):
@@ -335,11 +340,7 @@ def hc_expand(f, residual, post, comb, *, interpret=False):
 
 
 def _expand_collapse_kernel(f_ref, r_ref, post_ref, comb_ref, pre_ref, o_ref, y_ref, *, hc):
-    f = f_ref[...].astype(jnp.float32)
-    h = post_ref[...][:, :, None] * f[:, None, :]
-    for j in range(hc):
-        h += comb_ref[:, j, :][:, :, None] * r_ref[:, j, :].astype(jnp.float32)[:, None, :]
-    h = h.astype(o_ref.dtype)
+    h = _expand_block(f_ref, r_ref, post_ref, comb_ref, hc).astype(o_ref.dtype)
     o_ref[...] = h
     # the collapse of the stored (rounded) streams, as hc_collapse would read them back
     p = pre_ref[...].astype(jnp.float32)

@@ -4,22 +4,10 @@ tool (``--debug``) runs end to end at a small shape in interpret mode, where the
 
 import importlib
 
-import jax
 import pytest
 
 OPS = ["quantized_matmul", "moe", "mhc", "sparse_attention", "lightning_indexer"]
 
-
-@pytest.fixture(autouse=True)
-def _persist_every_compile():
-    """Store every compiled program in the persistent compilation cache during these tests, not only
-    those over the suite's 0.5 s threshold: most interpret-mode kernels compile in 0.2-0.5 s, and the
-    same program recurs across tests and xdist workers (a sweep's default config, a reference at a
-    shape; about a tenth of these modules' CPU time). Restored after each test."""
-    old = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    yield
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", old)
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -20,17 +20,6 @@ from pallas_kernels.quantized_matmul import api, pallas_triton, reference
 from pallas_kernels.testing import assert_close as check_close, lower_for
 
 
-@pytest.fixture(autouse=True)
-def _persist_every_compile():
-    """Store every compiled program in the persistent compilation cache during these tests, not only
-    those over the suite's 0.5 s threshold: most interpret-mode kernels compile in 0.2-0.5 s, and the
-    same program recurs across tests and xdist workers (a sweep's default config, a reference at a
-    shape; about a tenth of these modules' CPU time). Restored after each test."""
-    old = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    yield
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", old)
-
 
 B = 128  # V4's FP8 weight block and activation block
 
