@@ -13,6 +13,7 @@ random quantized weights at real shapes, and the shared command-line flags.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import statistics
 import time
@@ -139,6 +140,9 @@ def max_rel_err(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
+# The random weights are one jitted program per shape: drawn eagerly, each draw, cast and bitcast
+# compiled on its own (most of an interpret-mode CPU test's time); the same values either way.
+@functools.partial(jax.jit, static_argnames=("n", "k", "block", "lead"))
 def random_fp8(key, n, k, block=32, lead=()):
     """Random e4m3 data with random e8m0 scales per ``block`` x ``block`` (32: V4.1, 128: V4)."""
     k1, k2 = jax.random.split(key)
@@ -147,6 +151,7 @@ def random_fp8(key, n, k, block=32, lead=()):
     return Fp8Tensor(data=data, scale=jax.lax.bitcast_convert_type(s, jnp.float8_e8m0fnu), block=(block, block))
 
 
+@functools.partial(jax.jit, static_argnames=("shape",))
 def random_fp4(key, shape):
     *lead, n, k = shape
     k1, k2 = jax.random.split(key)

@@ -146,8 +146,8 @@ CHECK_DIMS = (5120, 4096, 7168)  # V4.1-Flash, V4-Flash, V4-Pro hidden sizes
 
 
 def check(dims=CHECK_DIMS, tokens=(1, 8, 64, 300)):
-    """Correctness only (hc_mixes, hc_collapse, hc_expand, hc_expand_collapse) at T = 1, 8, 64, 300 for
-    each model width in ``dims``."""
+    """Correctness only (hc_mixes, hc_collapse, hc_expand, hc_expand_collapse at T = 1, 8, 64, 300;
+    hc_expand_collapse_mixes at the decode sizes among them) for each model width in ``dims``."""
     ok = True
     mix = (2 + HC) * HC
     for d, t in [(d, t) for d in dims for t in tokens]:

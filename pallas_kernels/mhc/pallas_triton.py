@@ -226,15 +226,26 @@ def hc_mixes(x, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters, interpret=
                        jax.ShapeDtypeStruct((n_split, tp), jnp.float32)),
             grid=(tp // bt, n_split), compiler_params=params, interpret=interpret, name="hc_mixes_partial",
         )(xf, fn)
-        pp, c = pl.pallas_call(
-            functools.partial(_mix_split_kernel, bt=bt, n_split=n_split, split_kw=split_kw),
-            out_shape=out_shape, grid=(tp // bt,), interpret=interpret, name="hc_mixes_split",
-            compiler_params=pltriton.CompilerParams(num_warps=split_warps, num_stages=1),
-        )(pa, pb, ps, scale, base)
-    pre = pp[:t, :hc].reshape(*lead, hc)
-    post = pp[:t, hc : 2 * hc].reshape(*lead, hc)
-    comb = c[:t].reshape(*lead, hc, hc)
-    return pre, post, comb
+        pp, c = _split_call(pa, pb, ps, scale, base, bt=bt, split_kw=split_kw, warps=split_warps, interpret=interpret)
+    return _unpack_mixes(pp, c, lead, hc)
+
+
+def _split_call(pa, pb, ps, scale, base, *, bt, split_kw, warps, interpret):
+    """hc_mixes' split kernel over the K-split partial sums ([n_split, T, .]): (pp [T, 16], c [T, hc*hc])."""
+    n_split, tp, _ = pa.shape
+    hc = split_kw["hc"]
+    return pl.pallas_call(
+        functools.partial(_mix_split_kernel, bt=bt, n_split=n_split, split_kw=split_kw),
+        out_shape=(jax.ShapeDtypeStruct((tp, 16), jnp.float32), jax.ShapeDtypeStruct((tp, hc * hc), jnp.float32)),
+        grid=(tp // bt,), interpret=interpret, name="hc_mixes_split",
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=1),
+    )(pa, pb, ps, scale, base)
+
+
+def _unpack_mixes(pp, c, lead, hc):
+    """(pre, post, comb) of the first prod(lead) rows of the split kernel's outputs."""
+    t = math.prod(lead)
+    return pp[:t, :hc].reshape(*lead, hc), pp[:t, hc:2 * hc].reshape(*lead, hc), c[:t].reshape(*lead, hc, hc)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -274,10 +285,13 @@ def expand_reason(f, residual, post, comb):
     return None
 
 
+def _collapse_block(x, p):
+    """sum_k p[:, k] * x[:, k, :] in fp32 for a block x [bt, hc, bd] (any float dtype), p [bt, hc]."""
+    return jnp.sum(x.astype(jnp.float32) * p.astype(jnp.float32)[:, :, None], axis=1)
+
+
 def _collapse_kernel(x_ref, pre_ref, o_ref):
-    x = x_ref[...].astype(jnp.float32)
-    p = pre_ref[...].astype(jnp.float32)
-    o_ref[...] = jnp.sum(x * p[:, :, None], axis=1).astype(o_ref.dtype)
+    o_ref[...] = _collapse_block(x_ref[...], pre_ref[...]).astype(o_ref.dtype)
 
 
 def hc_collapse(x, pre, *, interpret=False):
@@ -301,12 +315,13 @@ def hc_collapse(x, pre, *, interpret=False):
     return y.reshape(*lead, d)
 
 
-def _expand_block(f_ref, r_ref, post_ref, comb_ref, hc):
-    """The expanded streams [bt, hc, bd] (fp32) of one block: post * f + sum_j comb[j] * residual[j]."""
-    f = f_ref[...].astype(jnp.float32)
-    y = post_ref[...][:, :, None] * f[:, None, :]
+def _expand_block(f_ref, r_ref, post_ref, comb_ref, hc, rows=slice(None), cols=slice(None)):
+    """The expanded streams [bt, hc, bd] (fp32) of rows ``rows`` and columns ``cols`` of the refs
+    (the whole block by default): post * f + sum_j comb[j] * residual[j]."""
+    f = f_ref[rows, cols].astype(jnp.float32)
+    y = post_ref[rows, :][:, :, None] * f[:, None, :]
     for j in range(hc):
-        y += comb_ref[:, j, :][:, :, None] * r_ref[:, j, :].astype(jnp.float32)[:, None, :]
+        y += comb_ref[rows, j, :][:, :, None] * r_ref[rows, j, cols].astype(jnp.float32)[:, None, :]
     return y
 
 
@@ -343,8 +358,7 @@ def _expand_collapse_kernel(f_ref, r_ref, post_ref, comb_ref, pre_ref, o_ref, y_
     h = _expand_block(f_ref, r_ref, post_ref, comb_ref, hc).astype(o_ref.dtype)
     o_ref[...] = h
     # the collapse of the stored (rounded) streams, as hc_collapse would read them back
-    p = pre_ref[...].astype(jnp.float32)
-    y_ref[...] = jnp.sum(h.astype(jnp.float32) * p[:, :, None], axis=1).astype(y_ref.dtype)
+    y_ref[...] = _collapse_block(h, pre_ref[...]).astype(y_ref.dtype)
 
 
 def expand_collapse_reason(f, residual, post, comb, pre):
@@ -401,14 +415,10 @@ def _expand_mix_kernel(f_ref, r_ref, post_ref, comb_ref, pre_ref, fn_ref, o_ref,
     j = pl.program_id(1)
     row = pl.ds(t, 1)
     cols = pl.ds(pl.multiple_of(j * bd, bd), bd)
-    f = f_ref[row, cols].astype(jnp.float32)  # [1, bd]
-    h = post_ref[row, :][:, :, None] * f[:, None, :]  # [1, hc, bd]
-    for i in range(hc):
-        h += comb_ref[row, i, :][:, :, None] * r_ref[row, i, cols].astype(jnp.float32)[:, None, :]
-    h = h.astype(o_ref.dtype)
+    h = _expand_block(f_ref, r_ref, post_ref, comb_ref, hc, row, cols).astype(o_ref.dtype)  # [1, hc, bd]
     o_ref[row, :, cols] = h
     hf = h.astype(jnp.float32)
-    y_ref[row, cols] = jnp.sum(hf * pre_ref[row, :][:, :, None], axis=1).astype(y_ref.dtype)
+    y_ref[row, cols] = _collapse_block(hf, pre_ref[row, :]).astype(y_ref.dtype)
     fa = fn_ref[pl.ds(0, 16), :, cols]  # [16, hc, bd]: pre and post rows
     fb = fn_ref[pl.ds(2 * hc, hc * hc), :, cols]  # the comb rows
     a = jnp.sum(jnp.sum(fa * hf, axis=2), axis=1)
@@ -458,11 +468,6 @@ def hc_expand_collapse_mixes(f, residual, post, comb, pre, fn, scale, base, *, n
       comb.reshape(t, hc, hc).astype(f32), pre.reshape(t, hc).astype(f32),
       fn.astype(f32).reshape(fn.shape[0], hc, d))
     split_kw = dict(hc=hc, width=hc * d, norm_eps=float(norm_eps), hc_eps=float(hc_eps), iters=int(sinkhorn_iters))
-    pp, c = pl.pallas_call(
-        functools.partial(_mix_split_kernel, bt=1, n_split=ns, split_kw=split_kw),
-        out_shape=(jax.ShapeDtypeStruct((t, 16), f32), jax.ShapeDtypeStruct((t, hc * hc), f32)),
-        grid=(t,), interpret=interpret, name="hc_mixes_split",
-        compiler_params=pltriton.CompilerParams(num_warps=_split_warps(1), num_stages=1),
-    )(pa, pb, ps, scale.astype(f32), base.astype(f32))
-    mixes = (pp[:, :hc].reshape(*lead, hc), pp[:, hc:2 * hc].reshape(*lead, hc), c.reshape(*lead, hc, hc))
-    return h.reshape(*lead, hc, d), y.reshape(*lead, d), mixes
+    pp, c = _split_call(pa, pb, ps, scale.astype(f32), base.astype(f32), bt=1, split_kw=split_kw,
+                        warps=_split_warps(1), interpret=interpret)
+    return h.reshape(*lead, hc, d), y.reshape(*lead, d), _unpack_mixes(pp, c, lead, hc)

@@ -37,10 +37,8 @@ def frac_off(y, yr, rel: float = 0.01) -> float:
 
 # Input construction: each helper is one jitted program per shape (the same values as the eager
 # jax.random calls; eager, every jax.random call compiled its own program per shape: ~10 s of the
-# interpret-mode tests' time). Shapes and the module constants they read (E, D, TOPK: the tests patch
-# them) are static arguments.
-_random_fp4 = jax.jit(random_fp4, static_argnums=1)
-_random_fp8 = jax.jit(random_fp8, static_argnums=(1, 2, 3, 4))
+# interpret-mode tests' time), as benchmarking's random_fp4 / random_fp8. Shapes and the module
+# constants they read (E, D, TOPK: the tests patch them) are static arguments.
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -88,9 +86,9 @@ def run(quick=False, out_dir=None, tune=False):
     rows = []
     key = jax.random.PRNGKey(1)
     k1, k2, k3, key = jax.random.split(key, 4)
-    w1 = _random_fp4(k1, (E, I, D))
-    w2 = _random_fp4(k2, (E, D, I))
-    w3 = _random_fp4(k3, (E, I, D))
+    w1 = random_fp4(k1, (E, I, D))
+    w2 = random_fp4(k2, (E, D, I))
+    w3 = random_fp4(k3, (E, I, D))
     expert_bytes = sum(int(t.data[0].size + t.scale[0].size) for t in (w1, w2, w3))
     log(f"# MoE benchmark (MXFP4 experts E={E} I={I} D={D} top-{TOPK}): {jax.devices()[0].device_kind}, "
         f"jax {jax.__version__}; bytes per expert {expert_bytes / 1e6:.2f} MB")
@@ -234,8 +232,8 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
     experts = experts or E
     key = jax.random.PRNGKey(11)
     k1, k2, k3 = jax.random.split(key, 3)
-    w1, w2, w3 = (_random_fp4(k1, (experts, I, D)), _random_fp4(k2, (experts, D, I)),
-                  _random_fp4(k3, (experts, I, D)))
+    w1, w2, w3 = (random_fp4(k1, (experts, I, D)), random_fp4(k2, (experts, D, I)),
+                  random_fp4(k3, (experts, I, D)))
     expert_bytes = sum(int(t.data[0].size + t.scale[0].size) for t in (w1, w2, w3))
     rows, summary = [], []
     log(f"# MoE fma sweep (MXFP4 E={experts} I={I} D={D} top-{TOPK}), {jax.devices()[0].device_kind}, "
@@ -305,7 +303,7 @@ def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int
     diagnostic of how much of the time the MXFP4 decode costs, not a model path)."""
     key = jax.random.PRNGKey(23)
     k1, k2, k3, k4 = jax.random.split(key, 4)
-    w1, w2, w3 = _random_fp4(k1, (experts, I, D)), _random_fp4(k2, (experts, D, I)), _random_fp4(k3, (experts, I, D))
+    w1, w2, w3 = random_fp4(k1, (experts, I, D)), random_fp4(k2, (experts, D, I)), random_fp4(k3, (experts, I, D))
     args = []
     for r in range(reps):
         kr = jax.random.fold_in(k4, r)
@@ -386,7 +384,7 @@ def check():
     ok = True
     key = jax.random.PRNGKey(3)
     k1, k2, k3 = jax.random.split(key, 3)
-    sets = [("mxfp4", _random_fp4(k1, (E, I, D)), _random_fp4(k2, (E, D, I)), _random_fp4(k3, (E, I, D)), (1, 8, 64, 300))]
+    sets = [("mxfp4", random_fp4(k1, (E, I, D)), random_fp4(k2, (E, D, I)), random_fp4(k3, (E, I, D)), (1, 8, 64, 300))]
     for label, a, b, c, ns in sets:
         for n in ns:
             w, idx = routing(jax.random.fold_in(key, n), n)
@@ -430,8 +428,8 @@ def check_v4(key):
     ok = True
     e4, i4, d4 = V4_SHAPE
     k1, k2, k3 = jax.random.split(jax.random.fold_in(key, 4), 3)
-    sets = [("v4 mxfp4 act128", lambda kk, r, c: _random_fp4(kk, (e4, r, c)), (1, 8, 64, 300)),
-            ("v4 fp8-128", lambda kk, r, c: _random_fp8(kk, r, c, 128, (e4,)), (8,))]
+    sets = [("v4 mxfp4 act128", lambda kk, r, c: random_fp4(kk, (e4, r, c)), (1, 8, 64, 300)),
+            ("v4 fp8-128", lambda kk, r, c: random_fp8(kk, r, c, 128, (e4,)), (8,))]
     for label, mk, ns in sets:
         a, b, c = mk(k1, i4, d4), mk(k2, d4, i4), mk(k3, i4, d4)
         for n in ns:
@@ -460,7 +458,7 @@ def _debug(n_exp, interpret, formats, sizes):
     key = jax.random.PRNGKey(3)
     k1, k2, k3, key = jax.random.split(key, 4)
     builders = {"fp8": lambda k, r, c: _fp8_experts(k, n_exp, r, c),
-                "mxfp4": lambda k, r, c: _random_fp4(k, (n_exp, r, c)),
+                "mxfp4": lambda k, r, c: random_fp4(k, (n_exp, r, c)),
                 "bf16": lambda k, r, c: _plain_experts(k, n_exp, r, c)}
     # only the formats asked for are built (each set is a few hundred MB at the real shape)
     sets = {label: [mk(k, *s) for k, s in ((k1, (I, D)), (k2, (D, I)), (k3, (I, D)))]

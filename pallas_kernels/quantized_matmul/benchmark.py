@@ -30,17 +30,12 @@ from pallas_kernels.benchmarking import (
     fmt_us,
     log,
     max_rel_err,
+    random_fp4,
+    random_fp8,
     time_op,
     tree_bytes,
 )
-from pallas_kernels.benchmarking import random_fp4 as _random_fp4
-from pallas_kernels.benchmarking import random_fp8 as _random_fp8
 from pallas_kernels.quantized_matmul import pallas_triton, reference
-
-# The random weights as one jitted program per shape (eagerly, each draw, cast and bitcast compiled on
-# its own: most of a CPU test's time); the same values.
-random_fp8 = jax.jit(_random_fp8, static_argnums=(1, 2, 3, 4))
-random_fp4 = jax.jit(_random_fp4, static_argnums=1)
 
 
 # (name, N, K) of the V4.1 projections (model.md §10.3; issue 6)
