@@ -44,7 +44,7 @@ from pallas_kernels.sparse_attention import sparse_attention
 from .config import ModelConfig
 from .layers import grouped_linear, linear, linear_multi, norm, weight_of
 from .options import RunOptions
-from .quant import Fp4Tensor, Fp8Tensor, quantize_fp4_e4m3, quantize_fp8, quantize_mxfp4
+from .quant import Fp4Tensor, Fp8Tensor, bf16_round, quantize_fp4_e4m3, quantize_fp8, quantize_mxfp4, round_to_dtype
 from .quant.fake_quant import fake_quant_fp8, fake_quant_mxfp4
 from .rope import apply_rope, layer_frequencies, rope_angles
 
@@ -63,7 +63,7 @@ def _store_v4(x, kind: str, opts: RunOptions, rope_dim: int):
     nope = x.shape[-1] - rope_dim
     blk = 64 if nope % 64 == 0 else nope
     return jnp.concatenate([fake_quant_fp8(x[..., :nope], blk).astype(dt),
-                            x[..., nope:].astype(jnp.bfloat16).astype(dt)], axis=-1)
+                            bf16_round(x[..., nope:]).astype(dt)], axis=-1)
 
 
 def _hadamard_matrix(n: int):
@@ -300,7 +300,7 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
             qi = apply_rope(qi, ang)
             qi = cache_store(qi, "index", opts) if opts.quantized_kv else qi
             wscale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
-            weights = (linear(x, ix["weights_proj"]) * wscale).astype(dtype).astype(jnp.float32)
+            weights = round_to_dtype(linear(x, ix["weights_proj"]) * wscale, dtype)
             visible = (positions + 1) // m
             is_cand_src = l == cfg.candidate_source_layer
             with jax.named_scope("indexer"):
@@ -359,7 +359,7 @@ def _v4_compressed(p, x, qr, l, m, cfg: ModelConfig, opts: RunOptions, lc, pos0,
         if opts.quantized_kv:
             qi = _store_v4(qi, "index", opts, cfg.rope_head_dim)
         wscale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
-        weights = (linear(x, ix["weights_proj"]) * wscale).astype(x.dtype).astype(jnp.float32)
+        weights = round_to_dtype(linear(x, ix["weights_proj"]) * wscale, x.dtype)
         res = lightning_indexer(qi, weights, lc["index_k"], visible, top_k=min(cfg.index_topk, n_cap))
         comp_idx = res.topk
         shared = {**shared, "topk": comp_idx, f"topk_{l}": comp_idx}

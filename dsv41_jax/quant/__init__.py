@@ -8,12 +8,14 @@ and the fake-quantizers (Q8 / Q4e8 / Q4e4) the reference applies in place.
 
 from .codecs import (
     E2M1_VALUES,
+    bf16_round,
     e2m1_decode,
     e2m1_encode,
     e4m3_round,
     e8m0_decode,
     e8m0_encode_exponent,
     pack_nibbles,
+    round_to_dtype,
     unpack_nibbles,
 )
 from .fake_quant import act_quant, fake_quant_fp4_e4m3, fake_quant_fp8, fake_quant_mxfp4
@@ -33,12 +35,14 @@ __all__ = [
     "Fp4Tensor",
     "Fp8Tensor",
     "act_quant",
+    "bf16_round",
     "dequantize",
     "e2m1_decode",
     "e2m1_encode",
     "e4m3_round",
     "e8m0_decode",
     "e8m0_encode_exponent",
+    "round_to_dtype",
     "fake_quant_fp4_e4m3",
     "fake_quant_fp8",
     "fake_quant_mxfp4",

@@ -4,8 +4,9 @@ Formats (``shared/spec/attention.md`` top, §2.3; ``model.md`` §10.4):
 
 * ``e8m0`` (``ue8m0``): one byte ``b``, value ``2**(b - 127)``. Stored as ``jnp.float8_e8m0fnu``.
 * ``e4m3`` (OCP ``float8_e4m3fn``): max ±448, no infinities; rounding is round-to-nearest-even.
-  XLA's f32 -> e4m3fn conversion is RNE but turns out-of-range values into NaN, so
-  :func:`e4m3_round` clamps to ±448 first (saturating, like ``cvt.rn.satfinite``).
+  :func:`e4m3_round` clamps to ±448 first (saturating, like ``cvt.rn.satfinite``; XLA's f32 ->
+  e4m3fn conversion turns out-of-range values into NaN) and rounds on the bit pattern (XLA's GPU
+  compiler drops an f32 -> e4m3 -> f32 convert pair inside a fusion).
 * ``e2m1`` (OCP FP4): codes 0..7 = {0, .5, 1, 1.5, 2, 3, 4, 6}, bit 3 = sign. Rounding is RNE with
   ties to the *even code*: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4 (the reference
   and the hardware; DeepGEMM's test quantizer rounds ties down and is not followed).
@@ -56,9 +57,45 @@ def ceil_pow2_exponent(a: jax.Array) -> jax.Array:
 
 
 def e4m3_round(x: jax.Array) -> jax.Array:
-    """Round float32 values to the nearest e4m3fn value (RNE, saturating at ±448); float32 out."""
+    """Round float32 values to the nearest e4m3fn value (RNE, saturating at ±448); float32 out.
+
+    Computed on the float32 bit pattern, not as ``x.astype(float8_e4m3fn).astype(float32)``: XLA's
+    GPU compiler removes such a convert round trip inside a fusion (``SimplifyFPConversions``, on by
+    default with ``xla_allow_excess_precision``), which made every activation fake-quant a no-op on
+    the GPU (measured on the H200 in session 17: all of 1,056,766 values came back unrounded; the
+    CPU backend keeps the converts). Normals (|x| >= 2**-6): add half an e4m3 ulp (2**19 in the
+    bit pattern, minus one, plus the kept lowest mantissa bit for ties to even) and clear the 20
+    dropped mantissa bits; the carry into the exponent is the correct rounding up. Subnormals
+    (spacing 2**-9): ``round(x * 2**9) * 2**-9``, exact scalings around an RNE round. NaN stays NaN."""
     x = jnp.clip(x.astype(jnp.float32), -E4M3_MAX, E4M3_MAX)
-    return x.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    up = bits + jnp.uint32(0x7FFFF) + ((bits >> 20) & jnp.uint32(1))
+    normal = jax.lax.bitcast_convert_type(up & jnp.uint32(0xFFF00000), jnp.float32)
+    sub = jnp.round(x * 512.0) * (1.0 / 512.0)
+    y = jnp.where(jnp.abs(x) < 2.0**-6, sub, normal)
+    return jnp.where(jnp.isnan(x), x, y)
+
+
+def bf16_round(x: jax.Array) -> jax.Array:
+    """Round float32 values to the nearest bfloat16 value (RNE); float32 out. The bit-pattern
+    equivalent of ``x.astype(bfloat16).astype(float32)``, which XLA's GPU compiler may drop inside
+    a fusion (see :func:`e4m3_round`); use it where the reference's bf16 rounding is part of the
+    numerics. Infinities stay, NaN stays NaN."""
+    x = x.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    up = bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))
+    y = jax.lax.bitcast_convert_type(up & jnp.uint32(0xFFFF0000), jnp.float32)
+    return jnp.where(jnp.isnan(x), x, y)
+
+
+def round_to_dtype(x: jax.Array, dtype) -> jax.Array:
+    """``x`` rounded to ``dtype`` (bfloat16 or float32), returned in float32: the reference's
+    ``.to(dtype).float()``, kept by XLA's GPU compiler (:func:`bf16_round`)."""
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        return bf16_round(x)
+    if jnp.dtype(dtype) == jnp.float32:
+        return x.astype(jnp.float32)
+    raise ValueError(f"round_to_dtype: dtype must be bfloat16 or float32, got {jnp.dtype(dtype)}")
 
 
 def e2m1_encode(x: jax.Array) -> jax.Array:
