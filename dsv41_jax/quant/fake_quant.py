@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .codecs import E2M1_MAX, E4M3_MAX, ceil_pow2_exponent, e2m1_decode, e2m1_encode, e4m3_round
+from .codecs import E2M1_MAX, E4M3_MAX, ceil_pow2_exponent, e2m1_decode, e2m1_encode, e4m3_round, pow2
 
 
 def _blocks(x: jax.Array, block: int) -> jax.Array:
@@ -46,16 +46,16 @@ def fake_quant_fp8(x: jax.Array, block: int = 32) -> jax.Array:
     """Q8: FP8 e4m3 with a power-of-two scale per ``block`` elements of the last dim."""
     xb = _blocks(x, block)
     e = fp8_block_scale(jnp.max(jnp.abs(xb), axis=-1, keepdims=True))
-    y = e4m3_round(jnp.ldexp(xb, -e))  # x / 2**e is exact
-    return jnp.ldexp(y, e).reshape(x.shape).astype(x.dtype)
+    y = e4m3_round(xb * pow2(-e))  # x / 2**e is exact
+    return (y * pow2(e)).reshape(x.shape).astype(x.dtype)
 
 
 def fake_quant_mxfp4(x: jax.Array, block: int = 32) -> jax.Array:
     """Q4e8: FP4 e2m1 with a power-of-two (e8m0) scale per ``block`` elements."""
     xb = _blocks(x, block)
     e = mxfp4_block_scale(jnp.max(jnp.abs(xb), axis=-1, keepdims=True))
-    y = e2m1_decode(e2m1_encode(jnp.clip(jnp.ldexp(xb, -e), -E2M1_MAX, E2M1_MAX)))
-    return jnp.ldexp(y, e).reshape(x.shape).astype(x.dtype)
+    y = e2m1_decode(e2m1_encode(jnp.clip(xb * pow2(-e), -E2M1_MAX, E2M1_MAX)))
+    return (y * pow2(e)).reshape(x.shape).astype(x.dtype)
 
 
 def fake_quant_fp4_e4m3(x: jax.Array, block: int = 16) -> jax.Array:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from .codecs import E2M1_MAX, E4M3_MAX, e2m1_decode, e2m1_encode, e4m3_round, e8m0_decode, e8m0_encode_exponent
+from .codecs import E2M1_MAX, E4M3_MAX, e2m1_decode, e2m1_encode, e4m3_round, e8m0_decode, e8m0_encode_exponent, pow2
 from .codecs import pack_nibbles, unpack_nibbles
 from .fake_quant import fp4_e4m3_block_scale, fp8_block_scale, mxfp4_block_scale
 
@@ -115,7 +115,7 @@ def quantize_fp8(x: jax.Array, block: tuple[int, int] = (32, 32)) -> Fp8Tensor:
     amax = jnp.max(jnp.abs(xb), axis=(-3, -1))  # [..., nr, nc]
     e = fp8_block_scale(amax)
     ef = jnp.repeat(jnp.repeat(e, br, axis=-2), bc, axis=-1)[..., :r, :c]
-    q = e4m3_round(jnp.clip(jnp.ldexp(x, -ef), -E4M3_MAX, E4M3_MAX)).astype(jnp.float8_e4m3fn)
+    q = e4m3_round(jnp.clip(x * pow2(-ef), -E4M3_MAX, E4M3_MAX)).astype(jnp.float8_e4m3fn)
     return Fp8Tensor(data=q, scale=e8m0_encode_exponent(e), block=(br, bc))
 
 
@@ -126,7 +126,7 @@ def quantize_mxfp4(x: jax.Array, block: int = 32) -> Fp4Tensor:
         raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the MXFP4 block {block}")
     xb = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
     e = mxfp4_block_scale(jnp.max(jnp.abs(xb), axis=-1))
-    codes = e2m1_encode(jnp.clip(jnp.ldexp(xb, -e[..., None]), -E2M1_MAX, E2M1_MAX))
+    codes = e2m1_encode(jnp.clip(xb * pow2(-e[..., None]), -E2M1_MAX, E2M1_MAX))
     return Fp4Tensor(data=pack_nibbles(codes.reshape(x.shape)), scale=e8m0_encode_exponent(e), block=block)
 
 

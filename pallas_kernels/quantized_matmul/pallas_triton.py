@@ -412,14 +412,14 @@ def _mm8_kernel(x8_ref, xs_ref, w_ref, s_ref, o_ref, *, bm, bn, bk, steps, split
 def _act_quant_codes(x2, block=32):
     """act_quant split into e4m3 codes [M, K] and fp32 power-of-two scales [M, K/block]:
     codes * scales == act_quant(x2) exactly."""
-    from dsv41_jax.quant.codecs import E4M3_MAX, e4m3_round
+    from dsv41_jax.quant.codecs import E4M3_MAX, e4m3_round, pow2
     from dsv41_jax.quant.fake_quant import fp8_block_scale
 
     m, k = x2.shape
     xb = x2.astype(jnp.float32).reshape(m, k // block, block)
     e = fp8_block_scale(jnp.max(jnp.abs(xb), axis=-1))
-    q = e4m3_round(jnp.clip(jnp.ldexp(xb, -e[..., None]), -E4M3_MAX, E4M3_MAX)).astype(jnp.float8_e4m3fn)
-    return q.reshape(m, k), jnp.ldexp(jnp.ones(e.shape, jnp.float32), e)
+    q = e4m3_round(jnp.clip(xb * pow2(-e[..., None]), -E4M3_MAX, E4M3_MAX)).astype(jnp.float8_e4m3fn)
+    return q.reshape(m, k), pow2(e)
 
 
 def auto_reason(x, w):
