@@ -29,6 +29,7 @@ from .engram import engram, gather_rows
 from .layers import norm
 from .moe import moe
 from .options import RunOptions
+from .quant import bf16_round
 
 _HI = jax.lax.Precision.HIGHEST
 # V4.1: each mHC expansion fused with the next site's collapse and mixes (hc_expand_collapse_mixes /
@@ -127,12 +128,15 @@ def head_matmul(y, w):
         return jnp.einsum("...d,vd->...v", y.astype(jnp.float32), w.astype(jnp.float32), precision=_HI)
     if y.dtype == jnp.bfloat16:
         return jnp.einsum("...d,vd->...v", y, w, preferred_element_type=jnp.float32)
+    # bf16_round, not a bf16 round trip: XLA's GPU compiler folds convert(convert(y, bf16), f32) to y
+    # inside a fusion, which made r = 0 and the head a bf16 one (found in session 17)
     yf = y.astype(jnp.float32)
-    hi = yf.astype(jnp.bfloat16)
-    r = yf - hi.astype(jnp.float32)
-    mid = r.astype(jnp.bfloat16)
-    lo = (r - mid.astype(jnp.float32)).astype(jnp.bfloat16)
-    parts = jnp.einsum("p...d,vd->p...v", jnp.stack([hi, mid, lo]), w, preferred_element_type=jnp.float32)
+    hi = bf16_round(yf)
+    r = yf - hi
+    mid = bf16_round(r)
+    lo = r - mid
+    parts = jnp.einsum("p...d,vd->p...v", jnp.stack([hi, mid, lo]).astype(jnp.bfloat16), w,
+                       preferred_element_type=jnp.float32)
     return parts[0] + (parts[1] + parts[2])
 
 
