@@ -260,6 +260,17 @@ def _rows_block(t: int, d: int):
     return bt, bd
 
 
+def _site_layout(op: str, reason: str | None, streams):
+    """Raise ``op``'s unsupported ``reason`` (if any); else (lead dims, hc, D, T rows, row block,
+    column block) of the streams [..., hc, D]."""
+    if reason is not None:
+        raise ValueError(f"{op} (pallas): {reason}")
+    lead = streams.shape[:-2]
+    hc, d = streams.shape[-2:]
+    t = math.prod(lead)
+    return (lead, hc, d, t, *_rows_block(t, d))
+
+
 def collapse_reason(x, pre):
     if x.ndim < 2 or pre.shape != x.shape[:-1]:
         return f"x [..., hc, D] and pre [..., hc] do not match: {x.shape} / {pre.shape}"
@@ -295,13 +306,7 @@ def _collapse_kernel(x_ref, pre_ref, o_ref):
 
 
 def hc_collapse(x, pre, *, interpret=False):
-    reason = collapse_reason(x, pre)
-    if reason is not None:
-        raise ValueError(f"hc_collapse (pallas): {reason}")
-    lead = x.shape[:-2]
-    hc, d = x.shape[-2:]
-    t = math.prod(lead)
-    bt, bd = _rows_block(t, d)
+    lead, hc, d, t, bt, bd = _site_layout("hc_collapse", collapse_reason(x, pre), x)
     y = pl.pallas_call(
         _collapse_kernel,
         out_shape=jax.ShapeDtypeStruct((t, d), x.dtype),
@@ -330,13 +335,7 @@ def _expand_kernel(f_ref, r_ref, post_ref, comb_ref, o_ref, *, hc):
 
 
 def hc_expand(f, residual, post, comb, *, interpret=False):
-    reason = expand_reason(f, residual, post, comb)
-    if reason is not None:
-        raise ValueError(f"hc_expand (pallas): {reason}")
-    lead = residual.shape[:-2]
-    hc, d = residual.shape[-2:]
-    t = math.prod(lead)
-    bt, bd = _rows_block(t, d)
+    lead, hc, d, t, bt, bd = _site_layout("hc_expand", expand_reason(f, residual, post, comb), residual)
     y = pl.pallas_call(
         functools.partial(_expand_kernel, hc=hc),
         out_shape=jax.ShapeDtypeStruct((t, hc, d), f.dtype),
@@ -372,13 +371,7 @@ def hc_expand_collapse(f, residual, post, comb, pre, *, interpret=False):
     """(hc_expand(f, residual, post, comb), hc_collapse(of that, pre)) in one kernel: the expanded
     streams [..., hc, D] in f.dtype and their collapse [..., D] in f.dtype. One launch and no
     read-back of the streams instead of two kernels."""
-    reason = expand_collapse_reason(f, residual, post, comb, pre)
-    if reason is not None:
-        raise ValueError(f"hc_expand_collapse (pallas): {reason}")
-    lead = residual.shape[:-2]
-    hc, d = residual.shape[-2:]
-    t = math.prod(lead)
-    bt, bd = _rows_block(t, d)
+    lead, hc, d, t, bt, bd = _site_layout("hc_expand_collapse", expand_collapse_reason(f, residual, post, comb, pre), residual)
     h, y = pl.pallas_call(
         functools.partial(_expand_collapse_kernel, hc=hc),
         out_shape=(jax.ShapeDtypeStruct((t, hc, d), f.dtype), jax.ShapeDtypeStruct((t, d), f.dtype)),
