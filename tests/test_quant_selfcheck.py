@@ -1,0 +1,59 @@
+"""``python -m dsv41_jax.quant.selfcheck``: the backend-vs-CPU rounding check (run on a GPU to see that
+the quantizers round as on the CPU; here it must pass and its inputs must exercise the roundings)."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from dsv41_jax.quant import selfcheck
+
+
+def test_selfcheck_passes_on_the_cpu_and_prints_every_quantizer(capsys):
+    assert selfcheck.main([]) == 0
+    out = capsys.readouterr().out
+    for name in selfcheck.checks():
+        assert name in out
+    assert "kept by this backend" in out and "PASS" in out
+
+
+def test_inputs_hold_ties_subnormals_and_saturating_values():
+    x = selfcheck.inputs()
+    codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    grid = np.unique(np.abs(codes[np.isfinite(codes)]))
+    mids = (grid[:-1] + grid[1:]) / 2
+    a = np.abs(x.astype(np.float64))
+    assert np.isin(a, mids).sum() > 100  # exact e4m3 ties (round-half-even decides)
+    assert (a < np.finfo(np.float32).tiny).sum() > 0 and (a > 448).sum() > 0
+    # a rounding that breaks ties away from zero differs from RNE on these inputs
+    rne = np.asarray(jax.jit(selfcheck.e4m3_round)(x))
+    away = np.where(np.isin(np.abs(x), mids.astype(np.float32)), np.sign(x) * grid[np.minimum(np.searchsorted(grid, np.abs(x)), grid.size - 1)], rne)
+    assert np.count_nonzero(away != rne) > 0
+
+
+def test_mismatch_count_sees_one_flipped_bit_in_any_output():
+    a = (jnp.arange(8, dtype=jnp.float32), jnp.arange(4, dtype=jnp.uint8))
+    b = (a[0].at[3].set(jnp.nextafter(a[0][3], 9.0)), a[1])
+    assert selfcheck._mismatches(a, a) == 0
+    assert selfcheck._mismatches(a, b) == 1
+    assert selfcheck._mismatches(jnp.zeros(3, jnp.bfloat16), jnp.zeros(3, jnp.bfloat16).at[1].set(-0.0)) == 1
+
+
+def test_a_quantizer_that_differs_on_the_device_fails_the_check(monkeypatch):
+    """Both 'devices' are the CPU here, so make the device copy of the inputs differ in one element (a
+    mid-range row): the quantizers that see it must be reported and the run must fail."""
+    real_put = jax.device_put
+    calls = []
+
+    def put(x, device=None):
+        calls.append(device)
+        if len(calls) == 1:  # the device copy
+            x = np.array(x, copy=True)
+            x[x.shape[0] // 2, 7] = x[x.shape[0] // 2, 7] * 1.37 + 0.11
+        return real_put(x, device)
+
+    monkeypatch.setattr(selfcheck.jax, "device_put", put)
+    lines = []
+    bad = selfcheck.run(log=lines.append)
+    differs = [line.split("  ")[0] for line in lines if line.endswith("DIFFERS")]
+    assert bad == len(differs) >= 2 and {"e4m3_round", "bf16_round"} <= set(differs), lines
