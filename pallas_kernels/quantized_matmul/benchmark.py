@@ -276,6 +276,65 @@ def grouped_sweep(key, rows_list=(1, 2, 8), reps=9):
     return out
 
 
+# tiled-kernel configs (bm, bn, bk, splits, warps, stages) the prefill sweep tries beside the default
+PREFILL_CONFIGS = [(128, 128, 64, 1, 8, 3), (128, 128, 64, 1, 4, 3), (128, 256, 64, 1, 8, 3), (64, 128, 64, 1, 4, 4),
+                   (128, 128, 128, 1, 8, 3), (256, 128, 64, 1, 8, 3), (128, 64, 128, 1, 4, 4)]
+PREFILL_FP8_BLOCKS = ((32, 32), (128, 128))  # V4.1's and V4's weight blocks (act_block 32 / 128)
+
+
+def prefill_sweep(key, m=PREFILL_M, names=tuple(PREFILL), configs=None, reps=3):
+    """The FP8 tiled GEMM at a prefill chunk (``m`` rows) for the projections ``names`` and both
+    weight-block formats: every config checked against the XLA reference on the GPU (max|diff| /
+    max|ref| <= CHECK_TOL), then device time (profiler, :func:`device_time_op`) of the default
+    config, the other configs, XLA's dequantize + dot (the reference, with the same activation
+    fake-quant) and a bf16 ``jnp.dot`` of the dequantized weight (the matmul ceiling of this shape),
+    all in one run. Issue 6's target: >= 60 % of that ceiling."""
+    configs = PREFILL_CONFIGS if configs is None else configs
+    log(f"\n# FP8 prefill GEMM, M={m}: {jax.devices()[0].device_kind}, jax {jax.__version__}; device us per op")
+    out = []
+    for name, n, k in PROJECTIONS:
+        if name not in names:
+            continue
+        for blk in PREFILL_FP8_BLOCKS:
+            if n % blk[0] or k % blk[1]:
+                continue
+            act = blk[1]
+            kw = jax.random.fold_in(key, n * 7 + k + blk[0])
+            w0 = random_fp8(kw, n, k, blk[0])
+            ws = [w0] + [distinct_copy(w0) for _ in range(reps - 1)]
+            xs = [jax.random.normal(jax.random.fold_in(kw, r), (m, k), jnp.bfloat16) for r in range(reps)]
+            args = [(xs[r], ws[r]) for r in range(reps)]
+            flop = 2.0 * m * n * k
+            fr = lambda x, w, act=act: reference.quantized_matmul(x, w, act_block=act)  # noqa: E731
+            yr = jax.jit(fr)(*args[0])
+            t_x = device_time_op(fr, args, reps=reps)
+            wbs = [w.dequantize(jnp.bfloat16) for w in ws]
+            t_c = device_time_op(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16),
+                                 [(xs[r], wbs[r]) for r in range(reps)], reps=reps)
+            del wbs
+            base = pallas_triton._config(m, n, k, "fp8")
+            label = f"{name} {n}x{k} fp8 {blk[0]}x{blk[1]}"
+            log(f"{label}: {flop / 1e12:.3f} TFLOP; bf16 dot (ceiling) {t_c * 1e6:8.1f} us "
+                f"({flop / t_c / 1e12:6.1f} TF/s); xla {t_x * 1e6:8.1f} us ({100 * t_c / t_x:5.1f}% of ceiling)")
+            for cfg in [base] + [c for c in configs if c != base]:
+                try:
+                    fp = lambda x, w, cfg=cfg, act=act: pallas_triton.quantized_matmul(x, w, act_block=act, config=cfg)  # noqa: E731
+                    err = max_rel_err(jax.jit(fp)(*args[0]), yr)
+                    ok = err <= CHECK_TOL
+                    t = device_time_op(fp, args, reps=reps) if ok else float("nan")
+                    log(f"  cfg={cfg}{' (default)' if cfg == base else ''}: {t * 1e6:8.1f} us "
+                        f"({100 * t_c / t:5.1f}% of ceiling), xla/pallas {t_x / t:5.2f}x, rel err {err:.2e} "
+                        f"{'PASS' if ok else 'FAIL'}")
+                    out.append(dict(op="fp8_prefill", case=name, block=blk, M=m, N=n, K=k, config=cfg, pallas_s=t,
+                                    xla_s=t_x, ceiling_s=t_c, flop=flop, rel_err=err, ok=ok))
+                except Exception as e:  # noqa: BLE001
+                    log(f"  cfg={cfg} FAILED {type(e).__name__}: {str(e)[:300]}")
+                    out.append(dict(op="fp8_prefill", case=name, block=blk, M=m, config=cfg, ok=False,
+                                    error=f"{type(e).__name__}: {str(e)[:300]}"))
+            del ws, xs, args
+    return out
+
+
 CHECK_FP8 = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wo_b", 5120, 8192), ("shared_w2", 5120, 2304)]
 # V4-Flash FP8 projections (128x128 blocks, act_block 128; model.md §10.2, attention.md): not yet run on a GPU
 CHECK_FP8_V4 = [("v4 wq_a", 1024, 4096), ("v4 wq_b", 32768, 1024), ("v4 wo_b", 4096, 8192),
@@ -343,6 +402,9 @@ def main(argv=None):
     ap.add_argument("--default-only", action="store_true", help="with --fma: only the default fma config")
     ap.add_argument("--names", default=None, help="with --fma: projections to sweep, e.g. wq_b,wo_b")
     ap.add_argument("--grouped", action="store_true", help="the grouped GEMV (wo_a): check + device time, then exit")
+    ap.add_argument("--prefill", action="store_true",
+                    help="the FP8 tiled GEMM at a 4096-row prefill chunk: configs checked, then device time beside "
+                         "XLA and the bf16 dot ceiling, then exit (with --names: projections, default wq_b,wo_b,shared_w2)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
     if a.grouped:
@@ -350,6 +412,13 @@ def main(argv=None):
         if a.out:
             os.makedirs(a.out, exist_ok=True)
             with open(os.path.join(a.out, "qmm_grouped.json"), "w") as f:
+                json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
+        return 0 if rows and all(r["ok"] for r in rows) else 1
+    if a.prefill:
+        rows = prefill_sweep(jax.random.PRNGKey(11), names=tuple(a.names.split(",")) if a.names else tuple(PREFILL))
+        if a.out:
+            os.makedirs(a.out, exist_ok=True)
+            with open(os.path.join(a.out, "qmm_prefill.json"), "w") as f:
                 json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
         return 0 if rows and all(r["ok"] for r in rows) else 1
     if a.check:

@@ -255,3 +255,26 @@ def test_mhc_sweep_runs_in_interpret_mode(monkeypatch):
     assert [(r["T"], r["config"]) for r in mixes][1::2] == [(1, (1, 128, 2)), (8, (1, 64, 4))]
     assert len(mixes) == 4 and all(r["err"] <= 1e-5 for r in mixes), mixes
     assert sum(r["op"] == "mhc_site" for r in rows) == 4
+
+
+def test_qmm_prefill_sweep_runs_in_interpret_mode(monkeypatch):
+    """``quantized_matmul.benchmark --prefill`` at a small shape (interpret mode, timing stubbed): the
+    default tiled config and an alternative, for V4.1's 32x32 and V4's 128x128 weight blocks, are
+    checked against the reference and pass; the ceiling and XLA rows are timed."""
+    import functools
+
+    import pallas_kernels.quantized_matmul.benchmark as bq
+
+    monkeypatch.setattr(bq, "PROJECTIONS", [("wo_b", 256, 256)])
+    timed = []
+    monkeypatch.setattr(bq, "device_time_op", lambda *a, **k: timed.append(1) or 1e-6)
+    monkeypatch.setattr(bq.pallas_triton, "quantized_matmul",
+                        functools.partial(bq.pallas_triton.quantized_matmul, interpret=True))
+    monkeypatch.setattr(bq, "log", lambda *a: None)
+    rows = bq.prefill_sweep(__import__("jax").random.PRNGKey(0), m=128, names=("wo_b",),
+                            configs=[(64, 128, 64, 1, 4, 3)], reps=2)
+    assert [(r["block"], r["config"]) for r in rows] == [
+        ((32, 32), (128, 128, 64, 1, 8, 3)), ((32, 32), (64, 128, 64, 1, 4, 3)),
+        ((128, 128), (128, 128, 64, 1, 8, 3)), ((128, 128), (64, 128, 64, 1, 4, 3))]
+    assert all(r["ok"] for r in rows), [(r["block"], r["config"], r.get("rel_err"), r.get("error")) for r in rows]
+    assert len(timed) == 2 * (2 + 2)  # per block: XLA, ceiling, two configs
