@@ -36,11 +36,20 @@ _HI = jax.lax.Precision.HIGHEST
 # hc_expand_collapse; fewer kernels per site on a GPU). DSV41_MHC_FUSED_COLLAPSE=off restores the
 # separate ops (A/B measurements).
 FUSE_EXPAND_COLLAPSE = os.environ.get("DSV41_MHC_FUSED_COLLAPSE", "on").lower() != "off"
+# ... and, where the mixes are fused too, the next site's input RMSNorm (attn_norm / ffn_norm) done
+# inside those kernels (hc_expand_collapse_mixes(y_norm=...): two XLA kernels fewer per site on a
+# GPU). Off until timed on a GPU (session 17 built it without one): DSV41_MHC_FUSED_NORM=on.
+FUSE_NEXT_NORM = os.environ.get("DSV41_MHC_FUSED_NORM", "off").lower() == "on"
 
 
 def _mixes(p, site, h, cfg):
     return hc_mixes(h, p[f"hc_{site}_fn"], p[f"hc_{site}_scale"], p[f"hc_{site}_base"], norm_eps=cfg.norm_eps,
                     hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
+
+
+def _next_norm(node, cfg):
+    """``y_norm`` for hc_expand_collapse_mixes: the next site's RMSNorm, when it is fused (FUSE_NEXT_NORM)."""
+    return (node["weight"], cfg.norm_eps) if FUSE_NEXT_NORM else None
 
 
 def hc_head(h, fn, scale, base, cfg):
@@ -62,23 +71,25 @@ def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None
     coefficients are one op (:func:`hc_expand_collapse_mixes`; on a GPU at decode sizes two kernels
     instead of four, else :func:`hc_expand_collapse` + :func:`hc_mixes`): always for the FFN site,
     and for the next layer's attention site when ``collapse_next`` (its mixes too when its params
-    ``next_p`` are given). Then a fifth element ``(collapsed input, mixes or None)`` is returned; it
-    comes back as ``entry`` of the next layer. V4 collapses with the site's own ``pre`` and keeps the
+    ``next_p`` are given). Then a fifth element ``(collapsed input, mixes or None, normed)`` is
+    returned (``normed``: the input already went through the next site's RMSNorm inside the fused
+    op, :data:`FUSE_NEXT_NORM`); it comes back as ``entry`` of the next layer. V4 collapses with the site's own ``pre`` and keeps the
     separate ops."""
     fuse = not cfg.is_v4 and FUSE_EXPAND_COLLAPSE
     mix_kw = dict(norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
-    x_in, mixes = entry if entry is not None else (None, None)
+    x_in, mixes, normed = entry if entry is not None else (None, None, False)
     residual = h
     with jax.named_scope("attn_mhc"):
         attn_pre, attn_post, attn_comb = mixes if mixes is not None else _mixes(p, "attn", h, cfg)
         x = x_in if x_in is not None else hc_collapse(h, attn_pre if cfg.is_v4 else pre)
-        x = norm(x, p["attn_norm"], cfg.norm_eps)
+        x = x if normed else norm(x, p["attn_norm"], cfg.norm_eps)
     with jax.named_scope("attention"):
         x, cache_layers, shared = attention(p["attn"], x, l, cfg, opts, cache_layers, pos0, lengths, shared)
     with jax.named_scope("attn_mhc"):
         if fuse:
             h, x_ffn, ffn_mixes = hc_expand_collapse_mixes(x, residual, attn_post, attn_comb, attn_pre, p["hc_ffn_fn"],
-                                                           p["hc_ffn_scale"], p["hc_ffn_base"], **mix_kw)
+                                                           p["hc_ffn_scale"], p["hc_ffn_base"],
+                                                           y_norm=_next_norm(p["ffn_norm"], cfg), **mix_kw)
         else:
             h = hc_expand(x, residual, attn_post, attn_comb)
     residual = h
@@ -88,7 +99,7 @@ def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None
         else:
             ffn_pre, ffn_post, ffn_comb = _mixes(p, "ffn", h, cfg)
             x_ffn = hc_collapse(h, ffn_pre if cfg.is_v4 else attn_pre)
-        x = norm(x_ffn, p["ffn_norm"], cfg.norm_eps)
+        x = x_ffn if fuse and FUSE_NEXT_NORM else norm(x_ffn, p["ffn_norm"], cfg.norm_eps)
     with jax.named_scope("moe"):
         if aux is not None:
             x, routing = moe(p["ffn"], x, l, cfg, return_routing=True, tokens=tokens)
@@ -99,11 +110,12 @@ def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None
     with jax.named_scope("ffn_mhc"):
         if fuse and collapse_next and next_p is not None:
             h, x_next, next_mixes = hc_expand_collapse_mixes(x, residual, ffn_post, ffn_comb, ffn_pre, next_p["hc_attn_fn"],
-                                                             next_p["hc_attn_scale"], next_p["hc_attn_base"], **mix_kw)
-            return h, ffn_pre, cache_layers, shared, (x_next, next_mixes)
+                                                             next_p["hc_attn_scale"], next_p["hc_attn_base"],
+                                                             y_norm=_next_norm(next_p["attn_norm"], cfg), **mix_kw)
+            return h, ffn_pre, cache_layers, shared, (x_next, next_mixes, FUSE_NEXT_NORM)
         if fuse and collapse_next:
             h, x_next = hc_expand_collapse(x, residual, ffn_post, ffn_comb, ffn_pre)
-            return h, ffn_pre, cache_layers, shared, (x_next, None)
+            return h, ffn_pre, cache_layers, shared, (x_next, None, False)
         h = hc_expand(x, residual, ffn_post, ffn_comb)
     return h, ffn_pre, cache_layers, shared
 
@@ -160,7 +172,7 @@ def forward_step(params, cache, tokens, lengths, engram_ids=None, engram_rows=No
     cache_layers = dict(cache["layers"])
     shared: dict = {}
     aux: dict | None = {"features": [], "engram_gate": {}} if return_aux else None
-    entry = None  # (attention-input collapse, its mixes or None) when the previous layer fused them
+    entry = None  # (attention-input collapse, its mixes or None, normed) when the previous layer fused them
     for l in range(cfg.n_layers):
         p = params["layers"][str(l)]
         if l in cfg.engram_layer_ids:

@@ -22,6 +22,7 @@ from dsv41_jax.cache import init_cache
 from dsv41_jax.options import RunOptions
 from pallas_kernels import dispatch
 from pallas_kernels.mhc import pallas_triton as mhc_kernel
+from pallas_kernels.mhc import reference as mhc_reference
 
 
 def test_fused_mhc_sites_calls_and_logits(monkeypatch):
@@ -43,9 +44,13 @@ def test_fused_mhc_sites_calls_and_logits(monkeypatch):
     real = {name: getattr(mhc_kernel, name) for name in calls}
     errors = []
 
-    def checked_mixes(f, residual, post, comb, pre, fn, scale, base, **kw):
-        h, y, mixes = real["hc_expand_collapse_mixes"](f, residual, post, comb, pre, fn, scale, base, **kw)
+    def checked_mixes(f, residual, post, comb, pre, fn, scale, base, w=None, *, y_norm_eps=0.0, **kw):
+        h, y, mixes = real["hc_expand_collapse_mixes"](f, residual, post, comb, pre, fn, scale, base, w,
+                                                       y_norm_eps=y_norm_eps, **kw)
         h2, y2 = real["hc_expand_collapse"](f, residual, post, comb, pre, interpret=kw["interpret"])
+        if w is not None:  # the fused norm: y against rms_norm of the unfused collapse, relative
+            y2 = mhc_reference.rms_norm(y2, w, y_norm_eps)
+            y, y2 = (v.astype(jnp.float32) / jnp.maximum(jnp.abs(y2.astype(jnp.float32)), 2.0**-20) for v in (y, y2))
         mixes2 = real["hc_mixes"](h, fn, scale, base, **kw)
         d = [jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) for a, b in ((h, h2), (y, y2))]
         d += [jnp.max(jnp.abs(a - b)) for a, b in zip(mixes, mixes2)]
@@ -68,8 +73,9 @@ def test_fused_mhc_sites_calls_and_logits(monkeypatch):
     toks = np.random.default_rng().integers(3, 5000, (B, S))
     ids = model.engram_ids(toks, np.broadcast_to(np.arange(S), (B, S)))
 
-    def run(fused, decline=()):
+    def run(fused, decline=(), fused_norm=False):
         monkeypatch.setattr(transformer, "FUSE_EXPAND_COLLAPSE", fused)
+        monkeypatch.setattr(transformer, "FUSE_NEXT_NORM", fused_norm)
         declined.clear()
         declined.update(decline)
         for k in calls:
@@ -98,3 +104,14 @@ def test_fused_mhc_sites_calls_and_logits(monkeypatch):
     assert plain_calls == {"hc_expand_collapse_mixes": 0, "hc_expand_collapse": 0, "hc_collapse": 2 * n + 1,
                            "hc_expand": 2 * n, "hc_mixes": 2 * n}
     np.testing.assert_array_equal(composed, plain)
+
+    # 4. DSV41_MHC_FUSED_NORM=on: the next site's RMSNorm inside the fused op. The kernel's y within one
+    # bf16 ulp (<= 2**-7 relative) of rms_norm(the unfused collapse) -- the row's sum of squares is
+    # summed in another order --, streams identical, mixes as before; declined (the composition, as
+    # at prefill sizes) the norm is the model's own, so the logits equal the plain ones.
+    errors.clear()
+    norm_calls, normed = run(True, fused_norm=True)
+    assert norm_calls == fused_calls and len(errors) == sites and np.all(np.isfinite(normed))
+    assert all(e[0] == 0 and e[1] <= 2.0**-7 and max(e[2:]) <= 2e-5 for e in errors), errors
+    _, composed_norm = run(True, decline=("hc_expand_collapse_mixes",), fused_norm=True)
+    np.testing.assert_array_equal(composed_norm, plain)

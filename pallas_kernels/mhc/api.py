@@ -51,16 +51,21 @@ def hc_expand_collapse(f, residual, post, comb, pre, *, implementation=None):
 
 
 def hc_expand_collapse_mixes(f, residual, post, comb, pre, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters,
-                             implementation=None):
+                             y_norm=None, implementation=None):
     """(h, y, (pre', post', comb')): :func:`hc_expand_collapse` and the next site's
     :func:`hc_mixes` of h. At decode sizes one op on a GPU (two kernels instead of four); where
-    that kernel cannot run (prefill sizes), the two ops, each dispatched on its own."""
+    that kernel cannot run (prefill sizes), the two ops, each dispatched on its own.
+    ``y_norm = (weight, eps)``: y comes back RMS-normalized (the next site's input norm; on a GPU at
+    decode sizes inside the same two kernels, else :func:`reference.rms_norm` after the collapse)."""
     kernel, interpret = dispatch.choose("hc_expand_collapse_mixes", implementation, _kernel,
-                                        lambda k: k.expand_mix_reason(f, residual, post, comb, pre, fn),
+                                        lambda k: k.expand_mix_reason(f, residual, post, comb, pre, fn, y_norm),
                                         lambda k: k.auto_reason("hc_expand_collapse_mixes"))
     kw = dict(norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters)
     if kernel is not None:
-        return dispatch.call_kernel(kernel.hc_expand_collapse_mixes, f, residual, post, comb, pre, fn, scale, base,
-                                    interpret=interpret, **kw)
+        w, eps = y_norm if y_norm is not None else (None, 0.0)
+        return dispatch.call_kernel(kernel.hc_expand_collapse_mixes, f, residual, post, comb, pre, fn, scale, base, w,
+                                    y_norm_eps=float(eps), interpret=interpret, **kw)
     h, y = hc_expand_collapse(f, residual, post, comb, pre, implementation=implementation)
+    if y_norm is not None:
+        y = reference.rms_norm(y, *y_norm)
     return h, y, hc_mixes(h, fn, scale, base, implementation=implementation, **kw)

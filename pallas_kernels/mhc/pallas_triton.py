@@ -144,7 +144,12 @@ def _mix_partial_kernel(x_ref, fn_ref, pa_ref, pb_ref, ps_ref, *, bt, bk, steps,
 
 
 def _mix_split_kernel(pa_ref, pb_ref, ps_ref, scale_ref, base_ref, p_ref, c_ref, *, bt, n_split, split_kw):
-    t0 = pl.multiple_of(pl.program_id(0) * bt, bt)
+    _mix_split_rows(pl.multiple_of(pl.program_id(0) * bt, bt), pa_ref, pb_ref, ps_ref, scale_ref, base_ref, p_ref,
+                    c_ref, bt=bt, n_split=n_split, split_kw=split_kw)
+
+
+def _mix_split_rows(t0, pa_ref, pb_ref, ps_ref, scale_ref, base_ref, p_ref, c_ref, *, bt, n_split, split_kw):
+    """The split kernel's work for rows [t0, t0 + bt)."""
     rows = pl.ds(t0, bt)
     # the partials in power-of-two groups of splits (Triton's block shapes), summed over the groups
     grp = min(n_split & -n_split, 64)
@@ -397,13 +402,14 @@ MIX_FUSED_MAX_T = 8  # rows: one row per program, as hc_mixes' decode configurat
 MIX_FUSED_BD = 64  # columns of every stream per program: D / 64 programs per row, as many K splits
 
 
-def _expand_mix_kernel(f_ref, r_ref, post_ref, comb_ref, pre_ref, fn_ref, o_ref, y_ref, pa_ref, pb_ref, ps_ref, *,
+def _expand_mix_kernel(f_ref, r_ref, post_ref, comb_ref, pre_ref, fn_ref, o_ref, y_ref, pa_ref, pb_ref, ps_ref, *py_ref,
                        hc, bd):
     """Program (t, j): row t, columns [j*bd, +bd) of every stream: the expansion (as
     :func:`_expand_kernel`), the collapse of the stored streams with ``pre`` (as
     :func:`_collapse_kernel`), and the next mixes' partial sums over these hc*bd inputs (as
     :func:`_partial`'s one-row path: exact fp32 products of the stored streams and fn), written as
-    K split j of :func:`_mix_split_kernel`'s inputs."""
+    K split j of :func:`_mix_split_kernel`'s inputs; with ``py_ref`` also the sum of squares of the
+    stored collapse over these columns (split j of the next RMSNorm's statistics)."""
     t = pl.program_id(0)
     j = pl.program_id(1)
     row = pl.ds(t, 1)
@@ -411,7 +417,11 @@ def _expand_mix_kernel(f_ref, r_ref, post_ref, comb_ref, pre_ref, fn_ref, o_ref,
     h = _expand_block(f_ref, r_ref, post_ref, comb_ref, hc, row, cols).astype(o_ref.dtype)  # [1, hc, bd]
     o_ref[row, :, cols] = h
     hf = h.astype(jnp.float32)
-    y_ref[row, cols] = _collapse_block(hf, pre_ref[row, :]).astype(y_ref.dtype)
+    y = _collapse_block(hf, pre_ref[row, :]).astype(y_ref.dtype)
+    y_ref[row, cols] = y
+    if py_ref:  # the next norm's partial sum of squares over these columns of the stored (rounded) collapse
+        yf = y.astype(jnp.float32)
+        py_ref[0][pl.ds(j, 1), row] = jnp.sum(yf * yf, axis=1)[None, :]
     fa = fn_ref[pl.ds(0, 16), :, cols]  # [16, hc, bd]: pre and post rows
     fb = fn_ref[pl.ds(2 * hc, hc * hc), :, cols]  # the comb rows
     a = jnp.sum(jnp.sum(fa * hf, axis=2), axis=1)
@@ -422,8 +432,47 @@ def _expand_mix_kernel(f_ref, r_ref, post_ref, comb_ref, pre_ref, fn_ref, o_ref,
     ps_ref[pl.ds(j, 1), row] = ss[None, :]
 
 
-def expand_mix_reason(f, residual, post, comb, pre, fn):
+NORM_COLS = 512  # columns of the collapse each norm program of the split kernel normalizes
+
+
+def _norm_cols(d: int) -> int:
+    return pick_block(d, NORM_COLS)
+
+
+def _mix_split_norm_kernel(pa_ref, pb_ref, ps_ref, scale_ref, base_ref, py_ref, y_ref, w_ref, p_ref, c_ref, yn_ref, *,
+                           t, n_split, split_kw, d, cb, eps):
+    """Programs 0..t-1: :func:`_mix_split_kernel` for row i. Programs t..: the next site's RMSNorm of
+    the collapse, row (i - t) // (d / cb), columns ``cb`` wide: the row's sum of squares from the
+    expansion kernel's ``n_split`` partials, then ``w * (y * rsqrt(ss / d + eps))`` as
+    ``layers.rms_norm``. The norm programs need nothing from the Sinkhorn and run beside it."""
+    i = pl.program_id(0)
+
+    @pl.when(i < t)
+    def _():
+        _mix_split_rows(i, pa_ref, pb_ref, ps_ref, scale_ref, base_ref, p_ref, c_ref, bt=1, n_split=n_split,
+                        split_kw=split_kw)
+
+    @pl.when(i >= t)
+    def _():
+        q = i - t
+        nc = d // cb
+        row = pl.ds(q // nc, 1)
+        cols = pl.ds(pl.multiple_of((q % nc) * cb, cb), cb)
+        grp = min(n_split & -n_split, 64)
+
+        def part(g):
+            return jnp.sum(py_ref[pl.ds(0 if isinstance(g, int) else pl.multiple_of(g * grp, grp), grp), row], axis=0)
+
+        ss = part(0) if grp == n_split else jax.lax.fori_loop(1, n_split // grp, lambda g, c: c + part(g), part(0))
+        r = jax.lax.rsqrt(ss / d + eps)  # [1]
+        z = y_ref[row, cols].astype(jnp.float32) * r[:, None]
+        yn_ref[row, cols] = (w_ref[cols].astype(jnp.float32)[None, :] * z).astype(yn_ref.dtype)
+
+
+def expand_mix_reason(f, residual, post, comb, pre, fn, y_norm=None):
     reason = expand_collapse_reason(f, residual, post, comb, pre) or unsupported_reason(residual, fn)
+    if reason is None and y_norm is not None and tuple(y_norm[0].shape) != (residual.shape[-1],):
+        reason = f"the norm weight {tuple(y_norm[0].shape)} must be [D] = ({residual.shape[-1]},)"
     if reason is not None:
         return reason
     t = math.prod(residual.shape[:-2])
@@ -434,12 +483,16 @@ def expand_mix_reason(f, residual, post, comb, pre, fn):
     return None
 
 
-def hc_expand_collapse_mixes(f, residual, post, comb, pre, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters,
-                             interpret=False):
+def hc_expand_collapse_mixes(f, residual, post, comb, pre, fn, scale, base, y_norm_weight=None, *, norm_eps, hc_eps,
+                             sinkhorn_iters, y_norm_eps=0.0, interpret=False):
     """(h, y, (pre', post', comb')): h = hc_expand(f, residual, post, comb), y = hc_collapse(h, pre)
     and the next site's hc_mixes(h, fn, scale, base), in two kernels (the expansion kernel also
-    forms the mixes' split-K partial sums; then hc_mixes' split kernel) instead of four."""
-    reason = expand_mix_reason(f, residual, post, comb, pre, fn)
+    forms the mixes' split-K partial sums; then hc_mixes' split kernel) instead of four. With
+    ``y_norm_weight`` [D], y comes back RMS-normalized (eps ``y_norm_eps``): the expansion kernel
+    also writes the sums of squares of its columns of y, and the split kernel's extra programs
+    normalize y beside the Sinkhorn (the norm's two XLA kernels gone)."""
+    y_norm = None if y_norm_weight is None else (y_norm_weight, y_norm_eps)
+    reason = expand_mix_reason(f, residual, post, comb, pre, fn, y_norm)
     if reason is not None:
         raise ValueError(f"hc_expand_collapse_mixes (pallas): {reason}")
     lead = residual.shape[:-2]
@@ -448,11 +501,11 @@ def hc_expand_collapse_mixes(f, residual, post, comb, pre, fn, scale, base, *, n
     bd = MIX_FUSED_BD
     ns = d // bd
     f32 = jnp.float32
-    h, y, pa, pb, ps = pl.pallas_call(
+    h, y, pa, pb, ps, *py = pl.pallas_call(
         functools.partial(_expand_mix_kernel, hc=hc, bd=bd),
         out_shape=(jax.ShapeDtypeStruct((t, hc, d), f.dtype), jax.ShapeDtypeStruct((t, d), f.dtype),
                    jax.ShapeDtypeStruct((ns, t, 16), f32), jax.ShapeDtypeStruct((ns, t, hc * hc), f32),
-                   jax.ShapeDtypeStruct((ns, t), f32)),
+                   jax.ShapeDtypeStruct((ns, t), f32)) + ((jax.ShapeDtypeStruct((ns, t), f32),) if y_norm else ()),
         grid=(t, ns),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
@@ -461,6 +514,16 @@ def hc_expand_collapse_mixes(f, residual, post, comb, pre, fn, scale, base, *, n
       comb.reshape(t, hc, hc).astype(f32), pre.reshape(t, hc).astype(f32),
       fn.astype(f32).reshape(fn.shape[0], hc, d))
     split_kw = dict(hc=hc, width=hc * d, norm_eps=float(norm_eps), hc_eps=float(hc_eps), iters=int(sinkhorn_iters))
-    pp, c = _split_call(pa, pb, ps, scale.astype(f32), base.astype(f32), bt=1, split_kw=split_kw,
-                        warps=_split_warps(1), interpret=interpret)
+    if y_norm is None:
+        pp, c = _split_call(pa, pb, ps, scale.astype(f32), base.astype(f32), bt=1, split_kw=split_kw,
+                            warps=_split_warps(1), interpret=interpret)
+        return h.reshape(*lead, hc, d), y.reshape(*lead, d), _unpack_mixes(pp, c, lead, hc)
+    cb = _norm_cols(d)
+    pp, c, y = pl.pallas_call(
+        functools.partial(_mix_split_norm_kernel, t=t, n_split=ns, split_kw=split_kw, d=d, cb=cb, eps=float(y_norm_eps)),
+        out_shape=(jax.ShapeDtypeStruct((t, 16), f32), jax.ShapeDtypeStruct((t, hc * hc), f32),
+                   jax.ShapeDtypeStruct((t, d), f.dtype)),
+        grid=(t + t * (d // cb),), interpret=interpret, name="hc_mixes_split_norm",
+        compiler_params=pltriton.CompilerParams(num_warps=_split_warps(1), num_stages=1),
+    )(pa, pb, ps, scale.astype(f32), base.astype(f32), py[0], y, y_norm_weight)
     return h.reshape(*lead, hc, d), y.reshape(*lead, d), _unpack_mixes(pp, c, lead, hc)

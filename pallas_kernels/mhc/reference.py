@@ -59,7 +59,18 @@ def hc_expand_collapse(f, residual, post, comb, pre):
     return h, hc_collapse(h, pre)
 
 
-def hc_expand_collapse_mixes(f, residual, post, comb, pre, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters):
-    """(h, y, hc_mixes(h, fn, scale, base)) with (h, y) = :func:`hc_expand_collapse`."""
+def rms_norm(y, weight, eps):
+    """The model's RMSNorm (``dsv41_jax.layers.rms_norm``, the same ops): fp32 statistics, cast back."""
+    yf = y.astype(jnp.float32)
+    z = yf * jax.lax.rsqrt(jnp.mean(yf * yf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * z).astype(y.dtype)
+
+
+def hc_expand_collapse_mixes(f, residual, post, comb, pre, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters,
+                             y_norm=None):
+    """(h, y, hc_mixes(h, fn, scale, base)) with (h, y) = :func:`hc_expand_collapse`; with
+    ``y_norm = (weight, eps)`` y is returned RMS-normalized (the next site's input norm)."""
     h, y = hc_expand_collapse(f, residual, post, comb, pre)
+    if y_norm is not None:
+        y = rms_norm(y, *y_norm)
     return h, y, hc_mixes(h, fn, scale, base, norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters)

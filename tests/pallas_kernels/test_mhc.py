@@ -115,6 +115,37 @@ def test_expand_collapse_mixes_parity_interpret(t, dtype, d):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+@pytest.mark.parametrize("t,d", [(1, 640), (3, 192), (8, 128)])
+def test_expand_collapse_mixes_with_the_next_norm_interpret(t, d):
+    """``y_norm=(weight, eps)``: the collapse comes back RMS-normalized (the expansion kernel's
+    per-column-block sums of squares, the split kernel's extra programs), within one bf16 ulp of
+    rms_norm(hc_expand_collapse's collapse) with random weights; streams and mixes as without it
+    (bit for bit). D = 640: 10 sum-of-squares splits, 5 norm programs of 128 columns per row."""
+    x, fn, scale, base, f = inputs(np.random.randint(1 << 30), t, d, jnp.bfloat16)
+    _, post, comb = reference.hc_mixes(x, fn, scale, base, **KW)
+    key = jax.random.PRNGKey(np.random.randint(1 << 30))
+    pre_next = jax.nn.sigmoid(jax.random.normal(key, (t, HC))) + 0.1
+    fn_next = jax.random.normal(jax.random.fold_in(key, 1), fn.shape, jnp.float32) * 0.05
+    w = jax.random.uniform(jax.random.fold_in(key, 2), (d,), jnp.float32, 0.2, 3.0).astype(jnp.bfloat16)
+    args = (f, x, post, comb, pre_next, fn_next, scale, base)
+    h, y, mixes = api.hc_expand_collapse_mixes(*args, y_norm=(w, 1e-6), implementation="interpret", **KW)
+    h0, y0, mixes0 = api.hc_expand_collapse_mixes(*args, implementation="interpret", **KW)
+    want = np.asarray(reference.rms_norm(y0, w, 1e-6), np.float32)
+    got = np.asarray(y, np.float32)
+    assert y.dtype == y0.dtype and y.shape == y0.shape
+    assert np.max(np.abs(got - want) / np.maximum(np.abs(want), 1e-6)) <= 2.0**-7  # one bf16 ulp
+    assert np.mean(got == want) > 0.9 and np.max(np.abs(got - np.asarray(y0, np.float32))) > 0.1  # normalized
+    np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(h0, np.float32))
+    for a, b in zip(mixes, mixes0):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert "norm weight" in pallas_triton.expand_mix_reason(*args[:6], (w[:-64], 1e-6))
+    # the composition (prefill sizes, or the reference) applies the model's rms_norm to the collapse
+    ref = reference.hc_expand_collapse_mixes(*args, y_norm=(w, 1e-6), **KW)
+    np.testing.assert_array_equal(np.asarray(ref[1], np.float32),
+                                  np.asarray(reference.rms_norm(reference.hc_expand_collapse(*args[:5])[1], w, 1e-6),
+                                             np.float32))
+
+
 def test_api_routes_and_reasons():
     x, fn, scale, base, _ = inputs(0, 2, 256, jnp.bfloat16)
     assert pallas_triton.unsupported_reason(x, fn) is None
@@ -154,6 +185,12 @@ def test_cross_lowering_real_shapes(target):
             txt = lower_for(target, f, S((t, 5120), jnp.bfloat16), S((t, HC, 5120), jnp.bfloat16),
                             S((t, HC), jnp.float32), S((t, HC, HC), jnp.float32), S((t, HC), jnp.float32),
                             S((24, HC * 5120), jnp.float32), S((3,), jnp.float32), S((24,), jnp.float32)).as_text()
+            assert txt.count(name) == 2
+            fn_norm = lambda *a: pallas_triton.hc_expand_collapse_mixes(*a, y_norm_eps=1e-6, **KW)  # noqa: E731
+            txt = lower_for(target, fn_norm, S((t, 5120), jnp.bfloat16), S((t, HC, 5120), jnp.bfloat16),
+                            S((t, HC), jnp.float32), S((t, HC, HC), jnp.float32), S((t, HC), jnp.float32),
+                            S((24, HC * 5120), jnp.float32), S((3,), jnp.float32), S((24,), jnp.float32),
+                            S((5120,), jnp.bfloat16)).as_text()
             assert txt.count(name) == 2
     for cfg in ((1, 128, 160, 1), (1, 128, 80, 2), (1, 256, 40, 1)):  # splits in power-of-two groups
         mix = lambda x, fn, s, b, cfg=cfg: pallas_triton.hc_mixes(x, fn, s, b, config=cfg, **KW)
