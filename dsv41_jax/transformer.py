@@ -86,10 +86,11 @@ def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None
     with jax.named_scope("attention"):
         x, cache_layers, shared = attention(p["attn"], x, l, cfg, opts, cache_layers, pos0, lengths, shared)
     with jax.named_scope("attn_mhc"):
+        ffn_norm = _next_norm(p["ffn_norm"], cfg) if fuse else None  # not None: the fused op applies it
         if fuse:
             h, x_ffn, ffn_mixes = hc_expand_collapse_mixes(x, residual, attn_post, attn_comb, attn_pre, p["hc_ffn_fn"],
-                                                           p["hc_ffn_scale"], p["hc_ffn_base"],
-                                                           y_norm=_next_norm(p["ffn_norm"], cfg), **mix_kw)
+                                                           p["hc_ffn_scale"], p["hc_ffn_base"], y_norm=ffn_norm,
+                                                           **mix_kw)
         else:
             h = hc_expand(x, residual, attn_post, attn_comb)
     residual = h
@@ -99,7 +100,7 @@ def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None
         else:
             ffn_pre, ffn_post, ffn_comb = _mixes(p, "ffn", h, cfg)
             x_ffn = hc_collapse(h, ffn_pre if cfg.is_v4 else attn_pre)
-        x = x_ffn if fuse and FUSE_NEXT_NORM else norm(x_ffn, p["ffn_norm"], cfg.norm_eps)
+        x = x_ffn if ffn_norm is not None else norm(x_ffn, p["ffn_norm"], cfg.norm_eps)
     with jax.named_scope("moe"):
         if aux is not None:
             x, routing = moe(p["ffn"], x, l, cfg, return_routing=True, tokens=tokens)
@@ -109,10 +110,11 @@ def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None
             x = moe(p["ffn"], x, l, cfg, tokens=tokens)
     with jax.named_scope("ffn_mhc"):
         if fuse and collapse_next and next_p is not None:
+            attn_norm = _next_norm(next_p["attn_norm"], cfg)
             h, x_next, next_mixes = hc_expand_collapse_mixes(x, residual, ffn_post, ffn_comb, ffn_pre, next_p["hc_attn_fn"],
                                                              next_p["hc_attn_scale"], next_p["hc_attn_base"],
-                                                             y_norm=_next_norm(next_p["attn_norm"], cfg), **mix_kw)
-            return h, ffn_pre, cache_layers, shared, (x_next, next_mixes, FUSE_NEXT_NORM)
+                                                             y_norm=attn_norm, **mix_kw)
+            return h, ffn_pre, cache_layers, shared, (x_next, next_mixes, attn_norm is not None)
         if fuse and collapse_next:
             h, x_next = hc_expand_collapse(x, residual, ffn_post, ffn_comb, ffn_pre)
             return h, ffn_pre, cache_layers, shared, (x_next, None, False)

@@ -82,10 +82,13 @@ def _naive_round_trip(x):
     return jnp.clip(x, -448.0, 448.0).astype(jnp.float8_e4m3fn).astype(jnp.float32)
 
 
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
 def _bits(out) -> list[np.ndarray]:
-    outs = out if isinstance(out, tuple) else (out,)
-    return [np.asarray(o).view(np.uint8).reshape(-1) if np.asarray(o).dtype.itemsize == 1 else
-            np.asarray(o).view(np.uint32 if np.asarray(o).dtype.itemsize == 4 else np.uint16).reshape(-1) for o in outs]
+    """Each output array's elements as unsigned integers of the same width (compared bit for bit)."""
+    arrays = [np.asarray(o) for o in (out if isinstance(out, tuple) else (out,))]
+    return [a.view(_UINT[a.dtype.itemsize]).reshape(-1) for a in arrays]
 
 
 def _mismatches(a, b) -> int:

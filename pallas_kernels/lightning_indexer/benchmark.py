@@ -17,6 +17,7 @@ causally visible), S = 1 (decode).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -28,15 +29,14 @@ def make_inputs(key, b, s, nc, *, hi=32, di=128, plain=False):
     """Random MXFP4 q / keys (``plain``: float32 q and the keys dequantized), weights, all visible; one
     jitted program per shape (eagerly, each random draw and quantizer op compiled on its own: most of
     a CPU test's time), the same values."""
+    return _make_inputs_jit()(key, b, s, nc, hi, di, plain)
+
+
+@functools.cache
+def _make_inputs_jit():
     import jax
 
-    global _MAKE_INPUTS
-    if _MAKE_INPUTS is None:
-        _MAKE_INPUTS = jax.jit(_make_inputs, static_argnums=(1, 2, 3, 4, 5, 6))
-    return _MAKE_INPUTS(key, b, s, nc, hi, di, plain)
-
-
-_MAKE_INPUTS = None
+    return jax.jit(_make_inputs, static_argnums=(1, 2, 3, 4, 5, 6))
 
 
 def _make_inputs(key, b, s, nc, hi, di, plain):

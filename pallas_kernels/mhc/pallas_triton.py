@@ -143,6 +143,21 @@ def _mix_partial_kernel(x_ref, fn_ref, pa_ref, pb_ref, ps_ref, *, bt, bk, steps,
     ps_ref[sp, pl.ds(t0, bt)] = ss
 
 
+def _sum_over_splits(load, n_split: int):
+    """The sum over axis 0 (the K splits) of each array of ``load(splits)`` (a tuple, ``splits`` a
+    ``pl.ds`` over the first axis), read in power-of-two groups of splits (Triton's block shapes)
+    and summed over the groups."""
+    grp = min(n_split & -n_split, 64)
+
+    def part(i):
+        sp = pl.ds(0 if isinstance(i, int) else pl.multiple_of(i * grp, grp), grp)
+        return tuple(jnp.sum(v, axis=0) for v in load(sp))
+
+    if grp == n_split:
+        return part(0)
+    return jax.lax.fori_loop(1, n_split // grp, lambda i, c: tuple(u + v for u, v in zip(c, part(i))), part(0))
+
+
 def _mix_split_kernel(pa_ref, pb_ref, ps_ref, scale_ref, base_ref, p_ref, c_ref, *, bt, n_split, split_kw):
     _mix_split_rows(pl.multiple_of(pl.program_id(0) * bt, bt), pa_ref, pb_ref, ps_ref, scale_ref, base_ref, p_ref,
                     c_ref, bt=bt, n_split=n_split, split_kw=split_kw)
@@ -151,18 +166,7 @@ def _mix_split_kernel(pa_ref, pb_ref, ps_ref, scale_ref, base_ref, p_ref, c_ref,
 def _mix_split_rows(t0, pa_ref, pb_ref, ps_ref, scale_ref, base_ref, p_ref, c_ref, *, bt, n_split, split_kw):
     """The split kernel's work for rows [t0, t0 + bt)."""
     rows = pl.ds(t0, bt)
-    # the partials in power-of-two groups of splits (Triton's block shapes), summed over the groups
-    grp = min(n_split & -n_split, 64)
-
-    def part(i):
-        sp = pl.ds(0 if isinstance(i, int) else pl.multiple_of(i * grp, grp), grp)
-        return (jnp.sum(pa_ref[sp, rows, :], axis=0), jnp.sum(pb_ref[sp, rows, :], axis=0),
-                jnp.sum(ps_ref[sp, rows], axis=0))
-
-    if grp == n_split:
-        a, b, ss = part(0)
-    else:
-        a, b, ss = jax.lax.fori_loop(1, n_split // grp, lambda i, c: tuple(u + v for u, v in zip(c, part(i))), part(0))
+    a, b, ss = _sum_over_splits(lambda sp: (pa_ref[sp, rows, :], pb_ref[sp, rows, :], ps_ref[sp, rows]), n_split)
     pp, c = _split(a, b, ss, scale_ref, base_ref, **split_kw)
     p_ref[rows, :] = pp
     c_ref[rows, :] = c
@@ -432,11 +436,7 @@ def _expand_mix_kernel(f_ref, r_ref, post_ref, comb_ref, pre_ref, fn_ref, o_ref,
     ps_ref[pl.ds(j, 1), row] = ss[None, :]
 
 
-NORM_COLS = 512  # columns of the collapse each norm program of the split kernel normalizes
-
-
-def _norm_cols(d: int) -> int:
-    return pick_block(d, NORM_COLS)
+NORM_COLS = 512  # columns of the collapse each norm program of the split kernel normalizes (at most)
 
 
 def _mix_split_norm_kernel(pa_ref, pb_ref, ps_ref, scale_ref, base_ref, py_ref, y_ref, w_ref, p_ref, c_ref, yn_ref, *,
@@ -458,12 +458,7 @@ def _mix_split_norm_kernel(pa_ref, pb_ref, ps_ref, scale_ref, base_ref, py_ref, 
         nc = d // cb
         row = pl.ds(q // nc, 1)
         cols = pl.ds(pl.multiple_of((q % nc) * cb, cb), cb)
-        grp = min(n_split & -n_split, 64)
-
-        def part(g):
-            return jnp.sum(py_ref[pl.ds(0 if isinstance(g, int) else pl.multiple_of(g * grp, grp), grp), row], axis=0)
-
-        ss = part(0) if grp == n_split else jax.lax.fori_loop(1, n_split // grp, lambda g, c: c + part(g), part(0))
+        (ss,) = _sum_over_splits(lambda sp: (py_ref[sp, row],), n_split)
         r = jax.lax.rsqrt(ss / d + eps)  # [1]
         z = y_ref[row, cols].astype(jnp.float32) * r[:, None]
         yn_ref[row, cols] = (w_ref[cols].astype(jnp.float32)[None, :] * z).astype(yn_ref.dtype)
@@ -492,12 +487,8 @@ def hc_expand_collapse_mixes(f, residual, post, comb, pre, fn, scale, base, y_no
     also writes the sums of squares of its columns of y, and the split kernel's extra programs
     normalize y beside the Sinkhorn (the norm's two XLA kernels gone)."""
     y_norm = None if y_norm_weight is None else (y_norm_weight, y_norm_eps)
-    reason = expand_mix_reason(f, residual, post, comb, pre, fn, y_norm)
-    if reason is not None:
-        raise ValueError(f"hc_expand_collapse_mixes (pallas): {reason}")
-    lead = residual.shape[:-2]
-    hc, d = residual.shape[-2:]
-    t = math.prod(lead)
+    lead, hc, d, t, _, _ = _site_layout("hc_expand_collapse_mixes",
+                                        expand_mix_reason(f, residual, post, comb, pre, fn, y_norm), residual)
     bd = MIX_FUSED_BD
     ns = d // bd
     f32 = jnp.float32
@@ -518,7 +509,7 @@ def hc_expand_collapse_mixes(f, residual, post, comb, pre, fn, scale, base, y_no
         pp, c = _split_call(pa, pb, ps, scale.astype(f32), base.astype(f32), bt=1, split_kw=split_kw,
                             warps=_split_warps(1), interpret=interpret)
         return h.reshape(*lead, hc, d), y.reshape(*lead, d), _unpack_mixes(pp, c, lead, hc)
-    cb = _norm_cols(d)
+    cb = pick_block(d, NORM_COLS)
     pp, c, y = pl.pallas_call(
         functools.partial(_mix_split_norm_kernel, t=t, n_split=ns, split_kw=split_kw, d=d, cb=cb, eps=float(y_norm_eps)),
         out_shape=(jax.ShapeDtypeStruct((t, 16), f32), jax.ShapeDtypeStruct((t, hc * hc), f32),

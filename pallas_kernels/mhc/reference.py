@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.layers import rms_norm  # the model's RMSNorm: the next site's norm of the fused op
+
 
 def hc_mixes(x, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters):
     hc = x.shape[-2]
@@ -57,13 +59,6 @@ def hc_expand_collapse(f, residual, post, comb, pre):
     collapse of the expanded streams, as stored in f.dtype)."""
     h = hc_expand(f, residual, post, comb)
     return h, hc_collapse(h, pre)
-
-
-def rms_norm(y, weight, eps):
-    """The model's RMSNorm (``dsv41_jax.layers.rms_norm``, the same ops): fp32 statistics, cast back."""
-    yf = y.astype(jnp.float32)
-    z = yf * jax.lax.rsqrt(jnp.mean(yf * yf, axis=-1, keepdims=True) + eps)
-    return (weight.astype(jnp.float32) * z).astype(y.dtype)
 
 
 def hc_expand_collapse_mixes(f, residual, post, comb, pre, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters,

@@ -23,6 +23,7 @@ of ``context`` entries (ratio-1 layer: one compressed entry per token), batch 1 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -37,18 +38,13 @@ def make_inputs(key, b, s, nc, *, kw=128, kc=512, h=64, d=512, dtype=None, pad_f
     return _make_inputs_jit()(key, b, s, nc, kw, kc, h, d, jnp.dtype(dtype), pad_frac)
 
 
+@functools.cache
 def _make_inputs_jit():
     """``make_inputs`` as one jitted program per shape (eagerly, each of its dozen random draws,
     casts and sorts compiled on its own: most of a CPU test's time); the same values."""
     import jax
 
-    global _MAKE_INPUTS
-    if _MAKE_INPUTS is None:
-        _MAKE_INPUTS = jax.jit(_make_inputs, static_argnums=tuple(range(1, 10)))
-    return _MAKE_INPUTS
-
-
-_MAKE_INPUTS = None
+    return jax.jit(_make_inputs, static_argnums=tuple(range(1, 10)))
 
 
 def _make_inputs(key, b, s, nc, kw, kc, h, d, dtype, pad_frac):
