@@ -53,8 +53,8 @@ def mtp_forward(params, mtp_cache, hidden, next_tokens, lengths, *, cfg: ModelCo
     lengths = lengths.astype(jnp.int32)
     h = mtp_input(p, params["embed"]["weight"], hidden, next_tokens, cfg, dtype)
     aux = {"input": h} if return_aux else None
-    h, _, layers, _ = block(p, h, None, l, cfg, opts, dict(mtp_cache["layers"]), pos0, lengths, {}, None,
-                            tokens=next_tokens)
+    h, _, layers, _, _ = block(p, h, None, l, cfg, opts, dict(mtp_cache["layers"]), pos0, lengths, {}, None,
+                               tokens=next_tokens)
     y = hc_head(h, p["hc_head_fn"], p["hc_head_scale"], p["hc_head_base"], cfg)
     logits = lm_logits(y, p["norm"], params["head"], lengths, cfg, logits_mode)
     new_cache = {"pos": pos0 + lengths, "layers": layers}

@@ -64,17 +64,18 @@ def hc_head(h, fn, scale, base, cfg):
 
 def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None, tokens=None, *,
           entry=None, collapse_next: bool = False, next_p=None):
-    """One layer. h [B,S,hc,D]; pre [B,S,hc] (the previous site's; unused in V4). Returns (h, ffn_pre, ...).
+    """One layer. h [B,S,hc,D]; pre [B,S,hc] (the previous site's; unused in V4). Returns (h, ffn_pre,
+    cache_layers, shared, entry of the next layer or None).
 
     V4.1 collapses a site's input with the *previous* site's ``pre``, known before the expansion
     that produces the input runs, so an expansion, the next collapse and the next site's mix
     coefficients are one op (:func:`hc_expand_collapse_mixes`; on a GPU at decode sizes two kernels
     instead of four, else :func:`hc_expand_collapse` + :func:`hc_mixes`): always for the FFN site,
     and for the next layer's attention site when ``collapse_next`` (its mixes too when its params
-    ``next_p`` are given). Then a fifth element ``(collapsed input, mixes or None, normed)`` is
-    returned (``normed``: the input already went through the next site's RMSNorm inside the fused
-    op, :data:`FUSE_NEXT_NORM`); it comes back as ``entry`` of the next layer. V4 collapses with the site's own ``pre`` and keeps the
-    separate ops."""
+    ``next_p`` are given). Then the fifth element is ``(collapsed input, mixes or None, normed)``
+    (``normed``: the input already went through the next site's RMSNorm inside the fused op,
+    :data:`FUSE_NEXT_NORM`); it comes back as ``entry`` of the next layer. V4 collapses with the
+    site's own ``pre`` and keeps the separate ops."""
     fuse = not cfg.is_v4 and FUSE_EXPAND_COLLAPSE
     mix_kw = dict(norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
     x_in, mixes, normed = entry if entry is not None else (None, None, False)
@@ -119,7 +120,7 @@ def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None
             h, x_next = hc_expand_collapse(x, residual, ffn_post, ffn_comb, ffn_pre)
             return h, ffn_pre, cache_layers, shared, (x_next, None, False)
         h = hc_expand(x, residual, ffn_post, ffn_comb)
-    return h, ffn_pre, cache_layers, shared
+    return h, ffn_pre, cache_layers, shared, None
 
 
 def lm_logits(y, norm_p, head_p, lengths, cfg: ModelConfig, logits_mode: str):
@@ -196,10 +197,8 @@ def forward_step(params, cache, tokens, lengths, engram_ids=None, engram_rows=No
         # the next collapse fused into this layer's last expansion unless Engram changes h in between
         nxt = l + 1 not in cfg.engram_layer_ids
         next_p = params["layers"][str(l + 1)] if l + 1 < cfg.n_layers else None
-        out = block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux, tokens=tokens,
-                    entry=entry, collapse_next=nxt, next_p=next_p)
-        h, pre, cache_layers, shared = out[:4]
-        entry = out[4] if len(out) > 4 else None
+        h, pre, cache_layers, shared, entry = block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared,
+                                                    aux, tokens=tokens, entry=entry, collapse_next=nxt, next_p=next_p)
         if aux is not None:
             aux.setdefault("resid", []).append(h)
             aux.setdefault("pre_out", []).append(pre)
