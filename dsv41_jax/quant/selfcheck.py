@@ -2,7 +2,7 @@
 
 ``python -m dsv41_jax.quant.selfcheck`` runs every quantizer of :mod:`dsv41_jax.quant` jitted on the
 default device and on the CPU, on the same fresh float32 inputs (random magnitudes over many
-binades, values around every e4m3 / e2m1 midpoint, subnormals, saturating values), and compares
+binades, values around every e4m3 / e2m1 midpoint, e4m3 subnormals, saturating values), and compares
 the results bit for bit. The CPU backend is the reference: its f32 -> f8 conversions are exact RNE
 (checked against ml_dtypes in ``tests/test_quant.py``).
 
@@ -47,8 +47,13 @@ def inputs(seed: int | None = None, rows: int = 256, cols: int = 1024) -> np.nda
     flat = x.reshape(-1)
     idx = rng.choice(flat.size, min(specials.size, flat.size // 4), replace=False)
     flat[idx] = specials[: idx.size] * 2.0 ** rng.integers(-8, 8, idx.size)
-    x[: rows // 8] *= 2.0**-120  # subnormal-range blocks
-    x[rows // 8, :8] = [448.0, 449.0, 480.0, -1e30, 3e38, 0.0, -0.0, 1e-40]
+    # blocks under the FP8 scale floor (e >= -22: values land in e4m3's subnormals or round to 0),
+    # kept in float32's normal range: float32 subnormals (|x| < 2**-126) are flushed to zero by the
+    # XLA CPU backend (denormals-are-zero on input and output) but kept by the H200, so the
+    # quantizers cannot agree bit for bit there (session 18: 1,004 MXFP4 elements, all in blocks
+    # of float32 subnormals). Real weights and activations are never that small.
+    x[: rows // 8] *= 2.0**-40
+    x[rows // 8, :8] = [448.0, 449.0, 480.0, -1e30, 3e38, 0.0, -0.0, 1e-30]
     mids = (e4m3[:-1] + e4m3[1:]) / 2  # exact e4m3 ties, unscaled (block amax 448 -> scale 1), both signs
     x[-1, : 2 * mids.size] = np.concatenate([mids, -mids])
     x[-1, 2 * mids.size] = 448.0
