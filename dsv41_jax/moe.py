@@ -12,6 +12,7 @@ from sharding.expert_parallel import routed_experts  # moe_experts, expert-paral
 
 from .config import ModelConfig
 from .layers import linear, linear_multi, weight_of
+from .quant import exact_f32
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -42,7 +43,8 @@ def route(p_gate, x, cfg: ModelConfig, topk: int, tokens=None):
 
 def shared_expert(p, x, cfg: ModelConfig):
     act = cfg.fp8_block_size
-    g, u = (y.astype(jnp.float32) for y in linear_multi(  # one launch at decode sizes
+    # one launch at decode sizes; the bf16 outputs' own values (quant.exact_f32)
+    g, u = (exact_f32(y) for y in linear_multi(
         x, [p["w1"], p["w3"]], act_block=act, paths=["ffn.shared_experts.w1", "ffn.shared_experts.w3"]))
     if cfg.swiglu_limit > 0:
         u = jnp.clip(u, -cfg.swiglu_limit, cfg.swiglu_limit)

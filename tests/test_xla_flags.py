@@ -24,3 +24,16 @@ def test_off_switch(monkeypatch):
     assert apply_runtime_defaults() == "--xla_dump_to=/tmp/y"
     monkeypatch.setenv("DSV41_XLA_DEFAULTS", "")
     assert "--xla_gpu_graph_min_graph_size=1" in apply_runtime_defaults().split()
+
+
+def test_xla_accepts_every_default_flag():
+    """XLA aborts at start-up on a flag it does not know: start a backend with all the defaults."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS=with_runtime_defaults(""), JAX_PLATFORMS="cpu")
+    code = "import jax.numpy as jnp; print(float(jnp.ones(3).astype(jnp.bfloat16).sum()))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "3.0", out.stderr[-2000:]
+    assert "--xla_allow_excess_precision=false" in env["XLA_FLAGS"].split()

@@ -107,6 +107,21 @@ def round_to_dtype(x: jax.Array, dtype) -> jax.Array:
     raise ValueError(f"round_to_dtype: dtype must be bfloat16 or float32, got {jnp.dtype(dtype)}")
 
 
+def exact_f32(x: jax.Array) -> jax.Array:
+    """``x`` as float32 with its own rounding kept: for a bfloat16 array the upcast followed by
+    :func:`bf16_round` (a no-op on values that really are bf16); other dtypes a plain upcast.
+
+    Why: XLA's GPU compiler may hand a bf16 value's consumer the producer's unrounded float32
+    instead (excess precision: the f32 -> bf16 -> f32 convert pair inside a fusion is removed, as
+    for :func:`e4m3_round`). Where that value feeds a quantizer, every FP8/FP4 rounding decision is
+    then taken on a different value than the reference's: one bf16 ulp moves about 1 in 30 e4m3
+    roundings by a step (session 18, H200: the MoE reference at decode sizes 1.7e-2 from the
+    kernels, which round in-kernel). Every quantizer's input and the SwiGLU's upcast of the bf16
+    GEMM outputs go through this."""
+    xf = x.astype(jnp.float32)
+    return bf16_round(xf) if x.dtype == jnp.bfloat16 else xf
+
+
 def e2m1_encode(x: jax.Array) -> jax.Array:
     """float32 values (already divided by the scale) -> e2m1 codes (uint8 0..15), RNE, saturating."""
     x = x.astype(jnp.float32)

@@ -18,13 +18,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .codecs import E2M1_MAX, E4M3_MAX, ceil_pow2_exponent, e2m1_decode, e2m1_encode, e4m3_round, pow2
+from .codecs import (E2M1_MAX, E4M3_MAX, ceil_pow2_exponent, e2m1_decode, e2m1_encode, e4m3_round, exact_f32,
+                     pow2)
 
 
 def _blocks(x: jax.Array, block: int) -> jax.Array:
     if x.shape[-1] % block:
         raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the quantization block {block}")
-    return x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    # the bf16 input's own value even where XLA's GPU compiler kept its producer's f32 (exact_f32)
+    return exact_f32(x).reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
 def fp8_block_scale(amax: jax.Array) -> jax.Array:

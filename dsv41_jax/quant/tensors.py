@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from .codecs import E2M1_MAX, E4M3_MAX, e2m1_decode, e2m1_encode, e4m3_round, e8m0_decode, e8m0_encode_exponent, pow2
-from .codecs import pack_nibbles, unpack_nibbles
+from .codecs import exact_f32, pack_nibbles, unpack_nibbles
 from .fake_quant import fp4_e4m3_block_scale, fp8_block_scale, mxfp4_block_scale
 
 
@@ -105,7 +105,7 @@ def quantize_fp8(x: jax.Array, block: tuple[int, int] = (32, 32)) -> Fp8Tensor:
     ``s = 2**ceil(log2(max(amax, 1e-4) / 448))``, ``q = e4m3(clip(x / s, ±448))``. Edge blocks may be
     partial (scale shape ``ceil``)."""
     br, bc = block
-    x = jnp.asarray(x, jnp.float32)
+    x = exact_f32(jnp.asarray(x))
     if x.ndim < 2:
         raise ValueError(f"quantize_fp8 needs at least 2 dims, got shape {x.shape}")
     r, c = x.shape[-2:]
@@ -121,7 +121,7 @@ def quantize_fp8(x: jax.Array, block: tuple[int, int] = (32, 32)) -> Fp8Tensor:
 
 def quantize_mxfp4(x: jax.Array, block: int = 32) -> Fp4Tensor:
     """MXFP4: e2m1 codes (RNE) with a ue8m0 scale per ``block`` elements of the last dim."""
-    x = jnp.asarray(x, jnp.float32)
+    x = exact_f32(jnp.asarray(x))
     if x.shape[-1] % block:
         raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the MXFP4 block {block}")
     xb = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
@@ -132,7 +132,7 @@ def quantize_mxfp4(x: jax.Array, block: int = 32) -> Fp4Tensor:
 
 def quantize_fp4_e4m3(x: jax.Array, block: int = 16) -> Fp4Tensor:
     """FP4 e2m1 with an e4m3 scale per ``block`` elements (V4.1 compressed KV)."""
-    x = jnp.asarray(x, jnp.float32)
+    x = exact_f32(jnp.asarray(x))
     if x.shape[-1] % block:
         raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the FP4 block {block}")
     xb = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)

@@ -20,12 +20,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.quant import exact_f32
 from pallas_kernels.quantized_matmul.reference import quantized_matmul
 
 
 def _swiglu(g, u, limit):
-    g = g.astype(jnp.float32)
-    u = u.astype(jnp.float32)
+    # the bf16 GEMM outputs' own values (exact_f32): XLA's GPU compiler otherwise kept the dots' f32
+    # sums here, and h's FP8 act-quant turned that into 1.7e-2 against the kernels (session 18)
+    g = exact_f32(g)
+    u = exact_f32(u)
     if limit > 0:
         u = jnp.clip(u, -limit, limit)
         g = jnp.minimum(g, limit)
@@ -41,7 +44,7 @@ def _one_expert(x, coef, w1, w2, w3, limit, act_block):
     u = quantized_matmul(x, w3, act_block=act_block)
     h = _swiglu(g, u, limit) * coef[:, None]
     # each expert's down projection is a GEMM with output in x.dtype, accumulated in f32 by the caller
-    return quantized_matmul(h.astype(x.dtype), w2, act_block=act_block).astype(jnp.float32)
+    return exact_f32(quantized_matmul(h.astype(x.dtype), w2, act_block=act_block))
 
 
 def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, path=None):
