@@ -282,13 +282,15 @@ PREFILL_CONFIGS = [(128, 128, 64, 1, 8, 3), (128, 128, 64, 1, 4, 3), (128, 256, 
 PREFILL_FP8_BLOCKS = ((32, 32), (128, 128))  # V4.1's and V4's weight blocks (act_block 32 / 128)
 
 
-def prefill_sweep(key, m=PREFILL_M, names=tuple(PREFILL), configs=None, reps=3):
+def prefill_sweep(key, m=PREFILL_M, names=tuple(PREFILL), configs=None, reps=3, mma8=False):
     """The FP8 tiled GEMM at a prefill chunk (``m`` rows) for the projections ``names`` and both
     weight-block formats: every config checked against the XLA reference on the GPU (max|diff| /
     max|ref| <= CHECK_TOL), then device time (profiler, :func:`device_time_op`) of the default
     config, the other configs, XLA's dequantize + dot (the reference, with the same activation
     fake-quant) and a bf16 ``jnp.dot`` of the dequantized weight (the matmul ceiling of this shape),
-    all in one run. Issue 6's target: >= 60 % of that ceiling."""
+    all in one run. Issue 6's target: >= 60 % of that ceiling. ``mma8``: with 32x32 blocks, also
+    every config in the experimental 'mma8' scale mode (e4m3 x e4m3 tensor-core dots per 32-wide K
+    block, no weight decode), labelled ``mma8``."""
     configs = PREFILL_CONFIGS if configs is None else configs
     log(f"\n# FP8 prefill GEMM, M={m}: {jax.devices()[0].device_kind}, jax {jax.__version__}; device us per op")
     out = []
@@ -316,21 +318,28 @@ def prefill_sweep(key, m=PREFILL_M, names=tuple(PREFILL), configs=None, reps=3):
             label = f"{name} {n}x{k} fp8 {blk[0]}x{blk[1]}"
             log(f"{label}: {flop / 1e12:.3f} TFLOP; bf16 dot (ceiling) {t_c * 1e6:8.1f} us "
                 f"({flop / t_c / 1e12:6.1f} TF/s); xla {t_x * 1e6:8.1f} us ({100 * t_c / t_x:5.1f}% of ceiling)")
-            for cfg in [base] + [c for c in configs if c != base]:
+            modes = ["expand"] + (["mma8"] if mma8 and tuple(blk) == (32, 32) else [])
+            variants = [(mode, cfg) for mode in modes for cfg in [base] + [c for c in configs if c != base]]
+            for mode, cfg in variants:
+                tag = f"cfg={cfg}{' (default)' if cfg == base and mode == 'expand' else ''}" + (
+                    f" {mode}" if mode != "expand" else "")
+                prev = pallas_triton.SCALE_MODE["fp8"]
+                pallas_triton.SCALE_MODE["fp8"] = mode  # read at trace time: each variant traces afresh
                 try:
                     fp = lambda x, w, cfg=cfg, act=act: pallas_triton.quantized_matmul(x, w, act_block=act, config=cfg)  # noqa: E731
                     err = max_rel_err(jax.jit(fp)(*args[0]), yr)
                     ok = err <= CHECK_TOL
                     t = device_time_op(fp, args, reps=reps) if ok else float("nan")
-                    log(f"  cfg={cfg}{' (default)' if cfg == base else ''}: {t * 1e6:8.1f} us "
-                        f"({100 * t_c / t:5.1f}% of ceiling), xla/pallas {t_x / t:5.2f}x, rel err {err:.2e} "
-                        f"{'PASS' if ok else 'FAIL'}")
-                    out.append(dict(op="fp8_prefill", case=name, block=blk, M=m, N=n, K=k, config=cfg, pallas_s=t,
-                                    xla_s=t_x, ceiling_s=t_c, flop=flop, rel_err=err, ok=ok))
+                    log(f"  {tag}: {t * 1e6:8.1f} us ({100 * t_c / t:5.1f}% of ceiling), xla/pallas {t_x / t:5.2f}x, "
+                        f"rel err {err:.2e} {'PASS' if ok else 'FAIL'}")
+                    out.append(dict(op="fp8_prefill", case=name, block=blk, M=m, N=n, K=k, config=cfg, mode=mode,
+                                    pallas_s=t, xla_s=t_x, ceiling_s=t_c, flop=flop, rel_err=err, ok=ok))
                 except Exception as e:  # noqa: BLE001
-                    log(f"  cfg={cfg} FAILED {type(e).__name__}: {str(e)[:300]}")
-                    out.append(dict(op="fp8_prefill", case=name, block=blk, M=m, config=cfg, ok=False,
+                    log(f"  {tag} FAILED {type(e).__name__}: {str(e)[:300]}")
+                    out.append(dict(op="fp8_prefill", case=name, block=blk, M=m, config=cfg, mode=mode, ok=False,
                                     error=f"{type(e).__name__}: {str(e)[:300]}"))
+                finally:
+                    pallas_triton.SCALE_MODE["fp8"] = prev
             del ws, xs, args
     return out
 
@@ -395,7 +404,8 @@ def main(argv=None):
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--check", action="store_true", help="correctness only, every path, then exit")
     ap.add_argument("--only", default=None, help="with --check: only cases whose label contains this (e.g. fp8-128)")
-    ap.add_argument("--with-mma8", action="store_true", help="with --check: also the experimental mma8 FP8 mode")
+    ap.add_argument("--with-mma8", action="store_true",
+                    help="with --check or --prefill: also the experimental mma8 FP8 mode (32x32 blocks)")
     ap.add_argument("--fma", action="store_true", help="tensor-core vs vector-unit (fma) GEMV sweep, then exit")
     ap.add_argument("--wide", action="store_true", help="with --fma: a wider set of configs per projection")
     ap.add_argument("--vias", default=None, help="with --fma: weight decode routes to compare, e.g. e4m3,f16w")
@@ -415,7 +425,8 @@ def main(argv=None):
                 json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
         return 0 if rows and all(r["ok"] for r in rows) else 1
     if a.prefill:
-        rows = prefill_sweep(jax.random.PRNGKey(11), names=tuple(a.names.split(",")) if a.names else tuple(PREFILL))
+        rows = prefill_sweep(jax.random.PRNGKey(11), names=tuple(a.names.split(",")) if a.names else tuple(PREFILL),
+                             mma8=a.with_mma8)
         if a.out:
             os.makedirs(a.out, exist_ok=True)
             with open(os.path.join(a.out, "qmm_prefill.json"), "w") as f:

@@ -278,3 +278,13 @@ def test_qmm_prefill_sweep_runs_in_interpret_mode(monkeypatch):
         ((128, 128), (128, 128, 64, 1, 8, 3)), ((128, 128), (64, 128, 64, 1, 4, 3))]
     assert all(r["ok"] for r in rows), [(r["block"], r["config"], r.get("rel_err"), r.get("error")) for r in rows]
     assert len(timed) == 2 * (2 + 2)  # per block: XLA, ceiling, two configs
+    # with mma8: the 32x32 block also runs each config in the mma8 scale mode, checked like the others,
+    # and the switch is restored afterwards
+    timed.clear()
+    rows = bq.prefill_sweep(__import__("jax").random.PRNGKey(1), m=128, names=("wo_b",),
+                            configs=[(64, 128, 64, 1, 4, 3)], reps=2, mma8=True)
+    assert [(r["block"], r["mode"]) for r in rows] == [
+        ((32, 32), "expand"), ((32, 32), "expand"), ((32, 32), "mma8"), ((32, 32), "mma8"),
+        ((128, 128), "expand"), ((128, 128), "expand")]
+    assert all(r["ok"] for r in rows), [(r["block"], r["mode"], r.get("rel_err"), r.get("error")) for r in rows]
+    assert bq.pallas_triton.SCALE_MODE["fp8"] == "expand"
