@@ -311,9 +311,10 @@ def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd,
         y_ref[pair_ref[hrows], rows] = acc.astype(y_ref.dtype)
 
 
-def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, g, x_dtype, limit):
+def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, g, x_dtype, limit, quant=False):
     """Kernel A on the vector units (``"fma"`` configs): the block's ``bt`` rows share each decoded
-    w1 / w3 tile; one fused multiply-add per weight element and row (:mod:`pallas_triton_fma`)."""
+    w1 / w3 tile; one fused multiply-add per weight element and row (:mod:`pallas_triton_fma`).
+    ``quant``: x arrives raw; each step's x groups are fake-quantized once, for both tiles."""
     x_refs = refs[:-5]
     w1_ref, s1_ref, w3_ref, s3_ref, h_ref = refs[-5:]
     b = pl.program_id(0)
@@ -333,8 +334,9 @@ def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, 
         def compute(i, tiles, carry):
             gs, us = carry
             g0 = pl.multiple_of(i * kg, kg)
-            pg = fma.tile_partials(fmt, tiles[0], x_refs, toks, g0, kg)
-            pu = fma.tile_partials(fmt, tiles[1], x_refs, toks, g0, kg)
+            xs = fma.load_x(x_refs, toks, g0, kg, quant)
+            pg = fma.partials(fmt, tiles[0], xs)
+            pu = fma.partials(fmt, tiles[1], xs)
             return tuple(a + p for a, p in zip(gs, pg)), tuple(a + p for a, p in zip(us, pu))
 
         z = tuple(jnp.zeros((bi, kg), jnp.float32) for _ in range(bt))
@@ -349,8 +351,9 @@ def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, 
             h_ref[b * bt + r, pl.ds(row0, bi)] = h.astype(h_ref.dtype)
 
 
-def _down_fma_kernel(be_ref, pair_ref, *refs, fmt, bt, bd, kg, steps, g):
-    """Kernel B on the vector units: the block's ``bt`` h rows share each decoded w2 tile."""
+def _down_fma_kernel(be_ref, pair_ref, *refs, fmt, bt, bd, kg, steps, g, quant=False):
+    """Kernel B on the vector units: the block's ``bt`` h rows share each decoded w2 tile.
+    ``quant``: h arrives raw (kernel A's bf16 rows) and is fake-quantized per K group here."""
     h_refs = refs[:-3]
     w2_ref, s2_ref, y_ref = refs[-3:]
     b = pl.program_id(0)
@@ -366,7 +369,7 @@ def _down_fma_kernel(be_ref, pair_ref, *refs, fmt, bt, bd, kg, steps, g):
             return fma.load_tile(fmt, w2_ref, s2_ref, (e,), row0, bd, pl.multiple_of(i * kg, kg), kg, g)
 
         def compute(i, tile, accs):
-            parts = fma.tile_partials(fmt, tile, h_refs, hrows, pl.multiple_of(i * kg, kg), kg)
+            parts = fma.tile_partials(fmt, tile, h_refs, hrows, pl.multiple_of(i * kg, kg), kg, quant)
             return tuple(a + p for a, p in zip(accs, parts))
 
         accs = fma.k_loop(steps, load, compute, tuple(jnp.zeros((bd, kg), jnp.float32) for _ in range(bt)))
@@ -424,24 +427,26 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
     p = n * k
     block_expert, block_pair, block_token, block_weight = group_pairs(indices, weights, n_exp, bt)
     nb = block_expert.shape[0]
-    xs = fma.act_view(act_quant(x, act_block), w1)
+    quant = fma.act_quant_in_kernel(w1, act_block)  # x and h fake-quantized inside the kernels
+    xs = fma.act_view(x if quant else act_quant(x, act_block), w1)
     (d1, s1), (d2, s2), (d3, s3) = (fma.weight_view(w) for w in (w1, w2, w3))
     params = pltriton.CompilerParams(num_warps=warps, num_stages=stages)
     h = pl.pallas_call(
         functools.partial(_gate_up_fma_kernel, fmt=fmt, bt=bt, bi=bi, kg=kg_a, steps=d // g // kg_a, g=g,
-                          x_dtype=x.dtype, limit=limit),
+                          x_dtype=x.dtype, limit=limit, quant=quant),
         out_shape=jax.ShapeDtypeStruct((nb * bt, i_dim), x.dtype),
         grid=(nb, i_dim // bi),
         compiler_params=params,
         interpret=interpret,
         name=f"moe_gate_up_fma_{fmt}",
     )(block_expert, block_token, block_weight, *xs, d1, s1, d3, s3)
-    hq = act_quant(h, act_block)
+    hq = h if quant else act_quant(h, act_block)
     if DEBUG["return_h"]:  # as the tensor-core path: h after its act-quant
-        return hq, block_pair
+        return (act_quant(h, act_block) if quant else hq), block_pair
     hs = fma.act_view(hq, w1)
     y = pl.pallas_call(
-        functools.partial(_down_fma_kernel, fmt=fmt, bt=bt, bd=bd, kg=kg_b, steps=i_dim // g // kg_b, g=g),
+        functools.partial(_down_fma_kernel, fmt=fmt, bt=bt, bd=bd, kg=kg_b, steps=i_dim // g // kg_b, g=g,
+                          quant=quant),
         out_shape=jax.ShapeDtypeStruct((p + 1, d), x.dtype),
         grid=(nb, d // bd),
         compiler_params=params,

@@ -43,7 +43,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, act_quant
+from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, act_quant, exact_f32
 
 FMA_MAX_ROWS = 4  # activation rows one program handles (a static loop sharing each decoded tile)
 # The fused MoE takes the fma kernels by default up to this many (token, slot) pairs. H200, 96 MXFP4
@@ -109,6 +109,29 @@ def _parse_fma_decode(text: str) -> dict:
 # (f16w), wo_b 18.4 against 22.9 us. (A third route, the f16 placement byte by byte, measured in
 # between for MXFP4 and slowest for FP8 and was dropped.)
 FMA_DECODE = _parse_fma_decode(os.environ.get("DSV41_FMA_DECODE", ""))
+
+
+# Where the fma kernels' activation fake-quant runs (read at trace time; DSV41_FMA_ACT_QUANT):
+# * "xla" (default): ``act_quant`` as XLA ops before the kernel. On the H200 that is two small
+#   kernels per call (a block-amax reduction, then the scaling), about 2.6 us together: 0.66 ms of
+#   the 9.31 ms batch-1 step (session 18 profile, ~200 calls per step with the MoE's);
+# * "kernel": each program quantizes every activation group in registers as it loads it
+#   (:func:`quant_phases`), so no XLA op runs before the kernel. Every program repeats this for its
+#   K range: about 15 ALU operations per activation element, against about 4 per weight code per
+#   row. Only where the activation block is the weight's K group (V4.1: 32, V4's FP8: 128);
+#   elsewhere "xla". Built in session 18 without a GPU: not yet timed (prediction: fewer than half
+#   of the 0.66 ms left, the large GEMVs a little slower, the small ones faster).
+ACT_QUANTS = ("xla", "kernel")
+ACT_QUANT = os.environ.get("DSV41_FMA_ACT_QUANT", "xla").lower()
+if ACT_QUANT not in ACT_QUANTS:
+    raise ValueError(f"DSV41_FMA_ACT_QUANT={ACT_QUANT!r}: expected one of {', '.join(ACT_QUANTS)}")
+
+
+def act_quant_in_kernel(w, act_block: int) -> bool:
+    """Whether the fma kernels fake-quantize the activation themselves for weight ``w`` (ACT_QUANT is
+    "kernel" and one activation block is exactly one K group of ``w``, so every block a K step loads
+    is whole)."""
+    return ACT_QUANT == "kernel" and act_block == group_size(w)
 
 
 def checked_routes(vias) -> list:
@@ -191,12 +214,13 @@ def weight_view(w):
 
 
 def act_view(xq, w):
-    """The fake-quantized activation [M, K] as the kernel reads it (float32), a tuple of phases:
-    FP8 -> one array [M, K/G, G] (route "f16w": 4 phases [M, K/G, G/4], element 4q + j in phase j);
-    MXFP4 -> the (even, odd) halves [M, K/32, 16] (route "f16w": 8 phases [M, K/32, 4], element
-    8q + j in phase j)."""
+    """The activation [M, K] as the kernel reads it (float32), a tuple of phases: FP8 -> one array
+    [M, K/G, G] (route "f16w": 4 phases [M, K/G, G/4], element 4q + j in phase j); MXFP4 -> the
+    (even, odd) halves [M, K/32, 16] (route "f16w": 8 phases [M, K/32, 4], element 8q + j in phase
+    j). ``xq`` is fake-quantized already, or raw where the kernel quantizes (:data:`ACT_QUANT`);
+    a bf16 ``xq`` keeps its own rounding (``exact_f32``) even where XLA fuses its producer."""
     m, k = xq.shape
-    xf = xq.astype(jnp.float32)
+    xf = exact_f32(xq)
     if isinstance(w, Fp8Tensor):
         g = group_size(w)
         if FMA_DECODE["fp8"] == "f16w":
@@ -279,14 +303,41 @@ def fp4_tile_partial(raw, sraw, xs):
     return [jnp.sum(lo * x[0][None] + hi * x[1][None], axis=2) * sf for x in xs]
 
 
-def tile_partials(fmt, tile, x_refs, rows, g0, kg):
+def quant_phases(phases):
+    """DeepSeek's activation fake-quant (:func:`dsv41_jax.quant.act_quant`) of one row's loaded
+    phases (:func:`act_view`, each [kg, L]; together they hold whole blocks, one per K group):
+    ``s = 2**ceil(log2(max(amax, 1e-4) / 448))``, ``q = e4m3(clip(x / s, ±448)) * s``, bit-exact.
+    The exponent is read from amax's bits without a division (448 = 1.75 * 2**8: ceil(log2(a/448))
+    is a's exponent - 8, plus one where a's mantissa exceeds 1.75; equal to the correctly rounded
+    division's result, without depending on how a backend divides); the e4m3 rounding is the
+    converts, which round inside a Triton kernel (session 17)."""
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(p), axis=-1, keepdims=True) for p in phases])
+    bits = jax.lax.bitcast_convert_type(jnp.maximum(amax, 1e-4), jnp.int32)
+    e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).astype(jnp.int32)
+    inv = jax.lax.bitcast_convert_type((127 - e) << 23, jnp.float32)  # 2**-e
+    fwd = jax.lax.bitcast_convert_type((127 + e) << 23, jnp.float32)  # 2**e
+    return [jnp.clip(p * inv, -448.0, 448.0).astype(jnp.float8_e4m3fn).astype(jnp.float32) * fwd for p in phases]
+
+
+def load_x(x_refs, rows, g0, kg, quant=False):
+    """Each activation row's phases of K groups [g0, g0+kg) (``rows``: indices into ``x_refs``, the
+    phases of :func:`act_view`), fake-quantized here when ``quant`` (:func:`act_quant_in_kernel`)."""
+    xs = [[xr[r, pl.ds(g0, kg), :] for xr in x_refs] for r in rows]
+    return [quant_phases(x) for x in xs] if quant else xs
+
+
+def partials(fmt, tile, xs):
+    """The scaled partial sums [bn, kg] of one loaded tile against each row's phases ``xs``."""
+    return (fp8_tile_partial if fmt == "fp8" else fp4_tile_partial)(*tile, xs)
+
+
+def tile_partials(fmt, tile, x_refs, rows, g0, kg, quant=False):
     """The scaled partial sums [bn, kg] (one per weight row and K group) of one loaded tile
     (:func:`load_tile`) against each activation row in ``rows`` (indices into ``x_refs``, the phases
     of :func:`act_view`; K groups [g0, g0+kg)); the decoded tile is shared by all rows. The kernels
     add them up over the K steps and sum over the kg groups once, after the loop: a sum over kg
     inside the loop is a reduction across warps (shared memory and barriers) every step."""
-    xs = [[xr[r, pl.ds(g0, kg), :] for xr in x_refs] for r in rows]
-    return (fp8_tile_partial if fmt == "fp8" else fp4_tile_partial)(*tile, xs)
+    return partials(fmt, tile, load_x(x_refs, rows, g0, kg, quant))
 
 
 def k_loop(steps, load, compute, init):
@@ -358,12 +409,13 @@ def multi_reason(m: int, ws, config) -> str | None:
     return None
 
 
-def _fma_kernel(*refs, fmt, m, bn, kg, steps, g, split, nblocks, group_blocks=None):
+def _fma_kernel(*refs, fmt, m, bn, kg, steps, g, split, nblocks, group_blocks=None, quant=False):
     """Programs (i_n, i_s): output rows [i_n*bn, +bn) of the concatenation of every weight's output,
     K part i_s. ``nblocks``: each weight's number of bn-row blocks; program i_n reads the weight whose
     blocks hold it (a static branch per weight, one taken). ``group_blocks`` (grouped GEMV, one
     weight): each group's number of bn-row blocks; the activation then holds the groups' rows one
-    group after another ([G*M, ...]) and program i_n reads group i_n // group_blocks's M rows."""
+    group after another ([G*M, ...]) and program i_n reads group i_n // group_blocks's M rows.
+    ``quant``: the activation arrives raw and is fake-quantized per K group here (:func:`quant_phases`)."""
     nw = len(nblocks)
     x_refs = refs[:-(2 * nw + 1)]
     w_refs = refs[-(2 * nw + 1):-1]
@@ -382,7 +434,7 @@ def _fma_kernel(*refs, fmt, m, bn, kg, steps, g, split, nblocks, group_blocks=No
         xrow0 = 0 if group_blocks is None else (i_n // group_blocks) * m
 
         def compute(i, tile, accs):
-            parts = tile_partials(fmt, tile, x_refs, [xrow0 + r for r in range(m)], g0_of(i), kg)
+            parts = tile_partials(fmt, tile, x_refs, [xrow0 + r for r in range(m)], g0_of(i), kg, quant)
             return tuple(a + p for a, p in zip(accs, parts))
 
         accs = k_loop(steps, lambda i: load_tile(fmt, w_ref, s_ref, (), row0, bn, g0_of(i), kg, g), compute,
@@ -403,7 +455,8 @@ def _fma_kernel(*refs, fmt, m, bn, kg, steps, g, split, nblocks, group_blocks=No
         first += nb
 
 
-def _fma_launch(xs, operands, *, fmt, m, n, k, g, config, nblocks, out_dtype, interpret, name, group_blocks=None):
+def _fma_launch(xs, operands, *, fmt, m, n, k, g, config, nblocks, out_dtype, interpret, name, group_blocks=None,
+                quant=False):
     """One launch of :func:`_fma_kernel` over ``n`` output rows (grid: bn-row blocks x K parts), the K
     parts summed by XLA after it -> [m, n] out_dtype."""
     _, bn, kg, splits, warps, stages = config
@@ -411,7 +464,7 @@ def _fma_launch(xs, operands, *, fmt, m, n, k, g, config, nblocks, out_dtype, in
                  else jax.ShapeDtypeStruct((m, n), out_dtype))
     y = pl.pallas_call(
         functools.partial(_fma_kernel, fmt=fmt, m=m, bn=bn, kg=kg, steps=(k // g) // kg // splits, g=g,
-                          split=splits > 1, nblocks=nblocks, group_blocks=group_blocks),
+                          split=splits > 1, nblocks=nblocks, group_blocks=group_blocks, quant=quant),
         out_shape=out_shape,
         grid=(n // bn, splits),
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
@@ -438,10 +491,11 @@ def quantized_matmul_fma_multi(x2, ws, *, act_block, out_dtype, config, interpre
     n = sum(ns)
     g = group_size(ws[0])
     fmt = "fp8" if isinstance(ws[0], Fp8Tensor) else "fp4"
-    xs = act_view(act_quant(x2, act_block).astype(jnp.bfloat16), ws[0])
+    quant = act_quant_in_kernel(ws[0], act_block)
+    xs = act_view(x2 if quant else act_quant(x2, act_block).astype(jnp.bfloat16), ws[0])
     operands = [v for w in ws for v in weight_view(w)]
     y = _fma_launch(xs, operands, fmt=fmt, m=m, n=n, k=k, g=g, config=config, nblocks=tuple(v // bn for v in ns),
-                    out_dtype=out_dtype, interpret=interpret,
+                    out_dtype=out_dtype, interpret=interpret, quant=quant,
                     name=f"qmm_fma_{fmt}" if len(ws) == 1 else f"qmm_fma_{fmt}_x{len(ws)}")
     if len(ws) == 1:
         return [y]
