@@ -311,10 +311,16 @@ def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd,
         y_ref[pair_ref[hrows], rows] = acc.astype(y_ref.dtype)
 
 
-def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, g, x_dtype, limit, quant=False):
+def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, g, x_dtype, limit):
     """Kernel A on the vector units (``"fma"`` configs): the block's ``bt`` rows share each decoded
-    w1 / w3 tile; one fused multiply-add per weight element and row (:mod:`pallas_triton_fma`).
-    ``quant``: x arrives raw; each step's x groups are fake-quantized once, for both tiles."""
+    w1 / w3 tile; one fused multiply-add per weight element and row (:mod:`pallas_triton_fma`). Each
+    step's x groups are loaded once for both tiles.
+
+    The activation fake-quant stays an XLA op before the kernel even with
+    ``DSV41_FMA_ACT_QUANT=kernel``: done here (``fma.quant_phases``) it took the sm_90 loop from 596
+    to 1,053 instructions per K step and 5 to 4 programs per SM, and kernel B's from 186 to 449
+    (session 18, ``inspect_sass moe``): with 16 weight rows per program the per-program repetition
+    costs far more than the two XLA kernels it saves."""
     x_refs = refs[:-5]
     w1_ref, s1_ref, w3_ref, s3_ref, h_ref = refs[-5:]
     b = pl.program_id(0)
@@ -334,7 +340,7 @@ def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, 
         def compute(i, tiles, carry):
             gs, us = carry
             g0 = pl.multiple_of(i * kg, kg)
-            xs = fma.load_x(x_refs, toks, g0, kg, quant)
+            xs = fma.load_x(x_refs, toks, g0, kg)
             pg = fma.partials(fmt, tiles[0], xs)
             pu = fma.partials(fmt, tiles[1], xs)
             return tuple(a + p for a, p in zip(gs, pg)), tuple(a + p for a, p in zip(us, pu))
@@ -351,9 +357,8 @@ def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, 
             h_ref[b * bt + r, pl.ds(row0, bi)] = h.astype(h_ref.dtype)
 
 
-def _down_fma_kernel(be_ref, pair_ref, *refs, fmt, bt, bd, kg, steps, g, quant=False):
-    """Kernel B on the vector units: the block's ``bt`` h rows share each decoded w2 tile.
-    ``quant``: h arrives raw (kernel A's bf16 rows) and is fake-quantized per K group here."""
+def _down_fma_kernel(be_ref, pair_ref, *refs, fmt, bt, bd, kg, steps, g):
+    """Kernel B on the vector units: the block's ``bt`` h rows share each decoded w2 tile."""
     h_refs = refs[:-3]
     w2_ref, s2_ref, y_ref = refs[-3:]
     b = pl.program_id(0)
@@ -369,7 +374,7 @@ def _down_fma_kernel(be_ref, pair_ref, *refs, fmt, bt, bd, kg, steps, g, quant=F
             return fma.load_tile(fmt, w2_ref, s2_ref, (e,), row0, bd, pl.multiple_of(i * kg, kg), kg, g)
 
         def compute(i, tile, accs):
-            parts = fma.tile_partials(fmt, tile, h_refs, hrows, pl.multiple_of(i * kg, kg), kg, quant)
+            parts = fma.tile_partials(fmt, tile, h_refs, hrows, pl.multiple_of(i * kg, kg), kg)
             return tuple(a + p for a, p in zip(accs, parts))
 
         accs = fma.k_loop(steps, load, compute, tuple(jnp.zeros((bd, kg), jnp.float32) for _ in range(bt)))
@@ -427,26 +432,24 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
     p = n * k
     block_expert, block_pair, block_token, block_weight = group_pairs(indices, weights, n_exp, bt)
     nb = block_expert.shape[0]
-    quant = fma.act_quant_in_kernel(w1, act_block)  # x and h fake-quantized inside the kernels
-    xs = fma.act_view(x if quant else act_quant(x, act_block), w1)
+    xs = fma.act_view(act_quant(x, act_block), w1)
     (d1, s1), (d2, s2), (d3, s3) = (fma.weight_view(w) for w in (w1, w2, w3))
     params = pltriton.CompilerParams(num_warps=warps, num_stages=stages)
     h = pl.pallas_call(
         functools.partial(_gate_up_fma_kernel, fmt=fmt, bt=bt, bi=bi, kg=kg_a, steps=d // g // kg_a, g=g,
-                          x_dtype=x.dtype, limit=limit, quant=quant),
+                          x_dtype=x.dtype, limit=limit),
         out_shape=jax.ShapeDtypeStruct((nb * bt, i_dim), x.dtype),
         grid=(nb, i_dim // bi),
         compiler_params=params,
         interpret=interpret,
         name=f"moe_gate_up_fma_{fmt}",
     )(block_expert, block_token, block_weight, *xs, d1, s1, d3, s3)
-    hq = h if quant else act_quant(h, act_block)
+    hq = act_quant(h, act_block)
     if DEBUG["return_h"]:  # as the tensor-core path: h after its act-quant
-        return (act_quant(h, act_block) if quant else hq), block_pair
+        return hq, block_pair
     hs = fma.act_view(hq, w1)
     y = pl.pallas_call(
-        functools.partial(_down_fma_kernel, fmt=fmt, bt=bt, bd=bd, kg=kg_b, steps=i_dim // g // kg_b, g=g,
-                          quant=quant),
+        functools.partial(_down_fma_kernel, fmt=fmt, bt=bt, bd=bd, kg=kg_b, steps=i_dim // g // kg_b, g=g),
         out_shape=jax.ShapeDtypeStruct((p + 1, d), x.dtype),
         grid=(nb, d // bd),
         compiler_params=params,

@@ -115,12 +115,14 @@ FMA_DECODE = _parse_fma_decode(os.environ.get("DSV41_FMA_DECODE", ""))
 # * "xla" (default): ``act_quant`` as XLA ops before the kernel. On the H200 that is two small
 #   kernels per call (a block-amax reduction, then the scaling), about 2.6 us together: 0.66 ms of
 #   the 9.31 ms batch-1 step (session 18 profile, ~200 calls per step with the MoE's);
-# * "kernel": each program quantizes every activation group in registers as it loads it
+# * "kernel": the GEMV's programs quantize every activation group in registers as they load it
 #   (:func:`quant_phases`), so no XLA op runs before the kernel. Every program repeats this for its
-#   K range: about 15 ALU operations per activation element, against about 4 per weight code per
-#   row. Only where the activation block is the weight's K group (V4.1: 32, V4's FP8: 128);
-#   elsewhere "xla". Built in session 18 without a GPU: not yet timed (prediction: fewer than half
-#   of the 0.66 ms left, the large GEMVs a little slower, the small ones faster).
+#   K range: the sm_90 loop of the FP8 GEMV goes from 241 to 271 instructions per K step (+12 %,
+#   ``inspect_sass gemv``, session 18), against two XLA kernels (~2.6 us) saved per call. Only
+#   where the activation block is the weight's K group (V4.1: 32, V4's FP8: 128); elsewhere "xla".
+#   The fused MoE keeps the XLA op (its loops grew 1.8-2.4x: pallas_kernels.moe.pallas_triton).
+#   Built in session 18 without a GPU: not yet timed (prediction: about break-even for wq_b / wo_b,
+#   a gain for the small projections; in all under 0.1 ms per batch-1 step either way).
 ACT_QUANTS = ("xla", "kernel")
 ACT_QUANT = os.environ.get("DSV41_FMA_ACT_QUANT", "xla").lower()
 if ACT_QUANT not in ACT_QUANTS:

@@ -1,7 +1,7 @@
 """The fma kernels' activation fake-quant inside the kernel (``DSV41_FMA_ACT_QUANT=kernel``).
 
 ``quant_phases`` must be ``act_quant`` bit for bit (its scale exponent is read from amax's bits
-instead of a division), and the GEMV / multi-GEMV / fused MoE with the quant inside must give the
+instead of a division), and the GEMV / multi-GEMV with the quant inside must give the
 values of the XLA act-quant path: the same quantized activations, products and summation order,
 up to how the sums' multiply-adds are contracted. Interpret mode on the CPU; both GPU targets lowered.
 """
@@ -119,29 +119,6 @@ def test_gemv_with_quant_in_kernel_same_values(fmt, dtype, m, ns, k, block, via,
     assert_same_values(a, b)
 
 
-@pytest.mark.parametrize("fmt,dtype,n,bt", [("fp4", jnp.bfloat16, 1, 1), ("fp4", jnp.float32, 5, 2),
-                                            ("fp8", jnp.bfloat16, 3, 4)])
-def test_moe_fma_with_quant_in_kernel_same_values(fmt, dtype, n, bt, monkeypatch):
-    """The fma fused MoE with x quantized in kernel A (once for the gate and up tiles) and h in
-    kernel B gives the values of the XLA act-quant path."""
-    rng = np.random.default_rng()
-    e, i, d, topk = 4, 64, 128, 2
-
-    def w(r, c):
-        wf = jnp.asarray(rng.standard_normal((e, r, c), np.float32) * np.float32(0.2))
-        return _q8(wf, block=(32, 32)) if fmt == "fp8" else _q4(wf, block=32)
-
-    w1, w2, w3 = w(i, d), w(d, i), w(i, d)
-    x = jnp.asarray(hard_rows(rng, n, d, 32)).astype(dtype)
-    wts = jnp.asarray(rng.uniform(0.05, 1.0, (n, topk)).astype(np.float32))
-    idx = jnp.asarray(np.argsort(rng.random((n, e)), axis=1)[:, :topk].astype(np.int32))
-    cfg = list(moe_pallas.default_fma_config(w1))
-    cfg[1] = bt
-    a, b = _both(monkeypatch, lambda: run(moe_pallas.moe_experts, x, wts, idx, w1, w2, w3, swiglu_limit=1.0,
-                                          act_block=32, interpret=True, config=tuple(cfg)))
-    assert_same_values(a, b)
-
-
 def test_act_quant_switch_refuses_unknown_values():
     import subprocess
     import sys
@@ -154,8 +131,9 @@ def test_act_quant_switch_refuses_unknown_values():
 
 @pytest.mark.parametrize("target", ["cuda", "rocm"])
 def test_quant_in_kernel_lowers(target, monkeypatch):
-    """GEMV (FP8 32 and 128 blocks, MXFP4) and the fma MoE lower for both GPU targets with the quant
-    inside; the XLA act-quant's block-max reduction is gone from the program around the kernels."""
+    """The GEMV (FP8 32 and 128 blocks, MXFP4) lowers for both GPU targets with the quant inside, and
+    the XLA act-quant's block-max reduction is gone from the program around the kernel; the fused
+    MoE ignores the switch."""
     from jax.experimental.pallas import triton as pltriton
 
     specs = [Fp8Tensor(S((1280, 5120), jnp.float8_e4m3fn), S((40, 160), jnp.float8_e8m0fnu), (32, 32)),
@@ -172,6 +150,7 @@ def test_quant_in_kernel_lowers(target, monkeypatch):
             assert txts[where].count(pltriton.CUSTOM_CALL_TARGET_NAME) == 1
         assert "stablehlo.reduce" in txts["xla"] and "stablehlo.maximum" in txts["xla"]
         assert "stablehlo.maximum" not in txts["kernel"], "an XLA act-quant is left before the kernel"
+    # the fused MoE keeps its XLA act-quants under the switch (its fma loops grew 1.8-2.4x with them inside)
     e, i, d = 8, 2304, 5120
     w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)
     w2 = Fp4Tensor(S((e, d, i // 2), jnp.uint8), S((e, d, i // 32), jnp.float8_e8m0fnu), 32)
@@ -180,4 +159,4 @@ def test_quant_in_kernel_lowers(target, monkeypatch):
     txt = lower_for(target, lambda x, wt, idx, a, b, c: moe_pallas.moe_experts(
         x, wt, idx, a, b, c, swiglu_limit=10.0, config=cfg),
         S((1, d), jnp.bfloat16), S((1, 6), jnp.float32), S((1, 6), jnp.int32), w1, w2, w1).as_text()
-    assert txt.count(pltriton.CUSTOM_CALL_TARGET_NAME) == 2
+    assert txt.count(pltriton.CUSTOM_CALL_TARGET_NAME) == 2 and "stablehlo.maximum" in txt
