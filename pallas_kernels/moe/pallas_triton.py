@@ -432,7 +432,8 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
     p = n * k
     block_expert, block_pair, block_token, block_weight = group_pairs(indices, weights, n_exp, bt)
     nb = block_expert.shape[0]
-    xs = fma.act_view(act_quant(x, act_block), w1)
+    prologue = fma.act_quant_prologue(w1, act_block)  # one Pallas launch per act-quant instead of two XLA ones
+    xs = fma.act_quant_view(x, w1, interpret=interpret) if prologue else fma.act_view(act_quant(x, act_block), w1)
     (d1, s1), (d2, s2), (d3, s3) = (fma.weight_view(w) for w in (w1, w2, w3))
     params = pltriton.CompilerParams(num_warps=warps, num_stages=stages)
     h = pl.pallas_call(
@@ -447,7 +448,7 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
     hq = act_quant(h, act_block)
     if DEBUG["return_h"]:  # as the tensor-core path: h after its act-quant
         return hq, block_pair
-    hs = fma.act_view(hq, w1)
+    hs = fma.act_quant_view(h, w1, interpret=interpret) if prologue else fma.act_view(hq, w1)
     y = pl.pallas_call(
         functools.partial(_down_fma_kernel, fmt=fmt, bt=bt, bd=bd, kg=kg_b, steps=i_dim // g // kg_b, g=g),
         out_shape=jax.ShapeDtypeStruct((p + 1, d), x.dtype),

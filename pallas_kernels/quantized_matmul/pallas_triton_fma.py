@@ -123,10 +123,20 @@ FMA_DECODE = _parse_fma_decode(os.environ.get("DSV41_FMA_DECODE", ""))
 #   The fused MoE keeps the XLA op (its loops grew 1.8-2.4x: pallas_kernels.moe.pallas_triton).
 #   Built in session 18 without a GPU: not yet timed (prediction: about break-even for wq_b / wo_b,
 #   a gain for the small projections; in all under 0.1 ms per batch-1 step either way).
-ACT_QUANTS = ("xla", "kernel")
+# * "pallas": one small Pallas kernel before the GEMV and before each of the fused MoE's kernels
+#   (:func:`act_quant_view`) quantizes the activation and writes it straight in the phase layout
+#   the kernel reads: one launch instead of XLA's two, no change to the GEMV / MoE loops. Same
+#   condition as "kernel". Not yet timed (prediction: ~1.2 us saved per call, ~0.25 ms per step).
+ACT_QUANTS = ("xla", "kernel", "pallas")
 ACT_QUANT = os.environ.get("DSV41_FMA_ACT_QUANT", "xla").lower()
 if ACT_QUANT not in ACT_QUANTS:
     raise ValueError(f"DSV41_FMA_ACT_QUANT={ACT_QUANT!r}: expected one of {', '.join(ACT_QUANTS)}")
+
+
+def act_quant_prologue(w, act_block: int) -> bool:
+    """Whether the activation of the fma kernels for ``w`` is quantized by :func:`act_quant_view`
+    (ACT_QUANT is "pallas" and one activation block is one K group of ``w``)."""
+    return ACT_QUANT == "pallas" and act_block == group_size(w)
 
 
 def act_quant_in_kernel(w, act_block: int) -> bool:
@@ -234,6 +244,47 @@ def act_view(xq, w):
         return tuple(xr[..., j] for j in range(8))
     pairs = xf.reshape(m, k // 32, FP4_GROUP_BYTES, 2)
     return pairs[..., 0], pairs[..., 1]
+
+
+def _phase_layout(w) -> tuple[int, int]:
+    """(phases, elements per phase and K group) of :func:`act_view` for weight ``w``."""
+    g = group_size(w)
+    if isinstance(w, Fp8Tensor):
+        return (4, g // 4) if FMA_DECODE["fp8"] == "f16w" else (1, g)
+    return (8, 4) if FMA_DECODE["fp4"] == "f16w" else (2, 16)
+
+
+def _act_quant_view_kernel(x_ref, *out_refs, nph, per, nb):
+    """Program (r, c): row r, K groups [c*nb, +nb) of x [M, K/G, G] -> act_quant of each group,
+    stored as the ``nph`` phases (phase j = elements j, j + nph, ... of each group: strided loads)."""
+    r = pl.program_id(0)
+    b0 = pl.multiple_of(pl.program_id(1) * nb, nb)
+    cols = [slice(None)] if nph == 1 else [pl.ds(j, per, stride=nph) for j in range(nph)]
+    phases = [x_ref[r, pl.ds(b0, nb), c].astype(jnp.float32) for c in cols]
+    for o_ref, q in zip(out_refs, quant_phases(phases)):
+        o_ref[r, pl.ds(b0, nb), :] = q
+
+
+def act_quant_view(x2, w, *, interpret=False):
+    """``act_view(act_quant(x2, G), w)`` in one Pallas launch (ACT_QUANT "pallas"; the activation
+    block must be the K group G of ``w``): each program quantizes up to 32 K groups of one row,
+    read from memory (so a bf16 input is its stored value) and written as float32 phases."""
+    m, k = x2.shape
+    g = group_size(w)
+    nph, per = _phase_layout(w)
+    groups = k // g
+    nb = 32
+    while groups % nb:
+        nb //= 2
+    outs = pl.pallas_call(
+        functools.partial(_act_quant_view_kernel, nph=nph, per=per, nb=nb),
+        out_shape=tuple(jax.ShapeDtypeStruct((m, groups, per), jnp.float32) for _ in range(nph)),
+        grid=(m, groups // nb),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="fma_act_quant",
+    )(x2.reshape(m, groups, g))
+    return tuple(outs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -494,7 +545,10 @@ def quantized_matmul_fma_multi(x2, ws, *, act_block, out_dtype, config, interpre
     g = group_size(ws[0])
     fmt = "fp8" if isinstance(ws[0], Fp8Tensor) else "fp4"
     quant = act_quant_in_kernel(ws[0], act_block)
-    xs = act_view(x2 if quant else act_quant(x2, act_block).astype(jnp.bfloat16), ws[0])
+    if act_quant_prologue(ws[0], act_block):
+        xs = act_quant_view(x2, ws[0], interpret=interpret)
+    else:
+        xs = act_view(x2 if quant else act_quant(x2, act_block).astype(jnp.bfloat16), ws[0])
     operands = [v for w in ws for v in weight_view(w)]
     y = _fma_launch(xs, operands, fmt=fmt, m=m, n=n, k=k, g=g, config=config, nblocks=tuple(v // bn for v in ns),
                     out_dtype=out_dtype, interpret=interpret, quant=quant,

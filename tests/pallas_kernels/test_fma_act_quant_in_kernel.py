@@ -1,4 +1,6 @@
-"""The fma kernels' activation fake-quant inside the kernel (``DSV41_FMA_ACT_QUANT=kernel``).
+"""The fma kernels' activation fake-quant in Pallas: inside the GEMV's loop
+(``DSV41_FMA_ACT_QUANT=kernel``) or as one prologue kernel writing the phase layout
+(``DSV41_FMA_ACT_QUANT=pallas``, GEMV and fused MoE).
 
 ``quant_phases`` must be ``act_quant`` bit for bit (its scale exponent is read from amax's bits
 instead of a division), and the GEMV / multi-GEMV with the quant inside must give the
@@ -119,6 +121,71 @@ def test_gemv_with_quant_in_kernel_same_values(fmt, dtype, m, ns, k, block, via,
     assert_same_values(a, b)
 
 
+@pytest.mark.parametrize("via", ["e4m3", "f16w"])
+@pytest.mark.parametrize("fmt,block,dtype,m,k", [
+    ("fp8", 32, jnp.bfloat16, 3, 1280), ("fp8", 32, jnp.float32, 1, 2304), ("fp8", 128, jnp.bfloat16, 2, 1024),
+    ("fp4", 32, jnp.bfloat16, 4, 5120), ("fp4", 32, jnp.float32, 2, 256),
+])
+def test_act_quant_view_is_act_view_of_act_quant(fmt, block, dtype, m, k, via, monkeypatch):
+    """The prologue kernel's phases equal act_view(act_quant(x)) bit for bit, for every phase
+    layout (1, 2, 4, 8 phases) and K group counts that are not powers of two (40, 72, 160)."""
+    monkeypatch.setattr(fma, "FMA_DECODE", {"fp4": via, "fp8": via})
+    rng = np.random.default_rng()
+    x = jnp.asarray(hard_rows(rng, m, k, block)).astype(dtype)
+    w = _weights(fmt, rng, 32, k, block)
+    got = run(fma.act_quant_view, x, w, interpret=True)
+    want = run(lambda x: fma.act_view(act_quant(x, block), w), x)
+    assert len(got) == len(want) == fma._phase_layout(w)[0]
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+
+
+@pytest.mark.parametrize("fmt,dtype,m,ns,k,block", [
+    ("fp8", jnp.bfloat16, 1, (64, 32), 1280, 32), ("fp8", jnp.float32, 2, (256,), 512, 128),
+    ("fp4", jnp.bfloat16, 3, (64,), 512, 32),
+])
+def test_gemv_with_quant_prologue_same_bits(fmt, dtype, m, ns, k, block, monkeypatch):
+    """The GEMV with the Pallas prologue gives exactly the XLA act-quant path's bits (the kernel
+    reads the same phases)."""
+    rng = np.random.default_rng()
+    x = jnp.asarray(hard_rows(rng, m, k, block)).astype(dtype)
+    ws = [_weights(fmt, rng, n, k, block) for n in ns]
+    cfg = fma.default_config(m, ns, k, ws[0])
+    out = {}
+    for where in ("xla", "pallas"):
+        monkeypatch.setattr(fma, "ACT_QUANT", where)
+        out[where] = run(pallas_triton.quantized_matmul_multi, x, ws, act_block=block, config=cfg, interpret=True)
+    for a, b in zip(out["xla"], out["pallas"], strict=True):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("fmt,dtype,n,bt", [("fp4", jnp.bfloat16, 1, 1), ("fp4", jnp.float32, 5, 2),
+                                            ("fp8", jnp.bfloat16, 3, 4)])
+def test_moe_fma_with_quant_prologue_same_bits(fmt, dtype, n, bt, monkeypatch):
+    """The fma fused MoE with x and h quantized by the prologue kernel gives the XLA path's bits."""
+    rng = np.random.default_rng()
+    e, i, d, topk = 4, 64, 128, 2
+
+    def w(r, c):
+        wf = jnp.asarray(rng.standard_normal((e, r, c), np.float32) * np.float32(0.2))
+        return _q8(wf, block=(32, 32)) if fmt == "fp8" else _q4(wf, block=32)
+
+    w1, w2, w3 = w(i, d), w(d, i), w(i, d)
+    x = jnp.asarray(hard_rows(rng, n, d, 32)).astype(dtype)
+    wts = jnp.asarray(rng.uniform(0.05, 1.0, (n, topk)).astype(np.float32))
+    idx = jnp.asarray(np.argsort(rng.random((n, e)), axis=1)[:, :topk].astype(np.int32))
+    cfg = list(moe_pallas.default_fma_config(w1))
+    cfg[1] = bt
+    out = {}
+    for where in ("xla", "pallas"):
+        monkeypatch.setattr(fma, "ACT_QUANT", where)
+        out[where] = run(moe_pallas.moe_experts, x, wts, idx, w1, w2, w3, swiglu_limit=1.0, act_block=32,
+                         interpret=True, config=tuple(cfg))
+    np.testing.assert_array_equal(np.asarray(out["xla"].astype(jnp.float32)),
+                                  np.asarray(out["pallas"].astype(jnp.float32)))
+
+
 def test_act_quant_switch_refuses_unknown_values():
     import subprocess
     import sys
@@ -150,6 +217,14 @@ def test_quant_in_kernel_lowers(target, monkeypatch):
             assert txts[where].count(pltriton.CUSTOM_CALL_TARGET_NAME) == 1
         assert "stablehlo.reduce" in txts["xla"] and "stablehlo.maximum" in txts["xla"]
         assert "stablehlo.maximum" not in txts["kernel"], "an XLA act-quant is left before the kernel"
+    # the prologue kernel: one more launch, no XLA block-max reduction left
+    for w in specs:
+        ab = w.block[0] if isinstance(w, Fp8Tensor) else 32
+        cfg = fma.default_config(4, w.shape[0], w.shape[1], w)
+        monkeypatch.setattr(fma, "ACT_QUANT", "pallas")
+        txt = lower_for(target, lambda x, w: pallas_triton.quantized_matmul(x, w, act_block=ab, config=cfg),
+                        S((4, w.shape[1]), jnp.bfloat16), w).as_text()
+        assert txt.count(pltriton.CUSTOM_CALL_TARGET_NAME) == 2 and "stablehlo.maximum" not in txt
     # the fused MoE keeps its XLA act-quants under the switch (its fma loops grew 1.8-2.4x with them inside)
     e, i, d = 8, 2304, 5120
     w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)
@@ -160,3 +235,8 @@ def test_quant_in_kernel_lowers(target, monkeypatch):
         x, wt, idx, a, b, c, swiglu_limit=10.0, config=cfg),
         S((1, d), jnp.bfloat16), S((1, 6), jnp.float32), S((1, 6), jnp.int32), w1, w2, w1).as_text()
     assert txt.count(pltriton.CUSTOM_CALL_TARGET_NAME) == 2 and "stablehlo.maximum" in txt
+    monkeypatch.setattr(fma, "ACT_QUANT", "pallas")  # with the prologue: two more launches (x and h)
+    txt = lower_for(target, lambda x, wt, idx, a, b, c: moe_pallas.moe_experts(
+        x, wt, idx, a, b, c, swiglu_limit=10.0, config=cfg),
+        S((1, d), jnp.bfloat16), S((1, 6), jnp.float32), S((1, 6), jnp.int32), w1, w2, w1).as_text()
+    assert txt.count(pltriton.CUSTOM_CALL_TARGET_NAME) == 4
