@@ -445,10 +445,9 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
         interpret=interpret,
         name=f"moe_gate_up_fma_{fmt}",
     )(block_expert, block_token, block_weight, *xs, d1, s1, d3, s3)
-    hq = act_quant(h, act_block)
     if DEBUG["return_h"]:  # as the tensor-core path: h after its act-quant
-        return hq, block_pair
-    hs = fma.act_quant_view(h, w1, interpret=interpret) if prologue else fma.act_view(hq, w1)
+        return act_quant(h, act_block), block_pair
+    hs = fma.act_quant_view(h, w1, interpret=interpret) if prologue else fma.act_view(act_quant(h, act_block), w1)
     y = pl.pallas_call(
         functools.partial(_down_fma_kernel, fmt=fmt, bt=bt, bd=bd, kg=kg_b, steps=i_dim // g // kg_b, g=g),
         out_shape=jax.ShapeDtypeStruct((p + 1, d), x.dtype),
