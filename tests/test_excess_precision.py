@@ -64,7 +64,8 @@ def _eval_folded(jaxpr, consts, args, wide_args):
 def folded(fn, *args):
     """``fn(*args)`` as XLA's GPU compiler with excess precision would compute it (emulated)."""
     closed = jax.make_jaxpr(fn)(*args)
-    outs, _ = _eval_folded(closed.jaxpr, closed.consts, list(jax.tree.leaves(args)), [None] * len(args))
+    leaves = jax.tree.leaves(args)
+    outs, _ = _eval_folded(closed.jaxpr, closed.consts, leaves, [None] * len(leaves))
     return jax.tree.unflatten(jax.tree.structure(jax.eval_shape(fn, *args)), outs)
 
 
