@@ -132,6 +132,22 @@ def device_time_op(fn, per_rep_args, shared_args=(), *, reps=5, iters=5, outdir=
     return sum(p["busy_ms"] * p["executions"] for p in progs) / 1e3 / (iters * reps)
 
 
+def write_rows(out_dir: str | None, filename: str, rows: list, **extra) -> str | None:
+    """Write ``{"device", "jax", "rows", **extra}`` as JSON to ``out_dir/filename`` (created if
+    needed); every benchmark script's result file. Returns the path, or None when ``out_dir`` is
+    empty (nothing written)."""
+    if not out_dir:
+        return None
+    import json
+    import os
+
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, filename)
+    with open(path, "w") as f:
+        json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows, **extra), f, indent=1)
+    return path
+
+
 def max_rel_err(a, b) -> float:
     a = np.asarray(jnp.asarray(a, jnp.float32))
     b = np.asarray(jnp.asarray(b, jnp.float32))

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 
-from pallas_kernels.benchmarking import HBM_BYTES_PER_S, chained_args, timed, zero_of
+from pallas_kernels.benchmarking import HBM_BYTES_PER_S, chained_args, timed, write_rows, zero_of
 
 
 def make_inputs(key, b, s, nc, *, hi=32, di=128, plain=False):
@@ -223,8 +222,7 @@ def prefill_model(args, log):
         t_p, t_ps = cands[best][0], cands[best][1]
         log(f"| {row['tag']} | {row['xla']*1e3:.2f} ({row['xla_scores']*1e3:.2f} / {row['topk']*1e3:.2f}) | "
             f"{row['topk_groups']*1e3:.2f} | {t_p*1e3:.2f} ({t_ps*1e3:.2f}) | {best} | {row['xla']/t_p:.2f}x | {row['flops']/t_ps/1e12:.0f} |")
-    with open(os.path.join(args.out, "lightning_indexer_prefill.json"), "w") as fh:
-        json.dump(rows, fh, indent=1)
+    write_rows(args.out, "lightning_indexer_prefill.json", rows)
     if bad:
         log(f"FAILED or not equal to the reference: {', '.join(bad)}")
     return 1 if bad else 0
@@ -266,8 +264,7 @@ def decode_topk(args, log):
             log(f"decode Nc={nc} B={b}: XLA ref {t_r*1e6:.1f} us, scores + grouped top-k {t_g*1e6:.1f} us "
                 f"({t_r/t_g:.2f}x), same positions {same}")
             del a, sc
-    with open(os.path.join(args.out, "lightning_indexer_decode_topk.json"), "w") as fh:
-        json.dump(rows, fh, indent=1)
+    write_rows(args.out, "lightning_indexer_decode_topk.json", rows)
     return 0 if all(r["same"] for r in rows) else 1
 
 
@@ -414,9 +411,7 @@ def main(argv=None):
             f"{r['xla_us']/r['pallas_us']:.2f}x |")
     log(f"lax.top_k anchor 64 x 262144 k=2048: {t_anchor*1e6:.1f} us")
     log(f"correctness: {'OK' if ok else 'FAIL'}")
-    with open(os.path.join(args.out, "lightning_indexer_bench.json"), "w") as fh:
-        json.dump(dict(device=dev.device_kind, jax=jax.__version__, rows=rows, prefill=pre, anchor_us=t_anchor * 1e6,
-                       ok=ok), fh, indent=1)
+    write_rows(args.out, "lightning_indexer_bench.json", rows, prefill=pre, anchor_us=t_anchor * 1e6, ok=ok)
     with open(os.path.join(args.out, "lightning_indexer_bench.log"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     return 0 if ok else 1

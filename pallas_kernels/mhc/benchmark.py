@@ -11,7 +11,6 @@ twice (mixes, collapse) + collapse out + f + residual + expand out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -19,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.mhc import pallas_triton, reference
-from pallas_kernels.benchmarking import HBM_BYTES_PER_S, device_time_op, fmt_us, log, max_rel_err, time_op
+from pallas_kernels.benchmarking import HBM_BYTES_PER_S, device_time_op, fmt_us, log, max_rel_err, time_op, write_rows
 
 HC, D = 4, 5120
 KW = dict(norm_eps=1e-20, hc_eps=1e-6, sinkhorn_iters=20)
@@ -74,10 +73,7 @@ def run(quick=False, out_dir=None):
             rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             log(f"mhc T={t} FAILED {rec['error']}")
         rows.append(rec)
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "mhc.json"), "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
+    write_rows(out_dir, "mhc.json", rows)
     return rows
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 
@@ -23,7 +22,7 @@ import numpy as np
 
 from pallas_kernels.moe import pallas_triton, reference
 from pallas_kernels.benchmarking import (HBM_BYTES_PER_S, device_time_op, fmt_us, log, max_rel_err, random_fp4,
-                                         random_fp8, time_op)
+                                         random_fp8, time_op, write_rows)
 
 E, I, D, TOPK = 384, 2304, 5120, 6
 LIMIT = 10.0
@@ -150,10 +149,7 @@ def run(quick=False, out_dir=None, tune=False):
                                      ok=frac <= TUNE_MAX_FRAC))
                 except Exception as e:
                     log(f"  n={n} cfg={cfg} FAILED {type(e).__name__}: {str(e)[:200]}")
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "moe.json"), "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
+    write_rows(out_dir, "moe.json", rows)
     return rows
 
 
@@ -543,19 +539,13 @@ def main(argv=None):
                 else [(128, 128, 64, 128, 64, 8)] if a.quick else None)
         rows = prefill_sweep(a.tokens, a.experts or 96, routes=a.mma_fp4 and a.mma_fp4.split(","), configs=cfgs,
                              plain=a.plain)
-        if a.out:
-            os.makedirs(a.out, exist_ok=True)
-            with open(os.path.join(a.out, "moe_prefill.json"), "w") as f:
-                json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
+        write_rows(a.out, "moe_prefill.json", rows)
         return 0
     if a.fma:
         sizes = tuple(int(v) for v in a.sizes.split(",")) if a.sizes else (1,) if a.quick else (1, 8)
         rows = fma_sweep(sizes, wide=a.wide, vias=a.vias and a.vias.split(","), default_only=a.default_only,
                          experts=a.experts, mma_routes=a.mma_fp4 and a.mma_fp4.split(","))
-        if a.out:
-            os.makedirs(a.out, exist_ok=True)
-            with open(os.path.join(a.out, "moe_fma.json"), "w") as f:
-                json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
+        write_rows(a.out, "moe_fma.json", rows)
         return 0
     run(quick=a.quick, out_dir=a.out, tune=a.tune)
 

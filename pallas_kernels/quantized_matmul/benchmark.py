@@ -15,7 +15,6 @@ checked on the GPU first (every element, against the reference on the same input
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -34,6 +33,7 @@ from pallas_kernels.benchmarking import (
     random_fp8,
     time_op,
     tree_bytes,
+    write_rows,
 )
 from pallas_kernels.quantized_matmul import pallas_triton, reference
 
@@ -144,10 +144,7 @@ def run(quick=False, out_dir=None, tune=False):
 
     if tune:
         rows += tune_gemv(key)
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "quantized_matmul.json"), "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
+    write_rows(out_dir, "quantized_matmul.json", rows)
     return rows
 
 
@@ -419,28 +416,19 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.grouped:
         rows = grouped_sweep(jax.random.PRNGKey(9))
-        if a.out:
-            os.makedirs(a.out, exist_ok=True)
-            with open(os.path.join(a.out, "qmm_grouped.json"), "w") as f:
-                json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
+        write_rows(a.out, "qmm_grouped.json", rows)
         return 0 if rows and all(r["ok"] for r in rows) else 1
     if a.prefill:
         rows = prefill_sweep(jax.random.PRNGKey(11), names=tuple(a.names.split(",")) if a.names else tuple(PREFILL),
                              mma8=a.with_mma8)
-        if a.out:
-            os.makedirs(a.out, exist_ok=True)
-            with open(os.path.join(a.out, "qmm_prefill.json"), "w") as f:
-                json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
+        write_rows(a.out, "qmm_prefill.json", rows)
         return 0 if rows and all(r["ok"] for r in rows) else 1
     if a.check:
         return 0 if check(a.only, a.with_mma8) else 1
     if a.fma:
         rows = fma_sweep(jax.random.PRNGKey(5), quick=a.quick, wide=a.wide, vias=a.vias and a.vias.split(","),
                          default_only=a.default_only, names=tuple(a.names.split(",")) if a.names else FMA_SWEEP)
-        if a.out:
-            os.makedirs(a.out, exist_ok=True)
-            with open(os.path.join(a.out, "qmm_fma.json"), "w") as f:
-                json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
+        write_rows(a.out, "qmm_fma.json", rows)
         return 0
     run(quick=a.quick, out_dir=a.out, tune=a.tune)
 

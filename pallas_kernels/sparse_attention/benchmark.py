@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 
 
-from pallas_kernels.benchmarking import HBM_BYTES_PER_S, chained_args, read_anchor, timed, zero_of
+from pallas_kernels.benchmarking import HBM_BYTES_PER_S, chained_args, read_anchor, timed, write_rows, zero_of
 
 def make_inputs(key, b, s, nc, *, kw=128, kc=512, h=64, d=512, dtype=None, pad_frac=0.0):
     import jax.numpy as jnp
@@ -194,8 +193,7 @@ def main(argv=None):
         log(f"# sparse attention site (attention -> inverse RoPE -> wo_a), device time | {dev.device_kind} | "
             f"jax {jax.__version__}")
         rows = site(log, batches=(1,) if args.quick else (1, 8))
-        with open(os.path.join(args.out, "sparse_attention_site.json"), "w") as fh:
-            json.dump(dict(device=dev.device_kind, jax=jax.__version__, rows=rows), fh, indent=1)
+        write_rows(args.out, "sparse_attention_site.json", rows)
         return 0 if rows and all(r["ok"] for r in rows) else 1
     log(f"# sparse attention decode | device {dev.device_kind} | jax {jax.__version__} | n={args.n} reps={args.reps}")
     ok = check(log, ({},) + (D_SPLIT_SWEEP if args.sweep else ()))
@@ -252,8 +250,7 @@ def main(argv=None):
         log(f"| {r['context']} | {r['batch']} | {r['pallas_us']:.1f} | {r['xla_us']:.1f} | {r['floor_us']:.2f} | {r['anchor_us']:.2f} | "
             f"{r['speedup']:.2f}x | {r['hbm_frac']*100:.1f}% |")
     log(f"correctness: {'OK' if ok else 'FAIL'}")
-    with open(os.path.join(args.out, "sparse_attention_bench.json"), "w") as fh:
-        json.dump(dict(device=dev.device_kind, jax=jax.__version__, rows=rows, ok=ok), fh, indent=1)
+    write_rows(args.out, "sparse_attention_bench.json", rows, ok=ok)
     with open(os.path.join(args.out, "sparse_attention_bench.log"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     return 0 if ok else 1

@@ -209,7 +209,7 @@ def test_indexer_prefill_and_decode_topk_run_in_interpret_mode(monkeypatch, tmp_
     orig = pf.index_scores
     monkeypatch.setattr(pf, "index_scores", lambda *a, **k: orig(*a, **{**k, "interpret": True}))
     assert bm.main(["--prefill-model", "--decode-topk", "--out", str(tmp_path)]) == 0
-    pre = json.loads((tmp_path / "lightning_indexer_prefill.json").read_text())
+    pre = json.loads((tmp_path / "lightning_indexer_prefill.json").read_text())["rows"]
     assert [r["tag"].split(" chunk")[0] for r in pre] == [
         "HI 32 ratio 1 Nc=258 last", "HI 32 ratio 1 Nc=258 middle", "HI 32 ratio 2 Nc=129 last",
         "HI 32 ratio 2 Nc=129 middle", "HI 64 ratio 4 Nc=64 last"]
@@ -217,6 +217,8 @@ def test_indexer_prefill_and_decode_topk_run_in_interpret_mode(monkeypatch, tmp_
         (t_p, t_ps, same_mask, err, same_rows), = [v for v in r.values() if isinstance(v, list)]
         assert same_mask and err < 1e-5 and same_rows == 1.0, r
     dec = json.loads((tmp_path / "lightning_indexer_decode_topk.json").read_text())
+    assert dec["device"] and dec["jax"]
+    dec = dec["rows"]
     assert len(dec) == 2 and all(r["same"] for r in dec)
 
 
