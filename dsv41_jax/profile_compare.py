@@ -1,0 +1,95 @@
+"""Side-by-side decode profiles of several ``bench --json`` files (A/B runs of one configuration).
+
+    python -m dsv41_jax.bench ... --profile-tokens 16 --json a.json      # and b.json, c.json with a switch changed
+    python -m dsv41_jax.profile_compare a.json b.json c.json [--labels base,flag,other] [--batch 1]
+
+For each file it takes the decode row of the given batch and, of its profile, the decode step's
+program: the program that ran most often (a generate of N new tokens runs it N - 1 times; the
+prefill program runs once per prompt chunk), the busiest one on a tie. It prints one markdown
+table: device ms per step, kernels per step and tok/s, then each model part (``jax.named_scope``
+names, :mod:`dsv41_jax.profiling`) in ms and kernels, with every later file's difference from the
+first. The tok/s of a short profiling run is mostly the host's dispatch (BENCHMARKS.md, session
+18): compare device time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def decode_program(profile: dict) -> dict:
+    """The decode step's program of a ``profiling.summarize`` report (see the module docstring)."""
+    progs = profile.get("programs") or []
+    if not progs:
+        raise ValueError("the profile has no programs (was the run made with --profile-tokens?)")
+    return max(progs, key=lambda p: (p.get("executions", 0), p.get("busy_ms", 0.0)))
+
+
+def decode_row(report: dict, batch: int | None, path: str = "") -> dict:
+    """The decode row of ``batch`` (the only one when None) from a ``bench --json`` report."""
+    rows = report.get("decode") or []
+    if batch is not None:
+        rows = [r for r in rows if r.get("batch") == batch]
+    if len(rows) != 1:
+        have = [r.get("batch") for r in report.get("decode") or []]
+        raise ValueError(f"{path}: expected one decode row{f' for batch {batch}' if batch is not None else ''}, "
+                         f"found batches {have} (pick one with --batch)")
+    if not rows[0].get("profile"):
+        raise ValueError(f"{path}: the batch {rows[0].get('batch')} row has no profile (run bench with --profile-tokens)")
+    return rows[0]
+
+
+def compare(reports: list[dict], labels: list[str], batch: int | None = None, paths=None) -> str:
+    """The markdown table of :func:`decode_program` of each report's decode row, the first as the base."""
+    paths = paths or [""] * len(reports)
+    rows = [decode_row(r, batch, p) for r, p in zip(reports, paths)]
+    progs = [decode_program(r["profile"]) for r in rows]
+    parts = sorted({k for p in progs for k in p.get("parts_ms", {})}, key=lambda k: -progs[0].get("parts_ms", {}).get(k, 0.0))
+
+    def cell(v, v0, fmt, i):
+        if v is None:
+            return "—"
+        s = format(v, fmt)
+        return s if i == 0 or v0 is None else f"{s} ({v - v0:+{fmt}})"
+
+    head = "| | " + " | ".join(labels) + " |"
+    sep = "|---|" + "---:|" * len(labels)
+    out = [head, sep]
+    lines = [("device ms / step", [p.get("busy_ms") for p in progs], ".3f"),
+             ("kernels / step", [p.get("launches") for p in progs], ".0f"),
+             ("tok/s (short run)", [r.get("median_tok_s") for r in rows], ".1f")]
+    for part in parts:
+        lines.append((f"{part} ms", [p.get("parts_ms", {}).get(part) for p in progs], ".3f"))
+        lines.append((f"{part} kernels", [p.get("parts_launches", {}).get(part) for p in progs], ".0f"))
+    for name, vals, fmt in lines:
+        out.append(f"| {name} | " + " | ".join(cell(v, vals[0], fmt, i) for i, v in enumerate(vals)) + " |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="+", help="bench --json files, the first is the base")
+    ap.add_argument("--labels", default=None, help="comma-separated column names (default: the file names)")
+    ap.add_argument("--batch", type=int, default=None, help="the decode batch to compare (needed if a file has several)")
+    a = ap.parse_args(argv)
+    labels = a.labels.split(",") if a.labels else list(a.files)
+    if len(labels) != len(a.files):
+        ap.error(f"--labels has {len(labels)} names for {len(a.files)} files")
+    reports = []
+    for f in a.files:
+        try:
+            with open(f) as fh:
+                reports.append(json.load(fh))
+        except (OSError, json.JSONDecodeError) as e:
+            ap.error(f"{f}: {e}")
+    try:
+        print(compare(reports, labels, a.batch, a.files))
+    except ValueError as e:
+        ap.error(str(e))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
