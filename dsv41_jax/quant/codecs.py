@@ -46,14 +46,21 @@ def e8m0_encode_exponent(exponent: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(b, jnp.float8_e8m0fnu)
 
 
-def ceil_pow2_exponent(a: jax.Array) -> jax.Array:
-    """Exponent e with 2**e = 2**ceil(log2(a)) for positive normal float32 ``a``, read from the bit
-    pattern as the reference kernel does: the exponent field, plus one if the mantissa is non-zero
-    (an exact power of two stays exact)."""
+def ceil_pow2_exponent(a: jax.Array, divisor: float = 1.0) -> jax.Array:
+    """Exponent e with 2**e = 2**ceil(log2(a / divisor)) for positive normal float32 ``a`` and a
+    positive constant ``divisor``, read from the bit pattern as the reference kernel does, without
+    the division. With a = m_a 2**E and divisor = m_d 2**k (m in [1, 2)): e = E - k, plus one
+    where m_a > m_d. That equals ceil_pow2 of the correctly rounded quotient (for m_a just above
+    m_d the quotient is at least 1 + 2**-23 / m_d, more than half an ulp above 1), and does not
+    depend on how a backend divides (XLA may multiply by a rounded reciprocal; a Triton kernel's
+    f32 division is approximate). Inside Pallas kernels too (:func:`pallas_kernels.quantized_matmul.
+    pallas_triton_fma.quant_phases`)."""
+    m_d, k = np.frexp(np.float32(divisor))  # divisor = m_d * 2**k with m_d in [0.5, 1)
+    d_bits = int(np.float32(m_d * 2.0).view(np.uint32)) & 0x7FFFFF  # the mantissa field of m_d * 2 in [1, 2)
     bits = jax.lax.bitcast_convert_type(a.astype(jnp.float32), jnp.uint32)
-    exp = ((bits >> 23) & 0xFF).astype(jnp.int32) - 127
+    exp = ((bits >> 23) & 0xFF).astype(jnp.int32) - 127 - (int(k) - 1)
     mant = bits & 0x7FFFFF
-    return exp + (mant != 0).astype(jnp.int32)
+    return exp + (mant > d_bits).astype(jnp.int32)
 
 
 def pow2(e: jax.Array) -> jax.Array:

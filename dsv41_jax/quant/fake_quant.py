@@ -31,12 +31,12 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
 
 def fp8_block_scale(amax: jax.Array) -> jax.Array:
     """ue8m0 scale exponent for FP8 e4m3 blocks with absolute maximum ``amax`` (float32)."""
-    return ceil_pow2_exponent(jnp.maximum(amax, 1e-4) / E4M3_MAX)
+    return ceil_pow2_exponent(jnp.maximum(amax, 1e-4), E4M3_MAX)
 
 
 def mxfp4_block_scale(amax: jax.Array) -> jax.Array:
     """ue8m0 scale exponent for MXFP4 blocks."""
-    return ceil_pow2_exponent(jnp.maximum(amax, E2M1_MAX * 2.0**-126) / E2M1_MAX)
+    return ceil_pow2_exponent(jnp.maximum(amax, E2M1_MAX * 2.0**-126), E2M1_MAX)
 
 
 def fp4_e4m3_block_scale(amax: jax.Array) -> jax.Array:

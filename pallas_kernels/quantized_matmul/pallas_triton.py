@@ -297,17 +297,10 @@ def tile_dot(fmt, xt, wts, op_dtype, swap=False):
 def act_fake_quant_tile(h, block: int = 32):
     """DeepSeek's act_quant on an in-kernel f32 tile [M, C] (C a multiple of ``block``): per row and
     ``block`` columns, s = 2**ceil(log2(max(amax, 1e-4)/448)), q = e4m3(clip(h/s, +-448)) * s.
-    Bit-exact with :func:`dsv41_jax.quant.act_quant` (float32 out)."""
+    Bit-exact with :func:`dsv41_jax.quant.act_quant` (float32 out); one layout of
+    :func:`pallas_triton_fma.quant_phases`."""
     m, c = h.shape
-    hb = h.reshape(m, c // block, block)
-    amax = jnp.max(jnp.abs(hb), axis=-1)
-    a = jnp.maximum(amax, 1e-4) / 448.0
-    bits = jax.lax.bitcast_convert_type(a, jnp.int32)
-    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
-    inv = jax.lax.bitcast_convert_type((127 - e) << 23, jnp.float32)  # 2**-e
-    fwd = jax.lax.bitcast_convert_type((127 + e) << 23, jnp.float32)  # 2**e
-    q = jnp.clip(hb * inv[:, :, None], -448.0, 448.0).astype(jnp.float8_e4m3fn).astype(jnp.float32)
-    return (q * fwd[:, :, None]).reshape(m, c)
+    return fma.quant_phases([h.reshape(m, c // block, block)])[0].reshape(m, c)
 
 
 # --------------------------------------------------------------------------------------------------

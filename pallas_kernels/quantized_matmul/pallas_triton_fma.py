@@ -44,6 +44,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, act_quant, exact_f32
+from dsv41_jax.quant.codecs import E4M3_MAX, pow2
+from dsv41_jax.quant.fake_quant import fp8_block_scale
 
 FMA_MAX_ROWS = 4  # activation rows one program handles (a static loop sharing each decoded tile)
 # The fused MoE takes the fma kernels by default up to this many (token, slot) pairs. H200, 96 MXFP4
@@ -359,17 +361,14 @@ def fp4_tile_partial(raw, sraw, xs):
 def quant_phases(phases):
     """DeepSeek's activation fake-quant (:func:`dsv41_jax.quant.act_quant`) of one row's loaded
     phases (:func:`act_view`, each [kg, L]; together they hold whole blocks, one per K group):
-    ``s = 2**ceil(log2(max(amax, 1e-4) / 448))``, ``q = e4m3(clip(x / s, ±448)) * s``, bit-exact.
-    The exponent is read from amax's bits without a division (448 = 1.75 * 2**8: ceil(log2(a/448))
-    is a's exponent - 8, plus one where a's mantissa exceeds 1.75; equal to the correctly rounded
-    division's result, without depending on how a backend divides); the e4m3 rounding is the
-    converts, which round inside a Triton kernel (session 17)."""
+    ``s = 2**ceil(log2(max(amax, 1e-4) / 448))``, ``q = e4m3(clip(x / s, ±448)) * s``, bit-exact:
+    the scale exponent is the quantizer's own (``fp8_block_scale``, read from amax's bits without a
+    division); the e4m3 rounding is the converts, which round inside a Triton kernel (session 17)."""
     amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(p), axis=-1, keepdims=True) for p in phases])
-    bits = jax.lax.bitcast_convert_type(jnp.maximum(amax, 1e-4), jnp.int32)
-    e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).astype(jnp.int32)
-    inv = jax.lax.bitcast_convert_type((127 - e) << 23, jnp.float32)  # 2**-e
-    fwd = jax.lax.bitcast_convert_type((127 + e) << 23, jnp.float32)  # 2**e
-    return [jnp.clip(p * inv, -448.0, 448.0).astype(jnp.float8_e4m3fn).astype(jnp.float32) * fwd for p in phases]
+    e = fp8_block_scale(amax)
+    inv, fwd = pow2(-e), pow2(e)
+    return [jnp.clip(p * inv, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32) * fwd
+            for p in phases]
 
 
 def load_x(x_refs, rows, g0, kg, quant=False):
