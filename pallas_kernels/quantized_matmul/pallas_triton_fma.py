@@ -135,17 +135,11 @@ if ACT_QUANT not in ACT_QUANTS:
     raise ValueError(f"DSV41_FMA_ACT_QUANT={ACT_QUANT!r}: expected one of {', '.join(ACT_QUANTS)}")
 
 
-def act_quant_prologue(w, act_block: int) -> bool:
-    """Whether the activation of the fma kernels for ``w`` is quantized by :func:`act_quant_view`
-    (ACT_QUANT is "pallas" and one activation block is one K group of ``w``)."""
-    return ACT_QUANT == "pallas" and act_block == group_size(w)
-
-
-def act_quant_in_kernel(w, act_block: int) -> bool:
-    """Whether the fma kernels fake-quantize the activation themselves for weight ``w`` (ACT_QUANT is
-    "kernel" and one activation block is exactly one K group of ``w``, so every block a K step loads
-    is whole)."""
-    return ACT_QUANT == "kernel" and act_block == group_size(w)
+def act_quant_site(w, act_block: int) -> str:
+    """Where the fma kernels' activation for weight ``w`` is fake-quantized: :data:`ACT_QUANT`
+    ("kernel": in the GEMV's loop; "pallas": :func:`act_quant_view`) where one activation block is
+    exactly one K group of ``w`` (every block a K step loads is whole), else "xla"."""
+    return ACT_QUANT if act_block == group_size(w) else "xla"
 
 
 def checked_routes(vias) -> list:
@@ -373,7 +367,7 @@ def quant_phases(phases):
 
 def load_x(x_refs, rows, g0, kg, quant=False):
     """Each activation row's phases of K groups [g0, g0+kg) (``rows``: indices into ``x_refs``, the
-    phases of :func:`act_view`), fake-quantized here when ``quant`` (:func:`act_quant_in_kernel`)."""
+    phases of :func:`act_view`), fake-quantized here when ``quant`` (:func:`act_quant_site` "kernel")."""
     xs = [[xr[r, pl.ds(g0, kg), :] for xr in x_refs] for r in rows]
     return [quant_phases(x) for x in xs] if quant else xs
 
@@ -543,8 +537,9 @@ def quantized_matmul_fma_multi(x2, ws, *, act_block, out_dtype, config, interpre
     n = sum(ns)
     g = group_size(ws[0])
     fmt = "fp8" if isinstance(ws[0], Fp8Tensor) else "fp4"
-    quant = act_quant_in_kernel(ws[0], act_block)
-    if act_quant_prologue(ws[0], act_block):
+    site = act_quant_site(ws[0], act_block)
+    quant = site == "kernel"
+    if site == "pallas":
         xs = act_quant_view(x2, ws[0], interpret=interpret)
     else:
         xs = act_view(x2 if quant else act_quant(x2, act_block).astype(jnp.bfloat16), ws[0])

@@ -113,9 +113,9 @@ def test_gemv_with_quant_in_kernel_same_values(fmt, dtype, m, ns, k, block, via,
     x = jnp.asarray(hard_rows(rng, m, k, block)).astype(dtype)
     ws = [_weights(fmt, rng, n, k, block) for n in ns]
     cfg = fma.default_config(m, ns, k, ws[0])
-    assert fma.act_quant_in_kernel(ws[0], block) is False  # default: XLA
+    assert fma.act_quant_site(ws[0], block) == "xla"  # default
     monkeypatch.setattr(fma, "ACT_QUANT", "kernel")
-    assert fma.act_quant_in_kernel(ws[0], block)
+    assert fma.act_quant_site(ws[0], block) == "kernel"
     a, b = _both(monkeypatch, lambda: run(pallas_triton.quantized_matmul_multi, x, *[ws], act_block=block,
                                           config=cfg, interpret=True))
     assert_same_values(a, b)
