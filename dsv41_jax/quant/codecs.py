@@ -53,8 +53,8 @@ def ceil_pow2_exponent(a: jax.Array, divisor: float = 1.0) -> jax.Array:
     where m_a > m_d. That equals ceil_pow2 of the correctly rounded quotient (for m_a just above
     m_d the quotient is at least 1 + 2**-23 / m_d, more than half an ulp above 1), and does not
     depend on how a backend divides (XLA may multiply by a rounded reciprocal; a Triton kernel's
-    f32 division need not be correctly rounded). Inside Pallas kernels too (:func:`pallas_kernels.quantized_matmul.
-    pallas_triton_fma.quant_phases`)."""
+    f32 division need not be correctly rounded). Also used inside Pallas kernels
+    (``pallas_triton_fma.quant_phases``)."""
     m_d, k = np.frexp(np.float32(divisor))  # divisor = m_d * 2**k with m_d in [0.5, 1)
     d_bits = int(np.float32(m_d * 2.0).view(np.uint32)) & 0x7FFFFF  # the mantissa field of m_d * 2 in [1, 2)
     bits = jax.lax.bitcast_convert_type(a.astype(jnp.float32), jnp.uint32)
