@@ -55,8 +55,11 @@ ACT_BLOCKS = (32, 128)  # activation fake-quant blocks (V4.1 / V4); done by XLA 
 # how weight scales are applied in-kernel (read at trace time; the benchmark sweeps them):
 # fp8 "expand" (scale tile broadcast to [bn, bk], bf16 dot), "gather" (per-row scale gather on a
 # [bn, bk/B, B] view, B = the weight block or bk if smaller), "mma8" (experimental, 32x32 blocks
-# only: e4m3 tensor-core dots per 32-wide K block, scales on the partials); fp4 "expand" / "view3d"
+# only: e4m3 tensor-core dots per 32-wide K block, scales on the partials), "mma8t" (the same with
+# the weight tile as the dot's first operand, for decode sizes: weight rows fill the MMA's M
+# dimension, the few activation rows its N; experimental); fp4 "expand" / "view3d"
 SCALE_MODE = {"fp8": "expand", "fp4": "expand"}
+MMA8_MODES = ("mma8", "mma8t")
 N_SM_DEFAULT = 132
 
 
@@ -364,8 +367,8 @@ def unsupported_reason(x, w, *, act_block=32):
     reason = weight_reason(w)
     if reason is None:
         reason = act_block_reason(w, act_block)
-    if reason is None and isinstance(w, Fp8Tensor) and SCALE_MODE["fp8"] == "mma8" and (fp8_block(w), act_block) != (32, 32):
-        reason = (f"the experimental 'mma8' FP8 scale mode supports only 32x32 weight blocks with act_block 32 "
+    if reason is None and isinstance(w, Fp8Tensor) and SCALE_MODE["fp8"] in MMA8_MODES and (fp8_block(w), act_block) != (32, 32):
+        reason = (f"the experimental '{SCALE_MODE['fp8']}' FP8 scale mode supports only 32x32 weight blocks with act_block 32 "
                   f"(got {w.block}, act_block {act_block}); use the 'expand' or 'gather' mode")
     return reason
 
@@ -400,6 +403,41 @@ def _mm8_kernel(x8_ref, xs_ref, w_ref, s_ref, o_ref, *, bm, bn, bk, steps, split
         o_ref[i_s, mrows, rows] = acc
     else:
         o_ref[mrows, rows] = acc.astype(o_ref.dtype)
+
+
+def _mm8t_kernel(x8_ref, xst_ref, w_ref, s_ref, o_ref, *, bm, bn, bk, steps, split):
+    """:func:`_mm8_kernel` with the operands swapped (SCALE_MODE['fp8'] == 'mma8t', experimental):
+    each 32-wide K block is one e4m3 dot of the weight tile [bn, 32] (the MMA's M dimension) with the
+    activation codes [bm, 32] (its N dimension), giving the fp32 partial [bn, bm]; the weight's
+    per-32-row scale and the activation's scale (``xst_ref``: [K/32, M], transposed by XLA) multiply
+    it before it is added. At decode sizes the weight rows, not the padded activation rows, fill the
+    tensor-core tiles; the loads feed dots, so Triton's pipeliner keeps ``stages`` of them in flight."""
+    i_n = pl.program_id(0)
+    i_m = pl.program_id(1)
+    i_s = pl.program_id(2)
+    row0 = pl.multiple_of(i_n * bn, bn)
+    rows = pl.ds(row0, bn)
+    mrows = pl.ds(pl.multiple_of(i_m * bm, bm), bm)
+    kbase = i_s * (steps * bk)
+    dims = (((1,), (1,)), ((), ()))
+
+    def body(i, acc):
+        k0 = pl.multiple_of(kbase + i * bk, bk)
+        for j in range(bk // 32):
+            kk = k0 + 32 * j
+            part = jax.lax.dot_general(w_ref[rows, pl.ds(kk, 32)], x8_ref[mrows, pl.ds(kk, 32)], dims,
+                                       preferred_element_type=jnp.float32)  # [bn, bm]
+            sx = xst_ref[pl.ds(kk // 32, 1), mrows]  # [1, bm]
+            sw = fma.e8m0_f32(s_ref[pl.ds(row0 // 32, bn // 32), pl.ds(kk // 32, 1)])  # [bn/32, 1]
+            sw = jnp.broadcast_to(sw, (bn // 32, 32)).reshape(bn, 1)
+            acc = acc + part * sw * sx
+        return acc
+
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bn, bm), jnp.float32))
+    if split:
+        o_ref[i_s, rows, mrows] = acc
+    else:
+        o_ref[rows, mrows] = acc.astype(o_ref.dtype)
 
 
 def _act_quant_codes(x2, block=32):
@@ -499,15 +537,21 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, con
     kernel = functools.partial(_mm_kernel, fmt=fmt, bm=bm, bn=bn, bk=bk, steps=steps, op_dtype=op,
                                split=splits > 1, wblock=fp8_block(w))
     operands = (xq, data, scale)
-    if fmt == "fp8" and SCALE_MODE["fp8"] == "mma8":
+    transposed = fmt == "fp8" and SCALE_MODE["fp8"] == "mma8t"
+    if fmt == "fp8" and SCALE_MODE["fp8"] in MMA8_MODES:
         x8, xs = _act_quant_codes(x2, act_block)
         if mp != m:
             x8 = jnp.pad(x8, ((0, mp - m), (0, 0)))
             xs = jnp.pad(xs, ((0, mp - m), (0, 0)), constant_values=1.0)
-        kernel = functools.partial(_mm8_kernel, bm=bm, bn=bn, bk=bk, steps=steps, split=splits > 1)
-        operands = (x8, xs, data, scale)
-    out_shape = (jax.ShapeDtypeStruct((splits, mp, n), jnp.float32) if splits > 1
-                 else jax.ShapeDtypeStruct((mp, n), out_dtype))
+        if transposed:
+            kernel = functools.partial(_mm8t_kernel, bm=bm, bn=bn, bk=bk, steps=steps, split=splits > 1)
+            operands = (x8, xs.T, data, scale)
+        else:
+            kernel = functools.partial(_mm8_kernel, bm=bm, bn=bn, bk=bk, steps=steps, split=splits > 1)
+            operands = (x8, xs, data, scale)
+    out_rows = (n, mp) if transposed else (mp, n)
+    out_shape = (jax.ShapeDtypeStruct((splits, *out_rows), jnp.float32) if splits > 1
+                 else jax.ShapeDtypeStruct(out_rows, out_dtype))
     y = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -518,6 +562,8 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, con
     )(*operands)
     if splits > 1:
         y = jnp.sum(y, axis=0)
+    if transposed:
+        y = y.T
     return y[:m].astype(out_dtype).reshape(*lead, n)
 
 

@@ -78,7 +78,7 @@ def test_parity_interpret(fmt, dtype, m, n, k, decode_gemv, monkeypatch):
     check_close(y, _reference(x, w))
 
 
-@pytest.mark.parametrize("fmt,mode", [("fp8", "gather"), ("fp8", "mma8"), ("fp4", "view3d")])
+@pytest.mark.parametrize("fmt,mode", [("fp8", "gather"), ("fp8", "mma8"), ("fp8", "mma8t"), ("fp4", "view3d")])
 def test_split_k_leading_dims_scale_modes(fmt, mode, monkeypatch):
     monkeypatch.setitem(pallas_triton.SCALE_MODE, fmt, mode)
     rng = np.random.default_rng()
@@ -87,6 +87,22 @@ def test_split_k_leading_dims_scale_modes(fmt, mode, monkeypatch):
     # 2 N blocks x 2 K splits x 2 K steps each, f32 output
     y = run(pallas_triton.quantized_matmul, x, w, out_dtype=jnp.float32, interpret=True, config=(16, 32, 64, 2, 4, 3))
     check_close(y, _reference(x, w, out_dtype=jnp.float32))
+
+
+@pytest.mark.parametrize("m", [1, 5, 20])
+def test_mma8t_decode_rows(m, monkeypatch):
+    """The swapped FP8 tensor-core GEMV (weight tile as the dot's first operand) at decode sizes:
+    one row, rows padded to the 16-row tile, two row tiles; bf16 output, no K split, 64-row tiles."""
+    monkeypatch.setitem(pallas_triton.SCALE_MODE, "fp8", "mma8t")
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((m, 512), np.float32).astype(jnp.bfloat16))
+    w = make_weight("fp8", rng, 128, 512)
+    y = run(pallas_triton.quantized_matmul, x, w, interpret=True, config=(16, 64, 128, 1, 4, 3))
+    assert y.shape == (m, 128) and y.dtype == jnp.bfloat16
+    check_close(y, _reference(x, w))
+    w128 = _q8(jnp.asarray(rng.standard_normal((128, 512), np.float32)), block=(128, 128))
+    with pytest.raises(ValueError, match="'mma8t'.*only 32x32"):
+        pallas_triton.quantized_matmul(x, w128, act_block=128, interpret=True, config=(16, 64, 128, 1, 4, 3))
 
 
 def test_unsupported_reasons_and_dispatch():
@@ -167,6 +183,7 @@ def test_auto_gate_on_gpu(monkeypatch):
 def test_cross_lowering_experimental_modes(target, monkeypatch):
     """The opt-in scale modes lower for both targets at real shapes too."""
     for fmt, mode, spec in (("fp8", "gather", fp8_spec(5120, 8192)), ("fp8", "mma8", fp8_spec(5120, 8192)),
+                            ("fp8", "mma8t", fp8_spec(5120, 8192)),
                             ("fp4", "view3d", fp4_spec(2304, 5120))):
         monkeypatch.setitem(pallas_triton.SCALE_MODE, fmt, mode)
         for m in (1, 4096):
