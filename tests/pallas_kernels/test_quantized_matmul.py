@@ -89,15 +89,16 @@ def test_split_k_leading_dims_scale_modes(fmt, mode, monkeypatch):
     check_close(y, _reference(x, w, out_dtype=jnp.float32))
 
 
-@pytest.mark.parametrize("m", [1, 5, 20])
-def test_mma8t_decode_rows(m, monkeypatch):
+@pytest.mark.parametrize("m,bm", [(1, 16), (5, 16), (20, 16), (1, 8), (11, 8)])
+def test_mma8t_decode_rows(m, bm, monkeypatch):
     """The swapped FP8 tensor-core GEMV (weight tile as the dot's first operand) at decode sizes:
-    one row, rows padded to the 16-row tile, two row tiles; bf16 output, no K split, 64-row tiles."""
+    one row, rows padded to the 16- or 8-row tile, two row tiles; bf16 output, no K split, 64-row
+    tiles."""
     monkeypatch.setitem(pallas_triton.SCALE_MODE, "fp8", "mma8t")
     rng = np.random.default_rng()
     x = jnp.asarray(rng.standard_normal((m, 512), np.float32).astype(jnp.bfloat16))
     w = make_weight("fp8", rng, 128, 512)
-    y = run(pallas_triton.quantized_matmul, x, w, interpret=True, config=(16, 64, 128, 1, 4, 3))
+    y = run(pallas_triton.quantized_matmul, x, w, interpret=True, config=(bm, 64, 128, 1, 4, 3))
     assert y.shape == (m, 128) and y.dtype == jnp.bfloat16
     check_close(y, _reference(x, w))
     w128 = _q8(jnp.asarray(rng.standard_normal((128, 512), np.float32)), block=(128, 128))
