@@ -96,6 +96,52 @@ def _set_loop_stages(module, stages: int) -> None:
             op.attributes["tt.num_stages"] = attr
 
 
+# Triton's sm_90 matmul pass takes the Hopper tensor cores' asynchronous FP8 path (wgmma) only when a
+# dot allows that many K elements to be summed at the tensor core's reduced internal precision
+# (``maxNumImpreciseAcc`` >= 32); Pallas never sets it, so every e4m3 dot falls back to the older
+# mma path, with each FP8 code converted to f16 in registers first (offline SASS, session 20: F2FP
+# 96 of 360 instructions per step of the decode GEMV). Kernels whose name starts with a prefix in
+# FP8_IMPRECISE_ACC_KERNELS, and only those, get ``maxNumImpreciseAcc`` = K on every FP8 dot. The
+# kernels registered here apply the block scales to each dot's fp32 result and sum across K blocks
+# in fp32 themselves, so the imprecise part is one 32-element dot, finer than DeepSeek's own
+# promotion interval (128). ``DSV41_FP8_IMPRECISE_ACC=off`` keeps the exact mma path.
+FP8_IMPRECISE_ACC_ENV = "DSV41_FP8_IMPRECISE_ACC"
+FP8_IMPRECISE_ACC_KERNELS: set[str] = set()
+
+
+def fp8_imprecise_acc_enabled() -> bool:
+    import os
+
+    v = os.environ.get(FP8_IMPRECISE_ACC_ENV, "on").lower()
+    if v not in ("on", "off"):
+        raise ValueError(f"{FP8_IMPRECISE_ACC_ENV}={v!r}: expected on or off")
+    return v == "on"
+
+
+def set_fp8_imprecise_acc(module) -> int:
+    """Set ``maxNumImpreciseAcc`` = K on every ``tt.dot`` of ``module`` whose operands are FP8; the
+    number of dots marked."""
+    from jax._src.lib.mlir import ir
+
+    dots = []
+
+    def visit(op):
+        if op.name == "tt.dot":
+            dots.append(op)
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit)
+    n = 0
+    with module.context:
+        for op in dots:
+            a = ir.RankedTensorType(op.operands[0].type)
+            if "f8" not in str(a.element_type).lower():
+                continue
+            op.attributes["maxNumImpreciseAcc"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), a.shape[-1])
+            n += 1
+    return n
+
+
 def _patch_loop_stages() -> bool:
     """Wrap the Triton module lowering so that listed kernels' loops carry ``tt.num_stages``."""
     import os
@@ -109,11 +155,13 @@ def _patch_loop_stages() -> bool:
     def lower(*args, **kwargs):
         res = orig(*args, **kwargs)
         table = parse_loop_stages(os.environ.get(LOOP_STAGES_ENV))
+        name = str(res.module.operation.attributes["sym_name"]).strip('"')  # the kernel's name
         if table:
-            name = str(res.module.operation.attributes["sym_name"]).strip('"')  # the kernel's name
             stages = loop_stages_for(name, table)
             if stages is not None:
                 _set_loop_stages(res.module, stages)
+        if fp8_imprecise_acc_enabled() and any(name.startswith(p) for p in FP8_IMPRECISE_ACC_KERNELS):
+            set_fp8_imprecise_acc(res.module)
         return res
 
     lower._dsv41_loop_stages = True

@@ -65,6 +65,9 @@ N_SM_DEFAULT = 132
 
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: E402,F401  (applies the fix)
 from pallas_kernels.quantized_matmul import pallas_triton_fma as fma  # noqa: E402
+from pallas_kernels import triton_compat  # noqa: E402
+
+triton_compat.FP8_IMPRECISE_ACC_KERNELS.update(f"qmm_fp8_{m}" for m in MMA8_MODES)
 N_SM = 132  # H200; only used to choose the split-K factor (a heuristic, any value is correct)
 
 
@@ -558,7 +561,7 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, con
         grid=(n // bn, mp // bm, splits),
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
-        name=f"qmm_{fmt}",
+        name=f"qmm_{fmt}_{SCALE_MODE['fp8']}" if fmt == "fp8" and SCALE_MODE["fp8"] in MMA8_MODES else f"qmm_{fmt}",
     )(*operands)
     if splits > 1:
         y = jnp.sum(y, axis=0)

@@ -39,3 +39,33 @@ def test_listed_kernels_loops_carry_num_stages(monkeypatch, target):
     assert "tt.num_stages" not in down  # not listed
     # the attribute is the only change
     assert up.replace(" {tt.num_stages = 2 : i32}", "") == plain["moe_gate_up_fma_fp4"]
+
+
+@pytest.mark.parametrize("target", ["cuda", "rocm"])
+@pytest.mark.parametrize("mode", ["mma8", "mma8t"])
+def test_fp8_dots_of_listed_kernels_allow_imprecise_acc(monkeypatch, target, mode):
+    """The mma8 GEMV kernels' e4m3 dots carry maxNumImpreciseAcc = 32 (their K), which lets Triton
+    take the sm_90 wgmma FP8 path; DSV41_FP8_IMPRECISE_ACC=off leaves them unmarked; kernels not
+    listed (the bf16-operand 'expand' GEMV) never get it; a bad value is a clear error."""
+    from pallas_kernels.quantized_matmul import pallas_triton
+
+    assert f"qmm_fp8_{mode}" in triton_compat.FP8_IMPRECISE_ACC_KERNELS
+    fn, *specs = inspect_sass._cases("gemv", tokens=1, config=(16, 128, 128, 1, 4, 4))
+
+    def ttir(env, scale_mode):
+        monkeypatch.setenv(triton_compat.FP8_IMPRECISE_ACC_ENV, env)
+        monkeypatch.setitem(pallas_triton.SCALE_MODE, "fp8", scale_mode)
+        (k,) = inspect_sass.triton_kernels(lambda *a: fn(*a), *specs, target=target)
+        return k["name"], k["ttir"]
+
+    name, on = ttir("on", mode)
+    assert name == f"qmm_fp8_{mode}"
+    dots = on.count("tt.dot ")
+    assert dots == 4 and on.count("maxNumImpreciseAcc = 32") == dots  # bk 128: four 32-wide dots
+    _, off = ttir("off", mode)
+    assert "maxNumImpreciseAcc" not in off and off.count("tt.dot ") == dots
+    name, expand = ttir("on", "expand")
+    assert name == "qmm_fp8" and "maxNumImpreciseAcc" not in expand
+    monkeypatch.setenv(triton_compat.FP8_IMPRECISE_ACC_ENV, "maybe")
+    with pytest.raises(ValueError, match="DSV41_FP8_IMPRECISE_ACC='maybe'"):
+        triton_compat.fp8_imprecise_acc_enabled()
