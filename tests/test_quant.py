@@ -149,6 +149,22 @@ def test_bf16_round_is_bitwise_ml_dtypes_rne():
     assert np.isnan(np.asarray(bf16_round(jnp.asarray([np.nan], jnp.float32)))).all()
 
 
+def test_exact_f32_widens_bf16_bit_for_bit():
+    """``exact_f32`` of a bf16 array equals the upcast bit for bit (normals over the whole range,
+    subnormals, signed zeros, infinities, NaN payloads); float32 input passes through."""
+    from dsv41_jax.quant.codecs import exact_f32
+
+    rng = np.random.default_rng()
+    bits = rng.integers(0, 1 << 16, 1 << 15, dtype=np.uint32).astype(np.uint16)  # every kind of pattern
+    bits = np.concatenate([bits, np.array([0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC1, 0x0001, 0x807F], np.uint16)])
+    x = bits.view(ml_dtypes.bfloat16)
+    got = np.asarray(exact_f32(jnp.asarray(x))).view(np.uint32)
+    np.testing.assert_array_equal(got, x.astype(np.float32).view(np.uint32))
+    assert got.dtype == np.uint32 and got.shape == bits.shape
+    xf = rng.standard_normal(64).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(exact_f32(jnp.asarray(xf))), xf)
+
+
 @pytest.mark.parametrize("fn", ["e4m3_round", "act_quant", "fake_quant_fp8", "fake_quant_fp4_e4m3"])
 def test_fake_quant_has_no_fp8_convert_round_trip_for_xla_gpu_to_drop(fn):
     """XLA's GPU compiler drops an f32 -> f8 -> f32 convert pair inside a fusion (excess precision):
