@@ -176,6 +176,16 @@ def check(dims=CHECK_DIMS, tokens=(1, 8, 64, 300)):
                 e3m = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(m3, m3r))
                 res.append(("hc_expand_collapse_mixes", e3 <= 8e-3 and e3m <= 1e-5,
                             f"streams/collapse rel err {e3:.2e}, mixes max abs err {e3m:.2e}"))
+                # with the next site's RMSNorm fused (DSV41_MHC_FUSED_NORM): y against rms_norm of the
+                # reference collapse (per element, one bf16 ulp plus the collapse's own rounding)
+                w = jax.random.uniform(ks[2], (d,), jnp.float32, 0.2, 3.0).astype(jnp.bfloat16)
+                fmn = lambda *a: pallas_triton.hc_expand_collapse_mixes(*a, y_norm_eps=1e-6, **KW)  # noqa: E731
+                h4, y4, m4 = jax.jit(fmn)(f, x, post, comb, pre, fn, scale, base, w)
+                y4r = jax.jit(lambda y: reference.rms_norm(y, w, 1e-6))(yr)
+                e4 = max(max_rel_err(y4, y4r), max_rel_err(h4, hr))
+                e4m = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(m4, m3))
+                res.append(("hc_expand_collapse_mixes + norm", e4 <= 8e-3 and e4m == 0.0,
+                            f"normed collapse/streams rel err {e4:.2e}, mixes vs unnormed max abs diff {e4m:.2e}"))
         except Exception as e:  # noqa: BLE001
             res = [("mhc", False, f"{type(e).__name__}: {str(e)[:200]}")]
         for name, good, msg in res:

@@ -113,8 +113,10 @@ def _parse_fma_decode(text: str) -> dict:
 FMA_DECODE = _parse_fma_decode(os.environ.get("DSV41_FMA_DECODE", ""))
 
 
-# Where the fma kernels' activation fake-quant runs (read at trace time; DSV41_FMA_ACT_QUANT):
-# * "xla" (default): ``act_quant`` as XLA ops before the kernel. On the H200 that is two small
+# Where the fma kernels' activation fake-quant runs (read at trace time; DSV41_FMA_ACT_QUANT).
+# Default "kernel" since session 20: 7-layer batch-1 probe on the H200, device time per step 2.027 ->
+# 1.990 ms against "xla" and 2.001 for "pallas" (another run), with the GPU checks bit-identical.
+# * "xla": ``act_quant`` as XLA ops before the kernel. On the H200 that is two small
 #   kernels per call (a block-amax reduction, then the scaling), about 2.6 us together: 0.66 ms of
 #   the 9.31 ms batch-1 step (session 18 profile, ~200 calls per step with the MoE's);
 # * "kernel": the GEMV's programs quantize every activation group in registers as they load it
@@ -123,14 +125,15 @@ FMA_DECODE = _parse_fma_decode(os.environ.get("DSV41_FMA_DECODE", ""))
 #   ``inspect_sass gemv``, session 18), against two XLA kernels (~2.6 us) saved per call. Only
 #   where the activation block is the weight's K group (V4.1: 32, V4's FP8: 128); elsewhere "xla".
 #   The fused MoE keeps the XLA op (its loops grew 1.8-2.4x: pallas_kernels.moe.pallas_triton).
-#   Built in session 18 without a GPU: not yet timed (prediction: about break-even for wq_b / wo_b,
-#   a gain for the small projections; in all under 0.1 ms per batch-1 step either way).
+#   Built in session 18 without a GPU (prediction: under 0.1 ms per batch-1 step); session 20
+#   measured -0.037 ms per 7-layer step (about -0.2 ms over 40 layers).
 # * "pallas": one small Pallas kernel before the GEMV and before each of the fused MoE's kernels
 #   (:func:`act_quant_view`) quantizes the activation and writes it straight in the phase layout
 #   the kernel reads: one launch instead of XLA's two, no change to the GEMV / MoE loops. Same
-#   condition as "kernel". Not yet timed (prediction: ~1.2 us saved per call, ~0.25 ms per step).
+#   condition as "kernel". Session 20: -0.048 ms per 7-layer step against "xla" where "kernel" gave
+#   -0.068 in the same run.
 ACT_QUANTS = ("xla", "kernel", "pallas")
-ACT_QUANT = os.environ.get("DSV41_FMA_ACT_QUANT", "xla").lower()
+ACT_QUANT = os.environ.get("DSV41_FMA_ACT_QUANT", "kernel").lower()
 if ACT_QUANT not in ACT_QUANTS:
     raise ValueError(f"DSV41_FMA_ACT_QUANT={ACT_QUANT!r}: expected one of {', '.join(ACT_QUANTS)}")
 

@@ -113,7 +113,10 @@ def test_gemv_with_quant_in_kernel_same_values(fmt, dtype, m, ns, k, block, via,
     x = jnp.asarray(hard_rows(rng, m, k, block)).astype(dtype)
     ws = [_weights(fmt, rng, n, k, block) for n in ns]
     cfg = fma.default_config(m, ns, k, ws[0])
-    assert fma.act_quant_site(ws[0], block) == "xla"  # default
+    if "DSV41_FMA_ACT_QUANT" not in __import__("os").environ:
+        assert fma.ACT_QUANT == "kernel"  # the default since session 20
+    monkeypatch.setattr(fma, "ACT_QUANT", "xla")
+    assert fma.act_quant_site(ws[0], block) == "xla"
     monkeypatch.setattr(fma, "ACT_QUANT", "kernel")
     assert fma.act_quant_site(ws[0], block) == "kernel"
     a, b = _both(monkeypatch, lambda: run(pallas_triton.quantized_matmul_multi, x, *[ws], act_block=block,

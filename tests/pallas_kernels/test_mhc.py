@@ -212,7 +212,9 @@ def test_benchmark_check_covers_v4_widths_in_interpret_mode(monkeypatch):
     lines = []
     monkeypatch.setattr(bm, "log", lambda *a: lines.append(" ".join(map(str, a))))
     assert bm.check(dims=(256,), tokens=(1, 3))
-    assert sum(s.startswith("PASS") and "D=256" in s for s in lines) == 10  # 5 checks at T = 1 and 3 (both decode sizes)
+    # 6 checks at T = 1 and 3 (both decode sizes), among them the fused op with the next site's norm
+    assert sum(s.startswith("PASS") and "D=256" in s for s in lines) == 12
+    assert sum(s.startswith("PASS hc_expand_collapse_mixes + norm") for s in lines) == 2
 
 
 def test_reference_sinkhorn_unrolled_on_gpu(monkeypatch):
