@@ -224,14 +224,20 @@ def weight_view(w):
     raise TypeError(f"fma GEMV takes FP8 or MXFP4 weights, got {type(w).__name__}")
 
 
-def act_view(xq, w):
-    """The activation [M, K] as the kernel reads it (float32), a tuple of phases: FP8 -> one array
+def act_view(xq, w, widen: bool = True):
+    """The activation [M, K] as the kernel reads it (float32, or ``xq``'s own dtype when not
+    ``widen``: the kernel then upcasts what it loads), a tuple of phases: FP8 -> one array
     [M, K/G, G] (route "f16w": 4 phases [M, K/G, G/4], element 4q + j in phase j); MXFP4 -> the
     (even, odd) halves [M, K/32, 16] (route "f16w": 8 phases [M, K/32, 4], element 8q + j in phase
     j). ``xq`` is fake-quantized already, or raw where the kernel quantizes (:data:`ACT_QUANT`);
-    a bf16 ``xq`` keeps its own rounding (``exact_f32``) even where XLA fuses its producer."""
+    a bf16 ``xq`` keeps its own rounding (``exact_f32``) even where XLA fuses its producer.
+
+    Where the kernel quantizes (``widen=False`` from the GEMV under :data:`ACT_QUANT` "kernel") the
+    raw bf16 activation goes in as it is: widening it in XLA was a kernel of its own before every
+    GEMV (about 1.2 us each, ~0.24 ms of the batch-1 step in the session-20 profile), and an upcast
+    of loaded bf16 bits inside the kernel is exact by construction."""
     m, k = xq.shape
-    xf = exact_f32(xq)
+    xf = exact_f32(xq) if widen else xq
     if isinstance(w, Fp8Tensor):
         g = group_size(w)
         if FMA_DECODE["fp8"] == "f16w":
@@ -371,7 +377,7 @@ def quant_phases(phases):
 def load_x(x_refs, rows, g0, kg, quant=False):
     """Each activation row's phases of K groups [g0, g0+kg) (``rows``: indices into ``x_refs``, the
     phases of :func:`act_view`), fake-quantized here when ``quant`` (:func:`act_quant_site` "kernel")."""
-    xs = [[xr[r, pl.ds(g0, kg), :] for xr in x_refs] for r in rows]
+    xs = [[xr[r, pl.ds(g0, kg), :].astype(jnp.float32) for xr in x_refs] for r in rows]
     return [quant_phases(x) for x in xs] if quant else xs
 
 
@@ -545,7 +551,7 @@ def quantized_matmul_fma_multi(x2, ws, *, act_block, out_dtype, config, interpre
     if site == "pallas":
         xs = act_quant_view(x2, ws[0], interpret=interpret)
     else:
-        xs = act_view(x2 if quant else act_quant(x2, act_block).astype(jnp.bfloat16), ws[0])
+        xs = act_view(x2, ws[0], widen=False) if quant else act_view(act_quant(x2, act_block).astype(jnp.bfloat16), ws[0])
     operands = [v for w in ws for v in weight_view(w)]
     y = _fma_launch(xs, operands, fmt=fmt, m=m, n=n, k=k, g=g, config=config, nblocks=tuple(v // bn for v in ns),
                     out_dtype=out_dtype, interpret=interpret, quant=quant,

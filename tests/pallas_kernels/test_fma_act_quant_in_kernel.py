@@ -243,3 +243,26 @@ def test_quant_in_kernel_lowers(target, monkeypatch):
         x, wt, idx, a, b, c, swiglu_limit=10.0, config=cfg),
         S((1, d), jnp.bfloat16), S((1, 6), jnp.float32), S((1, 6), jnp.int32), w1, w2, w1).as_text()
     assert txt.count(pltriton.CUSTOM_CALL_TARGET_NAME) == 4
+
+
+def test_gemv_with_quant_in_kernel_reads_the_raw_bf16_activation(monkeypatch):
+    """With the act-quant in the kernel, the bf16 activation goes into the pallas_call as it is: no
+    XLA op widens it to float32 first (that was one more kernel before every decode GEMV on the GPU,
+    session 20); with the XLA act-quant the kernel reads the fake-quantized float32 phases."""
+    rng = np.random.default_rng()
+    w = _weights("fp8", rng, 64, 512, 32)
+    x = jnp.asarray(rng.standard_normal((1, 512)), jnp.bfloat16)
+    cfg = fma.default_config(1, 64, 512, w)
+
+    def calls(where):
+        monkeypatch.setattr(fma, "ACT_QUANT", where)
+        jaxpr = jax.make_jaxpr(lambda x: fma.quantized_matmul_fma(x, w, act_block=32, out_dtype=jnp.bfloat16,
+                                                                   config=cfg))(x).jaxpr
+        names = [e.primitive.name for e in jaxpr.eqns]
+        (call,) = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+        return names, call.invars[0].aval.dtype
+
+    names, dtype = calls("kernel")
+    assert dtype == jnp.bfloat16 and "shift_left" not in names and "convert_element_type" not in names
+    names, dtype = calls("xla")
+    assert dtype == jnp.float32 and "reduce_max" in names
