@@ -432,8 +432,8 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
     p = n * k
     block_expert, block_pair, block_token, block_weight = group_pairs(indices, weights, n_exp, bt)
     nb = block_expert.shape[0]
-    # "pallas": one Pallas launch per act-quant instead of two XLA ones ("kernel" is the GEMV's only)
-    prologue = fma.act_quant_site(w1, act_block) == "pallas"
+    # "pallas": one Pallas launch per act-quant instead of two XLA ones (fma.moe_act_quant_site)
+    prologue = fma.moe_act_quant_site(w1, act_block) == "pallas"
     xs = fma.act_quant_view(x, w1, interpret=interpret) if prologue else fma.act_view(act_quant(x, act_block), w1)
     (d1, s1), (d2, s2), (d3, s3) = (fma.weight_view(w) for w in (w1, w2, w3))
     params = pltriton.CompilerParams(num_warps=warps, num_stages=stages)

@@ -138,6 +138,27 @@ if ACT_QUANT not in ACT_QUANTS:
     raise ValueError(f"DSV41_FMA_ACT_QUANT={ACT_QUANT!r}: expected one of {', '.join(ACT_QUANTS)}")
 
 
+# The fused MoE's act-quants (x before kernel A, h before kernel B): "xla" or "pallas" (the prologue
+# kernel of :func:`act_quant_view`); DSV41_MOE_ACT_QUANT, read at trace time. Unset: "pallas" when
+# ACT_QUANT is "pallas", else "xla" (the MoE has no in-kernel variant: its loops grew 1.8-2.4x).
+# Session 20's 7-layer probes: the MoE's XLA act-quants ~5.1 us per layer, the two prologue
+# launches that replace them ~3 us (DSV41_FMA_ACT_QUANT=pallas run); "kernel" for the GEMVs with
+# "pallas" here is not timed yet.
+MOE_ACT_QUANTS = ("xla", "pallas")
+MOE_ACT_QUANT = os.environ.get("DSV41_MOE_ACT_QUANT", "").lower() or None
+if MOE_ACT_QUANT is not None and MOE_ACT_QUANT not in MOE_ACT_QUANTS:
+    raise ValueError(f"DSV41_MOE_ACT_QUANT={MOE_ACT_QUANT!r}: expected one of {', '.join(MOE_ACT_QUANTS)}")
+
+
+def moe_act_quant_site(w, act_block: int) -> str:
+    """Where the fused MoE's activations for expert weights ``w`` are fake-quantized: "pallas" (the
+    prologue kernel) or "xla" (see :data:`MOE_ACT_QUANT`); "xla" where an activation block is not
+    one K group of ``w``."""
+    if act_block != group_size(w):
+        return "xla"
+    return MOE_ACT_QUANT or ("pallas" if ACT_QUANT == "pallas" else "xla")
+
+
 def act_quant_site(w, act_block: int) -> str:
     """Where the fma kernels' activation for weight ``w`` is fake-quantized: :data:`ACT_QUANT`
     ("kernel": in the GEMV's loop; "pallas": :func:`act_quant_view`) where one activation block is

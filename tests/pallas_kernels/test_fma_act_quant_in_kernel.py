@@ -197,6 +197,9 @@ def test_act_quant_switch_refuses_unknown_values():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**__import__("os").environ, "DSV41_FMA_ACT_QUANT": "gpu"})
     assert out.returncode != 0 and "DSV41_FMA_ACT_QUANT='gpu'" in out.stderr
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "DSV41_MOE_ACT_QUANT": "kernel"})
+    assert out.returncode != 0 and "DSV41_MOE_ACT_QUANT='kernel': expected one of xla, pallas" in out.stderr
 
 
 @pytest.mark.parametrize("target", ["cuda", "rocm"])
@@ -243,6 +246,18 @@ def test_quant_in_kernel_lowers(target, monkeypatch):
         x, wt, idx, a, b, c, swiglu_limit=10.0, config=cfg),
         S((1, d), jnp.bfloat16), S((1, 6), jnp.float32), S((1, 6), jnp.int32), w1, w2, w1).as_text()
     assert txt.count(pltriton.CUSTOM_CALL_TARGET_NAME) == 4
+    # DSV41_MOE_ACT_QUANT sets the MoE's site on its own: the prologue beside the GEMV's in-kernel quant
+    monkeypatch.setattr(fma, "ACT_QUANT", "kernel")
+    monkeypatch.setattr(fma, "MOE_ACT_QUANT", "pallas")
+    txt = lower_for(target, lambda x, wt, idx, a, b, c: moe_pallas.moe_experts(
+        x, wt, idx, a, b, c, swiglu_limit=10.0, config=cfg),
+        S((1, d), jnp.bfloat16), S((1, 6), jnp.float32), S((1, 6), jnp.int32), w1, w2, w1).as_text()
+    assert txt.count(pltriton.CUSTOM_CALL_TARGET_NAME) == 4 and "stablehlo.maximum" not in txt
+    monkeypatch.setattr(fma, "ACT_QUANT", "pallas")
+    monkeypatch.setattr(fma, "MOE_ACT_QUANT", "xla")
+    assert fma.moe_act_quant_site(w1, 32) == "xla" and fma.moe_act_quant_site(w1, 128) == "xla"
+    monkeypatch.setattr(fma, "MOE_ACT_QUANT", None)
+    assert fma.moe_act_quant_site(w1, 32) == "pallas" and fma.moe_act_quant_site(w1, 128) == "xla"
 
 
 def test_gemv_with_quant_in_kernel_reads_the_raw_bf16_activation(monkeypatch):
