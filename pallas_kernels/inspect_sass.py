@@ -203,12 +203,23 @@ def _cases(which: str, tokens: int = 1, experts: int = 384, config=None):
         k = Fp4Tensor(S((b, nc, di // 2), jnp.uint8), S((b, nc, di // 32), jnp.float8_e8m0fnu), 32)
         return (lambda q, w, k, vis: li.lightning_indexer(q, w, k, vis, top_k=512, config=config).topk,
                 q, S((b, 1, hi), jnp.float32), k, S((b, 1), jnp.int32))
-    raise ValueError(f"unknown case {which!r}: expected moe, moe-bf16, gemv, sparse-attn or indexer")
+    if which == "mhc":  # a V4.1 decode site (``tokens`` rows, D 5120): the expansion fused with the next
+        # site's collapse, mix partial sums and RMSNorm, then the split kernel (Sinkhorn + norm programs)
+        from pallas_kernels.mhc import pallas_triton as mhc
+
+        t, hc, d = tokens, 4, 5120
+        mix = (2 + hc) * hc
+        specs = (S((t, d), jnp.bfloat16), S((t, hc, d), jnp.bfloat16), S((t, hc), jnp.float32),
+                 S((t, hc, hc), jnp.float32), S((t, hc), jnp.float32), S((mix, hc * d), jnp.float32),
+                 S((3,), jnp.float32), S((mix,), jnp.float32), S((d,), jnp.bfloat16))
+        return (lambda *a: mhc.hc_expand_collapse_mixes(*a, norm_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20,
+                                                        y_norm_eps=1e-6), *specs)
+    raise ValueError(f"unknown case {which!r}: expected moe, moe-bf16, gemv, sparse-attn, indexer or mhc")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("case", choices=["moe", "moe-bf16", "gemv", "sparse-attn", "indexer"])
+    ap.add_argument("case", choices=["moe", "moe-bf16", "gemv", "sparse-attn", "indexer", "mhc"])
     ap.add_argument("--decode", default=None, help="DSV41_FMA_DECODE for this run, e.g. fp4=e4m3")
     ap.add_argument("--tokens", type=int, default=1, help="tokens (moe), rows (gemv) or sequences (sparse-attn, indexer)")
     ap.add_argument("--experts", type=int, default=384, help="moe: routed experts")

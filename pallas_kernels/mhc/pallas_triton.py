@@ -150,11 +150,16 @@ def _sum_over_splits(load, n_split: int):
     grp = min(n_split & -n_split, 64)
 
     def part(i):
-        sp = pl.ds(0 if isinstance(i, int) else pl.multiple_of(i * grp, grp), grp)
+        sp = pl.ds(i * grp if isinstance(i, int) else pl.multiple_of(i * grp, grp), grp)
         return tuple(jnp.sum(v, axis=0) for v in load(sp))
 
     if grp == n_split:
         return part(0)
+    if n_split // grp <= 8:  # unrolled: every group's loads issue before the first sum waits on them
+        acc = part(0)
+        for i in range(1, n_split // grp):
+            acc = tuple(u + v for u, v in zip(acc, part(i)))
+        return acc
     return jax.lax.fori_loop(1, n_split // grp, lambda i, c: tuple(u + v for u, v in zip(c, part(i))), part(0))
 
 
