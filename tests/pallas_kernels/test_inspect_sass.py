@@ -100,3 +100,15 @@ def test_indexer_case_lowers_the_decode_pipeline():
     assert {"indexer_select_topk", "indexer_candidate_scores"} <= set(names)
     with pytest.raises(SystemExit):
         inspect_sass.main(["indexer", "--config", "(1, 2)"])
+
+
+def test_mhc_case_lowers_a_decode_site():
+    """The mhc case lowers a V4.1 decode site: the expansion fused with the next site's collapse,
+    mixes and norm, then the one-warp split kernel whose partial sums (80 K splits, 5 groups of 16)
+    are loaded unrolled (one load per group and array in the Triton IR, no loop around them)."""
+    fn, *specs = inspect_sass._cases("mhc", tokens=1)
+    ks = {k["name"]: k for k in inspect_sass.triton_kernels(fn, *specs)}
+    assert set(ks) == {"hc_expand_mix", "hc_mixes_split_norm"}
+    split = ks["hc_mixes_split_norm"]
+    assert split["num_warps"] == 1
+    assert split["ttir"].count("tt.load") >= 3 * 5 and split["ttir"].count("scf.for") == 1  # the Sinkhorn loop
