@@ -78,18 +78,26 @@ def loop_stages_for(kernel_name: str, table: dict[str, int]) -> int | None:
     return table[max(hits, key=len)] if hits else None
 
 
+def _ops_named(module, name: str) -> list:
+    """Every operation of ``module`` (nested too) whose name is ``name``, e.g. "scf.for"."""
+    from jax._src.lib.mlir import ir
+
+    found = []
+
+    def visit(op):
+        if op.name == name:
+            found.append(op)
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit)
+    return found
+
+
 def _set_loop_stages(module, stages: int) -> None:
     """Set ``tt.num_stages`` on every scf.for of ``module``."""
     from jax._src.lib.mlir import ir
 
-    marked = []
-
-    def visit(op):
-        if op.name == "scf.for":
-            marked.append(op)
-        return ir.WalkResult.ADVANCE
-
-    module.operation.walk(visit)
+    marked = _ops_named(module, "scf.for")
     with module.context:
         attr = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), stages)
         for op in marked:
@@ -123,14 +131,7 @@ def set_fp8_imprecise_acc(module) -> int:
     number of dots marked."""
     from jax._src.lib.mlir import ir
 
-    dots = []
-
-    def visit(op):
-        if op.name == "tt.dot":
-            dots.append(op)
-        return ir.WalkResult.ADVANCE
-
-    module.operation.walk(visit)
+    dots = _ops_named(module, "tt.dot")
     n = 0
     with module.context:
         for op in dots:

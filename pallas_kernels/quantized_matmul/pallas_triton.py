@@ -376,10 +376,16 @@ def unsupported_reason(x, w, *, act_block=32):
     return reason
 
 
-def _mm8_kernel(x8_ref, xs_ref, w_ref, s_ref, o_ref, *, bm, bn, bk, steps, split):
+def _mm8_kernel(x8_ref, xs_ref, w_ref, s_ref, o_ref, *, bm, bn, bk, steps, split, swap=False):
     """FP8 weights on the FP8 tensor cores (SCALE_MODE['fp8'] == 'mma8', experimental): x as e4m3
     codes + per-32 power-of-two scales, one e4m3 x e4m3 dot per 32-wide K block, both scales
-    applied to the fp32 [bm, bn] partial (DeepSeek's promotion scheme). No weight decode at all."""
+    applied to the fp32 partial (DeepSeek's promotion scheme). No weight decode at all.
+
+    ``swap`` ('mma8t'): the weight tile [bn, 32] is the dot's first operand (the MMA's M dimension)
+    and the activation codes [bm, 32] its N, giving a [bn, bm] partial; ``xs_ref`` is then the
+    scales transposed by XLA ([K/32, M]) and the output [N, M]. At decode sizes the weight rows, not
+    the padded activation rows, fill the tensor-core tiles, and the loads feed dots, so Triton's
+    pipeliner keeps ``stages`` of them in flight (measured slower than the fma GEMV: BENCHMARKS.md)."""
     i_n = pl.program_id(0)
     i_m = pl.program_id(1)
     i_s = pl.program_id(2)
@@ -393,54 +399,23 @@ def _mm8_kernel(x8_ref, xs_ref, w_ref, s_ref, o_ref, *, bm, bn, bk, steps, split
         k0 = pl.multiple_of(kbase + i * bk, bk)
         for j in range(bk // 32):
             kk = k0 + 32 * j
-            part = jax.lax.dot_general(x8_ref[mrows, pl.ds(kk, 32)], w_ref[rows, pl.ds(kk, 32)], dims,
-                                       preferred_element_type=jnp.float32)
-            sx = xs_ref[mrows, pl.ds(kk // 32, 1)]  # [bm, 1]
+            xt, wt = x8_ref[mrows, pl.ds(kk, 32)], w_ref[rows, pl.ds(kk, 32)]
             sw = fma.e8m0_f32(s_ref[pl.ds(row0 // 32, bn // 32), pl.ds(kk // 32, 1)])  # [bn/32, 1]
-            sw = jnp.broadcast_to(sw, (bn // 32, 32)).reshape(1, bn)
-            acc = acc + part * sx * sw
+            sw = jnp.broadcast_to(sw, (bn // 32, 32))
+            if swap:
+                part = jax.lax.dot_general(wt, xt, dims, preferred_element_type=jnp.float32)  # [bn, bm]
+                acc = acc + part * sw.reshape(bn, 1) * xs_ref[pl.ds(kk // 32, 1), mrows]
+            else:
+                part = jax.lax.dot_general(xt, wt, dims, preferred_element_type=jnp.float32)  # [bm, bn]
+                acc = acc + part * xs_ref[mrows, pl.ds(kk // 32, 1)] * sw.reshape(1, bn)
         return acc
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
+    out = (rows, mrows) if swap else (mrows, rows)
     if split:
-        o_ref[i_s, mrows, rows] = acc
+        o_ref[(i_s, *out)] = acc
     else:
-        o_ref[mrows, rows] = acc.astype(o_ref.dtype)
-
-
-def _mm8t_kernel(x8_ref, xst_ref, w_ref, s_ref, o_ref, *, bm, bn, bk, steps, split):
-    """:func:`_mm8_kernel` with the operands swapped (SCALE_MODE['fp8'] == 'mma8t', experimental):
-    each 32-wide K block is one e4m3 dot of the weight tile [bn, 32] (the MMA's M dimension) with the
-    activation codes [bm, 32] (its N dimension), giving the fp32 partial [bn, bm]; the weight's
-    per-32-row scale and the activation's scale (``xst_ref``: [K/32, M], transposed by XLA) multiply
-    it before it is added. At decode sizes the weight rows, not the padded activation rows, fill the
-    tensor-core tiles; the loads feed dots, so Triton's pipeliner keeps ``stages`` of them in flight."""
-    i_n = pl.program_id(0)
-    i_m = pl.program_id(1)
-    i_s = pl.program_id(2)
-    row0 = pl.multiple_of(i_n * bn, bn)
-    rows = pl.ds(row0, bn)
-    mrows = pl.ds(pl.multiple_of(i_m * bm, bm), bm)
-    kbase = i_s * (steps * bk)
-    dims = (((1,), (1,)), ((), ()))
-
-    def body(i, acc):
-        k0 = pl.multiple_of(kbase + i * bk, bk)
-        for j in range(bk // 32):
-            kk = k0 + 32 * j
-            part = jax.lax.dot_general(w_ref[rows, pl.ds(kk, 32)], x8_ref[mrows, pl.ds(kk, 32)], dims,
-                                       preferred_element_type=jnp.float32)  # [bn, bm]
-            sx = xst_ref[pl.ds(kk // 32, 1), mrows]  # [1, bm]
-            sw = fma.e8m0_f32(s_ref[pl.ds(row0 // 32, bn // 32), pl.ds(kk // 32, 1)])  # [bn/32, 1]
-            sw = jnp.broadcast_to(sw, (bn // 32, 32)).reshape(bn, 1)
-            acc = acc + part * sw * sx
-        return acc
-
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bn, bm), jnp.float32))
-    if split:
-        o_ref[i_s, rows, mrows] = acc
-    else:
-        o_ref[rows, mrows] = acc.astype(o_ref.dtype)
+        o_ref[out] = acc.astype(o_ref.dtype)
 
 
 def _act_quant_codes(x2, block=32):
@@ -546,12 +521,8 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, con
         if mp != m:
             x8 = jnp.pad(x8, ((0, mp - m), (0, 0)))
             xs = jnp.pad(xs, ((0, mp - m), (0, 0)), constant_values=1.0)
-        if transposed:
-            kernel = functools.partial(_mm8t_kernel, bm=bm, bn=bn, bk=bk, steps=steps, split=splits > 1)
-            operands = (x8, xs.T, data, scale)
-        else:
-            kernel = functools.partial(_mm8_kernel, bm=bm, bn=bn, bk=bk, steps=steps, split=splits > 1)
-            operands = (x8, xs, data, scale)
+        kernel = functools.partial(_mm8_kernel, bm=bm, bn=bn, bk=bk, steps=steps, split=splits > 1, swap=transposed)
+        operands = (x8, xs.T if transposed else xs, data, scale)
     out_rows = (n, mp) if transposed else (mp, n)
     out_shape = (jax.ShapeDtypeStruct((splits, *out_rows), jnp.float32) if splits > 1
                  else jax.ShapeDtypeStruct(out_rows, out_dtype))
