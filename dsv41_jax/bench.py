@@ -318,6 +318,9 @@ def run(args) -> dict:
             print(f"note: {out['notes'][-1]}", flush=True)
         reqs = [Request(random_prompt(args.prompt_len, args.seed + i, cfg.vocab_size), max_new_tokens=args.new_tokens,
                         sample_id=i) for i in range(B)]
+        ctx = args.prompt_len + args.new_tokens // 2
+        step_bytes = decode_bytes(cfg, params, B, ctx, dp=dp)
+        floor = B * bw / step_bytes if bw else None
         rates, prefill_s, host = [], [], []
         for r in range(args.warmup + args.runs):
             st0 = dataclasses.replace(eng.stats)
@@ -336,13 +339,16 @@ def run(args) -> dict:
                 prefill_s.append(t_first)
             print(f"  batch {B} run {r}{' (warm-up)' if r < args.warmup else ''}: {rate:.2f} tok/s, prefill "
                   f"{t_first:.3f} s (compile so far {eng.stats.compile_s:.1f} s)", flush=True)
+            if rates and args.json:  # a call stopped by a time limit keeps the runs it finished
+                med = statistics.median(rates)
+                save_json(args.json, out, partial={"batch": B, "median_tok_s": med, "runs": list(rates),
+                                                   "floor_tok_s": floor, "ratio_to_floor": med / floor if floor else None,
+                                                   "bytes_per_step": step_bytes, "compile_s": eng.stats.compile_s,
+                                                   "partial": True})
         med = statistics.median(rates)
         prof = None
         if args.profile_tokens:
             prof = profile_generate(eng, reqs, args.profile_tokens, args.profile_dir or f"/tmp/dsv41_prof_b{B}")
-        ctx = args.prompt_len + args.new_tokens // 2
-        step_bytes = decode_bytes(cfg, params, B, ctx, dp=dp)
-        floor = B * bw / step_bytes if bw else None
         row = {"batch": B, "median_tok_s": med, "runs": rates, "bytes_per_step": step_bytes,
                "floor_tok_s": floor, "ratio_to_floor": med / floor if floor else None, "peak_bytes": mem(),
                "compile_s": eng.stats.compile_s, "profile": prof,
@@ -372,6 +378,50 @@ def run(args) -> dict:
                                "flops": flops, "floor_tok_s": floor, "ratio_to_floor": L / med / floor if floor else None,
                                "profile": prof})
     return out
+
+
+def save_json(path: str, out: dict, partial: dict | None = None) -> None:
+    """Write ``out`` to ``path``; with ``partial`` (the decode row of a batch still running, its runs
+    so far) appended and ``complete`` false, so that a run cut short leaves its finished runs."""
+    doc = {**out, "decode": out["decode"] + ([partial] if partial else []), "complete": partial is None}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+
+
+def merge(docs: list[dict], names: list[str]) -> dict:
+    """One result from several ``--json`` files of the same benchmark (same device, jax, config and
+    notes), e.g. the protocol's runs split over two device calls: per batch size every timed run of
+    every file, the median and the ratio to the floor recomputed; a partial row (a call cut short)
+    contributes the runs it finished. The other fields come from the first file that has the row."""
+    if len(docs) < 2:
+        raise ValueError("--merge needs at least two result files")
+    for name, d in zip(names, docs):
+        missing = [k for k in ("device", "jax", "config", "notes", "decode", "prefill") if k not in d]
+        if missing:
+            raise ValueError(f"--merge: {name} is not a python -m dsv41_jax.bench --json result (no {', '.join(missing)})")
+    first = docs[0]
+    for name, d in zip(names[1:], docs[1:]):
+        for key in ("device", "jax", "config", "notes"):
+            if d.get(key) != first.get(key):
+                raise ValueError(f"--merge: {name} has {key} {d.get(key)!r}, {names[0]} has {first.get(key)!r}; "
+                                 "only runs of the same benchmark can be merged")
+    rows: dict[int, dict] = {}
+    for name, d in zip(names, docs):
+        for r in d["decode"]:
+            if r["batch"] not in rows:
+                rows[r["batch"]] = {**r, "runs": list(r["runs"]), "merged_from": [name]}
+            else:
+                rows[r["batch"]]["runs"] += r["runs"]
+                rows[r["batch"]]["merged_from"].append(name)
+    for r in rows.values():
+        r["median_tok_s"] = statistics.median(r["runs"])
+        r["ratio_to_floor"] = r["median_tok_s"] / r["floor_tok_s"] if r.get("floor_tok_s") else None
+        r.pop("partial", None)
+    prefill = next((d["prefill"] for d in docs if d["prefill"]), [])
+    return {**first, "decode": [rows[b] for b in sorted(rows)], "prefill": prefill, "complete": True,
+            "notes": first["notes"] + [f"merged from {', '.join(names)}"]}
 
 
 def table(out: dict) -> str:
@@ -457,12 +507,29 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-prefill", action="store_true",
                     help="after each prefill row, profile one more prefill of its prompt and print device time per "
                          "program, model part and kernel")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="combine the decode runs of several --json results of the same benchmark (e.g. the "
+                         "protocol's runs split over two device calls), print the table, and exit; --json writes it")
     ap.add_argument("--profile-dir", default=None,
                     help="where the profiler traces go (default /tmp/dsv41_prof_b<B>, /tmp/dsv41_prof_p<prompt> for prefill)")
     from sharding.engine_support import add_mesh_argument
 
     add_mesh_argument(ap)  # --mesh: random parameters are built on their shardings, never whole on one device
     args = ap.parse_args(argv)
+    if args.merge:
+        try:
+            docs = []
+            for path in args.merge:
+                with open(path) as f:
+                    docs.append(json.load(f))
+            out = merge(docs, args.merge)
+        except (OSError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(table(out))
+        if args.json:
+            save_json(args.json, out)
+        return 0
     apply_runtime_defaults()
     if args.profile_tokens or args.profile_prefill:  # read when the backend starts (not if a caller started it)
         os.environ["XLA_FLAGS"] = with_hlo_dump(os.environ.get("XLA_FLAGS", ""),
@@ -474,8 +541,7 @@ def main(argv=None) -> int:
         return 2
     print(table(out))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        save_json(args.json, out)
     return 0
 
 

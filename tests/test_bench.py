@@ -196,3 +196,43 @@ def test_profile_without_execution_ids_counts_prefill_and_decode_steps(monkeypat
     rep = profile_generate(eng, reqs, 1, "/tmp/unused")
     assert [(p["executions"], p["busy_ms"]) for p in rep["programs"]] == [(3, 20.0)]
     assert "prefill program" in rep["programs"][0]["note"]
+
+
+def test_runs_split_over_two_calls_merge(tmp_path, capsys):
+    """The protocol's runs split over two invocations (two device calls) and ``--merge``d: every
+    timed run of both, the median recomputed; each --json is complete at the end and was written
+    after every timed run while it ran (a call stopped by its time limit keeps those); mismatched
+    or foreign files are refused with the file named."""
+    import json
+    import statistics
+
+    from dsv41_jax import bench
+
+    saved = []
+    real_save = bench.save_json
+    bench.save_json = lambda path, out, partial=None: (saved.append(partial), real_save(path, out, partial))[1]
+    try:
+        a, b = tmp_path / "a.json", tmp_path / "b.json"
+        common = ["--preset", "tiny", "--batch-sizes", "1", "--prefill-lens", "0", "--new-tokens", "4"]
+        assert main(common + ["--warmup", "1", "--runs", "2", "--json", str(a)]) == 0
+        assert main(common + ["--warmup", "0", "--runs", "1", "--json", str(b)]) == 0
+    finally:
+        bench.save_json = real_save
+    parts = [p for p in saved if p is not None]
+    assert [len(p["runs"]) for p in parts] == [1, 2, 1] and all(p["partial"] for p in parts)
+    da, db = json.loads(a.read_text()), json.loads(b.read_text())
+    assert da["complete"] and db["complete"] and len(da["decode"][0]["runs"]) == 2
+    m = tmp_path / "m.json"
+    capsys.readouterr()
+    assert main(["--merge", str(a), str(b), "--json", str(m)]) == 0
+    dm = json.loads(m.read_text())
+    runs = da["decode"][0]["runs"] + db["decode"][0]["runs"]
+    assert dm["decode"][0]["runs"] == runs and dm["decode"][0]["median_tok_s"] == statistics.median(runs)
+    assert dm["decode"][0]["merged_from"] == [str(a), str(b)] and "| 1 |" in capsys.readouterr().out
+    other = tmp_path / "o.json"
+    other.write_text(json.dumps({**db, "config": "something-else"}))
+    assert main(["--merge", str(a), str(other)]) == 2
+    assert "o.json has config 'something-else'" in capsys.readouterr().err
+    other.write_text("{}")
+    assert main(["--merge", str(a), str(other)]) == 2
+    assert "o.json is not a python -m dsv41_jax.bench --json result" in capsys.readouterr().err
