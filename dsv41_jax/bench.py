@@ -321,10 +321,12 @@ def run(args) -> dict:
         ctx = args.prompt_len + args.new_tokens // 2
         step_bytes = decode_bytes(cfg, params, B, ctx, dp=dp)
         floor = B * bw / step_bytes if bw else None
+        warm_reqs = reqs if not args.warmup_tokens else [dataclasses.replace(q, max_new_tokens=args.warmup_tokens)
+                                                          for q in reqs]
         rates, prefill_s, host = [], [], []
         for r in range(args.warmup + args.runs):
             st0 = dataclasses.replace(eng.stats)
-            res = eng.generate(reqs, SamplingParams())
+            res = eng.generate(warm_reqs if r < args.warmup else reqs, SamplingParams())
             st = eng.stats
             if r >= args.warmup and st.timed_decode_steps > st0.timed_decode_steps:  # host side per decode step
                 n = st.timed_decode_steps - st0.timed_decode_steps
@@ -493,6 +495,9 @@ def main(argv=None) -> int:
                          "with the batch size, bounding the prefill program's activation memory")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--runs", type=int, default=6)
+    ap.add_argument("--warmup-tokens", type=_positive_int, default=None,
+                    help="new tokens per row of the warm-up runs (default --new-tokens): a short warm-up still "
+                         "compiles or loads every program, e.g. in the second call of a split protocol (--merge)")
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--kv-cache-dtype", default="reference", choices=["reference", "bfloat16", "float32"])

@@ -215,7 +215,7 @@ def test_runs_split_over_two_calls_merge(tmp_path, capsys):
         a, b = tmp_path / "a.json", tmp_path / "b.json"
         common = ["--preset", "tiny", "--batch-sizes", "1", "--prefill-lens", "0", "--new-tokens", "4"]
         assert main(common + ["--warmup", "1", "--runs", "2", "--json", str(a)]) == 0
-        assert main(common + ["--warmup", "0", "--runs", "1", "--json", str(b)]) == 0
+        assert main(common + ["--warmup", "1", "--warmup-tokens", "2", "--runs", "1", "--json", str(b)]) == 0
     finally:
         bench.save_json = real_save
     parts = [p for p in saved if p is not None]
