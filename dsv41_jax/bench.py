@@ -426,6 +426,15 @@ def merge(docs: list[dict], names: list[str]) -> dict:
             "notes": first["notes"] + [f"merged from {', '.join(names)}"]}
 
 
+def merge_files(paths: list[str]) -> dict:
+    """:func:`merge` of the ``--json`` results at ``paths``."""
+    docs = []
+    for path in paths:
+        with open(path) as f:
+            docs.append(json.load(f))
+    return merge(docs, paths)
+
+
 def table(out: dict) -> str:
     lines = [f"device {out['device']}, jax {out['jax']}, config {out['config']}"]
     lines += [f"note: {n}" for n in out["notes"]]
@@ -521,27 +530,14 @@ def main(argv=None) -> int:
 
     add_mesh_argument(ap)  # --mesh: random parameters are built on their shardings, never whole on one device
     args = ap.parse_args(argv)
-    if args.merge:
-        try:
-            docs = []
-            for path in args.merge:
-                with open(path) as f:
-                    docs.append(json.load(f))
-            out = merge(docs, args.merge)
-        except (OSError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        print(table(out))
-        if args.json:
-            save_json(args.json, out)
-        return 0
-    apply_runtime_defaults()
-    if args.profile_tokens or args.profile_prefill:  # read when the backend starts (not if a caller started it)
-        os.environ["XLA_FLAGS"] = with_hlo_dump(os.environ.get("XLA_FLAGS", ""),
-                                                os.path.join(args.profile_dir or "/tmp/dsv41_prof", "hlo"))
+    if not args.merge:
+        apply_runtime_defaults()
+        if args.profile_tokens or args.profile_prefill:  # read when the backend starts (not if a caller started it)
+            os.environ["XLA_FLAGS"] = with_hlo_dump(os.environ.get("XLA_FLAGS", ""),
+                                                    os.path.join(args.profile_dir or "/tmp/dsv41_prof", "hlo"))
     try:
-        out = run(args)
-    except (ValueError, MemoryError) as e:
+        out = merge_files(args.merge) if args.merge else run(args)
+    except (OSError, ValueError, MemoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(table(out))
