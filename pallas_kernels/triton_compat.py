@@ -161,7 +161,7 @@ def _patch_loop_stages() -> bool:
             stages = loop_stages_for(name, table)
             if stages is not None:
                 _set_loop_stages(res.module, stages)
-        if fp8_imprecise_acc_enabled() and any(name.startswith(p) for p in FP8_IMPRECISE_ACC_KERNELS):
+        if any(name.startswith(p) for p in FP8_IMPRECISE_ACC_KERNELS) and fp8_imprecise_acc_enabled():
             set_fp8_imprecise_acc(res.module)
         return res
 
@@ -174,3 +174,4 @@ def _patch_loop_stages() -> bool:
 
 
 LOOP_STAGES_PATCHED = _patch_loop_stages()
+fp8_imprecise_acc_enabled()  # a bad DSV41_FP8_IMPRECISE_ACC fails at import, with its name, not inside a lowering

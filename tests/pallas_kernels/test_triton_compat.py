@@ -69,3 +69,14 @@ def test_fp8_dots_of_listed_kernels_allow_imprecise_acc(monkeypatch, target, mod
     monkeypatch.setenv(triton_compat.FP8_IMPRECISE_ACC_ENV, "maybe")
     with pytest.raises(ValueError, match="DSV41_FP8_IMPRECISE_ACC='maybe'"):
         triton_compat.fp8_imprecise_acc_enabled()
+
+
+def test_bad_imprecise_acc_value_fails_at_import():
+    """A bad ``DSV41_FP8_IMPRECISE_ACC`` stops the import with the variable named, before any kernel."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "import dsv41_jax, pallas_kernels.triton_compat"], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "DSV41_FP8_IMPRECISE_ACC": "yes"})
+    assert out.returncode != 0 and "DSV41_FP8_IMPRECISE_ACC='yes': expected on or off" in out.stderr
