@@ -342,18 +342,12 @@ def run(args) -> dict:
             print(f"  batch {B} run {r}{' (warm-up)' if r < args.warmup else ''}: {rate:.2f} tok/s, prefill "
                   f"{t_first:.3f} s (compile so far {eng.stats.compile_s:.1f} s)", flush=True)
             if rates and args.json:  # a call stopped by a time limit keeps the runs it finished
-                med = statistics.median(rates)
-                save_json(args.json, out, partial={"batch": B, "median_tok_s": med, "runs": list(rates),
-                                                   "floor_tok_s": floor, "ratio_to_floor": med / floor if floor else None,
-                                                   "bytes_per_step": step_bytes, "compile_s": eng.stats.compile_s,
+                save_json(args.json, out, partial={**decode_row(B, rates, floor, step_bytes, eng.stats.compile_s),
                                                    "partial": True})
-        med = statistics.median(rates)
         prof = None
         if args.profile_tokens:
             prof = profile_generate(eng, reqs, args.profile_tokens, args.profile_dir or f"/tmp/dsv41_prof_b{B}")
-        row = {"batch": B, "median_tok_s": med, "runs": rates, "bytes_per_step": step_bytes,
-               "floor_tok_s": floor, "ratio_to_floor": med / floor if floor else None, "peak_bytes": mem(),
-               "compile_s": eng.stats.compile_s, "profile": prof,
+        row = {**decode_row(B, rates, floor, step_bytes, eng.stats.compile_s), "peak_bytes": mem(), "profile": prof,
                # the prompts' prefill in the same runs (B x prompt_len tokens, until every row's first token)
                "prefill_tok_s": B * args.prompt_len / statistics.median(prefill_s),
                # host side per engine step (median over the timed runs): dispatch (input copies + the
@@ -380,6 +374,13 @@ def run(args) -> dict:
                                "flops": flops, "floor_tok_s": floor, "ratio_to_floor": L / med / floor if floor else None,
                                "profile": prof})
     return out
+
+
+def decode_row(batch: int, rates: list, floor: float | None, step_bytes: float, compile_s: float) -> dict:
+    """A decode row's timed runs and what follows from them: median and ratio to the floor."""
+    med = statistics.median(rates)
+    return {"batch": batch, "median_tok_s": med, "runs": list(rates), "bytes_per_step": step_bytes,
+            "floor_tok_s": floor, "ratio_to_floor": med / floor if floor else None, "compile_s": compile_s}
 
 
 def save_json(path: str, out: dict, partial: dict | None = None) -> None:

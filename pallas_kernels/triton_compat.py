@@ -144,7 +144,9 @@ def set_fp8_imprecise_acc(module) -> int:
 
 
 def _patch_loop_stages() -> bool:
-    """Wrap the Triton module lowering so that listed kernels' loops carry ``tt.num_stages``."""
+    """Wrap the Triton module lowering with this module's edits of a lowered kernel: listed kernels'
+    loops carry ``tt.num_stages`` (:data:`LOOP_STAGES_ENV`), and the FP8 dots of registered kernels
+    allow imprecise accumulation (:data:`FP8_IMPRECISE_ACC_KERNELS`)."""
     import os
 
     from jax._src.pallas.triton import lowering as tl

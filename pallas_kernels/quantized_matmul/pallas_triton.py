@@ -515,8 +515,9 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, con
     kernel = functools.partial(_mm_kernel, fmt=fmt, bm=bm, bn=bn, bk=bk, steps=steps, op_dtype=op,
                                split=splits > 1, wblock=fp8_block(w))
     operands = (xq, data, scale)
-    transposed = fmt == "fp8" and SCALE_MODE["fp8"] == "mma8t"
-    if fmt == "fp8" and SCALE_MODE["fp8"] in MMA8_MODES:
+    mma8 = fmt == "fp8" and SCALE_MODE["fp8"] in MMA8_MODES
+    transposed = mma8 and SCALE_MODE["fp8"] == "mma8t"
+    if mma8:
         x8, xs = _act_quant_codes(x2, act_block)
         if mp != m:
             x8 = jnp.pad(x8, ((0, mp - m), (0, 0)))
@@ -532,7 +533,7 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, con
         grid=(n // bn, mp // bm, splits),
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
-        name=f"qmm_{fmt}_{SCALE_MODE['fp8']}" if fmt == "fp8" and SCALE_MODE["fp8"] in MMA8_MODES else f"qmm_{fmt}",
+        name=f"qmm_{fmt}_{SCALE_MODE['fp8']}" if mma8 else f"qmm_{fmt}",
     )(*operands)
     if splits > 1:
         y = jnp.sum(y, axis=0)
