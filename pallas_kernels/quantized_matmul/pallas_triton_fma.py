@@ -139,11 +139,13 @@ if ACT_QUANT not in ACT_QUANTS:
 
 
 # The fused MoE's act-quants (x before kernel A, h before kernel B): "xla" or "pallas" (the prologue
-# kernel of :func:`act_quant_view`); DSV41_MOE_ACT_QUANT, read at trace time. Unset: "pallas" when
-# ACT_QUANT is "pallas", else "xla" (the MoE has no in-kernel variant: its loops grew 1.8-2.4x).
+# kernel of :func:`act_quant_view`); DSV41_MOE_ACT_QUANT, read at trace time. Unset: "xla" when
+# ACT_QUANT is "xla", else "pallas" (the MoE has no in-kernel variant: its loops grew 1.8-2.4x).
 # Session 20's 7-layer probes: the MoE's XLA act-quants ~5.1 us per layer, the two prologue
-# launches that replace them ~3 us (DSV41_FMA_ACT_QUANT=pallas run); "kernel" for the GEMVs with
-# "pallas" here is not timed yet.
+# launches that replace them ~3 us (DSV41_FMA_ACT_QUANT=pallas run). Session 21, beside the
+# GEMV's "kernel": -0.030 ms per 7-layer step and 28 fewer kernels (routed_experts 0.507 ->
+# 0.476 ms), so "pallas" became the default; the prologue's numerics were checked on the H200 in
+# session 19 (moe.benchmark --check identical under each act-quant).
 MOE_ACT_QUANTS = ("xla", "pallas")
 MOE_ACT_QUANT = os.environ.get("DSV41_MOE_ACT_QUANT", "").lower() or None
 if MOE_ACT_QUANT is not None and MOE_ACT_QUANT not in MOE_ACT_QUANTS:
@@ -156,7 +158,7 @@ def moe_act_quant_site(w, act_block: int) -> str:
     one K group of ``w``."""
     if act_block != group_size(w):
         return "xla"
-    return MOE_ACT_QUANT or ("pallas" if ACT_QUANT == "pallas" else "xla")
+    return MOE_ACT_QUANT or ("xla" if ACT_QUANT == "xla" else "pallas")
 
 
 def act_quant_site(w, act_block: int) -> str:

@@ -206,7 +206,7 @@ def test_act_quant_switch_refuses_unknown_values():
 def test_quant_in_kernel_lowers(target, monkeypatch):
     """The GEMV (FP8 32 and 128 blocks, MXFP4) lowers for both GPU targets with the quant inside, and
     the XLA act-quant's block-max reduction is gone from the program around the kernel; the fused
-    MoE ignores the switch."""
+    MoE follows DSV41_MOE_ACT_QUANT (its prologue kernel, or XLA's act-quant)."""
     from jax.experimental.pallas import triton as pltriton
 
     specs = [Fp8Tensor(S((1280, 5120), jnp.float8_e4m3fn), S((40, 160), jnp.float8_e8m0fnu), (32, 32)),
@@ -231,24 +231,28 @@ def test_quant_in_kernel_lowers(target, monkeypatch):
         txt = lower_for(target, lambda x, w: pallas_triton.quantized_matmul(x, w, act_block=ab, config=cfg),
                         S((4, w.shape[1]), jnp.bfloat16), w).as_text()
         assert txt.count(pltriton.CUSTOM_CALL_TARGET_NAME) == 2 and "stablehlo.maximum" not in txt
-    # the fused MoE keeps its XLA act-quants under the switch (its fma loops grew 1.8-2.4x with them inside)
+    # the fused MoE has no in-kernel act-quant (its fma loops grew 1.8-2.4x with it inside): with
+    # DSV41_MOE_ACT_QUANT=xla it keeps XLA's act-quants beside the GEMV's "kernel"
     e, i, d = 8, 2304, 5120
     w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)
     w2 = Fp4Tensor(S((e, d, i // 2), jnp.uint8), S((e, d, i // 32), jnp.float8_e8m0fnu), 32)
     monkeypatch.setattr(fma, "ACT_QUANT", "kernel")
+    monkeypatch.setattr(fma, "MOE_ACT_QUANT", "xla")
     cfg = moe_pallas.default_fma_config(w1)
     txt = lower_for(target, lambda x, wt, idx, a, b, c: moe_pallas.moe_experts(
         x, wt, idx, a, b, c, swiglu_limit=10.0, config=cfg),
         S((1, d), jnp.bfloat16), S((1, 6), jnp.float32), S((1, 6), jnp.int32), w1, w2, w1).as_text()
     assert txt.count(pltriton.CUSTOM_CALL_TARGET_NAME) == 2 and "stablehlo.maximum" in txt
     monkeypatch.setattr(fma, "ACT_QUANT", "pallas")  # with the prologue: two more launches (x and h)
+    monkeypatch.setattr(fma, "MOE_ACT_QUANT", None)
     txt = lower_for(target, lambda x, wt, idx, a, b, c: moe_pallas.moe_experts(
         x, wt, idx, a, b, c, swiglu_limit=10.0, config=cfg),
         S((1, d), jnp.bfloat16), S((1, 6), jnp.float32), S((1, 6), jnp.int32), w1, w2, w1).as_text()
     assert txt.count(pltriton.CUSTOM_CALL_TARGET_NAME) == 4
     # DSV41_MOE_ACT_QUANT sets the MoE's site on its own: the prologue beside the GEMV's in-kernel quant
+    # (the default since session 21)
     monkeypatch.setattr(fma, "ACT_QUANT", "kernel")
-    monkeypatch.setattr(fma, "MOE_ACT_QUANT", "pallas")
+    monkeypatch.setattr(fma, "MOE_ACT_QUANT", None)
     txt = lower_for(target, lambda x, wt, idx, a, b, c: moe_pallas.moe_experts(
         x, wt, idx, a, b, c, swiglu_limit=10.0, config=cfg),
         S((1, d), jnp.bfloat16), S((1, 6), jnp.float32), S((1, 6), jnp.int32), w1, w2, w1).as_text()
@@ -256,8 +260,12 @@ def test_quant_in_kernel_lowers(target, monkeypatch):
     monkeypatch.setattr(fma, "ACT_QUANT", "pallas")
     monkeypatch.setattr(fma, "MOE_ACT_QUANT", "xla")
     assert fma.moe_act_quant_site(w1, 32) == "xla" and fma.moe_act_quant_site(w1, 128) == "xla"
-    monkeypatch.setattr(fma, "MOE_ACT_QUANT", None)
+    monkeypatch.setattr(fma, "MOE_ACT_QUANT", None)  # unset: follows the GEMV's site, "kernel" -> "pallas"
     assert fma.moe_act_quant_site(w1, 32) == "pallas" and fma.moe_act_quant_site(w1, 128) == "xla"
+    monkeypatch.setattr(fma, "ACT_QUANT", "kernel")
+    assert fma.moe_act_quant_site(w1, 32) == "pallas" and fma.moe_act_quant_site(w1, 128) == "xla"
+    monkeypatch.setattr(fma, "ACT_QUANT", "xla")
+    assert fma.moe_act_quant_site(w1, 32) == "xla"
 
 
 def test_gemv_with_quant_in_kernel_reads_the_raw_bf16_activation(monkeypatch):
