@@ -77,7 +77,8 @@ def floor_bytes(b, s, *, h=64, d=512, kw=128, kc=512, qbytes=2):
 # Column-split variants (fewer register spills offline, session 12; timed in session 13, BENCHMARKS.md),
 # checked and swept with --sweep beside the default.
 D_SPLIT_SWEEP = (dict(d_split=2), dict(d_split=4), dict(d_split=4, num_warps=4), dict(d_split=8),
-                 dict(d_split=8, num_warps=4), dict(d_split=4, block_h=32, num_warps=4), dict(combine="pallas"))
+                 dict(d_split=8, num_warps=4), dict(d_split=4, block_h=32, num_warps=4), dict(combine="pallas"),
+                 dict(combine="kernel"))
 
 
 def check(log, cfgs=({},)):
@@ -114,8 +115,11 @@ def check(log, cfgs=({},)):
 
 
 # The --site variants: (label, sparse_attention keyword arguments; None = the XLA reference)
-SITE_VARIANTS = (("xla", None), ("pallas default", {}), ("pallas combine", dict(combine="pallas")),
-                 ("pallas 8 splits", dict(num_splits=8)), ("pallas 8 splits combine", dict(num_splits=8, combine="pallas")))
+SITE_VARIANTS = (("xla", None), ("pallas default", dict(combine="xla")), ("pallas combine", dict(combine="pallas")),
+                 ("pallas in-kernel combine", dict(combine="kernel")),
+                 ("pallas 8 splits", dict(num_splits=8, combine="xla")),
+                 ("pallas 8 splits combine", dict(num_splits=8, combine="pallas")),
+                 ("pallas 8 splits in-kernel", dict(num_splits=8, combine="kernel")))
 
 
 def site(log, contexts=(2560, 5121), batches=(1,), variants=SITE_VARIANTS, reps=5):

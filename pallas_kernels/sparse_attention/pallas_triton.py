@@ -35,6 +35,7 @@ bf16 results agree to bf16 rounding, f32 results to ~1e-6.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -183,7 +184,8 @@ def _grid2(ids, cols):
     return jnp.broadcast_to(ids[:, None], shape), jnp.broadcast_to(cols[None, :], shape)
 
 
-def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d, nw_blocks, nc_blocks, split_out, cdt, prec, d_split=1):
+def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d, nw_blocks, nc_blocks, split_out, cdt, prec, d_split=1,
+            in_kernel_combine=False, num_splits=1, interpret=False):
     it = iter(refs)
     q_ref = next(it)
     widx_ref = next(it)
@@ -198,7 +200,10 @@ def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d, nw_blocks, nc_bloc
         else:
             ckv_ref = next(it)
     sink_ref = next(it)
-    if split_out:
+    if in_kernel_combine:
+        next(it)  # the zeroed counters (input side; the aliased output ref below is the same buffer)
+        acc_ref, m_ref, l_ref, cnt_ref, o_ref = next(it), next(it), next(it), next(it), next(it)
+    elif split_out:
         acc_ref, m_ref, l_ref = next(it), next(it), next(it)
     else:
         o_ref = next(it)
@@ -262,7 +267,10 @@ def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d, nw_blocks, nc_bloc
         carry = jax.lax.fori_loop(0, nc_blocks, body(comp_rows, cidx_ref, nc_blocks), carry)
     m, l, acc = carry
 
-    if split_out:
+    if in_kernel_combine:
+        _combine_in_kernel(acc, m, l, acc_ref, m_ref, l_ref, cnt_ref, sink_ref, o_ref, c0=c0, d_split=d_split,
+                           num_splits=num_splits, interpret=interpret)
+    elif split_out:
         acc_ref[...] = acc
         m_ref[...] = m
         l_ref[...] = l
@@ -272,6 +280,49 @@ def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d, nw_blocks, nc_bloc
         den = l + jnp.exp(sink - m_safe)
         inv = jnp.where(m == _NEG_INF, 0.0, 1.0 / den)
         o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
+
+
+def _combine_in_kernel(acc, m, l, acc_ref, m_ref, l_ref, cnt_ref, sink_ref, o_ref, *, c0, d_split, num_splits,
+                       interpret):
+    """``combine="kernel"``: every split program stores its partials (acc [bh, dv], m and l [bh]) into
+    the full-array scratch outputs, then increments the counter of its (row, head / column block);
+    the program that reads ``num_splits - 1`` there came last and merges all the splits' partials
+    with the sink into the output block: the merge of :func:`_xla_combine`, the splits summed in
+    the order 0..P-1, so the result does not depend on which program came last.
+
+    Ordering: the barrier puts every thread's partial stores before the counter increment, which
+    Triton emits with acquire-release semantics at GPU scope; the last program's increment reads
+    the value every other program's increment wrote (one release sequence), so their stores are
+    visible to the loads after it. The partials are loaded with ``.cg`` (from L2, not the SM's L1)."""
+    r, j, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bh, dv = acc.shape
+    h0 = (j // d_split) * bh
+    heads, cols = pl.ds(h0, bh), pl.ds(c0, dv)
+    acc_ref[r, p, heads, cols] = acc
+    m_ref[r, p, heads] = m  # the same values from every column block of this head block
+    l_ref[r, p, heads] = l
+    if not interpret:  # interpret mode runs the programs one after another (and has no barrier rule)
+        pltriton.debug_barrier()
+    slot = r * pl.num_programs(1) + j
+    old = pltriton.atomic_add(cnt_ref, (pl.ds(slot, 1),), jnp.ones((1,), jnp.int32))
+
+    @pl.when(old[0] == num_splits - 1)
+    def _():
+        cg = {} if interpret else dict(cache_modifier=".cg")
+        ms = pltriton.load(m_ref.at[r, :, heads], **cg)  # [P, bh]
+        ls = pltriton.load(l_ref.at[r, :, heads], **cg)
+        mx = jnp.max(ms, axis=0)
+        mxs = jnp.where(mx == _NEG_INF, 0.0, mx)
+        w = jnp.exp(ms - mxs[None, :])  # exp(-inf) = 0 for an empty split
+        den = jnp.sum(w * ls, axis=0) + jnp.exp(sink_ref[...] - mxs)
+        inv = jnp.where(mx == _NEG_INF, 0.0, 1.0 / den)
+
+        def body(q, o):
+            wq = jnp.exp(pltriton.load(m_ref.at[r, q, heads], **cg) - mxs)
+            return o + wq[:, None] * pltriton.load(acc_ref.at[r, q, heads, cols], **cg)
+
+        o = jax.lax.fori_loop(0, num_splits, body, jnp.zeros((bh, dv), jnp.float32))
+        o_ref[...] = (o * inv[:, None]).astype(o_ref.dtype)
 
 
 def _pad_idx(idx, multiple):
@@ -351,11 +402,25 @@ def combine_splits(acc, m, l, sink, out_dtype, *, interpret=False, num_warps=4):
     )(acc, m, l, sink.astype(jnp.float32))
 
 
+# How the flash-decoding splits are merged when the caller does not say (DSV41_SPARSE_COMBINE, read
+# at import): "xla" (the default: an einsum that XLA fuses into the consumer), "pallas" (the
+# separate combine kernel, :func:`combine_splits`; session 17: 5 us slower in the site) or "kernel"
+# (the last split program of each head / column block merges, :func:`_combine_in_kernel`: no
+# partials left for XLA and no second launch; built in session 21 without a GPU, not yet timed).
+COMBINES = ("xla", "pallas", "kernel")
+COMBINE = os.environ.get("DSV41_SPARSE_COMBINE", "xla").lower()
+if COMBINE not in COMBINES:
+    raise ValueError(f"DSV41_SPARSE_COMBINE={COMBINE!r}: expected one of {', '.join(COMBINES)}")
+
+
 def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None, interpret=False,
                      block_h=None, block_k=None, num_splits=None, num_warps=None, num_stages=None, d_split=None,
                      combine=None):
-    """``combine``: how the flash-decoding splits are merged, ``"xla"`` (default) or ``"pallas"``
-    (:func:`combine_splits`; falls back to XLA where :func:`combine_reason` says it cannot run).
+    """``combine``: how the flash-decoding splits are merged (default :data:`COMBINE`): ``"xla"``,
+    ``"pallas"`` (:func:`combine_splits`; falls back to XLA where :func:`combine_reason` says it
+    cannot run) or ``"kernel"`` (inside the attention kernel, by the last split program of each
+    block; with one split there is nothing to merge and the kernel writes the output directly; a
+    split count that is not a power of two falls back to the XLA combine).
     ``d_split`` > 1: each program accumulates D / d_split output columns (the logits still use all
     of D, so every key row is read d_split times, from L2 after the first), which divides the [block_h,
     D] f32 accumulator that makes the one-program version spill (BENCHMARKS.md, issue 5, session 12)."""
@@ -372,9 +437,9 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
         # f32 (tests / debugging only): an IEEE f32 dot over a [64, 512] f32 tile did not finish
         # compiling within a minute on the H200 (jax 0.11.2); keep the f32 tiles small.
         cfg.update(block_h=16, block_k=16, num_warps=4, d_split=1 if d_split is None else d_split)
-    combine = combine or "xla"
-    if combine not in ("xla", "pallas"):
-        raise ValueError(f"sparse_attention (pallas): combine={combine!r}; expected 'xla' or 'pallas'")
+    combine = combine or COMBINE
+    if combine not in COMBINES:
+        raise ValueError(f"sparse_attention (pallas): combine={combine!r}; expected one of {', '.join(COMBINES)}")
     d_split = cfg["d_split"]
     if d_split < 1 or d % d_split or (d // d_split) % 32:
         raise ValueError(f"sparse_attention (pallas): d_split={d_split} must divide D={d} into column blocks that "
@@ -440,7 +505,26 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     specs.append(pl.BlockSpec((block_h,), lambda r, j, p: (j // ds,)))
 
     split_out = num_splits > 1
-    if split_out:
+    # the last program loads the [splits, block_h] tiles of m and l: a power-of-two split count
+    in_kernel = split_out and combine == "kernel" and _is_pow2(num_splits)
+    io_aliases = {}
+    if in_kernel:
+        # partials in full-array scratch outputs (the last split program reads every split's), the
+        # zeroed per-(row, head / column block) counters aliased in -> out, then the output block
+        nslots = rows * nhb * ds
+        io_aliases = {len(args): 3}
+        args.append(jnp.zeros((nslots,), jnp.int32))
+        specs.append(pl.BlockSpec(memory_space=pl.ANY))
+        out_shape = (
+            jax.ShapeDtypeStruct((rows, num_splits, hp, d), jnp.float32),
+            jax.ShapeDtypeStruct((rows, num_splits, hp), jnp.float32),
+            jax.ShapeDtypeStruct((rows, num_splits, hp), jnp.float32),
+            jax.ShapeDtypeStruct((nslots,), jnp.int32),
+            jax.ShapeDtypeStruct((rows, hp, d), q.dtype),
+        )
+        out_specs = tuple(pl.BlockSpec(memory_space=pl.ANY) for _ in range(4)) + (
+            pl.BlockSpec((None, block_h, dv), lambda r, j, p: (r, j // ds, j % ds)),)
+    elif split_out:
         out_shape = (
             jax.ShapeDtypeStruct((rows, num_splits, hp, d), jnp.float32),
             jax.ShapeDtypeStruct((rows, num_splits, hp), jnp.float32),
@@ -460,6 +544,7 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
         _kernel, has_comp=has_comp, w_fp8=w_fp8, c_fp4=c_fp4, scale=float(scale), block_k=block_k, d=d,
         nw_blocks=nw_blocks, nc_blocks=nc_blocks, split_out=split_out, cdt=cdt,
         prec=jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None, d_split=ds,
+        in_kernel_combine=in_kernel, num_splits=num_splits, interpret=interpret,
     )
     out = pl.pallas_call(
         kernel,
@@ -467,12 +552,15 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
         in_specs=specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases=io_aliases,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="sparse_attention_sink",
     )(*args)
 
-    if split_out and combine == "pallas" and combine_reason(num_splits, hp, d) is None:
+    if in_kernel:
+        out = out[4]
+    elif split_out and combine == "pallas" and combine_reason(num_splits, hp, d) is None:
         out = combine_splits(*out, sinkf, q.dtype, interpret=interpret)
     elif split_out:
         out = _xla_combine(*out, sinkf).astype(q.dtype)

@@ -132,6 +132,56 @@ def test_op_with_the_pallas_combine_matches_the_reference():
     with pytest.raises(ValueError, match="combine='tree'"):
         _kernel(q, kv, widx, sink, ck, cidx, scale, combine="tree")
 
+@pytest.mark.parametrize("num_splits,d_split,dtype", [(2, 1, jnp.bfloat16), (4, 2, jnp.bfloat16), (4, 1, jnp.float32)],
+                         ids=["2splits", "4splits_2cols", "4splits_f32"])
+def test_op_with_the_in_kernel_combine_matches_the_reference(num_splits, d_split, dtype):
+    """combine="kernel": the last split program of each (row, head / column block) merges the splits
+    inside the attention kernel. Against the reference (rows with no valid key give 0), against the
+    XLA combine of the same partials (f32: to summation order), and one Triton call with no XLA
+    combine left after it; the counters are a zeroed input aliased to an output."""
+    q, kv, widx, sink, ck, cidx = make_case(None, d=128, dtype=dtype)
+    scale = q.shape[-1] ** -0.5
+    r = _ref(q, kv, widx, sink, ck, cidx, scale)
+    cfg = dict(block_k=16, num_splits=num_splits, d_split=d_split)
+    o = _kernel(q, kv, widx, sink, ck, cidx, scale, combine="kernel", **cfg)
+    check_close(o, r)
+    assert np.all(np.asarray(o[0, 0], np.float32) == 0.0)
+    ox = _kernel(q, kv, widx, sink, ck, cidx, scale, combine="xla", **cfg)
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(np.asarray(o), np.asarray(ox), rtol=1e-6, atol=1e-7)
+    else:  # the same f32 merge, then one bf16 rounding: at most one bf16 ulp apart
+        of, xf = np.asarray(o, np.float32), np.asarray(ox, np.float32)
+        np.testing.assert_allclose(of, xf, rtol=2.0**-7, atol=1e-6)
+    jx = jax.make_jaxpr(lambda *a: pallas_triton.sparse_attention(
+        *a[:4], scale=scale, comp_kv=a[4], comp_idx=a[5], interpret=True, combine="kernel", **cfg))(
+        q, kv, widx, sink, ck, cidx).jaxpr
+    calls = [e for e in jx.eqns if e.primitive.name == "pallas_call"]
+    assert len(calls) == 1 and not [e for e in jx.eqns if e.primitive.name == "dot_general"]
+    assert calls[0].params["input_output_aliases"], "the counters must be aliased in -> out"
+    # 3 splits (not a power of two: the [splits, heads] tiles of m and l): the XLA combine instead
+    o3 = _kernel(q, kv, widx, sink, ck, cidx, scale, combine="kernel", block_k=16, num_splits=3)
+    check_close(o3, r)
+
+
+def test_in_kernel_combine_is_the_env_default_when_asked(monkeypatch):
+    """DSV41_SPARSE_COMBINE picks the combine for calls that do not name one; a bad value fails at
+    import with the variable's name."""
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(pallas_triton, "COMBINE", "kernel")
+    q, kv, widx, sink, ck, cidx = make_case(None, b=1, s=1, d=128)
+    jx = jax.make_jaxpr(lambda *a: pallas_triton.sparse_attention(
+        *a[:4], scale=0.1, comp_kv=a[4], comp_idx=a[5], interpret=True, num_splits=2, block_k=16))(
+        q, kv, widx, sink, ck, cidx).jaxpr
+    assert [e.primitive.name for e in jx.eqns].count("pallas_call") == 1
+    assert not [e for e in jx.eqns if e.primitive.name == "dot_general"]  # no XLA combine after it
+    out = subprocess.run([sys.executable, "-c", "import dsv41_jax, pallas_kernels.sparse_attention.pallas_triton"],
+                         capture_output=True, text=True,
+                         env={**__import__("os").environ, "DSV41_SPARSE_COMBINE": "tree"})
+    assert out.returncode != 0 and "DSV41_SPARSE_COMBINE='tree': expected one of xla, pallas, kernel" in out.stderr
+
+
 def test_default_config_splits_columns_only_for_the_smallest_grids():
     """Batch-1 decode (one program per flash-decoding split) takes eight column blocks with 4 warps
     (H200, session 13: 28.6 -> 16.7 us); batch 8 and 64, prefill rows, tiny head counts and a D whose
@@ -252,6 +302,11 @@ def test_cross_lowering(target, shape):
                          *_real_specs(*shape)).as_text()
         if shape[0] == 1:  # batch 1 splits the keys: the Pallas combine is a second Triton call
             assert text.count("__gpu$xla.gpu.triton") == 2, text.count("__gpu$xla.gpu.triton")
+        # the in-kernel combine (the counter atomics and the last program's merge) lowers too
+        text = lower_for(target, lambda *a: pallas_triton.sparse_attention(*a[:4], scale=512 ** -0.5, comp_kv=a[4],
+                                                                           comp_idx=a[5], combine="kernel"),
+                         *_real_specs(*shape)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 1
 
 
 def test_cross_lowering_f32_plain():
@@ -293,6 +348,6 @@ def test_site_benchmark_runs_and_checks_each_variant(monkeypatch):
                         functools.partial(pallas_triton.sparse_attention, interpret=True))
     lines = []
     rows = benchmark.site(lines.append, contexts=(700,), batches=(1,),
-                          variants=benchmark.SITE_VARIANTS[:1] + benchmark.SITE_VARIANTS[2:3], reps=1)
-    assert [r["variant"] for r in rows] == ["xla", "pallas combine"], lines
-    assert rows[0]["rel_err"] == 0.0 and 0.0 < rows[1]["rel_err"] < 2e-2 and all(r["ok"] for r in rows)
+                          variants=benchmark.SITE_VARIANTS[:1] + benchmark.SITE_VARIANTS[2:4], reps=1)
+    assert [r["variant"] for r in rows] == ["xla", "pallas combine", "pallas in-kernel combine"], lines
+    assert rows[0]["rel_err"] == 0.0 and all(0.0 < r["rel_err"] < 2e-2 for r in rows[1:]) and all(r["ok"] for r in rows)
