@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import statistics
@@ -323,7 +324,7 @@ def run(args) -> dict:
         floor = B * bw / step_bytes if bw else None
         warm_reqs = reqs if not args.warmup_tokens else [dataclasses.replace(q, max_new_tokens=args.warmup_tokens)
                                                           for q in reqs]
-        rates, prefill_s, host = [], [], []
+        rates, prefill_s, host, digests = [], [], [], []
         for r in range(args.warmup + args.runs):
             st0 = dataclasses.replace(eng.stats)
             res = eng.generate(warm_reqs if r < args.warmup else reqs, SamplingParams())
@@ -339,15 +340,24 @@ def run(args) -> dict:
             if r >= args.warmup:
                 rates.append(rate)
                 prefill_s.append(t_first)
+                digests.append(output_digest(res))
             print(f"  batch {B} run {r}{' (warm-up)' if r < args.warmup else ''}: {rate:.2f} tok/s, prefill "
-                  f"{t_first:.3f} s (compile so far {eng.stats.compile_s:.1f} s)", flush=True)
+                  f"{t_first:.3f} s (compile so far {eng.stats.compile_s:.1f} s)"
+                  f"{', output ' + digests[-1][:16] if r >= args.warmup else ''}", flush=True)
             if rates and args.json:  # a call stopped by a time limit keeps the runs it finished
                 save_json(args.json, out, partial={**decode_row(B, rates, floor, step_bytes, eng.stats.compile_s),
-                                                   "partial": True})
+                                                   "output_sha256": sorted(set(digests)), "partial": True})
         prof = None
         if args.profile_tokens:
             prof = profile_generate(eng, reqs, args.profile_tokens, args.profile_dir or f"/tmp/dsv41_prof_b{B}")
+        if len(set(digests)) > 1:
+            out["notes"].append(f"batch {B}: the timed runs generated different tokens ({len(set(digests))} "
+                                f"distinct outputs over {len(digests)} greedy runs)")
+            print(f"note: {out['notes'][-1]}", flush=True)
         row = {**decode_row(B, rates, floor, step_bytes, eng.stats.compile_s), "peak_bytes": mem(), "profile": prof,
+               # greedy output of the timed runs (sha256 of every request's token ids): the same digest
+               # across runs, flags and kernel variants means the same tokens were generated
+               "output_sha256": sorted(set(digests)),
                # the prompts' prefill in the same runs (B x prompt_len tokens, until every row's first token)
                "prefill_tok_s": B * args.prompt_len / statistics.median(prefill_s),
                # host side per engine step (median over the timed runs): dispatch (input copies + the
@@ -374,6 +384,17 @@ def run(args) -> dict:
                                "flops": flops, "floor_tok_s": floor, "ratio_to_floor": L / med / floor if floor else None,
                                "profile": prof})
     return out
+
+
+def output_digest(results) -> str:
+    """sha256 over the generated token ids of ``results`` (``Engine.generate``'s, in request order; each
+    list framed by its length), to compare greedy outputs across runs, flags and kernel variants."""
+    h = hashlib.sha256()
+    for x in results:
+        ids = [int(t) for t in x.output_ids]
+        h.update(len(ids).to_bytes(4, "little"))
+        h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in ids))
+    return h.hexdigest()
 
 
 def decode_row(batch: int, rates: list, floor: float | None, step_bytes: float, compile_s: float) -> dict:
@@ -418,6 +439,8 @@ def merge(docs: list[dict], names: list[str]) -> dict:
             else:
                 rows[r["batch"]]["runs"] += r["runs"]
                 rows[r["batch"]]["merged_from"].append(name)
+                outs = set(rows[r["batch"]].get("output_sha256") or []) | set(r.get("output_sha256") or [])
+                rows[r["batch"]]["output_sha256"] = sorted(outs)
     for r in rows.values():
         r["median_tok_s"] = statistics.median(r["runs"])
         r["ratio_to_floor"] = r["median_tok_s"] / r["floor_tok_s"] if r.get("floor_tok_s") else None

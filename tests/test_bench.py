@@ -229,6 +229,10 @@ def test_runs_split_over_two_calls_merge(tmp_path, capsys):
     runs = da["decode"][0]["runs"] + db["decode"][0]["runs"]
     assert dm["decode"][0]["runs"] == runs and dm["decode"][0]["median_tok_s"] == statistics.median(runs)
     assert dm["decode"][0]["merged_from"] == [str(a), str(b)] and "| 1 |" in capsys.readouterr().out
+    # greedy: both calls generated the same tokens (one digest in each file and in the merge)
+    assert len(da["decode"][0]["output_sha256"]) == 1 and da["decode"][0]["output_sha256"] == db["decode"][0]["output_sha256"]
+    assert dm["decode"][0]["output_sha256"] == da["decode"][0]["output_sha256"]
+    assert parts[-1]["output_sha256"] == db["decode"][0]["output_sha256"]
     other = tmp_path / "o.json"
     other.write_text(json.dumps({**db, "config": "something-else"}))
     assert main(["--merge", str(a), str(other)]) == 2
@@ -236,3 +240,15 @@ def test_runs_split_over_two_calls_merge(tmp_path, capsys):
     other.write_text("{}")
     assert main(["--merge", str(a), str(other)]) == 2
     assert "o.json is not a python -m dsv41_jax.bench --json result" in capsys.readouterr().err
+
+
+def test_output_digest_tells_outputs_apart():
+    """bench's output digest: equal for equal token lists, different when a token or the split
+    between requests differs."""
+    from types import SimpleNamespace as R
+
+    from dsv41_jax.bench import output_digest
+
+    d = lambda *lists: output_digest([R(output_ids=list(x)) for x in lists])
+    assert d([5, 7], [9]) == d([5, 7], [9])
+    assert len({d([5, 7], [9]), d([5, 8], [9]), d([5], [7, 9]), d([9], [5, 7])}) == 4
