@@ -8,6 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.moe_route import route_select
+from pallas_kernels.moe_route.reference import scores as route_scores
 from sharding.expert_parallel import routed_experts  # moe_experts, expert-parallel under a mesh
 
 from .config import ModelConfig
@@ -22,19 +24,13 @@ def route(p_gate, x, cfg: ModelConfig, topk: int, tokens=None):
     gate, ``model.md`` §5.2) selects ``tid2eid[tokens]`` (tokens [N]) instead of the biased top-k; the
     weights still come from the gate's scores."""
     z = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), p_gate["weight"].astype(jnp.float32), precision=_HI)
-    z = z / cfg.gate_temp
-    if cfg.score_func == "softmax":
-        s = jax.nn.softmax(z, axis=-1)
-    elif cfg.score_func == "sigmoid":
-        s = jax.nn.sigmoid(z)
-    else:
-        s = jnp.sqrt(jax.nn.softplus(z))
-    if "tid2eid" in p_gate:
-        if tokens is None:
-            raise ValueError("a hash-routed MoE layer needs the token ids")
-        idx = jnp.take(p_gate["tid2eid"], tokens.reshape(-1), axis=0)
-    else:
-        _, idx = jax.lax.top_k(s + p_gate["bias"].astype(jnp.float32), topk)  # the bias only selects
+    if "tid2eid" not in p_gate:  # scores, biased top-k (the bias only selects), weights: one op
+        return route_select(z, p_gate["bias"], topk=topk, score_func=cfg.score_func, gate_temp=cfg.gate_temp,
+                            norm_topk_prob=cfg.norm_topk_prob, route_scale=cfg.route_scale)
+    if tokens is None:
+        raise ValueError("a hash-routed MoE layer needs the token ids")
+    s = route_scores(z, score_func=cfg.score_func, gate_temp=cfg.gate_temp)
+    idx = jnp.take(p_gate["tid2eid"], tokens.reshape(-1), axis=0)
     w = jnp.take_along_axis(s, idx, axis=-1)
     if cfg.norm_topk_prob and topk > 1:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)

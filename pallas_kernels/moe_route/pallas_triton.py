@@ -1,0 +1,139 @@
+"""Pallas-Triton kernel: the router's selection in one launch per call.
+
+XLA runs the selection after the router's logits as two kernels per MoE layer at decode: the
+scores plus bias (a loop fusion, ~1.1 us on the H200) and ``jax.lax.top_k`` as a sort of the [N, E]
+scores (~3.9 us for E = 96; session 21's batch-1 profile: 0.30 ms per step over 40 layers in the
+"route" part, the logits' reduction included). Here one program per token row loads its E logits
+(E padded to a power of two inside the program, the pad at -inf), computes the scores, picks the
+top-k of ``scores + bias`` by k rounds of (max, lowest index holding it, mask it out) -- the order
+and tie rule of ``jax.lax.top_k`` -- gathers the weights, normalises them and writes [1, k] of
+each output. The logits stay an XLA reduction: at E = 384 the gate is 3.9 MB of bf16, a stream one
+program could not read quickly.
+
+Numerics: the scores use the reference's formulas in f32 (softplus as ``max(x, 0) + log1p(exp(-|x|))``,
+``jax.nn.softplus``'s form; the sigmoid as ``1 / (1 + exp(-x))``); the normalising sum adds the k
+weights in order. Weights agree with the reference to a few f32 ulps; the indices are the same
+unless two biased scores are within that of each other.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
+
+from .reference import SCORE_FUNCS
+
+__all__ = ["route_select", "unsupported_reason", "auto_reason"]
+
+MAX_EXPERTS = 4096  # one program holds a row of scores in registers
+
+
+def _pow2_at_least(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def unsupported_reason(z, bias, topk: int, score_func: str) -> str | None:
+    """None when the kernel supports these inputs, else a readable reason."""
+    if z.ndim != 2:
+        return f"router logits must be [N, E], got shape {tuple(z.shape)}"
+    n, e = z.shape
+    if z.dtype != jnp.float32:
+        return f"router logits dtype {z.dtype} is not float32"
+    if bias is None or tuple(bias.shape) != (e,):
+        return f"bias shape {None if bias is None else tuple(bias.shape)} does not match E={e}"
+    if score_func not in SCORE_FUNCS:
+        return f"score_func {score_func!r} is not one of {', '.join(SCORE_FUNCS)}"
+    if e > MAX_EXPERTS:
+        return f"E={e} experts exceed the {MAX_EXPERTS} one program holds"
+    if not 1 <= topk <= e:
+        return f"topk={topk} must be in [1, E={e}]"
+    if n < 1:
+        return "no token rows"
+    return None
+
+
+def auto_reason(z) -> str | None:
+    """Why plain 'auto' does not pick this kernel on a GPU (None: pick it). Built in session 21
+    without a GPU: not yet checked or timed on one, so 'auto' keeps the XLA reference;
+    ``DSV41_KERNELS=auto,moe_route=pallas`` runs it."""
+    del z
+    return "not yet checked on a GPU (session 21); DSV41_KERNELS=auto,moe_route=pallas runs it"
+
+
+def _scores(x, score_func: str):
+    if score_func == "sigmoid":
+        return 1.0 / (1.0 + jnp.exp(-x))
+    if score_func == "sqrtsoftplus":
+        return jnp.sqrt(jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x))))
+    raise ValueError(score_func)
+
+
+def _kernel(z_ref, b_ref, w_ref, i_ref, *, e, ep, kp, topk, score_func, inv_temp, norm, scale):
+    cols = jax.lax.broadcasted_iota(jnp.int32, (1, ep), 1)
+    valid = cols < e
+    x = jnp.where(valid, z_ref[...] * inv_temp, 0.0)  # [1, ep]; the pad is masked below
+    if score_func == "softmax":
+        xm = jnp.where(valid, x, -jnp.inf)
+        ex = jnp.where(valid, jnp.exp(xm - jnp.max(xm, axis=1, keepdims=True)), 0.0)
+        s = ex / jnp.sum(ex, axis=1, keepdims=True)
+    else:
+        s = _scores(x, score_func)
+    sel = jnp.where(valid, s + b_ref[...], -jnp.inf)
+    kcols = jax.lax.broadcasted_iota(jnp.int32, (1, kp), 1)
+    picks, weights = [], []
+    for _ in range(topk):  # k rounds: the largest, at its lowest index (lax.top_k's order and ties)
+        m = jnp.max(sel, axis=1, keepdims=True)
+        i = jnp.min(jnp.where(sel == m, cols, ep), axis=1, keepdims=True)  # [1, 1]
+        hit = cols == i
+        weights.append(jnp.sum(jnp.where(hit, s, 0.0), axis=1, keepdims=True))
+        picks.append(i)
+        sel = jnp.where(hit, -jnp.inf, sel)
+    if norm and topk > 1:
+        total = weights[0]
+        for w in weights[1:]:
+            total = total + w
+        inv = 1.0 / (total + 1e-20)
+        weights = [w * inv for w in weights]
+    w_out = jnp.zeros((1, kp), jnp.float32)
+    i_out = jnp.zeros((1, kp), jnp.int32)
+    for t in range(topk):
+        w_out = jnp.where(kcols == t, weights[t] * scale, w_out)
+        i_out = jnp.where(kcols == t, picks[t], i_out)
+    w_ref[...] = w_out
+    i_ref[...] = i_out
+
+
+def route_select(z, bias, *, topk: int, score_func: str, gate_temp: float, norm_topk_prob: bool,
+                 route_scale: float, interpret: bool = False, num_warps: int | None = None):
+    """z [N, E] f32, bias [E] -> (weights [N, topk] f32, indices [N, topk] int32): one program per
+    row, [1, E] padded to a power of two in registers (blocks larger than the arrays: Pallas masks
+    the loads and stores at the edges)."""
+    reason = unsupported_reason(z, bias, topk, score_func)
+    if reason is not None:
+        raise ValueError(f"moe_route (pallas): {reason}")
+    n, e = z.shape
+    ep, kp = _pow2_at_least(max(e, 2)), _pow2_at_least(max(topk, 2))
+    if num_warps is None:
+        num_warps = 1 if ep <= 512 else 4
+    kernel = functools.partial(_kernel, e=e, ep=ep, kp=kp, topk=topk, score_func=score_func,
+                               inv_temp=1.0 / float(gate_temp), norm=bool(norm_topk_prob), scale=float(route_scale))
+    w, idx = pl.pallas_call(
+        kernel,
+        grid=(n,),
+        in_specs=[pl.BlockSpec((1, ep), lambda r: (r, 0)), pl.BlockSpec((1, ep), lambda r: (0, 0))],
+        out_specs=[pl.BlockSpec((1, kp), lambda r: (r, 0)), pl.BlockSpec((1, kp), lambda r: (r, 0))],
+        out_shape=[jax.ShapeDtypeStruct((n, topk), jnp.float32), jax.ShapeDtypeStruct((n, topk), jnp.int32)],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="moe_route_select",
+    )(z, bias.astype(jnp.float32).reshape(1, e))
+    return w, idx
