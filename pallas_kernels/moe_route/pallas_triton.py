@@ -5,8 +5,8 @@ scores plus bias (a loop fusion, ~1.1 us on the H200) and ``jax.lax.top_k`` as a
 scores (~3.9 us for E = 96; session 21's batch-1 profile: 0.30 ms per step over 40 layers in the
 "route" part, the logits' reduction included). Here one program per token row loads its E logits
 (E padded to a power of two inside the program, the pad at -inf), computes the scores, picks the
-top-k of ``scores + bias`` by k rounds of (max, lowest index holding it, mask it out) -- the order
-and tie rule of ``jax.lax.top_k`` -- gathers the weights, normalises them and writes [1, k] of
+top-k of ``scores + bias`` by k rounds of (argmax, the lowest index on ties; mask it out) -- the
+order and tie rule of ``jax.lax.top_k`` -- gathers the weights, normalises them and writes [1, k] of
 each output. The logits stay an XLA reduction: at E = 384 the gate is 3.9 MB of bf16, a stream one
 program could not read quickly.
 
@@ -91,8 +91,8 @@ def _kernel(z_ref, b_ref, w_ref, i_ref, *, e, ep, kp, topk, score_func, inv_temp
     kcols = jax.lax.broadcasted_iota(jnp.int32, (1, kp), 1)
     picks, weights = [], []
     for _ in range(topk):  # k rounds: the largest, at its lowest index (lax.top_k's order and ties)
-        m = jnp.max(sel, axis=1, keepdims=True)
-        i = jnp.min(jnp.where(sel == m, cols, ep), axis=1, keepdims=True)  # [1, 1]
+        # one (value, index) reduction: Pallas-Triton's argmax keeps the lower index on ties
+        i = jnp.argmax(sel, axis=1).astype(jnp.int32)[:, None]  # [1, 1]
         hit = cols == i
         weights.append(jnp.sum(jnp.where(hit, s, 0.0), axis=1, keepdims=True))
         picks.append(i)

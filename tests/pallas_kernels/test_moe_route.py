@@ -154,3 +154,4 @@ def test_benchmark_checks_then_times_each_size(monkeypatch, capsys, tmp_path):
     rows = json.loads((tmp_path / "moe_route.json").read_text())["rows"]
     assert [(r["tokens"], r["experts"], r["ok"]) for r in rows] == [(1, 96, True), (1, 384, True)]
     assert all(r["xla_us"] == 2.0 and r["pallas_kernels"] == 1 for r in rows)
+    assert "pallas_4w_us" not in rows[0] and rows[1]["pallas_4w_us"] == 2.0  # 4 warps tried at E = 384
