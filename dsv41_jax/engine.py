@@ -82,6 +82,7 @@ from .options import RunOptions
 from .quant import Fp8Tensor
 from .sampling import SamplingParams, request_keys, sample_traced
 from .transformer import forward_step
+from .xla_flags import decode_compiler_options
 
 EOS_ID = 1
 
@@ -169,8 +170,12 @@ def _engine_step(params, cache, tokens, lengths, engram_ids, engram_rows, seed, 
     return cache, nxt, logits
 
 
-_engine_step_jit = jax.jit(_flat_params(_engine_step), donate_argnums=(1,),
-                           static_argnames=("cfg", "opts", "max_seq_len", "mesh", "param_tree", "greedy"))
+_STEP_STATICS = ("cfg", "opts", "max_seq_len", "mesh", "param_tree", "greedy")
+_engine_step_jit = jax.jit(_flat_params(_engine_step), donate_argnums=(1,), static_argnames=_STEP_STATICS)
+# DSV41_DECODE_XLA_OPTIONS: compile options for the decode-width step programs only (xla_flags)
+_DECODE_OPTIONS = decode_compiler_options()
+_engine_step_decode_jit = (jax.jit(_flat_params(_engine_step), donate_argnums=(1,), static_argnames=_STEP_STATICS,
+                                   compiler_options=_DECODE_OPTIONS) if _DECODE_OPTIONS else _engine_step_jit)
 
 
 def device_hash_tables(hasher):
@@ -322,7 +327,18 @@ def _is_greedy(sampling: SamplingParams | None) -> bool:
 
 
 _engine_step_pipe_jit = jax.jit(_flat_params(_engine_step_pipe), donate_argnums=(1, 2, 4, 5),
-                                static_argnames=("cfg", "opts", "max_seq_len", "mesh", "param_tree", "greedy"))
+                                static_argnames=_STEP_STATICS)
+_engine_step_pipe_decode_jit = (jax.jit(_flat_params(_engine_step_pipe), donate_argnums=(1, 2, 4, 5),
+                                        static_argnames=_STEP_STATICS, compiler_options=_DECODE_OPTIONS)
+                                if _DECODE_OPTIONS else _engine_step_pipe_jit)
+
+
+def step_program(width: int, pipelined: bool):
+    """The jitted step program for ``width`` tokens per row: the decode-width one (1) carries
+    ``DSV41_DECODE_XLA_OPTIONS``; it is the plain program when that is empty."""
+    if pipelined:
+        return _engine_step_pipe_decode_jit if width == 1 else _engine_step_pipe_jit
+    return _engine_step_decode_jit if width == 1 else _engine_step_jit
 
 
 # ---------------------------------------------------------------------------------------------
@@ -620,7 +636,7 @@ class Engine:
         t0 = time.perf_counter()
         args = self._step_inputs(tokens, lengths, sampling, request_ids, steps)
         self.stats.host_s += time.perf_counter() - t0
-        self.cache, nxt, logits = self._dispatch(_engine_step_jit, self.params, self.cache, *args,
+        self.cache, nxt, logits = self._dispatch(step_program(args[0].shape[1], False), self.params, self.cache, *args,
                                                  greedy=_is_greedy(sampling))
         self.pos = self.pos + np.asarray(lengths, np.int64)
         self.stats.steps += 1
@@ -706,8 +722,8 @@ class Engine:
         token. Returns device arrays (next, a copy of next for the host to read): pass the first
         as the following step's ``prev``, read the second."""
         args = self._pipe_inputs(tokens, lengths, use_prev, prev, sampling, request_ids, steps)
-        self.cache, self.ehist, packed_next, nxt = self._dispatch(_engine_step_pipe_jit, *args,
-                                                                   greedy=_is_greedy(sampling))
+        prog = step_program(np.shape(tokens)[1], True)
+        self.cache, self.ehist, packed_next, nxt = self._dispatch(prog, *args, greedy=_is_greedy(sampling))
         self._row_next[packed_next.shape] = (packed_next, self._row_next[packed_next.shape][1])
         self.pos = self.pos + np.asarray(lengths, np.int64)
         self.stats.steps += 1
@@ -755,11 +771,12 @@ class Engine:
         zeros = np.zeros((self.B, 1 if decode else self.chunk), np.int64), np.zeros(self.B, np.int64)
         if pipelined:
             kept = dict(self._row_next)
-            prog, args = _engine_step_pipe_jit, self._pipe_inputs(*zeros, np.zeros(self.B, bool), self._zeros_prev(),
-                                                                  None, None, None)
+            prog, args = step_program(zeros[0].shape[1], True), self._pipe_inputs(
+                *zeros, np.zeros(self.B, bool), self._zeros_prev(), None, None, None)
             self._row_next = kept
         else:
-            prog, args = _engine_step_jit, (self.params, self.cache, *self._step_inputs(*zeros, None, None, None))
+            prog, args = step_program(zeros[0].shape[1], False), (self.params, self.cache,
+                                                                  *self._step_inputs(*zeros, None, None, None))
         args, kw = self._program_args(args)
         with self._on_mesh():
             return prog.lower(*args, **kw, greedy=True).compile().as_text()

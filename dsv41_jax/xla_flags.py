@@ -23,6 +23,11 @@ timed on a GPU (session 21 had no device time left); set it in ``XLA_FLAGS`` to 
 
 ``DSV41_XLA_DEFAULTS=off`` leaves ``XLA_FLAGS`` alone; a flag the user already set in ``XLA_FLAGS``
 is never overridden.
+
+``DSV41_DECODE_XLA_OPTIONS`` (``name=value`` pairs, comma-separated, e.g.
+``xla_gpu_command_buffer_scheduling_mode=CONCURRENT``) are compile options for the engine's
+decode-step programs only (one token per row): :func:`decode_compiler_options`. A flag tried for
+decode then leaves the prefill programs (whose temporaries are large) as they are.
 """
 
 from __future__ import annotations
@@ -57,3 +62,20 @@ def apply_runtime_defaults() -> str:
         return cur
     os.environ["XLA_FLAGS"] = with_runtime_defaults(cur)
     return os.environ["XLA_FLAGS"]
+
+
+def decode_compiler_options(text: str | None = None) -> dict[str, str]:
+    """``DSV41_DECODE_XLA_OPTIONS`` (or ``text``) as a dict for ``jax.jit(compiler_options=...)``:
+    comma-separated ``name=value`` pairs of XLA debug options (names without the leading ``--``).
+    A malformed entry raises a ValueError naming the variable; an unknown name or value is refused
+    by XLA when the program compiles."""
+    text = os.environ.get("DSV41_DECODE_XLA_OPTIONS", "") if text is None else text
+    out = {}
+    for part in filter(None, (t.strip() for t in text.split(","))):
+        name, eq, value = part.partition("=")
+        name = name.strip().lstrip("-")
+        if not eq or not name.startswith("xla_") or not value.strip():
+            raise ValueError(f"DSV41_DECODE_XLA_OPTIONS: {part!r} is not name=value with an XLA option name "
+                             "(e.g. xla_gpu_command_buffer_scheduling_mode=CONCURRENT)")
+        out[name] = value.strip()
+    return out

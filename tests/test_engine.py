@@ -304,3 +304,40 @@ def test_synced_step_keeps_cache_buffers(model, requests):
         before = ptrs()
         nxt, _ = eng.step(np.array([[5], [0]]), np.array([1, 0]))
         assert ptrs() == before and nxt.shape == (2,)
+
+
+def test_decode_only_compile_options(model, requests, alone, monkeypatch):
+    """DSV41_DECODE_XLA_OPTIONS go to the decode-width step programs only (prefill chunks keep the
+    plain ones), and here (CUDA-graph scheduling CONCURRENT, which the CPU backend parses and
+    ignores) the tokens are unchanged; a malformed entry names the variable."""
+    import jax
+
+    from dsv41_jax import engine as engine_mod
+    from dsv41_jax.xla_flags import decode_compiler_options
+
+    opts = decode_compiler_options("xla_gpu_command_buffer_scheduling_mode=CONCURRENT, --xla_dump_hlo_as_text=true")
+    assert opts == {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT", "xla_dump_hlo_as_text": "true"}
+    assert decode_compiler_options("") == {}
+    with pytest.raises(ValueError, match="DSV41_DECODE_XLA_OPTIONS: 'CONCURRENT' is not name=value"):
+        decode_compiler_options("CONCURRENT")
+    base = engine_mod._flat_params(engine_mod._engine_step_pipe)
+    used = []
+
+    def spy(tag, fn):
+        def call(*a, **k):
+            used.append(tag)
+            return fn(*a, **k)
+        call.lower = fn.lower
+        return call
+
+    dec = jax.jit(base, donate_argnums=(1, 2, 4, 5), static_argnames=engine_mod._STEP_STATICS,
+                  compiler_options={"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"})
+    monkeypatch.setattr(engine_mod, "_engine_step_pipe_decode_jit", spy("decode", dec))
+    monkeypatch.setattr(engine_mod, "_engine_step_pipe_jit", spy("plain", engine_mod._engine_step_pipe_jit))
+    eng = Engine(model, batch_size=2, max_seq_len=160, opts=F32, prefill_chunk=8, engram_mode="device", stop_ids=())
+    assert eng.pipelined
+    res = eng.generate(requests[:2])
+    assert [r.output_ids for r in res] == alone[:2]
+    assert "decode" in used and "plain" in used  # prefill chunks (width 8) on the plain program
+    assert engine_mod.step_program(1, False) is engine_mod._engine_step_decode_jit
+    assert engine_mod.step_program(8, True) is engine_mod._engine_step_pipe_jit
