@@ -262,7 +262,6 @@ def _moe_launches(txt):
 
 @pytest.mark.parametrize("target", ["cuda", "rocm"])
 def test_cross_lowering_real_shapes(target):
-    from jax.experimental.pallas import triton as pltriton
 
     for mk, ns in ((fp4, (1, 8, 64, 2048)), (fp8, (8,))):
         for n in ns:
@@ -361,7 +360,6 @@ def fp8_128(e, r, c):
 
 @pytest.mark.parametrize("target", ["cuda", "rocm"])
 def test_cross_lowering_v4_shapes(target):
-    from jax.experimental.pallas import triton as pltriton
 
     for mk, ns in ((fp4, (1, 8, 2048)), (fp8_128, (8, 2048))):
         for n in ns:
@@ -484,7 +482,6 @@ def test_fma_cross_lowering_real_shapes(target, via, monkeypatch):
         txt = lower_for(target, lambda x, w, idx, a, b, c: pallas_triton.moe_experts(
             x, w, idx, a, b, c, swiglu_limit=10.0, config=tuple(cfg)),
             S((n, d), jnp.bfloat16), S((n, 6), jnp.float32), S((n, 6), jnp.int32), w1, w2, w1).as_text()
-        from jax.experimental.pallas import triton as pltriton
         assert _moe_launches(txt) == 2
 
 
