@@ -40,6 +40,7 @@ import numpy as np
 
 from pallas_kernels.lightning_indexer import lightning_indexer, select_candidate_blocks
 from pallas_kernels.sparse_attention import sparse_attention
+from pallas_kernels.window_kv import window_kv_write
 
 from .config import ModelConfig
 from .layers import grouped_linear, linear, linear_multi, norm, weight_of
@@ -235,9 +236,7 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
     """One attention sub-layer. ``x`` [B,S,D] (after attn_norm). Returns (out [B,S,D], cache_layers
     with this layer's updates, shared runtime slots)."""
     B, S, _ = x.shape
-    dtype = x.dtype
     H, Dh, W = cfg.n_heads, cfg.head_dim, cfg.window_size
-    m = cfg.ratio(l)
     positions = pos0[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :]
     freqs = layer_frequencies(cfg, l)
     ang = rope_angles(positions, freqs)
@@ -250,10 +249,23 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
         q = head_rms_norm(q, cfg.norm_eps)
     q = apply_rope(q, ang)
 
+    lc = dict(cache_layers[str(l)])
+    ring = lc["window"]
+    if S == 1 and not cfg.is_v4 and isinstance(ring, Fp8Tensor) and tuple(ring.block) == (1, 32):
+        # Decode with V4.1's FP8 window: norm, RoPE, quantization and the ring store as one op
+        # (pallas_kernels.window_kv; the same steps as below, one kernel on a GPU). Idle rows
+        # (lengths == 0) get slot W: out of range, their ring row is left unchanged.
+        slot = jnp.where(lengths > 0, jnp.mod(pos0, W), W).astype(jnp.int32)
+        lc["window"] = window_kv_write(kv_lat.reshape(B, -1), p["kv_norm"]["weight"], ang.reshape(B, -1), ring, slot,
+                                       eps=cfg.norm_eps)
+        window_kv = lc["window"]
+        win_idx = ring_window_indices(positions, W)
+        cache_layers = {**cache_layers, str(l): lc}
+        return _attend(p, x, l, cfg, opts, cache_layers, pos0, lengths, shared, q, qr, window_kv, win_idx,
+                       positions, ang, freqs, act)
     kv = norm(kv_lat, p["kv_norm"], cfg.norm_eps)
     kv = apply_rope(kv, ang)
     kv_chunk = _store_v4(kv, "window", opts, cfg.rope_head_dim) if cfg.is_v4 else cache_store(kv, "window", opts)
-    lc = dict(cache_layers[str(l)])
     if S == 1:
         # Decode: write the token into its ring slot first, then attend over the ring alone. Exact for
         # one token (the ring then holds positions t-W+1..t; the same rows in the same order as the
@@ -269,7 +281,19 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
         win_idx = window_indices(positions, pos0, W)
         lc["window"] = update_ring(lc["window"], kv_chunk, pos0, lengths, W)
     cache_layers = {**cache_layers, str(l): lc}
+    return _attend(p, x, l, cfg, opts, cache_layers, pos0, lengths, shared, q, qr, window_kv, win_idx, positions,
+                   ang, freqs, act)
 
+
+def _attend(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: dict, pos0, lengths, shared: dict, q, qr,
+            window_kv, win_idx, positions, ang, freqs, act):
+    """The rest of :func:`attention` once the window ring holds this chunk: the compressed cache
+    and the indexer, sparse attention, inverse RoPE, wo_a and wo_b."""
+    B, S = q.shape[:2]
+    Dh = cfg.head_dim
+    dtype = x.dtype
+    m = cfg.ratio(l)
+    lc = dict(cache_layers[str(l)])
     comp_kv, comp_idx = None, None
     if m > 0 and cfg.is_v4:
         lc, comp_kv, comp_idx, shared = _v4_compressed(p, x, qr, l, m, cfg, opts, lc, pos0, lengths, positions, ang,

@@ -45,7 +45,7 @@ def _check(name: str) -> str:
 
 # the ops that dispatch here, and names for groups of them (DSV41_KERNELS per-op entries)
 OPS = ("quantized_matmul", "moe_experts", "hc_mixes", "hc_collapse", "hc_expand", "hc_expand_collapse",
-       "hc_expand_collapse_mixes", "sparse_attention", "lightning_indexer", "moe_route")
+       "hc_expand_collapse_mixes", "sparse_attention", "lightning_indexer", "moe_route", "window_kv_write")
 OP_GROUPS = {"mhc": ("hc_mixes", "hc_collapse", "hc_expand", "hc_expand_collapse", "hc_expand_collapse_mixes")}
 
 

@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-OPS = ["quantized_matmul", "moe", "mhc", "sparse_attention", "lightning_indexer", "moe_route"]
+OPS = ["quantized_matmul", "moe", "mhc", "sparse_attention", "lightning_indexer", "moe_route", "window_kv"]
 
 
 
