@@ -236,7 +236,9 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
     """One attention sub-layer. ``x`` [B,S,D] (after attn_norm). Returns (out [B,S,D], cache_layers
     with this layer's updates, shared runtime slots)."""
     B, S, _ = x.shape
+    dtype = x.dtype
     H, Dh, W = cfg.n_heads, cfg.head_dim, cfg.window_size
+    m = cfg.ratio(l)
     positions = pos0[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :]
     freqs = layer_frequencies(cfg, l)
     ang = rope_angles(positions, freqs)
@@ -253,47 +255,33 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
     ring = lc["window"]
     if S == 1 and not cfg.is_v4 and isinstance(ring, Fp8Tensor) and tuple(ring.block) == (1, 32):
         # Decode with V4.1's FP8 window: norm, RoPE, quantization and the ring store as one op
-        # (pallas_kernels.window_kv; the same steps as below, one kernel on a GPU). Idle rows
-        # (lengths == 0) get slot W: out of range, their ring row is left unchanged.
+        # (pallas_kernels.window_kv: the steps of the branch below, one kernel on a GPU). Idle
+        # rows (lengths == 0) get slot W: out of range, their ring row is left unchanged.
         slot = jnp.where(lengths > 0, jnp.mod(pos0, W), W).astype(jnp.int32)
         lc["window"] = window_kv_write(kv_lat.reshape(B, -1), p["kv_norm"]["weight"], ang.reshape(B, -1), ring, slot,
                                        eps=cfg.norm_eps)
         window_kv = lc["window"]
         win_idx = ring_window_indices(positions, W)
-        cache_layers = {**cache_layers, str(l): lc}
-        return _attend(p, x, l, cfg, opts, cache_layers, pos0, lengths, shared, q, qr, window_kv, win_idx,
-                       positions, ang, freqs, act)
-    kv = norm(kv_lat, p["kv_norm"], cfg.norm_eps)
-    kv = apply_rope(kv, ang)
-    kv_chunk = _store_v4(kv, "window", opts, cfg.rope_head_dim) if cfg.is_v4 else cache_store(kv, "window", opts)
-    if S == 1:
-        # Decode: write the token into its ring slot first, then attend over the ring alone. Exact for
-        # one token (the ring then holds positions t-W+1..t; the same rows in the same order as the
-        # concatenation below), and the ring is updated in place: reading the old ring beside the
-        # write made XLA copy it (and concatenate W + 1 rows) in every layer of every step (H200 HLO:
-        # 8 of the 14 copies of a 7-layer step; BENCHMARKS.md, issue 8, session 15). XLA's CPU backend
-        # still copies: it widens the FP8 update to f16 and back.
-        lc["window"] = write_ring_token(lc["window"], kv_chunk, pos0, lengths, W)
-        window_kv = lc["window"]
-        win_idx = ring_window_indices(positions, W)
     else:
-        window_kv = concat_rows(lc["window"], kv_chunk)
-        win_idx = window_indices(positions, pos0, W)
-        lc["window"] = update_ring(lc["window"], kv_chunk, pos0, lengths, W)
+        kv = norm(kv_lat, p["kv_norm"], cfg.norm_eps)
+        kv = apply_rope(kv, ang)
+        kv_chunk = _store_v4(kv, "window", opts, cfg.rope_head_dim) if cfg.is_v4 else cache_store(kv, "window", opts)
+        if S == 1:
+            # Decode: write the token into its ring slot first, then attend over the ring alone. Exact
+            # for one token (the ring then holds positions t-W+1..t; the same rows in the same order as
+            # the concatenation below), and the ring is updated in place: reading the old ring beside
+            # the write made XLA copy it (and concatenate W + 1 rows) in every layer of every step (H200
+            # HLO: 8 of the 14 copies of a 7-layer step; BENCHMARKS.md, issue 8, session 15). XLA's CPU
+            # backend still copies: it widens the FP8 update to f16 and back.
+            lc["window"] = write_ring_token(ring, kv_chunk, pos0, lengths, W)
+            window_kv = lc["window"]
+            win_idx = ring_window_indices(positions, W)
+        else:
+            window_kv = concat_rows(ring, kv_chunk)
+            win_idx = window_indices(positions, pos0, W)
+            lc["window"] = update_ring(ring, kv_chunk, pos0, lengths, W)
     cache_layers = {**cache_layers, str(l): lc}
-    return _attend(p, x, l, cfg, opts, cache_layers, pos0, lengths, shared, q, qr, window_kv, win_idx, positions,
-                   ang, freqs, act)
 
-
-def _attend(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: dict, pos0, lengths, shared: dict, q, qr,
-            window_kv, win_idx, positions, ang, freqs, act):
-    """The rest of :func:`attention` once the window ring holds this chunk: the compressed cache
-    and the indexer, sparse attention, inverse RoPE, wo_a and wo_b."""
-    B, S = q.shape[:2]
-    Dh = cfg.head_dim
-    dtype = x.dtype
-    m = cfg.ratio(l)
-    lc = dict(cache_layers[str(l)])
     comp_kv, comp_idx = None, None
     if m > 0 and cfg.is_v4:
         lc, comp_kv, comp_idx, shared = _v4_compressed(p, x, qr, l, m, cfg, opts, lc, pos0, lengths, positions, ang,
