@@ -214,15 +214,31 @@ def _cases(which: str, tokens: int = 1, experts: int = 384, config=None):
                  S((3,), jnp.float32), S((mix,), jnp.float32), S((d,), jnp.bfloat16))
         return (lambda *a: mhc.hc_expand_collapse_mixes(*a, norm_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20,
                                                         y_norm_eps=1e-6), *specs)
-    raise ValueError(f"unknown case {which!r}: expected moe, moe-bf16, gemv, sparse-attn, indexer or mhc")
+    if which == "route":  # the router's selection: ``tokens`` rows over ``experts`` experts, top-6
+        from pallas_kernels.moe_route import pallas_triton as mr
+
+        kw = dict(config or {})
+        return (lambda z, b: mr.route_select(z, b, topk=6, score_func="sqrtsoftplus", gate_temp=1.0,
+                                             norm_topk_prob=True, route_scale=2.5, **kw),
+                S((tokens, experts), jnp.float32), S((experts,), jnp.float32))
+    if which == "kv-write":  # the decode window KV write: ``tokens`` rows, D 512, RoPE 64, a 128-slot ring
+        from pallas_kernels.window_kv import pallas_triton as kvw
+
+        b, w, d, r = tokens, 128, 512, 64
+        ring = Fp8Tensor(S((b, w, d), jnp.float8_e4m3fn), S((b, w, d // 32), jnp.float8_e8m0fnu), (1, 32))
+        return (lambda *a: kvw.window_kv_write(*a, eps=1e-6), S((b, d), jnp.bfloat16), S((d,), jnp.bfloat16),
+                S((b, r // 2), jnp.float32), ring, S((b,), jnp.int32))
+    raise ValueError(f"unknown case {which!r}: expected moe, moe-bf16, gemv, sparse-attn, indexer, mhc, route "
+                     "or kv-write")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("case", choices=["moe", "moe-bf16", "gemv", "sparse-attn", "indexer", "mhc"])
+    ap.add_argument("case", choices=["moe", "moe-bf16", "gemv", "sparse-attn", "indexer", "mhc", "route", "kv-write"])
     ap.add_argument("--decode", default=None, help="DSV41_FMA_DECODE for this run, e.g. fp4=e4m3")
-    ap.add_argument("--tokens", type=int, default=1, help="tokens (moe), rows (gemv) or sequences (sparse-attn, indexer)")
-    ap.add_argument("--experts", type=int, default=384, help="moe: routed experts")
+    ap.add_argument("--tokens", type=int, default=1, help="tokens (moe, route), rows (gemv, kv-write) or sequences "
+                    "(sparse-attn, indexer)")
+    ap.add_argument("--experts", type=int, default=384, help="moe, route: routed experts")
     ap.add_argument("--config", default=None, help="the op's config tuple, e.g. \"(128, 128, 64, 128, 64, 8)\"; "
                     "sparse-attn, indexer: keyword arguments, e.g. \"{'block_h': 32, 'num_warps': 4}\"")
     ap.add_argument("--python", default=None, help="an interpreter with triton installed, for the SASS step")
@@ -238,7 +254,7 @@ def main(argv=None) -> int:
         except (ValueError, SyntaxError, TypeError):
             ap.error(f"--config {a.config!r}: expected a tuple literal such as \"(128, 128, 64, 128, 64, 8)\" "
                      f"(sparse-attn, indexer: a dict of keyword arguments, e.g. \"{{'block_h': 32}}\")")
-        takes_dict = a.case in ("sparse-attn", "indexer")
+        takes_dict = a.case in ("sparse-attn", "indexer", "route")
         if isinstance(config, dict) != takes_dict:
             ap.error(f"--config {a.config!r}: {a.case} takes a {'dict of keyword arguments' if takes_dict else 'tuple'}")
     import jax

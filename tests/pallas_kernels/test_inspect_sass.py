@@ -116,3 +116,15 @@ def test_mhc_case_lowers_a_decode_site():
     split = ks["hc_mixes_split_norm"]
     assert split["num_warps"] == 1
     assert split["ttir"].count("tt.load") >= 3 * 5 and split["ttir"].count("scf.for") == 1  # the Sinkhorn loop
+
+
+def test_route_and_kv_write_cases_lower():
+    """The route case (the router's selection: one warp, one (value, index) reduction per round, no
+    sort) and the kv-write case (one program per row storing into the aliased ring) lower to one
+    kernel each with their Triton IR captured."""
+    fn, *specs = inspect_sass._cases("route", tokens=1, experts=384)
+    (k,) = inspect_sass.triton_kernels(fn, *specs)
+    assert k["name"] == "moe_route_select" and k["num_warps"] == 1 and "tt.reduce" in k["ttir"]
+    fn, *specs = inspect_sass._cases("kv-write", tokens=2)
+    (k,) = inspect_sass.triton_kernels(fn, *specs)
+    assert k["name"] == "window_kv_write" and k["ttir"].count("tt.store") == 2
