@@ -132,6 +132,16 @@ def device_time_op(fn, per_rep_args, shared_args=(), *, reps=5, iters=5, outdir=
     return sum(p["busy_ms"] * p["executions"] for p in progs) / 1e3 / (iters * reps)
 
 
+def time_variants(row: dict, variants, per_rep_args, shared_args=()) -> dict:
+    """For each (name, fn) of ``variants``: ``row[name + "_us"]`` (:func:`device_time_op`, µs per op)
+    and ``row[name + "_kernels"]`` (how many kernels the op launched). Returns ``row``."""
+    for name, fn in variants:
+        kernels = []
+        row[f"{name}_us"] = device_time_op(fn, per_rep_args, shared_args, kernels=kernels) * 1e6
+        row[f"{name}_kernels"] = len(kernels)
+    return row
+
+
 def write_rows(out_dir: str | None, filename: str, rows: list, **extra) -> str | None:
     """Write ``{"device", "jax", "rows", **extra}`` as JSON to ``out_dir/filename`` (created if
     needed); every benchmark script's result file. Returns the path, or None when ``out_dir`` is

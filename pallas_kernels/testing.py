@@ -73,3 +73,13 @@ def assert_close(y, yr, tol=None):
     rf = np.asarray(yr, np.float32)
     assert np.all(np.isfinite(yf))
     np.testing.assert_allclose(yf, rf, rtol=rtol, atol=atol_rel * float(np.max(np.abs(rf))))
+
+
+def fake_device_time(seconds: float):
+    """A stand-in for :func:`pallas_kernels.benchmarking.device_time_op` in CPU tests of the benchmark
+    scripts: ``seconds`` per op, one kernel reported."""
+    def device_time_op(fn, per_rep_args, shared_args=(), *, reps=5, iters=5, outdir=None, kernels=None):
+        if kernels is not None:
+            kernels.append(("kernel", seconds))
+        return seconds
+    return device_time_op

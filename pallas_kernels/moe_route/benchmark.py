@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.benchmarking import device_time_op, write_rows
+    from pallas_kernels.benchmarking import time_variants, write_rows
     from pallas_kernels.moe_route import pallas_triton as pt
     from pallas_kernels.moe_route import reference as ref
 
@@ -51,10 +51,7 @@ def main(argv=None) -> int:
             # instructions per warp with one warp at E = 384)
             variants.append(("pallas_4w", lambda z, b: pt.route_select(z, b, num_warps=4, **kw)))
         if good:
-            for name, fn in variants:
-                kernels = []
-                row[f"{name}_us"] = device_time_op(fn, sets, (bias,), kernels=kernels) * 1e6
-                row[f"{name}_kernels"] = len(kernels)
+            time_variants(row, variants, sets, (bias,))
         rows.append(row)
         print(f"N={n:5d} E={e:4d} {'PASS' if good else 'FAIL'}"
               + (f"  xla {row['xla_us']:6.2f} us ({row['xla_kernels']} kernels)  pallas {row['pallas_us']:6.2f} us "

@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from dsv41_jax.quant import quantize_fp8
-    from pallas_kernels.benchmarking import device_time_op, write_rows
+    from pallas_kernels.benchmarking import time_variants, write_rows
     from pallas_kernels.window_kv import pallas_triton as pt
     from pallas_kernels.window_kv import reference as ref
 
@@ -59,10 +59,7 @@ def main(argv=None) -> int:
         ok &= good
         row = dict(batch=b, ok=good, bytes_equal=same)
         if good:
-            for name, fn in (("xla", xla), ("pallas", kern)):
-                kernels = []
-                row[f"{name}_us"] = device_time_op(fn, sets, kernels=kernels) * 1e6
-                row[f"{name}_kernels"] = len(kernels)
+            time_variants(row, (("xla", xla), ("pallas", kern)), sets)
         rows.append(row)
         print(f"B={b:3d} {'PASS' if good else 'FAIL'} bytes equal {same:.5f}"
               + (f"  xla {row['xla_us']:6.2f} us ({row['xla_kernels']} kernels)  pallas {row['pallas_us']:6.2f} us "

@@ -11,7 +11,7 @@ import pytest
 
 from pallas_kernels import dispatch
 from pallas_kernels.moe_route import api, pallas_triton, reference
-from pallas_kernels.testing import lower_for
+from pallas_kernels.testing import fake_device_time, lower_for
 
 KW = dict(gate_temp=1.3, norm_topk_prob=True, route_scale=2.5)
 
@@ -142,11 +142,7 @@ def test_benchmark_checks_then_times_each_size(monkeypatch, capsys, tmp_path):
     import pallas_kernels.benchmarking as bm
     from pallas_kernels.moe_route import benchmark
 
-    def fake_time(fn, args, shared=(), reps=5, kernels=None):
-        if kernels is not None:
-            kernels.append(("k", 1e-6))
-        return 2e-6
-    monkeypatch.setattr(bm, "device_time_op", fake_time)
+    monkeypatch.setattr(bm, "device_time_op", fake_device_time(2e-6))
     monkeypatch.setattr(pallas_triton, "route_select", functools.partial(pallas_triton.route_select, interpret=True))
     assert benchmark.main(["--quick", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out

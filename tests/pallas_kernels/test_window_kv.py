@@ -11,7 +11,7 @@ import pytest
 
 from dsv41_jax.quant import Fp8Tensor, quantize_fp8
 from pallas_kernels import dispatch
-from pallas_kernels.testing import lower_for
+from pallas_kernels.testing import fake_device_time, lower_for
 from pallas_kernels.window_kv import api, pallas_triton, reference
 
 _q8 = jax.jit(lambda x: quantize_fp8(x, (1, 32)))
@@ -146,11 +146,7 @@ def test_benchmark_checks_then_times(monkeypatch, capsys, tmp_path):
     import pallas_kernels.benchmarking as bm
     from pallas_kernels.window_kv import benchmark
 
-    def fake_time(fn, args, shared=(), reps=5, kernels=None):
-        if kernels is not None:
-            kernels.append(("k", 1e-6))
-        return 3e-6
-    monkeypatch.setattr(bm, "device_time_op", fake_time)
+    monkeypatch.setattr(bm, "device_time_op", fake_device_time(3e-6))
     monkeypatch.setattr(pallas_triton, "window_kv_write", functools.partial(pallas_triton.window_kv_write, interpret=True))
     assert benchmark.main(["--quick", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
