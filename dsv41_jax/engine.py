@@ -171,11 +171,21 @@ def _engine_step(params, cache, tokens, lengths, engram_ids, engram_rows, seed, 
 
 
 _STEP_STATICS = ("cfg", "opts", "max_seq_len", "mesh", "param_tree", "greedy")
-_engine_step_jit = jax.jit(_flat_params(_engine_step), donate_argnums=(1,), static_argnames=_STEP_STATICS)
 # DSV41_DECODE_XLA_OPTIONS: compile options for the decode-width step programs only (xla_flags)
 _DECODE_OPTIONS = decode_compiler_options()
-_engine_step_decode_jit = (jax.jit(_flat_params(_engine_step), donate_argnums=(1,), static_argnames=_STEP_STATICS,
-                                   compiler_options=_DECODE_OPTIONS) if _DECODE_OPTIONS else _engine_step_jit)
+
+
+def _step_jits(fn, donate_argnums):
+    """(the jitted step program, its decode-width twin with ``DSV41_DECODE_XLA_OPTIONS``; the same
+    object when there are none)."""
+    plain = jax.jit(_flat_params(fn), donate_argnums=donate_argnums, static_argnames=_STEP_STATICS)
+    if not _DECODE_OPTIONS:
+        return plain, plain
+    return plain, jax.jit(_flat_params(fn), donate_argnums=donate_argnums, static_argnames=_STEP_STATICS,
+                          compiler_options=_DECODE_OPTIONS)
+
+
+_engine_step_jit, _engine_step_decode_jit = _step_jits(_engine_step, (1,))
 
 
 def device_hash_tables(hasher):
@@ -326,11 +336,7 @@ def _is_greedy(sampling: SamplingParams | None) -> bool:
     return (sampling or SamplingParams()).temperature <= 0
 
 
-_engine_step_pipe_jit = jax.jit(_flat_params(_engine_step_pipe), donate_argnums=(1, 2, 4, 5),
-                                static_argnames=_STEP_STATICS)
-_engine_step_pipe_decode_jit = (jax.jit(_flat_params(_engine_step_pipe), donate_argnums=(1, 2, 4, 5),
-                                        static_argnames=_STEP_STATICS, compiler_options=_DECODE_OPTIONS)
-                                if _DECODE_OPTIONS else _engine_step_pipe_jit)
+_engine_step_pipe_jit, _engine_step_pipe_decode_jit = _step_jits(_engine_step_pipe, (1, 2, 4, 5))
 
 
 def step_program(width: int, pipelined: bool):

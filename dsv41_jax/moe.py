@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe_route import route_select
+from pallas_kernels.moe_route.reference import picked_weights
 from pallas_kernels.moe_route.reference import scores as route_scores
 from sharding.expert_parallel import routed_experts  # moe_experts, expert-parallel under a mesh
 
@@ -31,10 +32,7 @@ def route(p_gate, x, cfg: ModelConfig, topk: int, tokens=None):
         raise ValueError("a hash-routed MoE layer needs the token ids")
     s = route_scores(z, score_func=cfg.score_func, gate_temp=cfg.gate_temp)
     idx = jnp.take(p_gate["tid2eid"], tokens.reshape(-1), axis=0)
-    w = jnp.take_along_axis(s, idx, axis=-1)
-    if cfg.norm_topk_prob and topk > 1:
-        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
-    return w * cfg.route_scale, idx.astype(jnp.int32)
+    return picked_weights(s, idx, norm_topk_prob=cfg.norm_topk_prob, route_scale=cfg.route_scale)
 
 
 def shared_expert(p, x, cfg: ModelConfig):

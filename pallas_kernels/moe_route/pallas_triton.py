@@ -10,10 +10,10 @@ order and tie rule of ``jax.lax.top_k`` -- gathers the weights, normalises them 
 each output. The logits stay an XLA reduction: at E = 384 the gate is 3.9 MB of bf16, a stream one
 program could not read quickly.
 
-Numerics: the scores use the reference's formulas in f32 (softplus as ``max(x, 0) + log1p(exp(-|x|))``,
-``jax.nn.softplus``'s form; the sigmoid as ``1 / (1 + exp(-x))``); the normalising sum adds the k
-weights in order. Weights agree with the reference to a few f32 ulps; the indices are the same
-unless two biased scores are within that of each other.
+Numerics: the scores are the reference's own function (:func:`.reference.scores`, traced into the
+kernel); the normalising sum adds the k weights in order, the softmax sums over E in the kernel's
+order. Weights agree with the reference to a few f32 ulps; the indices are the same unless two
+biased scores are within that of each other.
 """
 
 from __future__ import annotations
@@ -27,18 +27,13 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
 
-from .reference import SCORE_FUNCS
+from pallas_kernels.quantized_matmul.pallas_triton import next_pow2
+
+from .reference import SCORE_FUNCS, scores
 
 __all__ = ["route_select", "unsupported_reason", "auto_reason"]
 
 MAX_EXPERTS = 4096  # one program holds a row of scores in registers
-
-
-def _pow2_at_least(n: int) -> int:
-    p = 1
-    while p < n:
-        p *= 2
-    return p
 
 
 def unsupported_reason(z, bias, topk: int, score_func: str) -> str | None:
@@ -69,24 +64,11 @@ def auto_reason(z) -> str | None:
     return "not yet checked on a GPU (session 21); DSV41_KERNELS=auto,moe_route=pallas runs it"
 
 
-def _scores(x, score_func: str):
-    if score_func == "sigmoid":
-        return 1.0 / (1.0 + jnp.exp(-x))
-    if score_func == "sqrtsoftplus":
-        return jnp.sqrt(jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x))))
-    raise ValueError(score_func)
-
-
-def _kernel(z_ref, b_ref, w_ref, i_ref, *, e, ep, kp, topk, score_func, inv_temp, norm, scale):
+def _kernel(z_ref, b_ref, w_ref, i_ref, *, e, ep, kp, topk, score_func, gate_temp, norm, scale):
     cols = jax.lax.broadcasted_iota(jnp.int32, (1, ep), 1)
     valid = cols < e
-    x = jnp.where(valid, z_ref[...] * inv_temp, 0.0)  # [1, ep]; the pad is masked below
-    if score_func == "softmax":
-        xm = jnp.where(valid, x, -jnp.inf)
-        ex = jnp.where(valid, jnp.exp(xm - jnp.max(xm, axis=1, keepdims=True)), 0.0)
-        s = ex / jnp.sum(ex, axis=1, keepdims=True)
-    else:
-        s = _scores(x, score_func)
+    # the reference's own formulas; the pad at -inf scores 0 (and the softmax's pad adds 0)
+    s = scores(jnp.where(valid, z_ref[...], -jnp.inf), score_func=score_func, gate_temp=gate_temp)
     sel = jnp.where(valid, s + b_ref[...], -jnp.inf)
     kcols = jax.lax.broadcasted_iota(jnp.int32, (1, kp), 1)
     picks, weights = [], []
@@ -121,11 +103,11 @@ def route_select(z, bias, *, topk: int, score_func: str, gate_temp: float, norm_
     if reason is not None:
         raise ValueError(f"moe_route (pallas): {reason}")
     n, e = z.shape
-    ep, kp = _pow2_at_least(max(e, 2)), _pow2_at_least(max(topk, 2))
+    ep, kp = next_pow2(max(e, 2)), next_pow2(max(topk, 2))
     if num_warps is None:
         num_warps = 1 if ep <= 512 else 4
     kernel = functools.partial(_kernel, e=e, ep=ep, kp=kp, topk=topk, score_func=score_func,
-                               inv_temp=1.0 / float(gate_temp), norm=bool(norm_topk_prob), scale=float(route_scale))
+                               gate_temp=float(gate_temp), norm=bool(norm_topk_prob), scale=float(route_scale))
     w, idx = pl.pallas_call(
         kernel,
         grid=(n,),

@@ -27,7 +27,14 @@ def route_select(z, bias, *, topk: int, score_func: str, gate_temp: float, norm_
     """z [N, E] f32, bias [E] -> (weights [N, topk] f32, indices [N, topk] int32)."""
     s = scores(z.astype(jnp.float32), score_func=score_func, gate_temp=gate_temp)
     _, idx = jax.lax.top_k(s + bias.astype(jnp.float32), topk)
+    return picked_weights(s, idx, norm_topk_prob=norm_topk_prob, route_scale=route_scale)
+
+
+def picked_weights(s, idx, *, norm_topk_prob: bool, route_scale: float):
+    """scores [N, E] and the picked experts idx [N, k] -> (weights [N, k] f32, idx as int32): the
+    picks' scores, normalised over the k picks when ``norm_topk_prob``, times ``route_scale`` (also
+    the weights of a V4 hash layer, whose picks come from its table)."""
     w = jnp.take_along_axis(s, idx, axis=-1)
-    if norm_topk_prob and topk > 1:
+    if norm_topk_prob and idx.shape[-1] > 1:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
     return w * route_scale, idx.astype(jnp.int32)

@@ -309,20 +309,27 @@ def _combine_in_kernel(acc, m, l, acc_ref, m_ref, l_ref, cnt_ref, sink_ref, o_re
     @pl.when(old[0] == num_splits - 1)
     def _():
         cg = {} if interpret else dict(cache_modifier=".cg")
-        ms = pltriton.load(m_ref.at[r, :, heads], **cg)  # [P, bh]
-        ls = pltriton.load(l_ref.at[r, :, heads], **cg)
-        mx = jnp.max(ms, axis=0)
-        mxs = jnp.where(mx == _NEG_INF, 0.0, mx)
-        w = jnp.exp(ms - mxs[None, :])  # exp(-inf) = 0 for an empty split
-        den = jnp.sum(w * ls, axis=0) + jnp.exp(sink_ref[...] - mxs)
-        inv = jnp.where(mx == _NEG_INF, 0.0, 1.0 / den)
+        o = _merge_splits(pltriton.load(m_ref.at[r, :, heads], **cg), pltriton.load(l_ref.at[r, :, heads], **cg),
+                          sink_ref[...], lambda q: pltriton.load(m_ref.at[r, q, heads], **cg),
+                          lambda q: pltriton.load(acc_ref.at[r, q, heads, cols], **cg), num_splits, (bh, dv))
+        o_ref[...] = o.astype(o_ref.dtype)
 
-        def body(q, o):
-            wq = jnp.exp(pltriton.load(m_ref.at[r, q, heads], **cg) - mxs)
-            return o + wq[:, None] * pltriton.load(acc_ref.at[r, q, heads, cols], **cg)
 
-        o = jax.lax.fori_loop(0, num_splits, body, jnp.zeros((bh, dv), jnp.float32))
-        o_ref[...] = (o * inv[:, None]).astype(o_ref.dtype)
+def _merge_splits(m, l, sink, m_of, acc_of, num_splits: int, shape):
+    """The flash-decoding merge inside a kernel: running maxima ``m`` and sums ``l`` [P, bh] of the
+    P splits, the sink [bh], ``m_of(p)`` / ``acc_of(p)`` that split's [bh] maxima and [bh, dv]
+    accumulator (loaded in the loop, splits in order 0..P-1) -> the output tile [bh, dv] in f32
+    (0 for a head whose splits are all empty)."""
+    mx = jnp.max(m, axis=0)
+    mxs = jnp.where(mx == _NEG_INF, 0.0, mx)
+    den = jnp.sum(jnp.exp(m - mxs[None, :]) * l, axis=0) + jnp.exp(sink - mxs)  # exp(-inf) = 0: empty splits
+    inv = jnp.where(mx == _NEG_INF, 0.0, 1.0 / den)
+
+    def body(p, o):
+        return o + jnp.exp(m_of(p) - mxs)[:, None] * acc_of(p)
+
+    o = jax.lax.fori_loop(0, num_splits, body, jnp.zeros(shape, jnp.float32))
+    return o * inv[:, None]
 
 
 def _pad_idx(idx, multiple):
@@ -343,18 +350,9 @@ COMBINE_BLOCK_D = 128
 
 
 def _combine_kernel(acc_ref, m_ref, l_ref, sink_ref, o_ref, *, num_splits: int):
-    m = m_ref[...]  # [P, bh]
-    mx = jnp.max(m, axis=0)
-    mxs = jnp.where(mx == _NEG_INF, 0.0, mx)
-    den = jnp.sum(jnp.exp(m - mxs[None, :]) * l_ref[...], axis=0) + jnp.exp(sink_ref[...] - mxs)
-    inv = jnp.where(mx == _NEG_INF, 0.0, 1.0 / den)
-
-    def body(p, o):
-        w = jnp.exp(m_ref[p, :] - mxs)  # exp(-inf) = 0 for an empty split
-        return o + w[:, None] * acc_ref[p, :, :]
-
-    o = jax.lax.fori_loop(0, num_splits, body, jnp.zeros(o_ref.shape, jnp.float32))
-    o_ref[...] = (o * inv[:, None]).astype(o_ref.dtype)
+    o = _merge_splits(m_ref[...], l_ref[...], sink_ref[...], lambda p: m_ref[p, :], lambda p: acc_ref[p, :, :],
+                      num_splits, o_ref.shape)
+    o_ref[...] = o.astype(o_ref.dtype)
 
 
 def _xla_combine(acc, m, l, sink):

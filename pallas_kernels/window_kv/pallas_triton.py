@@ -30,13 +30,10 @@ from jax.experimental.pallas import triton as pltriton
 from dsv41_jax.quant import Fp8Tensor
 from dsv41_jax.quant.codecs import E4M3_MAX, pow2
 from dsv41_jax.quant.fake_quant import fp8_block_scale
+from pallas_kernels.quantized_matmul.pallas_triton import next_pow2
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
 
 __all__ = ["window_kv_write", "unsupported_reason", "auto_reason"]
-
-
-def _is_pow2(n: int) -> bool:
-    return n >= 1 and (n & (n - 1)) == 0
 
 
 def unsupported_reason(kv_lat, norm_weight, angles, ring, slot) -> str | None:
@@ -48,9 +45,9 @@ def unsupported_reason(kv_lat, norm_weight, angles, ring, slot) -> str | None:
         return "the window ring must be an Fp8Tensor with block (1, 32) (V4.1's quantized window)"
     if ring.data.dtype != jnp.float8_e4m3fn or ring.data.ndim != 3 or ring.data.shape[0] != b or ring.data.shape[2] != d:
         return f"ring data {ring.data.dtype} {tuple(ring.data.shape)} is not e4m3 [B={b}, W, D={d}]"
-    if not _is_pow2(d) or d < 64:
+    if next_pow2(d) != d or d < 64:
         return f"D={d} must be a power of two >= 64"
-    if angles.ndim != 2 or angles.shape[0] != b or 2 * angles.shape[1] > d or not _is_pow2(angles.shape[1]):
+    if angles.ndim != 2 or angles.shape[0] != b or 2 * angles.shape[1] > d or next_pow2(angles.shape[1]) != angles.shape[1]:
         return f"angles shape {tuple(angles.shape)} is not [B={b}, R/2] with R/2 a power of two and R <= D"
     if tuple(norm_weight.shape) != (d,):
         return f"norm weight shape {tuple(norm_weight.shape)} is not [D={d}]"
