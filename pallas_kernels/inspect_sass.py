@@ -240,7 +240,7 @@ def main(argv=None) -> int:
                     "(sparse-attn, indexer)")
     ap.add_argument("--experts", type=int, default=384, help="moe, route: routed experts")
     ap.add_argument("--config", default=None, help="the op's config tuple, e.g. \"(128, 128, 64, 128, 64, 8)\"; "
-                    "sparse-attn, indexer: keyword arguments, e.g. \"{'block_h': 32, 'num_warps': 4}\"")
+                    "sparse-attn, indexer, route: keyword arguments, e.g. \"{'block_h': 32, 'num_warps': 4}\"")
     ap.add_argument("--python", default=None, help="an interpreter with triton installed, for the SASS step")
     ap.add_argument("--out", default=None, help="also write each kernel's .ttir and .sass here")
     a = ap.parse_args(argv)
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
             config = config if isinstance(config, dict) else tuple(config)
         except (ValueError, SyntaxError, TypeError):
             ap.error(f"--config {a.config!r}: expected a tuple literal such as \"(128, 128, 64, 128, 64, 8)\" "
-                     f"(sparse-attn, indexer: a dict of keyword arguments, e.g. \"{{'block_h': 32}}\")")
+                     f"(sparse-attn, indexer, route: a dict of keyword arguments, e.g. \"{{'block_h': 32}}\")")
         takes_dict = a.case in ("sparse-attn", "indexer", "route")
         if isinstance(config, dict) != takes_dict:
             ap.error(f"--config {a.config!r}: {a.case} takes a {'dict of keyword arguments' if takes_dict else 'tuple'}")
