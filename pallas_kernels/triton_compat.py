@@ -60,6 +60,22 @@ TRITON_OFFSETS_PATCHED = _patch_triton_offsets()
 LOOP_STAGES_ENV = "DSV41_TRITON_LOOP_STAGES"
 
 
+def cache_modifier(name: str) -> str:
+    """The spelling of load cache modifier ``name`` ("cg", "ca") that the installed Pallas-Triton
+    lowering accepts. jax 0.12 takes only the dotted PTX spelling (".cg") and strips the dot itself;
+    older versions look the string up as is in a table keyed by ``str()`` of Triton's enum, where
+    ".cg" raised KeyError on the H200 (jax 0.11.2, session 22), so the table's own key is used."""
+    import jax
+    from jax._src.pallas.triton import lowering
+
+    if tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12):
+        return "." + name
+    table = getattr(lowering, "_STR_TO_CACHE_MODIFIER", {})
+    for key, member in table.items():
+        if getattr(member, "name", str(member)).lower().endswith(name):
+            return key
+    return "." + name
+
 def parse_loop_stages(text: str | None) -> dict[str, int]:
     """``DSV41_TRITON_LOOP_STAGES`` -> {kernel-name prefix: stages}; a clear error for bad entries."""
     out: dict[str, int] = {}

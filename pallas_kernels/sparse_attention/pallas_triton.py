@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.quant import Fp4Tensor, Fp8Tensor
+from pallas_kernels import triton_compat
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
 
 __all__ = ["sparse_attention", "unsupported_reason", "default_config", "combine_splits", "combine_reason"]
@@ -293,7 +294,7 @@ def _combine_in_kernel(acc, m, l, acc_ref, m_ref, l_ref, cnt_ref, sink_ref, o_re
     Ordering: the barrier puts every thread's partial stores before the counter increment, which
     Triton emits with acquire-release semantics at GPU scope; the last program's increment reads
     the value every other program's increment wrote (one release sequence), so their stores are
-    visible to the loads after it. The partials are loaded with ``.cg`` (from L2, not the SM's L1)."""
+    visible to the loads after it. The partials are loaded with the ``cg`` cache modifier (from L2, not the SM's L1)."""
     r, j, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bh, dv = acc.shape
     h0 = (j // d_split) * bh
@@ -308,7 +309,7 @@ def _combine_in_kernel(acc, m, l, acc_ref, m_ref, l_ref, cnt_ref, sink_ref, o_re
 
     @pl.when(old[0] == num_splits - 1)
     def _():
-        cg = {} if interpret else dict(cache_modifier=".cg")
+        cg = {} if interpret else dict(cache_modifier=triton_compat.cache_modifier("cg"))
         o = _merge_splits(pltriton.load(m_ref.at[r, :, heads], **cg), pltriton.load(l_ref.at[r, :, heads], **cg),
                           sink_ref[...], lambda q: pltriton.load(m_ref.at[r, q, heads], **cg),
                           lambda q: pltriton.load(acc_ref.at[r, q, heads, cols], **cg), num_splits, (bh, dv))

@@ -80,3 +80,18 @@ def test_bad_imprecise_acc_value_fails_at_import():
     out = subprocess.run([sys.executable, "-c", "import dsv41_jax, pallas_kernels.triton_compat"], capture_output=True,
                          text=True, timeout=300, env={**os.environ, "DSV41_FP8_IMPRECISE_ACC": "yes"})
     assert out.returncode != 0 and "DSV41_FP8_IMPRECISE_ACC='yes': expected on or off" in out.stderr
+
+
+def test_cache_modifier_spelling_per_jax_version(monkeypatch):
+    """jax 0.12 takes ".cg"; jax 0.11 looks the table key up as is (".cg" raised KeyError there)."""
+    import jax
+
+    from pallas_kernels import triton_compat
+
+    monkeypatch.setattr(jax, "__version__", "0.12.0")
+    assert triton_compat.cache_modifier("cg") == ".cg"
+    monkeypatch.setattr(jax, "__version__", "0.11.2")
+    got = triton_compat.cache_modifier("cg")
+    from jax._src.pallas.triton import lowering
+
+    assert got in lowering._STR_TO_CACHE_MODIFIER and lowering._STR_TO_CACHE_MODIFIER[got].name == "CG"
