@@ -61,20 +61,18 @@ LOOP_STAGES_ENV = "DSV41_TRITON_LOOP_STAGES"
 
 
 def cache_modifier(name: str) -> str:
-    """The spelling of load cache modifier ``name`` ("cg", "ca") that the installed Pallas-Triton
-    lowering accepts. jax 0.12 takes only the dotted PTX spelling (".cg") and strips the dot itself;
-    older versions look the string up as is in a table keyed by ``str()`` of Triton's enum, where
-    ".cg" raised KeyError on the H200 (jax 0.11.2, session 22), so the table's own key is used."""
-    import jax
+    """``name`` (".cg", ".ca") as every supported Pallas-Triton lowering accepts it. jax 0.12 checks
+    the dotted PTX spelling and strips the dot before its table lookup. jax 0.11.2 checks the dotted
+    spelling too but looks it up unstripped in a table keyed without the dot, so both ".cg"
+    (KeyError) and "cg" ("unsupported cache modifier") failed on the H200 (session 22): the dotted
+    keys are added to that table here, once."""
     from jax._src.pallas.triton import lowering
 
-    if tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12):
-        return "." + name
-    table = getattr(lowering, "_STR_TO_CACHE_MODIFIER", {})
-    for key, member in table.items():
-        if getattr(member, "name", str(member)).lower().endswith(name):
-            return key
-    return "." + name
+    table = getattr(lowering, "_STR_TO_CACHE_MODIFIER", None)
+    bare = name.removeprefix(".")
+    if isinstance(table, dict) and "." + bare not in table and bare in table:
+        table["." + bare] = table[bare]
+    return "." + bare
 
 def parse_loop_stages(text: str | None) -> dict[str, int]:
     """``DSV41_TRITON_LOOP_STAGES`` -> {kernel-name prefix: stages}; a clear error for bad entries."""
