@@ -3,7 +3,10 @@
 
     PYTHONPATH=. python -m pallas_kernels.moe_route.benchmark [--quick] [--out DIR]
 
-First every case is checked (indices equal, weights within 16 f32 ulps), then timed with
+First every case is checked (indices equal, weights within 16 f32 ulps; and reproducible: the
+kernel called ``--repeat`` times on the same logits, alone and after the model's f32 router GEMM in
+one program, must give the same bits every time -- session 22's model runs with the kernel were not
+reproducible run to run), then timed with
 :func:`pallas_kernels.benchmarking.device_time_op` (the profiler's kernel time per op, 5 distinct
 logit sets, L2 flushed). The byte floor is nil (a few KB): the figure to compare is the reference's
 time, i.e. the launches the kernel replaces.
@@ -16,10 +19,37 @@ import os
 import sys
 
 
+def repeats_identical(kern, z, bias, repeat: int, rng, e: int) -> bool:
+    """True when ``repeat`` calls of the kernel on the same logits -- and of the model's router
+    (f32 GEMM at HIGHEST precision, then the kernel) on the same activations -- all give the
+    bits of the first call."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    x = jnp.asarray(rng.standard_normal((z.shape[0], 5120)), jnp.bfloat16)
+    wg = jnp.asarray(rng.standard_normal((e, 5120)) * 0.02, jnp.bfloat16)
+
+    def routed(x, wg, b):
+        zz = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), wg.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST)
+        return kern(zz, b)
+
+    ok = True
+    for fn, args in ((jax.jit(kern), (z, bias)), (jax.jit(routed), (x, wg, bias))):
+        outs = [tuple(np.asarray(o).tobytes() for o in fn(*args)) for _ in range(repeat)]
+        distinct = len(set(outs))
+        ok &= distinct == 1
+        if distinct != 1:
+            print(f"  {distinct} distinct results in {repeat} identical calls", flush=True)
+    return ok
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="E = 96 and 384 at 1 token only")
     ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--repeat", type=int, default=50, help="calls per reproducibility check")
     args = ap.parse_args(argv)
 
     import jax
@@ -44,8 +74,10 @@ def main(argv=None) -> int:
         (w, i), (wr, ir) = jax.jit(kern)(sets[0][0], bias), jax.jit(xla)(sets[0][0], bias)
         good = bool(np.array_equal(np.asarray(i), np.asarray(ir))) and bool(
             np.allclose(np.asarray(w), np.asarray(wr), rtol=16 * 2.0**-23, atol=0))
+        same = repeats_identical(kern, sets[0][0], bias, args.repeat, rng, e)
+        good &= same
         ok &= good
-        row = dict(tokens=n, experts=e, ok=good)
+        row = dict(tokens=n, experts=e, ok=good, reproducible=same)
         variants = [("xla", xla), ("pallas", kern)]
         if e >= 256:  # 4 warps: a quarter of the row per thread, 39 barriers (offline SASS: 984 against 1,792
             # instructions per warp with one warp at E = 384)
@@ -53,7 +85,7 @@ def main(argv=None) -> int:
         if good:
             time_variants(row, variants, sets, (bias,))
         rows.append(row)
-        print(f"N={n:5d} E={e:4d} {'PASS' if good else 'FAIL'}"
+        print(f"N={n:5d} E={e:4d} {'PASS' if good else 'FAIL'}{'' if same else ' (NOT REPRODUCIBLE)'}"
               + (f"  xla {row['xla_us']:6.2f} us ({row['xla_kernels']} kernels)  pallas {row['pallas_us']:6.2f} us "
                  f"({row['pallas_kernels']})  ratio {row['xla_us'] / row['pallas_us']:.2f}x"
                  + (f"  4 warps {row['pallas_4w_us']:6.2f} us" if "pallas_4w_us" in row else "") if good else ""),

@@ -57,11 +57,13 @@ def unsupported_reason(kv_lat, norm_weight, angles, ring, slot) -> str | None:
 
 
 def auto_reason(kv_lat) -> str | None:
-    """Why plain 'auto' does not pick this kernel on a GPU (None: pick it). Built in session 21
-    without a GPU: not yet checked or timed on one; ``DSV41_KERNELS=auto,window_kv_write=pallas``
-    runs it."""
+    """Why plain 'auto' does not pick this kernel on a GPU (None: pick it). Picked: on the H200
+    (session 22) its ring bytes equal the XLA reference's (``benchmark --check``), it takes 6.99 µs
+    against XLA's 10.48 µs (7 kernels) in isolation, the 7-layer decode probe ran 0.036 ms per step
+    faster with it, and its greedy tokens were bit-identical to the reference path's over three
+    256-token runs."""
     del kv_lat
-    return "not yet checked on a GPU (session 21); DSV41_KERNELS=auto,window_kv_write=pallas runs it"
+    return None
 
 
 def _kernel(x_ref, w_ref, cos_ref, sin_ref, slot_ref, data_in, scale_in, data_ref, scale_ref, *, d, r, w, eps):

@@ -79,7 +79,13 @@ def test_unsupported_reasons_and_dispatch(monkeypatch):
     assert "block (1, 32)" in pallas_triton.unsupported_reason(kv, nw, ang, Fp8Tensor(ring.data, ring.scale, (32, 32)), slot)
     assert "angles shape" in pallas_triton.unsupported_reason(kv, nw, ang[:, :24], ring, slot)
     assert "slot shape" in pallas_triton.unsupported_reason(kv, nw, ang, ring, slot[:1])
-    assert "not yet checked on a GPU" in pallas_triton.auto_reason(kv)
+    assert pallas_triton.auto_reason(kv) is None  # measured on the H200 (session 22): 'auto' picks it
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
+    monkeypatch.delenv("DSV41_KERNELS", raising=False)
+    picked, interp = dispatch.choose("window_kv_write", None, api._kernel,
+                                     lambda k: k.unsupported_reason(kv, nw, ang, ring, slot), lambda k: k.auto_reason(kv))
+    assert picked is pallas_triton and interp is False
+    monkeypatch.undo()
     with pytest.raises(ValueError, match=r"window_kv_write \(pallas\): slot shape"):
         pallas_triton.window_kv_write(kv, nw, ang, ring, slot[:1], eps=1e-6, interpret=True)
     calls = []
