@@ -73,10 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefill-tokens", type=int, default=None,
                      help="most prompt tokens one prefill step runs over all slots (the chunk per row shrinks "
                           "with --batch-size; bounds the prefill program's memory)")
-    gen.add_argument("--speculative", choices=("dspark",), default=None,
-                     help="speculative decoding with the checkpoint's DSpark drafter (dsv41_jax/speculative.py)")
+    gen.add_argument("--speculative", choices=("dspark", "mtp"), default=None,
+                     help="speculative decoding with the checkpoint's drafter (dsv41_jax/speculative.py): V4.1's "
+                          "DSpark stages, or V4's MTP block (one draft per step)")
     gen.add_argument("--speculative-policy", default="all", choices=("all", "confidence"),
-                     help="drafts to verify per step: all 5, or chosen from the confidence head")
+                     help="drafts to verify per step: all of them, or chosen from the drafts' confidence")
     out = p.add_argument_group("output")
     out.add_argument("--output", metavar="FILE.jsonl", help="write one JSON record per prompt, in input order")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -277,7 +278,7 @@ def run(argv=None) -> int:
         raise UsageError(f"--batch-size {a.batch_size} is not a multiple of dp={dp} in --mesh {a.mesh} "
                          f"(each data-parallel group decodes an equal share of the rows)")
     if a.speculative and dp != 1:
-        raise UsageError(f"--speculative dspark does not split rows over dp (got dp={dp} in --mesh {a.mesh}); "
+        raise UsageError(f"--speculative {a.speculative} does not split rows over dp (got dp={dp} in --mesh {a.mesh}); "
                          f"split the experts with ep and the heads with tp")
     t0 = time.perf_counter()
     if a.checkpoint:
@@ -299,9 +300,12 @@ def run(argv=None) -> int:
     opts = RunOptions(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype)
     sampling = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed)
     if a.speculative:
-        if not (cfg.n_mtp_layers and cfg.dspark_block_size and "mtp" in model.params):
-            raise UsageError("--speculative dspark: the model has no DSpark stages (mtp.*)")
-        from .speculative import run_cli
+        from .speculative import choose_drafter, run_cli
+
+        try:
+            choose_drafter(cfg, model.params, a.speculative)
+        except ValueError as e:
+            raise UsageError(f"--speculative {a.speculative}: {e}") from None
         return run_cli(a, model, prompts, tok, opts, sampling, max_seq_len, mesh=mesh)
     slots = min(a.batch_size, -(-len(prompts) // dp) * dp)  # no more slots than prompts, a multiple of dp
     eng = Engine(model, batch_size=slots, max_seq_len=max_seq_len, opts=opts,

@@ -1,4 +1,4 @@
-"""DSpark speculative decoding: verification on the target, lossless acceptance, cache rollback,
+"""Speculative decoding (DSpark, or V4's MTP block): verification on the target, lossless acceptance, cache rollback,
 confidence scheduling, and a batch generator (``shared/spec/model.md`` §8.3, ``attention.md`` §10).
 
 One device program per step (:func:`spec_step`, jitted per verify width ``S = 1 + k``):
@@ -32,6 +32,13 @@ One device program per step (:func:`spec_step`, jitted per verify width ``S = 1 
    anchor. Drafts, draft logits and confidences come back with the acceptance results (one host sync
    per step: the host needs the drafts to hash the Engram ids of the next verify chunk).
 
+Drafters (``drafter``, :func:`choose_drafter`): ``dspark`` as above (V4.1, gamma = the DSpark
+block size), or ``mtp`` (V4): V4's MTP block drafts one token per step (:mod:`dsv41_jax.mtp_draft`).
+Step 4 then runs the block over the committed positions ``P .. P+n_acc``, each with the token
+after it, and drafts after the new token. The block sees committed positions only, so its cache
+needs no rollback. Step 3 restores V4's caches too: each compressed layer's own KV entries and
+partial-block state, and the CSA layers' index keys and the indexer compressor's state.
+
 Scheduling (:class:`SpeculativeGenerator`, ``policy``): ``"all"`` verifies every draft (always
 correct, the baseline); ``"confidence"`` (:func:`choose_width`) picks the width ``k`` maximizing the
 expected committed tokens per second ``sum_b (1 + sum_{i<=k} a_{b,i}) / t(1+k)`` with ``a_{b,i} =
@@ -64,11 +71,13 @@ from pallas_kernels.mhc import hc_collapse
 from .attention import scatter_rows, select_rows, take_rows, compress
 from .cache import init_cache
 from .config import ModelConfig
+from .cache import init_mtp_cache, reset_row
 from .dspark import dspark_draft, dspark_update, init_dspark_cache, reset_dspark_slot
 from .engine import _copy_jit, reset_slot, stage_into
 from .engram import engram, gather_rows
 from .engram_hash import ngram_hash_ids
 from .layers import norm
+from .mtp_draft import last_streams, mtp_draft, prompt_update
 from .options import RunOptions
 from .sampling import SamplingParams, filter_logits, request_keys
 from .transformer import forward_step
@@ -145,7 +154,8 @@ def _layer_input(params, aux, tokens, l, cfg, opts, engram_ids, engram_rows):
         rows = engram_rows[str(l)] if engram_rows is not None else gather_rows(p["engram"]["embed"],
                                                                                  engram_ids[str(l)])
         h = engram(p["engram"], h, rows, cfg)
-    return norm(hc_collapse(h, aux["pre"][l]), p["attn_norm"], cfg.norm_eps)
+    pre = aux["attn_pre"][l] if cfg.is_v4 else aux["pre"][l]  # V4: the site's own pre; V4.1: the previous site's
+    return norm(hc_collapse(h, pre), p["attn_norm"], cfg.norm_eps)
 
 
 def rollback(params, old, new, aux, tokens, keep, lengths, engram_ids=None, engram_rows=None, *, cfg: ModelConfig,
@@ -170,12 +180,18 @@ def rollback(params, old, new, aux, tokens, keep, lengths, engram_ids=None, engr
             m = cfg.ratio(l)
             idx = new_pos[:, None] // m + jnp.arange(S // m + 2, dtype=jnp.int32)[None, :]
             for name in ("comp", "index_k"):
-                lc[name] = scatter_rows(ln[name], idx, take_rows(lo[name], idx))
+                if name in ln:  # V4: index keys in the ratio-4 (CSA) layers only
+                    lc[name] = scatter_rows(ln[name], idx, take_rows(lo[name], idx))
             if m > 1:
                 x = _layer_input(params, aux, tokens, l, cfg, opts, engram_ids, engram_rows)
-                _, _, _, state = compress(params["layers"][str(l)]["attn"]["compressor"], x, lo, pos0, keep, m, cfg,
-                                          opts)
+                pa = params["layers"][str(l)]["attn"]
+                overlap = cfg.is_v4 and cfg.overlap(l)
+                _, _, _, state = compress(pa["compressor"], x, lo, pos0, keep, m, cfg, opts, overlap=overlap)
                 lc.update(state)
+                if cfg.is_v4 and "index_k" in ln:  # V4's indexer has its own compressor and state
+                    _, _, _, istate = compress(pa["indexer"]["compressor"], x, lo, pos0, keep, m, cfg, opts,
+                                               overlap=True, state="index_state")
+                    lc.update(istate)
         layers[str(l)] = lc
     return {"pos": new_pos, "layers": layers}
 
@@ -185,13 +201,50 @@ def rollback(params, old, new, aux, tokens, keep, lengths, engram_ids=None, engr
 # ---------------------------------------------------------------------------------------------
 
 
+DRAFTERS = ("dspark", "mtp")
+
+
+def choose_drafter(cfg: ModelConfig, params, drafter: str = "auto") -> str:
+    """The drafter a model speculates with: ``dspark`` (V4.1's DSpark stages, ``mtp.*`` with a
+    ``dspark_block_size``) or ``mtp`` (V4's MTP block, one draft per step); ``auto`` takes the one
+    the model has. Raises ValueError naming what is missing."""
+    has = {"dspark": bool(cfg.n_mtp_layers and cfg.dspark_block_size and "mtp" in params),
+           "mtp": bool(cfg.has_mtp and "mtp" in params)}
+    if drafter == "auto":
+        for name in DRAFTERS:
+            if has[name]:
+                return name
+        raise ValueError(f"config {cfg.name!r} has no drafter: neither DSpark stages nor a V4 MTP block (mtp.*)")
+    if drafter not in DRAFTERS:
+        raise ValueError(f"drafter must be auto, dspark or mtp, got {drafter!r}")
+    if not has[drafter]:
+        what = "DSpark stages (mtp.* with dspark_block_size)" if drafter == "dspark" else "V4 MTP block (mtp.*)"
+        raise ValueError(f"the model has no {what}: drafter {drafter!r} cannot run on config {cfg.name!r}")
+    return drafter
+
+
+def draft_width(cfg: ModelConfig, drafter: str) -> int:
+    """Drafts per step (gamma): the DSpark block size, or 1 for MTP-1."""
+    return cfg.dspark_block_size if drafter == "dspark" else 1
+
+
+def init_draft_cache(cfg: ModelConfig, batch: int, max_seq_len: int, opts: RunOptions, drafter: str) -> dict:
+    """The drafter's cache: DSpark rings, or the MTP block's window cache and ``pos``."""
+    if drafter == "mtp":
+        return init_mtp_cache(cfg, batch, max_seq_len, opts)
+    return init_dspark_cache(cfg, batch, opts)
+
+
 def _draft_keys(keys):
     return None if keys is None else jax.vmap(lambda k: jax.random.fold_in(k, 2))(keys)
 
 
 def spec_step(params, cache, dcache, tokens, n_verify, active, draft_logits, engram_ids, engram_rows, keys,
-              temperature, top_k, top_p, force_acc=None, *, cfg: ModelConfig, opts: RunOptions, sampler):
-    """Verify + accept + roll back + DSpark update + next draft. tokens [B,S] = [anchor, drafts...].
+              temperature, top_k, top_p, force_acc=None, *, cfg: ModelConfig, opts: RunOptions, sampler,
+              drafter: str = "dspark"):
+    """Verify + accept + roll back + drafter update + next draft. tokens [B,S] = [anchor, drafts...].
+    ``drafter`` "mtp": the MTP block runs over the committed positions, each with the token after
+    it (:mod:`dsv41_jax.mtp_draft`), and drafts one token.
     ``force_acc`` [B] (benchmarks only, NOT lossless): where >= 0, accept ``min(force_acc, n_verify)``
     drafts whatever the target says (the "simulated acceptance" protocol of published numbers).
     Returns (n_acc [B], next [B], cache, dcache, draft ids [B,G+1], draft logits [B,G,V], conf [B,G])."""
@@ -210,9 +263,16 @@ def spec_step(params, cache, dcache, tokens, n_verify, active, draft_logits, eng
     n_acc = jnp.where(active, n_acc, 0)
     keep = jnp.where(active, n_acc + 1, 0)
     cache = rollback(params, cache, new_cache, aux, tokens, keep, lengths, engram_ids, engram_rows, cfg=cfg, opts=opts)
-    dcache = dspark_update(params, dcache, aux["features"], keep, cfg=cfg, opts=opts)
-    ids, dl, conf = dspark_draft(params, dcache, nxt, None if greedy else _draft_keys(keys), temperature, cfg=cfg,
-                                 opts=opts)
+    if drafter == "mtp":
+        S = tokens.shape[1]
+        after = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)  # the token after each
+        after = jnp.where(jnp.arange(S)[None, :] == n_acc[:, None], nxt[:, None], after).astype(jnp.int32)
+        dcache, ids, dl, conf = mtp_draft(params, dcache, aux["hidden"], after, keep,
+                                          None if greedy else _draft_keys(keys), temperature, cfg=cfg, opts=opts)
+    else:
+        dcache = dspark_update(params, dcache, aux["features"], keep, cfg=cfg, opts=opts)
+        ids, dl, conf = dspark_draft(params, dcache, nxt, None if greedy else _draft_keys(keys), temperature, cfg=cfg,
+                                     opts=opts)
     # the donated caches first: jit gives each output of a donated input's shape that input's buffer, in
     # output order, so n_acc / nxt ([B] int32) listed first would take the caches' positions
     return cache, dcache, n_acc, nxt, ids, dl, conf
@@ -228,7 +288,7 @@ def io_width(G: int, engram_cols: int) -> int:
 
 
 def spec_step_io(params, cache, dcache, dl, io, seed, temperature, top_k, top_p, *, cfg: ModelConfig,
-                 opts: RunOptions, sampler, S: int, forced: bool, engram_shape: tuple | None):
+                 opts: RunOptions, sampler, S: int, forced: bool, engram_shape: tuple | None, drafter: str = "dspark"):
     """:func:`spec_step` reading its per-step inputs from, and writing its results back into, one
     int32 [B, W] buffer ``io`` (layout: :func:`io_width`, :func:`pack_io`; the host copies new
     values into it with :func:`dsv41_jax.engine.stage_into` and reads it through a copy). Returns (cache, dcache, draft logits, io), each
@@ -237,7 +297,7 @@ def spec_step_io(params, cache, dcache, dl, io, seed, temperature, top_k, top_p,
     need not re-record the step's CUDA graph (the engine's decode step, BENCHMARKS.md session 6).
     The draft logits of inactive rows are kept; random keys come from (seed, request id, step) as
     :meth:`SpeculativeGenerator._keys`. ``engram_shape``: (layers, ids per layer) or None."""
-    G = cfg.dspark_block_size
+    G = draft_width(cfg, drafter)
     B = io.shape[0]
     tokens = io[:, :S]
     o = G + 1
@@ -251,14 +311,15 @@ def spec_step_io(params, cache, dcache, dl, io, seed, temperature, top_k, top_p,
     keys = None if sampler[0] else request_keys(seed, rid, steps)
     cache, dcache, n_acc, nxt, ids, dl_new, conf = spec_step(
         params, cache, dcache, tokens, n_verify, active, dl, eids, None, keys, temperature, top_k, top_p, force,
-        cfg=cfg, opts=opts, sampler=sampler)
+        cfg=cfg, opts=opts, sampler=sampler, drafter=drafter)
     dl = jnp.where(active[:, None, None], dl_new, dl)
     res = jnp.concatenate([n_acc[:, None].astype(jnp.int32), nxt[:, None].astype(jnp.int32), ids.astype(jnp.int32),
                            jax.lax.bitcast_convert_type(conf.astype(jnp.float32), jnp.int32)], axis=1)
     return cache, dcache, dl, jax.lax.dynamic_update_slice(io, res, (0, 0))
 
 
-spec_step_io_jit = jax.jit(spec_step_io, static_argnames=("cfg", "opts", "sampler", "S", "forced", "engram_shape"),
+spec_step_io_jit = jax.jit(spec_step_io, static_argnames=("cfg", "opts", "sampler", "S", "forced", "engram_shape",
+                                                          "drafter"),
                            donate_argnames=("cache", "dcache", "dl", "io"))
 
 
@@ -299,6 +360,22 @@ def prefill_step(params, cache, dcache, tokens, lengths, engram_ids, engram_rows
 prefill_step_jit = jax.jit(prefill_step, static_argnames=("cfg", "opts"), donate_argnames=("cache", "dcache"))
 
 
+def prefill_step_mtp(params, cache, mcache, hlast, tokens, lengths, next_tokens, mlengths, engram_ids, engram_rows, *,
+                     cfg, opts):
+    """A prompt chunk through the target (last logits) and into the MTP block's cache: its first
+    ``mlengths[b]`` positions with ``next_tokens`` (the prompt's token after each; a row whose prompt
+    ends here runs one position fewer, whose next token is the first sampled one). ``hlast`` [B, hc,
+    D]: each row's main-model streams at its last chunk position (kept for :func:`first_token_mtp`)."""
+    logits, cache, aux = forward_step(params, cache, tokens, lengths, engram_ids, engram_rows, cfg=cfg, opts=opts,
+                                      logits_mode="last", return_aux=True)
+    mcache = prompt_update(params, mcache, aux["hidden"], next_tokens, mlengths, cfg=cfg, opts=opts)
+    return logits, cache, mcache, last_streams(aux["hidden"], lengths, hlast)
+
+
+prefill_step_mtp_jit = jax.jit(prefill_step_mtp, static_argnames=("cfg", "opts"),
+                               donate_argnames=("cache", "mcache", "hlast"))
+
+
 def first_token(params, dcache, logits, keys, temperature, top_k, top_p, *, cfg, opts, sampler):
     """Sample the first generated token from the prompt's last logits and draft after it."""
     greedy, use_k, use_p = sampler
@@ -315,14 +392,37 @@ def first_token(params, dcache, logits, keys, temperature, top_k, top_p, *, cfg,
 first_token_jit = jax.jit(first_token, static_argnames=("cfg", "opts", "sampler"))
 
 
-def reset_slot_pair(cache, dcache, slot, *, cfg, opts, max_seq_len):
-    """Slot ``slot``'s backbone cache row (:func:`dsv41_jax.engine.reset_slot`) and DSpark rings
-    (:func:`dsv41_jax.dspark.reset_dspark_slot`) back to their initial state, ``pos`` 0 in both."""
-    return (reset_slot(cache, slot, cfg=cfg, opts=opts, max_seq_len=max_seq_len),
-            reset_dspark_slot(dcache, slot, cfg=cfg, opts=opts))
+def first_token_mtp(params, mcache, logits, hlast, ready, keys, temperature, top_k, top_p, *, cfg, opts, sampler):
+    """The first generated token of the ``ready`` rows [B] (their prompt just ended) from the prompt's
+    last logits, then the MTP block over each such row's last prompt position (``hlast``) with that
+    token, which drafts the one after it. Returns (mcache, next [B], ids [B, 2], logits [B, 1, V],
+    confidence [B, 1]); other rows keep their MTP cache."""
+    greedy, use_k, use_p = sampler
+    if greedy:
+        nxt = jnp.argmax(logits, -1).astype(jnp.int32)
+    else:
+        p = target_probs(logits, temperature, top_k, top_p, use_top_k=use_k, use_top_p=use_p)
+        nxt = jax.vmap(lambda k, d: _categorical(jax.random.fold_in(k, 1), d))(keys, p)
+    mcache, ids, dl, conf = mtp_draft(params, mcache, hlast[:, None], nxt[:, None], ready.astype(jnp.int32),
+                                      None if greedy else _draft_keys(keys), temperature, cfg=cfg, opts=opts)
+    return mcache, nxt, ids, dl, conf
 
 
-reset_slot_pair_jit = jax.jit(reset_slot_pair, static_argnames=("cfg", "opts", "max_seq_len"),
+first_token_mtp_jit = jax.jit(first_token_mtp, static_argnames=("cfg", "opts", "sampler"), donate_argnames=("mcache",))
+
+
+def reset_slot_pair(cache, dcache, slot, *, cfg, opts, max_seq_len, drafter="dspark"):
+    """Slot ``slot``'s backbone cache row (:func:`dsv41_jax.engine.reset_slot`) and drafter cache row
+    (DSpark rings, :func:`dsv41_jax.dspark.reset_dspark_slot`, or the MTP block's window) back to their
+    initial state, ``pos`` 0 in both."""
+    if drafter == "mtp":
+        fresh = reset_row(dcache, init_mtp_cache(cfg, 1, max_seq_len, opts), slot)
+    else:
+        fresh = reset_dspark_slot(dcache, slot, cfg=cfg, opts=opts)
+    return reset_slot(cache, slot, cfg=cfg, opts=opts, max_seq_len=max_seq_len), fresh
+
+
+reset_slot_pair_jit = jax.jit(reset_slot_pair, static_argnames=("cfg", "opts", "max_seq_len", "drafter"),
                               donate_argnames=("cache", "dcache"))
 request_keys_jit = jax.jit(request_keys)
 
@@ -369,6 +469,7 @@ class SpecStats:
     compile_s: float = 0.0
     admitted: int = 0  # requests admitted into a slot
     widths: dict = field(default_factory=dict)
+    drafter: str = "dspark"
 
     @property
     def acceptance_length(self) -> float:
@@ -385,7 +486,7 @@ class SpecStats:
         return self.committed / self.decode_s if self.decode_s > 0 else 0.0
 
     def summary(self) -> str:
-        return (f"speculative dspark: acceptance length {self.acceptance_length:.2f} "
+        return (f"speculative {self.drafter}: acceptance length {self.acceptance_length:.2f} "
                 f"({self.accepted}/{self.drafted} drafts accepted, {self.verified_per_step:.2f} verified per row-step, "
                 f"{self.steps} verify steps), decode {self.committed} tokens {self.decode_tps:.1f} tok/s")
 
@@ -417,7 +518,7 @@ def _on_mesh(method):
 
 
 class SpeculativeGenerator:
-    """Generation with DSpark drafts and continuous batching: ``batch_size`` slots; when a sequence
+    """Generation with drafts (V4.1's DSpark, or V4's MTP block: ``drafter``) and continuous batching: ``batch_size`` slots; when a sequence
     finishes (a stop token / its ``max_new_tokens``) its slot is reset (backbone cache row, DSpark
     rings, Engram history: :func:`reset_slot_pair`) and takes the next waiting prompt, whose chunks
     are prefilled between the verify steps of the other slots. ``policy``: ``all`` | ``confidence``
@@ -426,21 +527,21 @@ class SpeculativeGenerator:
 
     def __init__(self, model, *, batch_size: int, max_seq_len: int, opts: RunOptions | None = None,
                  prefill_chunk: int = 64, policy: str = "all", stop_ids=(1,), propose=None,
-                 simulate_accept: float | None = None, pad_width: bool = False, mesh=None):
+                 simulate_accept: float | None = None, pad_width: bool = False, mesh=None, drafter: str = "auto"):
         """``propose(request, pos, tokens_row) -> tokens_row`` (tests): replaces a request's verify
         chunk ``[anchor, drafts...]`` on the host before verification (e.g. oracle drafts).
         ``simulate_accept`` (benchmarks, not lossless): force the accepted-draft count per step to
         floor/ceil of ``simulate_accept - 1`` at random with that mean (e.g. 5.5 -> 4 or 5 drafts, 5
         or 6 tokens). ``pad_width``: always run the verify program at width ``gamma + 1`` (rows
         verifying fewer drafts are padded; one compiled program instead of one per width: tests,
-        compile-bound hosts)."""
+        compile-bound hosts). ``drafter``: ``dspark`` | ``mtp`` | ``auto`` (the one the model has,
+        :func:`choose_drafter`)."""
         self.cfg: ModelConfig = model.cfg
         cfg = self.cfg
-        if not (cfg.n_mtp_layers and cfg.dspark_block_size and "mtp" in model.params):
-            raise ValueError("the model has no DSpark stages (mtp.*)")
-        self.G = cfg.dspark_block_size
+        self.drafter = choose_drafter(cfg, model.params, drafter)
+        self.G = draft_width(cfg, self.drafter)
         if self.G + 1 > cfg.window_size:
-            raise ValueError("dspark_block_size + 1 must not exceed window_size")
+            raise ValueError(f"{self.G} drafts + 1 must not exceed window_size {cfg.window_size}")
         if not (policy in ("all", "confidence") or policy.startswith("fixed:")):
             raise ValueError(f"policy must be all, confidence or fixed:k, got {policy!r}")
         if int(batch_size) < 1:
@@ -465,7 +566,7 @@ class SpeculativeGenerator:
         self.hasher = model.hasher if cfg.engram_layer_ids else None
         self.J = cfg.engram_max_ngram_size if cfg.engram_layer_ids else 1
         self.cost = {S: 1.0 for S in range(1, self.G + 2)}  # seconds per verify width (calibrate measures)
-        self.stats = SpecStats()
+        self.stats = SpecStats(drafter=self.drafter)
         self.propose = propose
         self.simulate_accept = simulate_accept
         self.pad_width = pad_width
@@ -547,7 +648,7 @@ class SpeculativeGenerator:
         io = stage_into(io, host)
         cache, dcache, dl, io = spec_step_io_jit(
             self.params, cache, dcache, dl, io, *sampling_args, cfg=self.cfg, opts=self.opts, sampler=sampler, S=S,
-            forced=forced, engram_shape=None if engram_ids is None else tuple(engram_ids.shape[2:]))
+            forced=forced, engram_shape=None if engram_ids is None else tuple(engram_ids.shape[2:]), drafter=self.drafter)
         return cache, dcache, dl, io, unpack_io(np.asarray(_copy_jit(io)), self.G)
 
     @_on_mesh
@@ -573,7 +674,8 @@ class SpeculativeGenerator:
         widths = [G + 1] if self.pad_width else list(range(1, G + 2))
         for S in widths:
             cache, dcache, dl = self._placed((init_cache(self.cfg, B, self.max_seq_len, self.opts),
-                                              init_dspark_cache(self.cfg, B, self.opts), jnp.zeros((B, G, V), jnp.float32)))
+                                              init_draft_cache(self.cfg, B, self.max_seq_len, self.opts, self.drafter),
+                                              jnp.zeros((B, G, V), jnp.float32)))
             io = None
             hist, pos = np.zeros((B, self.max_seq_len), np.int64), np.zeros(B, np.int64)
             jax.block_until_ready((cache, dcache, dl))
@@ -634,7 +736,11 @@ class SpeculativeGenerator:
         if (plen + mnt + G + 1 > self.max_seq_len).any():
             raise ValueError("prompt + max_new_tokens + gamma + 1 exceeds max_seq_len")
         hist = np.zeros((B, self.max_seq_len + G + 2), np.int64)  # committed tokens (Engram history)
-        cache, dcache = self._placed((init_cache(cfg, B, self.max_seq_len, self.opts), init_dspark_cache(cfg, B, self.opts)))
+        cache, dcache = self._placed((init_cache(cfg, B, self.max_seq_len, self.opts),
+                                      init_draft_cache(cfg, B, self.max_seq_len, self.opts, self.drafter)))
+        mtp = self.drafter == "mtp"
+        # MTP: each row's main-model streams at its last prompt position, until its first token
+        hlast = self._placed(jnp.zeros((B, cfg.hc_mult, cfg.dim), self.opts.compute_dtype)) if mtp else None
         temp, topk, topp = jnp.float32(max(sp.temperature, 1e-30)), jnp.int32(sp.top_k), jnp.float32(sp.top_p)
         pos = np.zeros(B, np.int64)
         last = self._placed(jnp.zeros((B, V), jnp.float32))  # each row's last prompt logits
@@ -658,7 +764,7 @@ class SpeculativeGenerator:
                     i = waiting.popleft()
                     if used[b]:
                         cache, dcache = reset_slot_pair_jit(cache, dcache, jnp.int32(b), cfg=cfg, opts=self.opts,
-                                                            max_seq_len=self.max_seq_len)
+                                                            max_seq_len=self.max_seq_len, drafter=self.drafter)
                     used[b] = True
                     hist[b] = 0
                     hist[b, :plen[i]] = prompts[i]
@@ -694,8 +800,22 @@ class SpeculativeGenerator:
                     lens[b] = min(self.chunk, len(s.prompt) - s.cursor)
                     tok[b, :lens[b]] = s.prompt[s.cursor:s.cursor + lens[b]]
                 eids = self._engram(hist, pos, tok, lens)
-                lg, cache, dcache = prefill_step_jit(self.params, cache, dcache, jnp.asarray(tok, jnp.int32),
-                                                     jnp.asarray(lens, jnp.int32), eids, None, cfg=cfg, opts=self.opts)
+                if mtp:  # the token after each chunk position; the prompt's last one waits for the first token
+                    after = np.zeros((B, self.chunk), np.int64)
+                    mlens = lens.copy()
+                    for b in pre:
+                        s = slots[b]
+                        nxt_prompt = s.prompt[s.cursor + 1:s.cursor + 1 + lens[b]]
+                        after[b, :len(nxt_prompt)] = nxt_prompt
+                        mlens[b] = len(nxt_prompt)
+                    lg, cache, dcache, hlast = prefill_step_mtp_jit(
+                        self.params, cache, dcache, hlast, jnp.asarray(tok, jnp.int32), jnp.asarray(lens, jnp.int32),
+                        jnp.asarray(after, jnp.int32), jnp.asarray(mlens, jnp.int32), eids, None, cfg=cfg,
+                        opts=self.opts)
+                else:
+                    lg, cache, dcache = prefill_step_jit(self.params, cache, dcache, jnp.asarray(tok, jnp.int32),
+                                                         jnp.asarray(lens, jnp.int32), eids, None, cfg=cfg,
+                                                         opts=self.opts)
                 last = jnp.where(jnp.asarray(lens > 0)[:, None], lg, last)
                 pos += lens
                 ready = np.zeros(B, bool)
@@ -704,9 +824,14 @@ class SpeculativeGenerator:
                     ready[b] = slots[b].cursor == len(slots[b].prompt)
                 if ready.any():  # first token + first drafts of the rows whose prompt just ended
                     rid = np.array([s.sample_id if s is not None else 0 for s in slots])
-                    nxt_f, ids_f, dl_f, conf_f = first_token_jit(self.params, dcache, last,
-                                                                 self._keys(sp, rid, np.zeros(B)), temp, topk, topp,
-                                                                 cfg=cfg, opts=self.opts, sampler=sampler)
+                    keys0 = self._keys(sp, rid, np.zeros(B))
+                    if mtp:
+                        dcache, nxt_f, ids_f, dl_f, conf_f = first_token_mtp_jit(
+                            self.params, dcache, last, hlast, jnp.asarray(ready), keys0, temp, topk, topp, cfg=cfg,
+                            opts=self.opts, sampler=sampler)
+                    else:
+                        nxt_f, ids_f, dl_f, conf_f = first_token_jit(self.params, dcache, last, keys0, temp, topk,
+                                                                     topp, cfg=cfg, opts=self.opts, sampler=sampler)
                     nxt_f, ids_f, conf_f = np.asarray(nxt_f), np.asarray(ids_f), np.asarray(conf_f)
                     ids[ready], conf[ready] = ids_f[ready], conf_f[ready]
                     dl = jnp.where(jnp.asarray(ready)[:, None, None], dl_f, dl)
@@ -764,12 +889,12 @@ class SpeculativeGenerator:
 
 
 # ---------------------------------------------------------------------------------------------
-# command line (``python -m dsv41_jax.generate --speculative dspark``)
+# command line (``python -m dsv41_jax.generate --speculative dspark|mtp``)
 # ---------------------------------------------------------------------------------------------
 
 
 def run_cli(a, model, prompts, tok, opts: RunOptions, sampling: SamplingParams, max_seq_len: int, mesh=None) -> int:
-    """The ``--speculative dspark`` path of :mod:`dsv41_jax.generate`: same outputs (records / texts,
+    """The ``--speculative dspark|mtp`` path of :mod:`dsv41_jax.generate`: same outputs (records / texts,
     summary on stderr) from one continuous-batching :meth:`SpeculativeGenerator.generate` over all
     prompts on ``--batch-size`` slots; the summary adds the measured acceptance length."""
     import json
@@ -780,15 +905,17 @@ def run_cli(a, model, prompts, tok, opts: RunOptions, sampling: SamplingParams, 
     cfg = model.cfg
     err = sys.stderr
     B = max(1, min(a.batch_size, len(prompts)))
-    G = cfg.dspark_block_size
+    drafter = choose_drafter(cfg, model.params, a.speculative)
+    G = draft_width(cfg, drafter)
     cap = max_seq_len + G + 1
     cap += -cap % 16
     cap = min(cap, cfg.max_position_embeddings)
     policy = getattr(a, "speculative_policy", "all") or "all"
     gen = SpeculativeGenerator(model, batch_size=B, max_seq_len=cap, opts=opts,
                                prefill_chunk=min(a.prefill_chunk, cap), policy=policy, stop_ids=(cfg.eos_token_id,),
-                               mesh=mesh)
-    print(f"speculative: DSpark, block {G}, policy {policy}, batch {B} slots for {len(prompts)} prompts "
+                               mesh=mesh, drafter=drafter)
+    name = f"DSpark, block {G}" if drafter == "dspark" else "MTP-1 (one draft per step)"
+    print(f"speculative: {name}, policy {policy}, batch {B} slots for {len(prompts)} prompts "
           f"(continuous batching)", file=err, flush=True)
     if policy == "confidence":
         cost = gen.calibrate(sampling)

@@ -85,6 +85,8 @@ def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None
         attn_pre, attn_post, attn_comb = mixes if mixes is not None else _mixes(p, "attn", h, cfg)
         x = x_in if x_in is not None else hc_collapse(h, attn_pre if cfg.is_v4 else pre)
         x = x if normed else norm(x, p["attn_norm"], cfg.norm_eps)
+        if aux is not None and cfg.is_v4:  # V4 collapses with the site's own pre (speculative rollback reads it)
+            aux.setdefault("attn_pre", {})[l] = attn_pre
     with jax.named_scope("attention"):
         x, cache_layers, shared = attention(p["attn"], x, l, cfg, opts, cache_layers, pos0, lengths, shared)
     with jax.named_scope("attn_mhc"):

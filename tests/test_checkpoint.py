@@ -555,3 +555,24 @@ def test_quantized_checkpoint_same_logits(tmp_path):
     b = np.asarray(Model(cfg2, loaded).forward(toks, dtype="float32"))
     assert np.isfinite(a).all() and a.std() > 0.1
     assert np.array_equal(a, b)
+
+
+def test_v4_checkpoint_round_trip(tmp_path):
+    """A V4 model (the v4_tiny_a fixture with an MTP block added) written by save_checkpoint loads
+    back as the same config and tensors. The writer's HF composite is V4.1's, so a V4 config is
+    written flat (before session 22 the write raised ConfigError on V4's ratio-8 layers)."""
+    from dsv41_jax.params import init_params
+
+    cfg0, params = load_checkpoint(os.path.join(ROOT, "tests", "fixtures", "v4_tiny_a"))
+    cfg = cfg0.replace(n_mtp_layers=1, compress_ratios=cfg0.compress_ratios + (0,))
+    params = dict(params)
+    params["mtp"] = init_params(cfg, seed=5)["mtp"]
+    save_checkpoint(params, cfg, tmp_path / "v4")
+    assert json.loads((tmp_path / "v4" / "config.json").read_text())["family"] == "v4"
+    cfg1, back = load_checkpoint(str(tmp_path / "v4"))
+    assert cfg1.replace(name=cfg.name) == cfg
+    for (pa, a), (pb, b) in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                jax.tree_util.tree_flatten_with_path(back)[0]):
+        assert pa == pb
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8),
+                                      err_msg=jax.tree_util.keystr(pa))

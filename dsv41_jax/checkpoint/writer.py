@@ -136,17 +136,19 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 def write_config(cfg: ModelConfig, root: str, config_format: str = "hf") -> None:
     """``config.json`` (HF composite, or the flat inference keys when ``config_format="flat"`` or
-    when the HF keys cannot express ``cfg`` exactly) and ``inference_config.json`` (flat)."""
+    when the HF keys cannot express ``cfg`` exactly) and ``inference_config.json`` (flat). A V4
+    config is always written flat (its ``family`` key selects V4 when read back): the HF composite
+    written here is V4.1's (``deepseek_v41``), which a V4 layout does not fit."""
     flat = cfg.to_dict()
     body = flat
-    if config_format == "hf":
+    if config_format not in ("hf", "flat"):
+        raise ValueError(f"config_format must be 'hf' or 'flat', got {config_format!r}")
+    if config_format == "hf" and not cfg.is_v4:
         hf = config_to_hf(cfg)
         if ModelConfig.from_dict(json.loads(json.dumps(hf))) == cfg:
             body = hf
         else:
             warnings.warn("config cannot be expressed exactly in HF format; writing the flat inference keys")
-    elif config_format != "flat":
-        raise ValueError(f"config_format must be 'hf' or 'flat', got {config_format!r}")
     with open(os.path.join(root, "config.json"), "w") as f:
         json.dump(body, f, indent=1)
     with open(os.path.join(root, "inference_config.json"), "w") as f:
