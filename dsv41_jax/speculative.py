@@ -376,14 +376,19 @@ prefill_step_mtp_jit = jax.jit(prefill_step_mtp, static_argnames=("cfg", "opts")
                                donate_argnames=("cache", "mcache", "hlast"))
 
 
-def first_token(params, dcache, logits, keys, temperature, top_k, top_p, *, cfg, opts, sampler):
-    """Sample the first generated token from the prompt's last logits and draft after it."""
+def _sample_first(logits, keys, temperature, top_k, top_p, sampler):
+    """The first generated token [B] from the prompt's last logits (greedy, or the target sampler)."""
     greedy, use_k, use_p = sampler
     if greedy:
-        nxt = jnp.argmax(logits, -1).astype(jnp.int32)
-    else:
-        p = target_probs(logits, temperature, top_k, top_p, use_top_k=use_k, use_top_p=use_p)
-        nxt = jax.vmap(lambda k, d: _categorical(jax.random.fold_in(k, 1), d))(keys, p)
+        return jnp.argmax(logits, -1).astype(jnp.int32)
+    p = target_probs(logits, temperature, top_k, top_p, use_top_k=use_k, use_top_p=use_p)
+    return jax.vmap(lambda k, d: _categorical(jax.random.fold_in(k, 1), d))(keys, p)
+
+
+def first_token(params, dcache, logits, keys, temperature, top_k, top_p, *, cfg, opts, sampler):
+    """Sample the first generated token from the prompt's last logits and draft after it."""
+    greedy = sampler[0]
+    nxt = _sample_first(logits, keys, temperature, top_k, top_p, sampler)
     ids, dl, conf = dspark_draft(params, dcache, nxt, None if greedy else _draft_keys(keys), temperature, cfg=cfg,
                                  opts=opts)
     return nxt, ids, dl, conf
@@ -397,12 +402,8 @@ def first_token_mtp(params, mcache, logits, hlast, ready, keys, temperature, top
     last logits, then the MTP block over each such row's last prompt position (``hlast``) with that
     token, which drafts the one after it. Returns (mcache, next [B], ids [B, 2], logits [B, 1, V],
     confidence [B, 1]); other rows keep their MTP cache."""
-    greedy, use_k, use_p = sampler
-    if greedy:
-        nxt = jnp.argmax(logits, -1).astype(jnp.int32)
-    else:
-        p = target_probs(logits, temperature, top_k, top_p, use_top_k=use_k, use_top_p=use_p)
-        nxt = jax.vmap(lambda k, d: _categorical(jax.random.fold_in(k, 1), d))(keys, p)
+    greedy = sampler[0]
+    nxt = _sample_first(logits, keys, temperature, top_k, top_p, sampler)
     mcache, ids, dl, conf = mtp_draft(params, mcache, hlast[:, None], nxt[:, None], ready.astype(jnp.int32),
                                       None if greedy else _draft_keys(keys), temperature, cfg=cfg, opts=opts)
     return mcache, nxt, ids, dl, conf

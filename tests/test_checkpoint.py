@@ -561,12 +561,9 @@ def test_v4_checkpoint_round_trip(tmp_path):
     """A V4 model (the v4_tiny_a fixture with an MTP block added) written by save_checkpoint loads
     back as the same config and tensors. The writer's HF composite is V4.1's, so a V4 config is
     written flat (before session 22 the write raised ConfigError on V4's ratio-8 layers)."""
-    from dsv41_jax.params import init_params
+    from tests.test_mtp import v4_with_mtp
 
-    cfg0, params = load_checkpoint(os.path.join(ROOT, "tests", "fixtures", "v4_tiny_a"))
-    cfg = cfg0.replace(n_mtp_layers=1, compress_ratios=cfg0.compress_ratios + (0,))
-    params = dict(params)
-    params["mtp"] = init_params(cfg, seed=5)["mtp"]
+    cfg, params = v4_with_mtp()
     save_checkpoint(params, cfg, tmp_path / "v4")
     assert json.loads((tmp_path / "v4" / "config.json").read_text())["family"] == "v4"
     cfg1, back = load_checkpoint(str(tmp_path / "v4"))

@@ -21,13 +21,18 @@ F32 = RunOptions(dtype="float32", kv_cache_dtype="float32", hadamard=False)
 CAP = 64
 
 
-@pytest.fixture(scope="module")
-def model():
+def v4_with_mtp():
+    """(cfg, params): the v4_tiny_a fixture's backbone plus one random MTP block (mtp.0.*)."""
     cfg0, params = load_checkpoint(FIX)
     cfg = cfg0.replace(n_mtp_layers=1, compress_ratios=cfg0.compress_ratios + (0,))
     params = dict(params)
     params["mtp"] = init_params(cfg, seed=5)["mtp"]
     return cfg, params
+
+
+@pytest.fixture(scope="module")
+def model():
+    return v4_with_mtp()
 
 
 @pytest.fixture(scope="module")

@@ -116,15 +116,19 @@ def test_rollback_cache_equals_plain_run(model, prompts, oracle_run):
     mnt = [int(pos[b]) - PLENS[b] + 1 for b in range(2)]
     _, (cache0, dcache0, _, pos0) = _gen(model, policy="fixed:0").generate(prompts, mnt, return_state=True)
     np.testing.assert_array_equal(pos, pos0)
-    for tree, ref in ((cache, cache0), (dcache, dcache0)):
-        got, want = _leaves(tree), _leaves(ref)
-        assert [p for p, _ in got] == [p for p, _ in want]
-        for (path, a), (_, b) in zip(got, want):
-            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-            same_inf = np.isinf(a) == np.isinf(b)
-            assert same_inf.all(), jax.tree_util.keystr(path)
-            fin = ~np.isinf(a)
-            np.testing.assert_array_equal(a[fin], b[fin], err_msg=jax.tree_util.keystr(path))  # bit-exact
+    assert_trees_equal(cache, cache0)
+    assert_trees_equal(dcache, dcache0)
+
+
+def assert_trees_equal(tree, ref):
+    """Same paths, same infinities, every finite value bit-exact (in float32)."""
+    got, want = _leaves(tree), _leaves(ref)
+    assert [p for p, _ in got] == [p for p, _ in want]
+    for (path, a), (_, b) in zip(got, want):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert (np.isinf(a) == np.isinf(b)).all(), jax.tree_util.keystr(path)
+        fin = ~np.isinf(a)
+        np.testing.assert_array_equal(a[fin], b[fin], err_msg=jax.tree_util.keystr(path))
 
 
 def test_sampled_acceptance_rule_is_lossless():

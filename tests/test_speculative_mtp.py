@@ -17,21 +17,21 @@ random MTP block, as tests/test_mtp.py), float32, batch 2, prefill chunk 8, wind
 
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dsv41_jax.cache import init_cache, init_mtp_cache
-from dsv41_jax.checkpoint import load_checkpoint, read_official
+from dsv41_jax.checkpoint import read_official
 from dsv41_jax.engine import Engine, Request
 from dsv41_jax.model import Model
 from dsv41_jax.mtp import mtp_forward_jit
 from dsv41_jax.options import RunOptions
-from dsv41_jax.params import init_params
 from dsv41_jax.sampling import SamplingParams
 from dsv41_jax.speculative import SpeculativeGenerator, choose_drafter
 from dsv41_jax.transformer import forward_step_jit
+from tests.test_mtp import v4_with_mtp
+from tests.test_speculative import assert_trees_equal
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "v4_tiny_a")
 F32 = RunOptions(dtype="float32", kv_cache_dtype="float32", hadamard=False)
@@ -42,11 +42,7 @@ CAP = 96
 
 @pytest.fixture(scope="module")
 def model():
-    cfg0, params = load_checkpoint(FIX)
-    cfg = cfg0.replace(n_mtp_layers=1, compress_ratios=cfg0.compress_ratios + (0,))
-    params = dict(params)
-    params["mtp"] = init_params(cfg, seed=5)["mtp"]
-    return Model(cfg, params)
+    return Model(*v4_with_mtp())
 
 
 @pytest.fixture(scope="module")
@@ -150,10 +146,6 @@ def test_greedy_oracle_drafts_identical(oracle_run, plain):
     assert state["wrong"] > 0 and 0 < stats.accepted < stats.drafted  # rejections and acceptances both
 
 
-def _leaves(tree):
-    return jax.tree_util.tree_flatten_with_path(tree)[0]
-
-
 def test_rollback_cache_equals_plain_run(model, prompts, oracle_run):
     """Backbone + MTP caches after verify steps with rejections = a run verifying no drafts that
     committed the same tokens (it stops with its last token unfed: max_new = pos - prompt + 1)."""
@@ -161,14 +153,8 @@ def test_rollback_cache_equals_plain_run(model, prompts, oracle_run):
     mnt = [int(pos[b]) - PLENS[b] + 1 for b in range(2)]
     _, (cache0, mcache0, _, pos0) = _gen(model, policy="fixed:0").generate(prompts, mnt, return_state=True)
     np.testing.assert_array_equal(pos, pos0)
-    for tree, ref in ((cache, cache0), (mcache, mcache0)):
-        got, want = _leaves(tree), _leaves(ref)
-        assert [p for p, _ in got] == [p for p, _ in want]
-        for (path, a), (_, b) in zip(got, want):
-            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-            assert (np.isinf(a) == np.isinf(b)).all(), jax.tree_util.keystr(path)
-            fin = ~np.isinf(a)
-            np.testing.assert_array_equal(a[fin], b[fin], err_msg=jax.tree_util.keystr(path))  # bit-exact
+    assert_trees_equal(cache, cache0)  # bit-exact
+    assert_trees_equal(mcache, mcache0)
 
 
 def test_continuous_batching_and_sampling(model, prompts, plain):
