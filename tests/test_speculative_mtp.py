@@ -171,16 +171,24 @@ def test_continuous_batching_and_sampling(model, prompts, plain):
     assert alone[0] == both[1]
 
 
-def test_cli_speculative_mtp(tmp_path, model, prompts, capsys):
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, model):
+    """The test model written as an official-layout checkpoint (backbone + mtp.0.*)."""
+    from dsv41_jax.checkpoint.writer import save_checkpoint
+
+    ck = tmp_path_factory.mktemp("ck") / "v4_mtp"
+    save_checkpoint(model.params, model.cfg, ck)
+    return ck
+
+
+def test_cli_speculative_mtp(tmp_path, ckpt, model, prompts, capsys):
     """``python -m dsv41_jax.generate --speculative mtp`` on a V4 checkpoint with its MTP block
     (written in the official layout): three prompts on two slots, the Engine's greedy tokens."""
     import json
 
     from dsv41_jax import generate
-    from dsv41_jax.checkpoint.writer import save_checkpoint
 
-    ck = tmp_path / "v4_mtp"
-    save_checkpoint(model.params, model.cfg, ck)
+    ck = ckpt
     opts = RunOptions(dtype="float32", kv_cache_dtype="float32")
     reqs = prompts + [prompts[0][:5]]
     eng = Engine(Model.from_checkpoint(str(ck)), batch_size=2, max_seq_len=64, opts=opts, prefill_chunk=8,
@@ -199,3 +207,20 @@ def test_cli_speculative_mtp(tmp_path, model, prompts, capsys):
     rc = generate.main(["--checkpoint", FIX, "--prompt", "x", "--speculative", "mtp", "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1].startswith("error: --speculative mtp:") and "no V4 MTP block" in err[-1]
+
+
+def test_spec_bench_mtp_rows(ckpt, capsys):
+    """``python -m dsv41_jax.spec_bench`` on the V4 checkpoint: the engine row and the MTP rows
+    (greedy verify-all token-identical to the engine; simulated acceptance runs)."""
+    from dsv41_jax import spec_bench
+
+    spec_bench.main(["--checkpoint", str(ckpt), "--dtype", "float32", "--kv-cache-dtype", "float32", "--prompt-len",
+                     "12", "--new-tokens", "6", "--batch-size", "2", "--runs", "1", "--rows", "engine,all,simulate",
+                     "--simulate", "2"])
+    out = capsys.readouterr().out
+    assert "engine, no speculation: decode tok/s" in out
+    assert "mtp verify-all, greedy" in out and "identical to engine: True" in out
+    sim = next(line for line in out.splitlines() if "simulated acceptance 2.0" in line)
+    assert sim.startswith("mtp verify-all") and "speculative mtp" in sim
+    accepted, drafted = (int(v) for v in sim.split(" drafts accepted")[0].split("(")[-1].split("/"))
+    assert accepted == drafted > 0  # 2.0: every draft forced accepted
