@@ -51,6 +51,7 @@ from .moe import moe
 from .options import RunOptions
 from .quant import dequantize
 from .rope import apply_rope, layer_frequencies, rope_angles
+from .sampling import draft_pick
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -184,12 +185,7 @@ def dspark_draft(params, dcache, anchor, keys=None, temperature=None, *, cfg: Mo
         lg = base[:, k] + jnp.einsum("br,vr->bv", me.astype(jnp.float32), w2, precision=_HI)
         hid = jnp.concatenate([y[:, k].astype(jnp.float32), me.astype(jnp.float32)], -1)
         conf.append(jnp.einsum("bi,oi->bo", hid, wc, precision=_HI)[:, 0])
-        if keys is None:
-            nxt = jnp.argmax(lg, axis=-1).astype(jnp.int32)
-        else:
-            t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (lg.shape[0],))
-            g = jax.vmap(lambda kk: jax.random.gumbel(jax.random.fold_in(kk, k), lg.shape[1:], jnp.float32))(keys)
-            nxt = jnp.argmax(lg / t[:, None] + g, axis=-1).astype(jnp.int32)
+        nxt = draft_pick(lg, keys, temperature, k)
         logits.append(lg)
         out.append(nxt)
         prev = nxt

@@ -30,15 +30,8 @@ import jax.numpy as jnp
 from .config import ModelConfig
 from .mtp import mtp_forward
 from .options import RunOptions
-
-
-def _pick(logits, keys, temperature):
-    """The draft [B] from logits [B, V]: argmax (keys None) or Gumbel-max at temperature T."""
-    if keys is None:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (logits.shape[0],))
-    g = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, 0), logits.shape[1:], jnp.float32))(keys)
-    return jnp.argmax(logits / t[:, None] + g, axis=-1).astype(jnp.int32)
+from .sampling import draft_pick
+from .transformer import last_rows
 
 
 def mtp_draft(params, mcache, hidden, next_tokens, lengths, keys=None, temperature=None, *, cfg: ModelConfig,
@@ -50,9 +43,8 @@ def mtp_draft(params, mcache, hidden, next_tokens, lengths, keys=None, temperatu
     Returns (mcache, ids [B, 2], draft logits [B, 1, V], confidence [B, 1])."""
     logits, mcache = mtp_forward(params, mcache, hidden, next_tokens, lengths, cfg=cfg, opts=opts,
                                  logits_mode="last")
-    last = jnp.maximum(lengths.astype(jnp.int32) - 1, 0)
-    anchor = jnp.take_along_axis(next_tokens.astype(jnp.int32), last[:, None], axis=1)[:, 0]
-    draft = _pick(logits, keys, temperature)
+    anchor = last_rows(next_tokens.astype(jnp.int32), lengths)
+    draft = draft_pick(logits, keys, temperature, 0)
     lp = jax.nn.log_softmax(logits, axis=-1)
     lpd = jnp.take_along_axis(lp, draft[:, None], axis=1)  # [B, 1]
     conf = lpd - jnp.log1p(-jnp.minimum(jnp.exp(lpd), 1.0 - 1e-7))
@@ -67,6 +59,4 @@ def prompt_update(params, mcache, hidden, next_tokens, lengths, *, cfg: ModelCon
 
 def last_streams(hidden, lengths, prev):
     """Each row's streams at its last real chunk position [B, hc, D] (``prev`` where ``lengths`` is 0)."""
-    last = jnp.maximum(lengths.astype(jnp.int32) - 1, 0)
-    h = jnp.take_along_axis(hidden, last[:, None, None, None], axis=1)[:, 0]
-    return jnp.where((lengths > 0)[:, None, None], h.astype(prev.dtype), prev)
+    return jnp.where((lengths > 0)[:, None, None], last_rows(hidden, lengths).astype(prev.dtype), prev)

@@ -72,6 +72,17 @@ def _whole_rows(x):
     return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec())
 
 
+def draft_pick(logits, keys, temperature, index: int):
+    """A drafter's token [B] from logits [B, V]: argmax when ``keys`` is None, else Gumbel-max from
+    ``softmax(logits / T)`` with key ``fold_in(keys[b], index)`` (the draft distribution the
+    sampled acceptance rule divides by). ``temperature``: a scalar or [B]."""
+    if keys is None:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (logits.shape[0],))
+    g = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, index), logits.shape[1:], jnp.float32))(keys)
+    return jnp.argmax(logits / t[:, None] + g, axis=-1).astype(jnp.int32)
+
+
 def filter_logits(logits, top_k, top_p, *, use_top_k: bool, use_top_p: bool):
     """Mask (to -inf) the tokens outside top-k and outside the top-p nucleus. logits [B, V] f32
     (already temperature-scaled); top_k, top_p: scalars or [B]."""

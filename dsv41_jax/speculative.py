@@ -69,9 +69,8 @@ import numpy as np
 from pallas_kernels.mhc import hc_collapse
 
 from .attention import scatter_rows, select_rows, take_rows, compress
-from .cache import init_cache
+from .cache import init_cache, init_mtp_cache, reset_row
 from .config import ModelConfig
-from .cache import init_mtp_cache, reset_row
 from .dspark import dspark_draft, dspark_update, init_dspark_cache, reset_dspark_slot
 from .engine import _copy_jit, reset_slot, stage_into
 from .engram import engram, gather_rows

@@ -126,12 +126,18 @@ def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None
     return h, ffn_pre, cache_layers, shared, None
 
 
+def last_rows(x, lengths):
+    """x [B, S, ...] -> [B, ...]: each row's last real position ``lengths[b] - 1`` (clipped into
+    0..S-1, so a row with no real position gives position 0)."""
+    last = jnp.clip(lengths.astype(jnp.int32) - 1, 0, x.shape[1] - 1)
+    return jnp.take_along_axis(x, last.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
+
+
 def lm_logits(y, norm_p, head_p, lengths, cfg: ModelConfig, logits_mode: str):
     """Final norm and fp32 LM head on the collapsed stream y [B,S,D]: every position ("all") or
     each row's last real token ("last", [B,V])."""
     if logits_mode == "last":
-        last = jnp.clip(lengths - 1, 0, y.shape[1] - 1)
-        y = jnp.take_along_axis(y, last[:, None, None], axis=1)[:, 0]
+        y = last_rows(y, lengths)
     y = norm(y, norm_p, cfg.norm_eps)
     return head_matmul(y, head_p["weight"])
 

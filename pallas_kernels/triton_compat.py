@@ -42,6 +42,27 @@ def _patch_triton_offsets() -> bool:
 TRITON_OFFSETS_PATCHED = _patch_triton_offsets()
 
 
+def _patch_cache_modifiers(table=None) -> bool:
+    """Make the load cache modifiers (``cache_modifier=".cg"`` etc., the PTX spelling) work on every
+    supported lowering. jax 0.12 checks the dotted name and strips the dot before its table lookup;
+    jax 0.11.2 checks the dotted name too but looks it up unstripped in a table keyed without the
+    dot, so ".cg" raised KeyError on the H200 and "cg" is refused as unsupported (session 22). Adds
+    the dotted keys to that table (``table``: the lowering's, or a given dict). Returns whether the
+    table was found."""
+    if table is None:
+        from jax._src.pallas.triton import lowering as tl
+
+        table = getattr(tl, "_STR_TO_CACHE_MODIFIER", None)
+    if not isinstance(table, dict):
+        return False
+    for key in [k for k in table if not k.startswith(".")]:
+        table.setdefault("." + key, table[key])
+    return True
+
+
+CACHE_MODIFIERS_PATCHED = _patch_cache_modifiers()
+
+
 # ------------------------------------------------------------------------------------------------
 # Opt-in: software-pipeline the loads of loops without a dot.
 #
@@ -59,20 +80,6 @@ TRITON_OFFSETS_PATCHED = _patch_triton_offsets()
 
 LOOP_STAGES_ENV = "DSV41_TRITON_LOOP_STAGES"
 
-
-def cache_modifier(name: str) -> str:
-    """``name`` (".cg", ".ca") as every supported Pallas-Triton lowering accepts it. jax 0.12 checks
-    the dotted PTX spelling and strips the dot before its table lookup. jax 0.11.2 checks the dotted
-    spelling too but looks it up unstripped in a table keyed without the dot, so both ".cg"
-    (KeyError) and "cg" ("unsupported cache modifier") failed on the H200 (session 22): the dotted
-    keys are added to that table here, once."""
-    from jax._src.pallas.triton import lowering
-
-    table = getattr(lowering, "_STR_TO_CACHE_MODIFIER", None)
-    bare = name.removeprefix(".")
-    if isinstance(table, dict) and "." + bare not in table and bare in table:
-        table["." + bare] = table[bare]
-    return "." + bare
 
 def parse_loop_stages(text: str | None) -> dict[str, int]:
     """``DSV41_TRITON_LOOP_STAGES`` -> {kernel-name prefix: stages}; a clear error for bad entries."""

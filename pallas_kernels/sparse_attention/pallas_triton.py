@@ -43,8 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.quant import Fp4Tensor, Fp8Tensor
-from pallas_kernels import triton_compat
-from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
+from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fixes)
 
 __all__ = ["sparse_attention", "unsupported_reason", "default_config", "combine_splits", "combine_reason"]
 
@@ -309,7 +308,7 @@ def _combine_in_kernel(acc, m, l, acc_ref, m_ref, l_ref, cnt_ref, sink_ref, o_re
 
     @pl.when(old[0] == num_splits - 1)
     def _():
-        cg = {} if interpret else dict(cache_modifier=triton_compat.cache_modifier("cg"))
+        cg = {} if interpret else dict(cache_modifier=".cg")  # triton_compat makes jax 0.11.2 take it
         o = _merge_splits(pltriton.load(m_ref.at[r, :, heads], **cg), pltriton.load(l_ref.at[r, :, heads], **cg),
                           sink_ref[...], lambda q: pltriton.load(m_ref.at[r, q, heads], **cg),
                           lambda q: pltriton.load(acc_ref.at[r, q, heads, cols], **cg), num_splits, (bh, dv))
@@ -405,7 +404,8 @@ def combine_splits(acc, m, l, sink, out_dtype, *, interpret=False, num_warps=4):
 # at import): "xla" (the default: an einsum that XLA fuses into the consumer), "pallas" (the
 # separate combine kernel, :func:`combine_splits`; session 17: 5 us slower in the site) or "kernel"
 # (the last split program of each head / column block merges, :func:`_combine_in_kernel`: no
-# partials left for XLA and no second launch; built in session 21 without a GPU, not yet timed).
+# partials left for XLA and no second launch; session 22: the batch-1 step's sparse attention
+# 0.68 -> 0.52 ms on the H200, its output not yet checked there against XLA, so not the default).
 COMBINES = ("xla", "pallas", "kernel")
 COMBINE = os.environ.get("DSV41_SPARSE_COMBINE", "xla").lower()
 if COMBINE not in COMBINES:

@@ -82,16 +82,15 @@ def test_bad_imprecise_acc_value_fails_at_import():
     assert out.returncode != 0 and "DSV41_FP8_IMPRECISE_ACC='yes': expected on or off" in out.stderr
 
 
-
-def test_cache_modifier_works_with_both_lookups(monkeypatch):
+def test_cache_modifier_works_with_both_lookups():
     """jax 0.12 strips the dot before its table lookup; jax 0.11.2 looks ".cg" up as is in a table
-    keyed "cg" (KeyError on the H200). After cache_modifier both lookups find CG."""
+    keyed "cg" (KeyError on the H200). After the patch both lookups find CG, in a table keyed the
+    old way and in the installed lowering's."""
     from jax._src.pallas.triton import lowering
 
     from pallas_kernels import triton_compat
 
     table = {k: v for k, v in lowering._STR_TO_CACHE_MODIFIER.items() if not k.startswith(".")}
-    monkeypatch.setattr(lowering, "_STR_TO_CACHE_MODIFIER", table)
-    got = triton_compat.cache_modifier("cg")
-    assert got == ".cg"
-    assert table[got].name == "CG" and table[got.removeprefix(".")].name == "CG"
+    assert triton_compat._patch_cache_modifiers(table)
+    assert table[".cg"].name == "CG" and table["cg"].name == "CG"
+    assert triton_compat.CACHE_MODIFIERS_PATCHED and lowering._STR_TO_CACHE_MODIFIER[".cg"].name == "CG"
