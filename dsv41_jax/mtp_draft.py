@@ -10,7 +10,7 @@ the main model's (the block needs ``x_{t+1}``, known only once sampled).
 
 * Prompt chunks: the block runs over the chunk's positions with the prompt's next tokens (known on
   the host), except the prompt's last position, whose next token is the first sampled one: that
-  position runs with the first token (:func:`first_draft`), and its main-model streams are kept
+  position runs with the first token (:meth:`.drafters.MTPDrafter.first_draft`), and its streams are kept
   until then.
 * Draft: greedy ``argmax``; sampled, Gumbel-max from ``softmax(logits / T)`` with the key
   ``fold_in(draft key, 0)``, the distribution the acceptance rule divides by (the logits are

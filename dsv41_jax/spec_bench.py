@@ -173,7 +173,7 @@ def main(argv=None):
         return g
 
     def once(g, sampling=None):
-        g.stats = type(g.stats)(drafter=g.drafter)
+        g.stats = type(g.stats)(drafter=g.drafter.name)
         out = g.generate(prompts, a.new_tokens, sampling)
         return g.stats, out
 

@@ -32,8 +32,9 @@ One device program per step (:func:`spec_step`, jitted per verify width ``S = 1 
    anchor. Drafts, draft logits and confidences come back with the acceptance results (one host sync
    per step: the host needs the drafts to hash the Engram ids of the next verify chunk).
 
-Drafters (``drafter``, :func:`choose_drafter`): ``dspark`` as above (V4.1, gamma = the DSpark
-block size), or ``mtp`` (V4): V4's MTP block drafts one token per step (:mod:`dsv41_jax.mtp_draft`).
+Drafters (``drafter``, :func:`choose_drafter`; one object each in :mod:`dsv41_jax.drafters`, which
+every program asks for its drafter's part): ``dspark`` as above (V4.1, gamma = the DSpark block
+size), or ``mtp`` (V4): V4's MTP block drafts one token per step (:mod:`dsv41_jax.mtp_draft`).
 Step 4 then runs the block over the committed positions ``P .. P+n_acc``, each with the token
 after it, and drafts after the new token. The block sees committed positions only, so its cache
 needs no rollback. Step 3 restores V4's caches too: each compressed layer's own KV entries and
@@ -69,14 +70,13 @@ import numpy as np
 from pallas_kernels.mhc import hc_collapse
 
 from .attention import scatter_rows, select_rows, take_rows, compress
-from .cache import init_cache, init_mtp_cache, reset_row
+from .cache import init_cache
 from .config import ModelConfig
-from .dspark import dspark_draft, dspark_update, init_dspark_cache, reset_dspark_slot
+from .drafters import DRAFTERS, Drafter, choose_drafter, get_drafter
 from .engine import _copy_jit, reset_slot, stage_into
 from .engram import engram, gather_rows
 from .engram_hash import ngram_hash_ids
 from .layers import norm
-from .mtp_draft import last_streams, mtp_draft, prompt_update
 from .options import RunOptions
 from .sampling import SamplingParams, filter_logits, request_keys
 from .transformer import forward_step
@@ -200,38 +200,18 @@ def rollback(params, old, new, aux, tokens, keep, lengths, engram_ids=None, engr
 # ---------------------------------------------------------------------------------------------
 
 
-DRAFTERS = ("dspark", "mtp")
-
-
-def choose_drafter(cfg: ModelConfig, params, drafter: str = "auto") -> str:
-    """The drafter a model speculates with: ``dspark`` (V4.1's DSpark stages, ``mtp.*`` with a
-    ``dspark_block_size``) or ``mtp`` (V4's MTP block, one draft per step); ``auto`` takes the one
-    the model has. Raises ValueError naming what is missing."""
-    has = {"dspark": bool(cfg.n_mtp_layers and cfg.dspark_block_size and "mtp" in params),
-           "mtp": bool(cfg.has_mtp and "mtp" in params)}
-    if drafter == "auto":
-        for name in DRAFTERS:
-            if has[name]:
-                return name
-        raise ValueError(f"config {cfg.name!r} has no drafter: neither DSpark stages nor a V4 MTP block (mtp.*)")
-    if drafter not in DRAFTERS:
-        raise ValueError(f"drafter must be auto, dspark or mtp, got {drafter!r}")
-    if not has[drafter]:
-        what = "DSpark stages (mtp.* with dspark_block_size)" if drafter == "dspark" else "V4 MTP block (mtp.*)"
-        raise ValueError(f"the model has no {what}: drafter {drafter!r} cannot run on config {cfg.name!r}")
-    return drafter
+__all__ = ["DRAFTERS", "choose_drafter", "draft_width", "init_draft_cache", "SpeculativeGenerator", "accept",
+           "rollback", "spec_step"]
 
 
 def draft_width(cfg: ModelConfig, drafter: str) -> int:
-    """Drafts per step (gamma): the DSpark block size, or 1 for MTP-1."""
-    return cfg.dspark_block_size if drafter == "dspark" else 1
+    """Drafts per step (gamma) of drafter ``drafter``: the DSpark block size, or 1 for MTP-1."""
+    return get_drafter(drafter).width(cfg)
 
 
 def init_draft_cache(cfg: ModelConfig, batch: int, max_seq_len: int, opts: RunOptions, drafter: str) -> dict:
-    """The drafter's cache: DSpark rings, or the MTP block's window cache and ``pos``."""
-    if drafter == "mtp":
-        return init_mtp_cache(cfg, batch, max_seq_len, opts)
-    return init_dspark_cache(cfg, batch, opts)
+    """The drafter's state (:meth:`dsv41_jax.drafters.Drafter.init_state`)."""
+    return get_drafter(drafter).init_state(cfg, batch, max_seq_len, opts)
 
 
 def _draft_keys(keys):
@@ -240,10 +220,10 @@ def _draft_keys(keys):
 
 def spec_step(params, cache, dcache, tokens, n_verify, active, draft_logits, engram_ids, engram_rows, keys,
               temperature, top_k, top_p, force_acc=None, *, cfg: ModelConfig, opts: RunOptions, sampler,
-              drafter: str = "dspark"):
+              drafter: Drafter = DRAFTERS["dspark"]):
     """Verify + accept + roll back + drafter update + next draft. tokens [B,S] = [anchor, drafts...].
-    ``drafter`` "mtp": the MTP block runs over the committed positions, each with the token after
-    it (:mod:`dsv41_jax.mtp_draft`), and drafts one token.
+    ``drafter`` (:mod:`dsv41_jax.drafters`) takes the committed positions in and drafts after the
+    new token (:meth:`~dsv41_jax.drafters.Drafter.after_verify`); ``dcache`` is its state.
     ``force_acc`` [B] (benchmarks only, NOT lossless): where >= 0, accept ``min(force_acc, n_verify)``
     drafts whatever the target says (the "simulated acceptance" protocol of published numbers).
     Returns (n_acc [B], next [B], cache, dcache, draft ids [B,G+1], draft logits [B,G,V], conf [B,G])."""
@@ -262,16 +242,8 @@ def spec_step(params, cache, dcache, tokens, n_verify, active, draft_logits, eng
     n_acc = jnp.where(active, n_acc, 0)
     keep = jnp.where(active, n_acc + 1, 0)
     cache = rollback(params, cache, new_cache, aux, tokens, keep, lengths, engram_ids, engram_rows, cfg=cfg, opts=opts)
-    if drafter == "mtp":
-        S = tokens.shape[1]
-        after = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)  # the token after each
-        after = jnp.where(jnp.arange(S)[None, :] == n_acc[:, None], nxt[:, None], after).astype(jnp.int32)
-        dcache, ids, dl, conf = mtp_draft(params, dcache, aux["hidden"], after, keep,
-                                          None if greedy else _draft_keys(keys), temperature, cfg=cfg, opts=opts)
-    else:
-        dcache = dspark_update(params, dcache, aux["features"], keep, cfg=cfg, opts=opts)
-        ids, dl, conf = dspark_draft(params, dcache, nxt, None if greedy else _draft_keys(keys), temperature, cfg=cfg,
-                                     opts=opts)
+    dcache, ids, dl, conf = drafter.after_verify(params, dcache, aux, tokens, n_acc, nxt, keep,
+                                                 None if greedy else _draft_keys(keys), temperature, cfg=cfg, opts=opts)
     # the donated caches first: jit gives each output of a donated input's shape that input's buffer, in
     # output order, so n_acc / nxt ([B] int32) listed first would take the caches' positions
     return cache, dcache, n_acc, nxt, ids, dl, conf
@@ -287,7 +259,8 @@ def io_width(G: int, engram_cols: int) -> int:
 
 
 def spec_step_io(params, cache, dcache, dl, io, seed, temperature, top_k, top_p, *, cfg: ModelConfig,
-                 opts: RunOptions, sampler, S: int, forced: bool, engram_shape: tuple | None, drafter: str = "dspark"):
+                 opts: RunOptions, sampler, S: int, forced: bool, engram_shape: tuple | None,
+                 drafter: Drafter = DRAFTERS["dspark"]):
     """:func:`spec_step` reading its per-step inputs from, and writing its results back into, one
     int32 [B, W] buffer ``io`` (layout: :func:`io_width`, :func:`pack_io`; the host copies new
     values into it with :func:`dsv41_jax.engine.stage_into` and reads it through a copy). Returns (cache, dcache, draft logits, io), each
@@ -296,7 +269,7 @@ def spec_step_io(params, cache, dcache, dl, io, seed, temperature, top_k, top_p,
     need not re-record the step's CUDA graph (the engine's decode step, BENCHMARKS.md session 6).
     The draft logits of inactive rows are kept; random keys come from (seed, request id, step) as
     :meth:`SpeculativeGenerator._keys`. ``engram_shape``: (layers, ids per layer) or None."""
-    G = draft_width(cfg, drafter)
+    G = drafter.width(cfg)
     B = io.shape[0]
     tokens = io[:, :S]
     o = G + 1
@@ -348,31 +321,19 @@ def unpack_io(res: np.ndarray, G: int):
 
 
 
-def prefill_step(params, cache, dcache, tokens, lengths, engram_ids, engram_rows, *, cfg, opts):
-    """A prompt chunk through the target (last logits) and into the DSpark rings."""
+def prefill_step(params, cache, dcache, tokens, lengths, next_tokens, next_lengths, engram_ids, engram_rows, *, cfg,
+                 opts, drafter: Drafter):
+    """A prompt chunk through the target (last logits) and into the drafter's state
+    (:meth:`~dsv41_jax.drafters.Drafter.after_prompt`; ``next_tokens`` [B, chunk] / ``next_lengths``
+    [B]: the prompt's token after each chunk position, None unless the drafter needs them)."""
     logits, cache, aux = forward_step(params, cache, tokens, lengths, engram_ids, engram_rows, cfg=cfg, opts=opts,
                                       logits_mode="last", return_aux=True)
-    dcache = dspark_update(params, dcache, aux["features"], lengths, cfg=cfg, opts=opts)
+    dcache = drafter.after_prompt(params, dcache, aux, lengths, next_tokens, next_lengths, cfg=cfg, opts=opts)
     return logits, cache, dcache
 
 
-prefill_step_jit = jax.jit(prefill_step, static_argnames=("cfg", "opts"), donate_argnames=("cache", "dcache"))
-
-
-def prefill_step_mtp(params, cache, mcache, hlast, tokens, lengths, next_tokens, mlengths, engram_ids, engram_rows, *,
-                     cfg, opts):
-    """A prompt chunk through the target (last logits) and into the MTP block's cache: its first
-    ``mlengths[b]`` positions with ``next_tokens`` (the prompt's token after each; a row whose prompt
-    ends here runs one position fewer, whose next token is the first sampled one). ``hlast`` [B, hc,
-    D]: each row's main-model streams at its last chunk position (kept for :func:`first_token_mtp`)."""
-    logits, cache, aux = forward_step(params, cache, tokens, lengths, engram_ids, engram_rows, cfg=cfg, opts=opts,
-                                      logits_mode="last", return_aux=True)
-    mcache = prompt_update(params, mcache, aux["hidden"], next_tokens, mlengths, cfg=cfg, opts=opts)
-    return logits, cache, mcache, last_streams(aux["hidden"], lengths, hlast)
-
-
-prefill_step_mtp_jit = jax.jit(prefill_step_mtp, static_argnames=("cfg", "opts"),
-                               donate_argnames=("cache", "mcache", "hlast"))
+prefill_step_jit = jax.jit(prefill_step, static_argnames=("cfg", "opts", "drafter"),
+                           donate_argnames=("cache", "dcache"))
 
 
 def _sample_first(logits, keys, temperature, top_k, top_p, sampler):
@@ -384,42 +345,28 @@ def _sample_first(logits, keys, temperature, top_k, top_p, sampler):
     return jax.vmap(lambda k, d: _categorical(jax.random.fold_in(k, 1), d))(keys, p)
 
 
-def first_token(params, dcache, logits, keys, temperature, top_k, top_p, *, cfg, opts, sampler):
-    """Sample the first generated token from the prompt's last logits and draft after it."""
+def first_token(params, dcache, logits, ready, keys, temperature, top_k, top_p, *, cfg, opts, sampler,
+                drafter: Drafter):
+    """The first generated token [B] of the ``ready`` rows (their prompt just ended) from the prompt's
+    last logits, and the drafter's first drafts after it
+    (:meth:`~dsv41_jax.drafters.Drafter.first_draft`). Returns (dcache, next, ids [B, G + 1], draft
+    logits [B, G, V], confidence [B, G]); the host reads the ready rows only."""
     greedy = sampler[0]
     nxt = _sample_first(logits, keys, temperature, top_k, top_p, sampler)
-    ids, dl, conf = dspark_draft(params, dcache, nxt, None if greedy else _draft_keys(keys), temperature, cfg=cfg,
-                                 opts=opts)
-    return nxt, ids, dl, conf
+    dcache, ids, dl, conf = drafter.first_draft(params, dcache, nxt, ready, None if greedy else _draft_keys(keys),
+                                                temperature, cfg=cfg, opts=opts)
+    return dcache, nxt, ids, dl, conf
 
 
-first_token_jit = jax.jit(first_token, static_argnames=("cfg", "opts", "sampler"))
+first_token_jit = jax.jit(first_token, static_argnames=("cfg", "opts", "sampler", "drafter"),
+                          donate_argnames=("dcache",))
 
 
-def first_token_mtp(params, mcache, logits, hlast, ready, keys, temperature, top_k, top_p, *, cfg, opts, sampler):
-    """The first generated token of the ``ready`` rows [B] (their prompt just ended) from the prompt's
-    last logits, then the MTP block over each such row's last prompt position (``hlast``) with that
-    token, which drafts the one after it. Returns (mcache, next [B], ids [B, 2], logits [B, 1, V],
-    confidence [B, 1]); other rows keep their MTP cache."""
-    greedy = sampler[0]
-    nxt = _sample_first(logits, keys, temperature, top_k, top_p, sampler)
-    mcache, ids, dl, conf = mtp_draft(params, mcache, hlast[:, None], nxt[:, None], ready.astype(jnp.int32),
-                                      None if greedy else _draft_keys(keys), temperature, cfg=cfg, opts=opts)
-    return mcache, nxt, ids, dl, conf
-
-
-first_token_mtp_jit = jax.jit(first_token_mtp, static_argnames=("cfg", "opts", "sampler"), donate_argnames=("mcache",))
-
-
-def reset_slot_pair(cache, dcache, slot, *, cfg, opts, max_seq_len, drafter="dspark"):
-    """Slot ``slot``'s backbone cache row (:func:`dsv41_jax.engine.reset_slot`) and drafter cache row
-    (DSpark rings, :func:`dsv41_jax.dspark.reset_dspark_slot`, or the MTP block's window) back to their
-    initial state, ``pos`` 0 in both."""
-    if drafter == "mtp":
-        fresh = reset_row(dcache, init_mtp_cache(cfg, 1, max_seq_len, opts), slot)
-    else:
-        fresh = reset_dspark_slot(dcache, slot, cfg=cfg, opts=opts)
-    return reset_slot(cache, slot, cfg=cfg, opts=opts, max_seq_len=max_seq_len), fresh
+def reset_slot_pair(cache, dcache, slot, *, cfg, opts, max_seq_len, drafter: Drafter = DRAFTERS["dspark"]):
+    """Slot ``slot``'s backbone cache row (:func:`dsv41_jax.engine.reset_slot`) and drafter state row
+    (:meth:`~dsv41_jax.drafters.Drafter.reset_row`) back to their initial state, ``pos`` 0 in both."""
+    return (reset_slot(cache, slot, cfg=cfg, opts=opts, max_seq_len=max_seq_len),
+            drafter.reset_row(dcache, slot, cfg=cfg, opts=opts, max_seq_len=max_seq_len))
 
 
 reset_slot_pair_jit = jax.jit(reset_slot_pair, static_argnames=("cfg", "opts", "max_seq_len", "drafter"),
@@ -538,8 +485,8 @@ class SpeculativeGenerator:
         :func:`choose_drafter`)."""
         self.cfg: ModelConfig = model.cfg
         cfg = self.cfg
-        self.drafter = choose_drafter(cfg, model.params, drafter)
-        self.G = draft_width(cfg, self.drafter)
+        self.drafter: Drafter = get_drafter(choose_drafter(cfg, model.params, drafter))
+        self.G = self.drafter.width(cfg)
         if self.G + 1 > cfg.window_size:
             raise ValueError(f"{self.G} drafts + 1 must not exceed window_size {cfg.window_size}")
         if not (policy in ("all", "confidence") or policy.startswith("fixed:")):
@@ -566,7 +513,7 @@ class SpeculativeGenerator:
         self.hasher = model.hasher if cfg.engram_layer_ids else None
         self.J = cfg.engram_max_ngram_size if cfg.engram_layer_ids else 1
         self.cost = {S: 1.0 for S in range(1, self.G + 2)}  # seconds per verify width (calibrate measures)
-        self.stats = SpecStats(drafter=self.drafter)
+        self.stats = SpecStats(drafter=self.drafter.name)
         self.propose = propose
         self.simulate_accept = simulate_accept
         self.pad_width = pad_width
@@ -674,7 +621,7 @@ class SpeculativeGenerator:
         widths = [G + 1] if self.pad_width else list(range(1, G + 2))
         for S in widths:
             cache, dcache, dl = self._placed((init_cache(self.cfg, B, self.max_seq_len, self.opts),
-                                              init_draft_cache(self.cfg, B, self.max_seq_len, self.opts, self.drafter),
+                                              self.drafter.init_state(self.cfg, B, self.max_seq_len, self.opts),
                                               jnp.zeros((B, G, V), jnp.float32)))
             io = None
             hist, pos = np.zeros((B, self.max_seq_len), np.int64), np.zeros(B, np.int64)
@@ -737,10 +684,7 @@ class SpeculativeGenerator:
             raise ValueError("prompt + max_new_tokens + gamma + 1 exceeds max_seq_len")
         hist = np.zeros((B, self.max_seq_len + G + 2), np.int64)  # committed tokens (Engram history)
         cache, dcache = self._placed((init_cache(cfg, B, self.max_seq_len, self.opts),
-                                      init_draft_cache(cfg, B, self.max_seq_len, self.opts, self.drafter)))
-        mtp = self.drafter == "mtp"
-        # MTP: each row's main-model streams at its last prompt position, until its first token
-        hlast = self._placed(jnp.zeros((B, cfg.hc_mult, cfg.dim), self.opts.compute_dtype)) if mtp else None
+                                      self.drafter.init_state(cfg, B, self.max_seq_len, self.opts)))
         temp, topk, topp = jnp.float32(max(sp.temperature, 1e-30)), jnp.int32(sp.top_k), jnp.float32(sp.top_p)
         pos = np.zeros(B, np.int64)
         last = self._placed(jnp.zeros((B, V), jnp.float32))  # each row's last prompt logits
@@ -800,22 +744,19 @@ class SpeculativeGenerator:
                     lens[b] = min(self.chunk, len(s.prompt) - s.cursor)
                     tok[b, :lens[b]] = s.prompt[s.cursor:s.cursor + lens[b]]
                 eids = self._engram(hist, pos, tok, lens)
-                if mtp:  # the token after each chunk position; the prompt's last one waits for the first token
-                    after = np.zeros((B, self.chunk), np.int64)
-                    mlens = lens.copy()
+                after = nlens = None
+                if self.drafter.needs_next_tokens:  # the prompt's token after each chunk position (the
+                    after = np.zeros((B, self.chunk), np.int64)  # last one's is the first sampled token)
+                    nlens = lens.copy()
                     for b in pre:
                         s = slots[b]
                         nxt_prompt = s.prompt[s.cursor + 1:s.cursor + 1 + lens[b]]
                         after[b, :len(nxt_prompt)] = nxt_prompt
-                        mlens[b] = len(nxt_prompt)
-                    lg, cache, dcache, hlast = prefill_step_mtp_jit(
-                        self.params, cache, dcache, hlast, jnp.asarray(tok, jnp.int32), jnp.asarray(lens, jnp.int32),
-                        jnp.asarray(after, jnp.int32), jnp.asarray(mlens, jnp.int32), eids, None, cfg=cfg,
-                        opts=self.opts)
-                else:
-                    lg, cache, dcache = prefill_step_jit(self.params, cache, dcache, jnp.asarray(tok, jnp.int32),
-                                                         jnp.asarray(lens, jnp.int32), eids, None, cfg=cfg,
-                                                         opts=self.opts)
+                        nlens[b] = len(nxt_prompt)
+                    after, nlens = jnp.asarray(after, jnp.int32), jnp.asarray(nlens, jnp.int32)
+                lg, cache, dcache = prefill_step_jit(self.params, cache, dcache, jnp.asarray(tok, jnp.int32),
+                                                     jnp.asarray(lens, jnp.int32), after, nlens, eids, None, cfg=cfg,
+                                                     opts=self.opts, drafter=self.drafter)
                 last = jnp.where(jnp.asarray(lens > 0)[:, None], lg, last)
                 pos += lens
                 ready = np.zeros(B, bool)
@@ -825,13 +766,9 @@ class SpeculativeGenerator:
                 if ready.any():  # first token + first drafts of the rows whose prompt just ended
                     rid = np.array([s.sample_id if s is not None else 0 for s in slots])
                     keys0 = self._keys(sp, rid, np.zeros(B))
-                    if mtp:
-                        dcache, nxt_f, ids_f, dl_f, conf_f = first_token_mtp_jit(
-                            self.params, dcache, last, hlast, jnp.asarray(ready), keys0, temp, topk, topp, cfg=cfg,
-                            opts=self.opts, sampler=sampler)
-                    else:
-                        nxt_f, ids_f, dl_f, conf_f = first_token_jit(self.params, dcache, last, keys0, temp, topk,
-                                                                     topp, cfg=cfg, opts=self.opts, sampler=sampler)
+                    dcache, nxt_f, ids_f, dl_f, conf_f = first_token_jit(
+                        self.params, dcache, last, jnp.asarray(ready), keys0, temp, topk, topp, cfg=cfg,
+                        opts=self.opts, sampler=sampler, drafter=self.drafter)
                     nxt_f, ids_f, conf_f = np.asarray(nxt_f), np.asarray(ids_f), np.asarray(conf_f)
                     ids[ready], conf[ready] = ids_f[ready], conf_f[ready]
                     dl = jnp.where(jnp.asarray(ready)[:, None, None], dl_f, dl)
@@ -906,7 +843,7 @@ def run_cli(a, model, prompts, tok, opts: RunOptions, sampling: SamplingParams, 
     err = sys.stderr
     B = max(1, min(a.batch_size, len(prompts)))
     drafter = choose_drafter(cfg, model.params, a.speculative)
-    G = draft_width(cfg, drafter)
+    G = get_drafter(drafter).width(cfg)
     cap = max_seq_len + G + 1
     cap += -cap % 16
     cap = min(cap, cfg.max_position_embeddings)
