@@ -304,9 +304,13 @@ def _combine_in_kernel(acc, m, l, acc_ref, m_ref, l_ref, cnt_ref, sink_ref, o_re
     if not interpret:  # interpret mode runs the programs one after another (and has no barrier rule)
         pltriton.debug_barrier()
     slot = r * pl.num_programs(1) + j
-    old = pltriton.atomic_add(cnt_ref, (pl.ds(slot, 1),), jnp.ones((1,), jnp.int32))
+    # a scalar atomic: one thread performs it and Triton broadcasts the old value to the program's
+    # threads. The [1]-shaped tensor form used before (session 22) gave NaN outputs on the H200
+    # (session 23's site check): its old value is undefined in the threads that hold a replica
+    # of the element without performing the atomic, so part of the last program did not merge.
+    old = pltriton.atomic_add(cnt_ref, (slot,), jnp.int32(1))
 
-    @pl.when(old[0] == num_splits - 1)
+    @pl.when(old == num_splits - 1)
     def _():
         cg = {} if interpret else dict(cache_modifier=".cg")  # triton_compat makes jax 0.11.2 take it
         o = _merge_splits(pltriton.load(m_ref.at[r, :, heads], **cg), pltriton.load(l_ref.at[r, :, heads], **cg),
@@ -414,7 +418,7 @@ if COMBINE not in COMBINES:
 
 def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None, interpret=False,
                      block_h=None, block_k=None, num_splits=None, num_warps=None, num_stages=None, d_split=None,
-                     combine=None):
+                     combine=None, counters=None, return_partials=False):
     """``combine``: how the flash-decoding splits are merged (default :data:`COMBINE`): ``"xla"``,
     ``"pallas"`` (:func:`combine_splits`; falls back to XLA where :func:`combine_reason` says it
     cannot run) or ``"kernel"`` (inside the attention kernel, by the last split program of each
@@ -422,7 +426,10 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     split count that is not a power of two falls back to the XLA combine).
     ``d_split`` > 1: each program accumulates D / d_split output columns (the logits still use all
     of D, so every key row is read d_split times, from L2 after the first), which divides the [block_h,
-    D] f32 accumulator that makes the one-program version spill (BENCHMARKS.md, issue 5, session 12)."""
+    D] f32 accumulator that makes the one-program version spill (BENCHMARKS.md, issue 5, session 12).
+    Diagnostics (``combine="kernel"``): ``counters`` replaces the zeroed int32 counters the kernel
+    counts its finished splits in; ``return_partials`` returns (output, the pallas_call's outputs:
+    partial acc, m, l, the counters after the call, the output block array)."""
     reason = unsupported_reason(q, kv, kv_idx, comp_kv, comp_idx)
     if reason is not None:
         raise ValueError(f"sparse_attention (pallas): {reason}")
@@ -512,7 +519,7 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
         # zeroed per-(row, head / column block) counters aliased in -> out, then the output block
         nslots = rows * nhb * ds
         io_aliases = {len(args): 3}
-        args.append(jnp.zeros((nslots,), jnp.int32))
+        args.append(jnp.zeros((nslots,), jnp.int32) if counters is None else counters)
         specs.append(pl.BlockSpec(memory_space=pl.ANY))
         out_shape = (
             jax.ShapeDtypeStruct((rows, num_splits, hp, d), jnp.float32),
@@ -557,13 +564,15 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
         name="sparse_attention_sink",
     )(*args)
 
+    parts = out
     if in_kernel:
         out = out[4]
     elif split_out and combine == "pallas" and combine_reason(num_splits, hp, d) is None:
         out = combine_splits(*out, sinkf, q.dtype, interpret=interpret)
     elif split_out:
         out = _xla_combine(*out, sinkf).astype(q.dtype)
-    return out[:, :h].reshape(b, s, h, d)
+    out = out[:, :h].reshape(b, s, h, d)
+    return (out, parts) if return_partials else out
 
 
 def auto_reason(q, kv=None, comp_kv=None):
