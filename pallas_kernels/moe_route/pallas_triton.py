@@ -19,6 +19,7 @@ biased scores are within that of each other.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,11 @@ from .reference import SCORE_FUNCS, scores
 __all__ = ["route_select", "unsupported_reason", "auto_reason"]
 
 MAX_EXPERTS = 4096  # one program holds a row of scores in registers
+
+# Diagnostics for the irreproducibility seen with this kernel in the model (session 22-23), read at
+# trace time: DSV41_ROUTE_MAX_ROWS=N leaves calls with more than N token rows to the reference (e.g.
+# 2: the kernel at decode only, prompt chunks on XLA); DSV41_ROUTE_WARPS=W sets the warps per program.
+MAX_ROWS_ENV, WARPS_ENV = "DSV41_ROUTE_MAX_ROWS", "DSV41_ROUTE_WARPS"
 
 
 def unsupported_reason(z, bias, topk: int, score_func: str) -> str | None:
@@ -53,6 +59,9 @@ def unsupported_reason(z, bias, topk: int, score_func: str) -> str | None:
         return f"topk={topk} must be in [1, E={e}]"
     if n < 1:
         return "no token rows"
+    limit = os.environ.get(MAX_ROWS_ENV)
+    if limit and n > int(limit):
+        return f"{n} token rows exceed {MAX_ROWS_ENV}={limit}"
     return None
 
 
@@ -109,7 +118,7 @@ def route_select(z, bias, *, topk: int, score_func: str, gate_temp: float, norm_
     n, e = z.shape
     ep, kp = next_pow2(max(e, 2)), next_pow2(max(topk, 2))
     if num_warps is None:
-        num_warps = 1 if ep <= 512 else 4
+        num_warps = int(os.environ.get(WARPS_ENV) or (1 if ep <= 512 else 4))
     kernel = functools.partial(_kernel, e=e, ep=ep, kp=kp, topk=topk, score_func=score_func,
                                gate_temp=float(gate_temp), norm=bool(norm_topk_prob), scale=float(route_scale))
     w, idx = pl.pallas_call(

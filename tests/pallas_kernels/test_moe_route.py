@@ -72,6 +72,22 @@ def test_unsupported_reasons_and_errors():
         pallas_triton.route_select(z, b, topk=9, score_func="sigmoid", interpret=True, **KW)
 
 
+def test_diagnostic_row_limit_and_warps(monkeypatch):
+    """DSV41_ROUTE_MAX_ROWS leaves larger calls to the reference (the kernel at decode only);
+    DSV41_ROUTE_WARPS changes the warps and not the result."""
+    z = jax.random.normal(jax.random.PRNGKey(5), (3, 16), jnp.float32)
+    b = jax.random.normal(jax.random.PRNGKey(6), (16,), jnp.float32) * 0.1
+    monkeypatch.setenv(pallas_triton.MAX_ROWS_ENV, "2")
+    assert "3 token rows exceed DSV41_ROUTE_MAX_ROWS=2" in pallas_triton.unsupported_reason(z, b, 4, "sigmoid")
+    assert pallas_triton.unsupported_reason(z[:2], b, 4, "sigmoid") is None
+    monkeypatch.delenv(pallas_triton.MAX_ROWS_ENV)
+    w1, i1 = pallas_triton.route_select(z, b, topk=4, score_func="sigmoid", interpret=True, **KW)
+    monkeypatch.setenv(pallas_triton.WARPS_ENV, "4")
+    w4, i4 = pallas_triton.route_select(z, b, topk=4, score_func="sigmoid", interpret=True, **KW)
+    np.testing.assert_array_equal(np.asarray(i1), np.asarray(i4))
+    np.testing.assert_array_equal(np.asarray(w1), np.asarray(w4))
+
+
 def test_dispatch_auto_keeps_the_reference_until_measured(monkeypatch):
     """Plain 'auto' declines (greedy decoding was not reproducible with it on the H200: the reason
     says so); 'interpret' runs the
