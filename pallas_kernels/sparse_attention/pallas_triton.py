@@ -409,7 +409,8 @@ def combine_splits(acc, m, l, sink, out_dtype, *, interpret=False, num_warps=4):
 # separate combine kernel, :func:`combine_splits`; session 17: 5 us slower in the site) or "kernel"
 # (the last split program of each head / column block merges, :func:`_combine_in_kernel`: no
 # partials left for XLA and no second launch; session 22: the batch-1 step's sparse attention
-# 0.68 -> 0.52 ms on the H200, its output not yet checked there against XLA, so not the default).
+# 0.68 -> 0.52 ms on the H200; session 23: its output had non-finite values there (the site
+# check), with the [1]-tensor counter atomic since replaced by a scalar one, not yet re-run).
 COMBINES = ("xla", "pallas", "kernel")
 COMBINE = os.environ.get("DSV41_SPARSE_COMBINE", "xla").lower()
 if COMBINE not in COMBINES:
