@@ -163,6 +163,32 @@ def test_op_with_the_in_kernel_combine_matches_the_reference(num_splits, d_split
     check_close(o3, r)
 
 
+def test_in_kernel_combine_counts_with_one_scalar_atomic():
+    """The split counter as lowered for the GPU: one scalar ``tt.atomic_rmw`` per program (one thread
+    performs it and Triton broadcasts the old value), not a tensor atomic. The [1]-tensor form ran
+    on the H200 with non-finite outputs (session 23). And the diagnostic outputs: after one call
+    every counter holds the split count; counters passed in are used."""
+    import re
+
+    from pallas_kernels.inspect_sass import triton_kernels
+
+    q, kv, widx, sink, ck, cidx = make_case(None, b=1, s=1, d=128)
+    cfg = dict(block_k=16, num_splits=4, d_split=2)
+    (k,) = triton_kernels(lambda *a: pallas_triton.sparse_attention(
+        *a[:4], scale=0.1, comp_kv=a[4], comp_idx=a[5], combine="kernel", **cfg), q, kv, widx, sink, ck, cidx)
+    atomics = re.findall(r"tt\.atomic_rmw [^\n]*", k["ttir"])
+    assert len(atomics) == 1 and "tensor<" not in atomics[0], atomics
+    f = jax.jit(lambda *a, cnt=None: pallas_triton.sparse_attention(
+        *a[:4], scale=0.1, comp_kv=a[4], comp_idx=a[5], interpret=True, combine="kernel", counters=cnt,
+        return_partials=True, **cfg))
+    o, (acc, m, l, counts, ob) = f(q, kv, widx, sink, ck, cidx)
+    slots = 1 * 1 * 2  # rows x head blocks x column blocks
+    np.testing.assert_array_equal(np.asarray(counts), np.full(slots, 4))
+    o2, parts2 = f(q, kv, widx, sink, ck, cidx, cnt=jnp.full((slots,), 4, jnp.int32))  # nobody is last
+    np.testing.assert_array_equal(np.asarray(parts2[3]), np.full(slots, 8))
+    np.testing.assert_array_equal(np.asarray(parts2[0]), np.asarray(acc))  # the partials are still written
+
+
 def test_in_kernel_combine_is_the_env_default_when_asked(monkeypatch):
     """DSV41_SPARSE_COMBINE picks the combine for calls that do not name one; a bad value fails at
     import with the variable's name."""
