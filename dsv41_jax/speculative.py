@@ -50,8 +50,8 @@ One k for the whole batch: the step's cost depends on its width, and at a given 
 every draft a row has never lowers its expected yield.
 
 Continuous batching (:meth:`SpeculativeGenerator.generate`): more prompts than slots; a finished
-slot is reset (backbone row via :func:`dsv41_jax.engine.reset_slot`, DSpark rings via
-:func:`dsv41_jax.dspark.reset_dspark_slot`, its Engram history on the host) and takes the next prompt,
+slot is reset (backbone row via :func:`dsv41_jax.engine.reset_slot`, the drafter's state via
+:meth:`dsv41_jax.drafters.Drafter.reset_row`, its Engram history on the host) and takes the next prompt,
 prefilled chunk by chunk between the other slots' verify steps. Random keys come from (seed, request
 index, the request's own step), so a request's tokens do not depend on its slot or neighbours.
 """
@@ -466,8 +466,8 @@ def _on_mesh(method):
 
 class SpeculativeGenerator:
     """Generation with drafts (V4.1's DSpark, or V4's MTP block: ``drafter``) and continuous batching: ``batch_size`` slots; when a sequence
-    finishes (a stop token / its ``max_new_tokens``) its slot is reset (backbone cache row, DSpark
-    rings, Engram history: :func:`reset_slot_pair`) and takes the next waiting prompt, whose chunks
+    finishes (a stop token / its ``max_new_tokens``) its slot is reset (backbone cache row, drafter
+    state, Engram history: :func:`reset_slot_pair`) and takes the next waiting prompt, whose chunks
     are prefilled between the verify steps of the other slots. ``policy``: ``all`` | ``confidence``
     | ``fixed:k``. ``mesh``: run on a ``sharding.make_mesh`` mesh with ``dp = 1`` (parameters on
     their partition-rule shardings, the routed experts over ``ep``; caches and rows replicated)."""
