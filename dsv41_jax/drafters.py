@@ -27,6 +27,7 @@ confidence logits [B, G] f32), G = :meth:`Drafter.width`.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import jax.numpy as jnp
@@ -41,36 +42,43 @@ __all__ = ["Drafter", "DSparkDrafter", "MTPDrafter", "DRAFTERS", "choose_drafter
 
 
 @dataclass(frozen=True)
-class Drafter:
-    """The interface (see the module docstring). Subclasses are field-less frozen dataclasses, so
-    equal drafters hash equal and a jitted program is compiled once per drafter kind."""
+class Drafter(ABC):
+    """The interface (see the module docstring); an abstract base, not instantiable. Subclasses are
+    field-less frozen dataclasses, so equal drafters hash equal and a jitted program is compiled
+    once per drafter kind."""
     name = "?"
     needs_next_tokens = False  # after_prompt reads the prompt's next tokens
 
+    @abstractmethod
     def has(self, cfg: ModelConfig, params) -> bool:
-        raise NotImplementedError
+        """Whether the model (config + parameters) carries this drafter."""
 
+    @abstractmethod
     def missing(self) -> str:
         """What a model lacks when :meth:`has` is False (for the error message)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def width(self, cfg: ModelConfig) -> int:
-        raise NotImplementedError
+        """Drafts per step (gamma)."""
 
+    @abstractmethod
     def init_state(self, cfg: ModelConfig, batch: int, max_seq_len: int, opts: RunOptions) -> dict:
-        raise NotImplementedError
+        """The initial state of ``batch`` rows."""
 
     def reset_row(self, state, slot, *, cfg: ModelConfig, opts: RunOptions, max_seq_len: int) -> dict:
         return reset_row(state, self.init_state(cfg, 1, max_seq_len, opts), slot)
 
+    @abstractmethod
     def after_prompt(self, params, state, aux, lengths, next_tokens, next_lengths, *, cfg, opts):
-        raise NotImplementedError
+        """The state after a prompt chunk."""
 
+    @abstractmethod
     def first_draft(self, params, state, nxt, ready, keys, temperature, *, cfg, opts):
-        raise NotImplementedError
+        """(state, ids, draft logits, confidence) after the first sampled token ``nxt``."""
 
+    @abstractmethod
     def after_verify(self, params, state, aux, tokens, n_acc, nxt, keep, keys, temperature, *, cfg, opts):
-        raise NotImplementedError
+        """(state, ids, draft logits, confidence) after a verify step."""
 
 
 @dataclass(frozen=True)

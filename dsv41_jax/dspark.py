@@ -30,7 +30,7 @@ multi-token commits (the generalisation a speculative loop needs; the math is un
 Caches: ``init_dspark_cache`` – ``{"pos": [B] int32, "stages": {str(k): {"window": ring}}}``; the
 ring is FP8 (e4m3 + e8m0 per 32, all dims) in ``reference`` KV mode like the backbone's, plain
 otherwise. It lives next to (not inside) the backbone cache of :mod:`dsv41_jax.cache`;
-:func:`reset_dspark_slot` empties one row (continuous batching).
+:meth:`dsv41_jax.drafters.Drafter.reset_row` empties one row (continuous batching).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from pallas_kernels.mhc import hc_collapse, hc_expand, hc_mixes
 from pallas_kernels.sparse_attention import sparse_attention
 
 from .attention import concat_rows, cache_store, update_ring
-from .cache import fp8_rows, reset_row
+from .cache import fp8_rows
 from .config import ModelConfig
 from .layers import grouped_linear, linear, norm
 from .moe import moe
@@ -64,12 +64,6 @@ def init_dspark_cache(cfg: ModelConfig, batch: int, opts: RunOptions) -> dict:
         ring = fp8_rows((batch, W, dh)) if opts.quantized_kv else jnp.zeros((batch, W, dh), opts.kv_dtype)
         stages[str(k)] = {"window": ring}
     return {"pos": jnp.zeros((batch,), jnp.int32), "stages": stages}
-
-
-def reset_dspark_slot(dcache, slot, *, cfg: ModelConfig, opts: RunOptions) -> dict:
-    """DSpark cache with batch row ``slot`` (traced int32) back to :func:`init_dspark_cache`'s row
-    (empty rings, ``pos`` 0): a recycled slot keeps nothing of its previous sequence."""
-    return reset_row(dcache, init_dspark_cache(cfg, 1, opts), slot)
 
 
 def main_x(params, features, cfg: ModelConfig, dtype):

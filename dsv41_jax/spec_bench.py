@@ -100,7 +100,7 @@ def main(argv=None):
     from .model import Model
     from .options import RunOptions
     from .sampling import SamplingParams
-    from .speculative import SpeculativeGenerator, choose_drafter, draft_width
+    from .speculative import SpeculativeGenerator, choose_drafter, get_drafter
 
     enable_compilation_cache()  # ~/.cache/dsv41_jax/jax (DSV41_COMPILE_CACHE=off disables)
     from sharding.engine_support import mesh_from_args
@@ -138,7 +138,7 @@ def main(argv=None):
         print(f"prompts: natural text from {a.text_file}", flush=True)
     else:
         prompts = [[0] + [int(t) for t in rng.integers(3, cfg.vocab_size, a.prompt_len - 1)] for _ in range(n)]
-    need = a.prompt_len + a.new_tokens + draft_width(cfg, drafter) + 1
+    need = a.prompt_len + a.new_tokens + get_drafter(drafter).width(cfg) + 1
     cap = need + (-need % 16)
     if a.max_seq_len is not None:
         if a.max_seq_len < need:

@@ -200,18 +200,7 @@ def rollback(params, old, new, aux, tokens, keep, lengths, engram_ids=None, engr
 # ---------------------------------------------------------------------------------------------
 
 
-__all__ = ["DRAFTERS", "choose_drafter", "draft_width", "init_draft_cache", "SpeculativeGenerator", "accept",
-           "rollback", "spec_step"]
-
-
-def draft_width(cfg: ModelConfig, drafter: str) -> int:
-    """Drafts per step (gamma) of drafter ``drafter``: the DSpark block size, or 1 for MTP-1."""
-    return get_drafter(drafter).width(cfg)
-
-
-def init_draft_cache(cfg: ModelConfig, batch: int, max_seq_len: int, opts: RunOptions, drafter: str) -> dict:
-    """The drafter's state (:meth:`dsv41_jax.drafters.Drafter.init_state`)."""
-    return get_drafter(drafter).init_state(cfg, batch, max_seq_len, opts)
+__all__ = ["DRAFTERS", "choose_drafter", "get_drafter", "SpeculativeGenerator", "accept", "rollback", "spec_step"]
 
 
 def _draft_keys(keys):
@@ -336,23 +325,18 @@ prefill_step_jit = jax.jit(prefill_step, static_argnames=("cfg", "opts", "drafte
                            donate_argnames=("cache", "dcache"))
 
 
-def _sample_first(logits, keys, temperature, top_k, top_p, sampler):
-    """The first generated token [B] from the prompt's last logits (greedy, or the target sampler)."""
-    greedy, use_k, use_p = sampler
-    if greedy:
-        return jnp.argmax(logits, -1).astype(jnp.int32)
-    p = target_probs(logits, temperature, top_k, top_p, use_top_k=use_k, use_top_p=use_p)
-    return jax.vmap(lambda k, d: _categorical(jax.random.fold_in(k, 1), d))(keys, p)
-
-
 def first_token(params, dcache, logits, ready, keys, temperature, top_k, top_p, *, cfg, opts, sampler,
                 drafter: Drafter):
     """The first generated token [B] of the ``ready`` rows (their prompt just ended) from the prompt's
     last logits, and the drafter's first drafts after it
     (:meth:`~dsv41_jax.drafters.Drafter.first_draft`). Returns (dcache, next, ids [B, G + 1], draft
     logits [B, G, V], confidence [B, G]); the host reads the ready rows only."""
-    greedy = sampler[0]
-    nxt = _sample_first(logits, keys, temperature, top_k, top_p, sampler)
+    greedy, use_k, use_p = sampler
+    if greedy:
+        nxt = jnp.argmax(logits, -1).astype(jnp.int32)
+    else:
+        p = target_probs(logits, temperature, top_k, top_p, use_top_k=use_k, use_top_p=use_p)
+        nxt = jax.vmap(lambda k, d: _categorical(jax.random.fold_in(k, 1), d))(keys, p)
     dcache, ids, dl, conf = drafter.first_draft(params, dcache, nxt, ready, None if greedy else _draft_keys(keys),
                                                 temperature, cfg=cfg, opts=opts)
     return dcache, nxt, ids, dl, conf

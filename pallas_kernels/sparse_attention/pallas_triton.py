@@ -304,10 +304,11 @@ def _combine_in_kernel(acc, m, l, acc_ref, m_ref, l_ref, cnt_ref, sink_ref, o_re
     if not interpret:  # interpret mode runs the programs one after another (and has no barrier rule)
         pltriton.debug_barrier()
     slot = r * pl.num_programs(1) + j
-    # a scalar atomic: one thread performs it and Triton broadcasts the old value to the program's
-    # threads. The [1]-shaped tensor form used before (session 22) gave NaN outputs on the H200
-    # (session 23's site check): its old value is undefined in the threads that hold a replica
-    # of the element without performing the atomic, so part of the last program did not merge.
+    # a scalar atomic: one thread performs it (after a GPU-scope fence) and Triton broadcasts the old
+    # value to the program's threads through shared memory. The [1]-shaped tensor form used before
+    # ran with non-finite outputs on the H200 (session 23's site check); its sm_90 SASS looked right
+    # for the configuration read offline, so whether this was the cause is not known until the
+    # GPU check runs again.
     old = pltriton.atomic_add(cnt_ref, (slot,), jnp.int32(1))
 
     @pl.when(old == num_splits - 1)
