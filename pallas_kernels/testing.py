@@ -45,8 +45,14 @@ def lower_for(target: str, fn, *specs):
         raise ValueError(f"unknown target {target!r}; expected one of {sorted(TARGETS)}")
     lower_module = _triton_lowering.lower_jaxpr_to_triton_module
 
-    def verified(*args, **kwargs):
-        result = lower_module(*args, **kwargs)
+    def verified(jaxpr, grid_mapping, *args, **kwargs):
+        overhang = partial_blocks(grid_mapping)
+        if overhang:
+            raise AssertionError(
+                "blocks that do not divide their arrays (jax 0.11.2's Triton lowering, the H200's, does not "
+                "mask the accesses of such a block: its stores land in the next row or past the array, "
+                "BENCHMARKS.md issue 6, session 24; pad the array or mask explicitly): " + "; ".join(overhang))
+        result = lower_module(jaxpr, grid_mapping, *args, **kwargs)
         if not result.module.operation.verify():  # raises with the diagnostics on failure
             raise AssertionError("the Triton module did not verify")
         return result
@@ -57,6 +63,33 @@ def lower_for(target: str, fn, *specs):
             return jax.jit(fn).trace(*specs).lower(lowering_platforms=(target,))
     finally:
         _triton_lowering.lower_jaxpr_to_triton_module = lower_module
+
+
+def partial_blocks(grid_mapping) -> list[str]:
+    """The block specs of one ``pallas_call`` whose block does not divide its array along some
+    dimension (a block larger than the array, or a last block that runs past its end), as readable
+    strings. jax >= 0.12 masks such a block's loads and stores at the array's edges; jax 0.11.2 (the
+    GPU machines') emits them unmasked, so a store past the end of a row writes the next row's first
+    elements, racing with that row's program (session 24: ``moe_route`` wrote zeros into columns 0-1
+    of a random subset of rows on the H200). Memory-space-ANY refs (no blocking) are not checked."""
+    from jax._src.pallas import core as pallas_core  # noqa: PLC2701
+
+    found = []
+    for bm in grid_mapping.block_mappings:
+        shape = tuple(bm.array_aval.shape)
+        sizes = []
+        for b in bm.block_shape:
+            if isinstance(b, pallas_core.Blocked):
+                sizes.append(b.block_size)
+            elif isinstance(b, int):
+                sizes.append(b)
+            else:  # squeezed (None), element-indexed or sliced dimensions: not checked
+                sizes.append(1)
+        if len(sizes) != len(shape):
+            continue
+        if any(n % b for b, n in zip(sizes, shape)):
+            found.append(f"{bm.origin}: block {tuple(sizes)} on array {shape}")
+    return found
 
 
 GEMM_TOL = {"bfloat16": (2.0**-7, 2.0**-9), "float32": (1e-5, 1e-6)}

@@ -6,7 +6,7 @@ scores (~3.9 us for E = 96; session 21's batch-1 profile: 0.30 ms per step over 
 "route" part, the logits' reduction included). Here one program per token row loads its E logits
 (E padded to a power of two inside the program, the pad at -inf), computes the scores, picks the
 top-k of ``scores + bias`` by k rounds of (argmax, the lowest index on ties; mask it out) -- the
-order and tie rule of ``jax.lax.top_k`` -- gathers the weights, normalises them and writes [1, k] of
+order and tie rule of ``jax.lax.top_k`` -- gathers the weights, normalises them and writes [1, kp] of
 each output. The logits stay an XLA reduction: at E = 384 the gate is 3.9 MB of bf16, a stream one
 program could not read quickly.
 
@@ -36,8 +36,8 @@ __all__ = ["route_select", "unsupported_reason", "auto_reason"]
 
 MAX_EXPERTS = 4096  # one program holds a row of scores in registers
 
-# Diagnostics for the irreproducibility seen with this kernel in the model (session 22-23), read at
-# trace time: DSV41_ROUTE_MAX_ROWS=N leaves calls with more than N token rows to the reference (e.g.
+# Diagnostics (they located the multi-row race fixed in session 24: with the kernel at decode only
+# the model was reproducible, with it on prompt chunks too it was not), read at trace time: DSV41_ROUTE_MAX_ROWS=N leaves calls with more than N token rows to the reference (e.g.
 # 2: the kernel at decode only, prompt chunks on XLA); DSV41_ROUTE_WARPS=W sets the warps per program.
 MAX_ROWS_ENV, WARPS_ENV = "DSV41_ROUTE_MAX_ROWS", "DSV41_ROUTE_WARPS"
 
@@ -66,23 +66,31 @@ def unsupported_reason(z, bias, topk: int, score_func: str) -> str | None:
 
 
 def auto_reason(z) -> str | None:
-    """Why plain 'auto' does not pick this kernel on a GPU (None: pick it). On the H200 (session 22)
-    it passed its check (indices equal, weights within 16 f32 ulps of the reference) and took
-    2.36 µs against XLA's 6.39 µs (E = 96), -0.033 ms per 7-layer decode step. But with it the
-    model's greedy tokens changed from run to run within one process (3 distinct outputs in 3
-    runs of 256 tokens), while the same runs without it were identical every time, so 'auto' keeps
-    the reference until that is explained (``benchmark --check`` now repeats each call to catch it)."""
+    """Why plain 'auto' does not pick this kernel on a GPU (None: pick it). On the H200 it takes
+    2.4 µs against XLA's 6.6 µs (E = 96), and with it at decode only the batch-1 protocol ran at
+    125.67 tok/s against 122.36, reproducibly (session 24). Its earlier form was wrong on the H200
+    with more than one row (its [1, kp] output blocks on [N, topk] arrays, unmasked under jax 0.11.2:
+    see :func:`route_select`), which is what made greedy decoding irreproducible in sessions 22-23.
+    The fixed form has not yet been run on a GPU, so 'auto' keeps the reference until
+    ``benchmark --check`` and a reproducibility probe pass with it."""
     del z
-    return ("greedy decoding was not reproducible run to run with it on the H200 (session 22); "
+    return ("the fix of its multi-row race (session 24) has not been checked on a GPU yet; "
             "DSV41_KERNELS=auto,moe_route=pallas runs it")
 
 
 def _kernel(z_ref, b_ref, w_ref, i_ref, *, e, ep, kp, topk, score_func, gate_temp, norm, scale):
     cols = jax.lax.broadcasted_iota(jnp.int32, (1, ep), 1)
     valid = cols < e
+    # the row's E logits and the bias, gathered at in-bounds columns (the pad lanes re-read column
+    # E - 1 and are replaced below): a [1, ep] block on an [N, E] array would read past the row, and
+    # jax 0.11.2 does not mask that (see route_select)
+    safe = jnp.minimum(cols, e - 1)
+    row = jnp.full((1, ep), pl.program_id(0), jnp.int32)
+    z = z_ref[row, safe]
+    b = b_ref[jnp.zeros((1, ep), jnp.int32), safe]
     # the reference's own formulas; the pad at -inf scores 0 (and the softmax's pad adds 0)
-    s = scores(jnp.where(valid, z_ref[...], -jnp.inf), score_func=score_func, gate_temp=gate_temp)
-    sel = jnp.where(valid, s + b_ref[...], -jnp.inf)
+    s = scores(jnp.where(valid, z, -jnp.inf), score_func=score_func, gate_temp=gate_temp)
+    sel = jnp.where(valid, s + b, -jnp.inf)
     kcols = jax.lax.broadcasted_iota(jnp.int32, (1, kp), 1)
     picks, weights = [], []
     for _ in range(topk):  # k rounds: the largest, at its lowest index (lax.top_k's order and ties)
@@ -110,8 +118,13 @@ def _kernel(z_ref, b_ref, w_ref, i_ref, *, e, ep, kp, topk, score_func, gate_tem
 def route_select(z, bias, *, topk: int, score_func: str, gate_temp: float, norm_topk_prob: bool,
                  route_scale: float, interpret: bool = False, num_warps: int | None = None):
     """z [N, E] f32, bias [E] -> (weights [N, topk] f32, indices [N, topk] int32): one program per
-    row, [1, E] padded to a power of two in registers (blocks larger than the arrays: Pallas masks
-    the loads and stores at the edges)."""
+    row, [1, E] padded to a power of two in registers. Every block divides its array: the logits and
+    the bias are read whole (memory space ANY) with in-bounds gathers, and the outputs are written
+    [N, kp] (kp = topk rounded up to a power of two) and sliced to [N, topk] here. Before session 24
+    they were [1, kp] blocks on [N, topk] arrays, which jax >= 0.12 masks at the edges but jax 0.11.2
+    (the H200's) does not: each program's pad columns landed in the next row's first columns, a
+    race that made the H200 results differ call to call (zeros in columns 0-1 of random rows) and
+    the model's greedy decoding irreproducible (sessions 22-24)."""
     reason = unsupported_reason(z, bias, topk, score_func)
     if reason is not None:
         raise ValueError(f"moe_route (pallas): {reason}")
@@ -124,11 +137,11 @@ def route_select(z, bias, *, topk: int, score_func: str, gate_temp: float, norm_
     w, idx = pl.pallas_call(
         kernel,
         grid=(n,),
-        in_specs=[pl.BlockSpec((1, ep), lambda r: (r, 0)), pl.BlockSpec((1, ep), lambda r: (0, 0))],
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=[pl.BlockSpec((1, kp), lambda r: (r, 0)), pl.BlockSpec((1, kp), lambda r: (r, 0))],
-        out_shape=[jax.ShapeDtypeStruct((n, topk), jnp.float32), jax.ShapeDtypeStruct((n, topk), jnp.int32)],
+        out_shape=[jax.ShapeDtypeStruct((n, kp), jnp.float32), jax.ShapeDtypeStruct((n, kp), jnp.int32)],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="moe_route_select",
     )(z, bias.astype(jnp.float32).reshape(1, e))
-    return w, idx
+    return (w, idx) if kp == topk else (w[:, :topk], idx[:, :topk])
