@@ -171,21 +171,28 @@ def test_benchmark_checks_then_times_each_size(monkeypatch, capsys, tmp_path):
     assert "pallas_4w_us" not in rows[0] and rows[1]["pallas_4w_us"] == 2.0  # 4 warps tried at E = 384
 
 
-def test_benchmark_reproducibility_check_catches_a_kernel_that_varies():
+def test_benchmark_reproducibility_check_catches_a_kernel_that_varies(capsys):
     """benchmark.repeats_identical: identical bits every call pass; a kernel whose weights move by
-    one ulp from call to call (a host callback adds the noise) fails."""
+    one ulp on every other call (a host callback adds the noise, in row 1, columns 0-1: where
+    session 24's race wrote) fails, and the check names those rows and columns."""
     from pallas_kernels.moe_route import benchmark
 
     rng = np.random.default_rng()
-    z, b = _case(rng, 1, 96)
+    z, b = _case(rng, 3, 96)
     kw = dict(topk=6, score_func="sqrtsoftplus", **KW)
     steady = lambda z, b: reference.route_select(z, b, **kw)
     assert benchmark.repeats_identical(steady, z, b, 3, rng, 96)
+    calls = []
+
+    def noise():
+        calls.append(1)
+        n = np.zeros((3, 6), np.float32)
+        n[1, :2] = len(calls) % 2
+        return n
 
     def varying(z, b):
         w, i = reference.route_select(z, b, **kw)
-        noise = jax.pure_callback(lambda: rng.integers(0, 2, w.shape).astype(np.float32),
-                                  jax.ShapeDtypeStruct(w.shape, jnp.float32))
-        return jnp.nextafter(w, w + noise), i
+        return jnp.nextafter(w, w + jax.pure_callback(noise, jax.ShapeDtypeStruct(w.shape, jnp.float32))), i
 
     assert not benchmark.repeats_identical(varying, z, b, 8, rng, 96)
+    assert "differing rows [1] (1), columns [0, 1]" in capsys.readouterr().out
