@@ -69,7 +69,8 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     print(f"# moe_route | {dev.device_kind} | jax {jax.__version__}", flush=True)
     kw = dict(topk=6, score_func="sqrtsoftplus", gate_temp=1.0, norm_topk_prob=True, route_scale=2.5)
-    sizes = [(1, 96), (1, 384)] if args.quick else [(1, 96), (1, 384), (8, 96), (8, 384), (64, 384), (1024, 96), (4096, 96), (4096, 384)]
+    sizes = [(1, 96), (1, 384)] if args.quick else [(1, 96), (1, 384), (8, 96), (8, 384), (64, 384), (1024, 96),
+                                                    (4096, 96), (4096, 384)]
     rng = np.random.default_rng()
     rows, ok = [], True
     for n, e in sizes:

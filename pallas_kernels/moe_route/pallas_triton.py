@@ -36,9 +36,10 @@ __all__ = ["route_select", "unsupported_reason", "auto_reason"]
 
 MAX_EXPERTS = 4096  # one program holds a row of scores in registers
 
-# Diagnostics (they located the multi-row race fixed in session 24: with the kernel at decode only
-# the model was reproducible, with it on prompt chunks too it was not), read at trace time: DSV41_ROUTE_MAX_ROWS=N leaves calls with more than N token rows to the reference (e.g.
-# 2: the kernel at decode only, prompt chunks on XLA); DSV41_ROUTE_WARPS=W sets the warps per program.
+# Diagnostics, read at trace time (they located the multi-row race fixed in session 24: with the
+# kernel at decode only the model was reproducible, with it on prompt chunks too it was not):
+# DSV41_ROUTE_MAX_ROWS=N leaves calls with more than N token rows to the reference (e.g. 2: the
+# kernel at decode only, prompt chunks on XLA); DSV41_ROUTE_WARPS=W sets the warps per program.
 MAX_ROWS_ENV, WARPS_ENV = "DSV41_ROUTE_MAX_ROWS", "DSV41_ROUTE_WARPS"
 
 

@@ -194,8 +194,8 @@ def test_merge_in_groups_matches_the_loop(monkeypatch, combine):
     """MERGE_GROUP > 1 unrolls the merge of the splits and loads each group of partials before adding
     them (session 24: one split at a time took 13.4 µs at 16 splits on the H200); the splits are
     still added in order 0..P-1, so the result is the one-at-a-time loop's up to FMA contraction
-    (f32 and bf16, 8 splits: two groups of 4, and groups of 3 that leave a remainder). In the lowered Triton IR the loop is
-    gone and the merge's 8 accumulator loads are straight-line code."""
+    (f32 and bf16, 8 splits: two groups of 4, and groups of 3 that leave a remainder). In the
+    lowered Triton IR the loop is gone and the merge's 8 accumulator loads are straight-line code."""
     import re
 
     from pallas_kernels.inspect_sass import triton_kernels
