@@ -98,8 +98,15 @@ def loop_mix(sass: str) -> list[dict]:
     return loops
 
 
+def strip_cache_policy(ttir: str) -> str:
+    """The Triton IR without the ``{cachePolicy = ...}`` attributes jax >= 0.12 prints on loads (no
+    effect on the program; triton 3.5's parser refuses them)."""
+    return re.sub(r" \{cachePolicy = #tt.cache_policy<[^>]*>\}", "", ttir)
+
+
 def compile_sass(ttir: str, num_warps: int, num_stages: int, arch: int = 90) -> str:
     """Triton IR text -> ``nvdisasm -c`` text of its sm_``arch`` cubin (needs ``triton``)."""
+    ttir = strip_cache_policy(ttir)
     try:
         import triton
         from triton.backends.compiler import GPUTarget

@@ -30,7 +30,9 @@ CASES = (("moe", 1), ("moe", 64), ("gemv", 1), ("gemv", 8), ("sparse-attn", 1), 
 
 def count(ttir: str) -> dict:
     """Counts of one Triton IR module: operations, attribute names, masked loads and stores."""
-    ttir = re.sub(r" \{cachePolicy = #tt.cache_policy<[^>]*>\}", "", ttir)  # jax >= 0.12 prints it; no semantics
+    from pallas_kernels.inspect_sass import strip_cache_policy
+
+    ttir = strip_cache_policy(ttir)
     ops = collections.Counter(re.findall(r"= ([a-z_]+\.[a-z_]+)", ttir)
                               + re.findall(r"^\s*([a-z_]+\.[a-z_]+) ", ttir, re.M))
     loads = re.findall(r"tt\.load ([^:]*):", ttir)
