@@ -72,31 +72,28 @@ def test_unsupported_reasons_and_errors():
         pallas_triton.route_select(z, b, topk=9, score_func="sigmoid", interpret=True, **KW)
 
 
-def test_diagnostic_row_limit_and_warps(monkeypatch):
-    """DSV41_ROUTE_MAX_ROWS leaves larger calls to the reference (the kernel at decode only);
-    DSV41_ROUTE_WARPS changes the warps and not the result."""
-    z = jax.random.normal(jax.random.PRNGKey(5), (3, 16), jnp.float32)
+def test_warps_change_nothing_and_no_row_spills_into_the_next():
+    """num_warps changes the warps and not the result; rows whose picks differ in every column keep
+    their own (session 24's race wrote a row's pad into the next row's columns 0-1)."""
+    z = jax.random.normal(jax.random.PRNGKey(5), (5, 16), jnp.float32)
     b = jax.random.normal(jax.random.PRNGKey(6), (16,), jnp.float32) * 0.1
-    monkeypatch.setenv(pallas_triton.MAX_ROWS_ENV, "2")
-    assert "3 token rows exceed DSV41_ROUTE_MAX_ROWS=2" in pallas_triton.unsupported_reason(z, b, 4, "sigmoid")
-    assert pallas_triton.unsupported_reason(z[:2], b, 4, "sigmoid") is None
-    monkeypatch.delenv(pallas_triton.MAX_ROWS_ENV)
-    w1, i1 = pallas_triton.route_select(z, b, topk=4, score_func="sigmoid", interpret=True, **KW)
-    monkeypatch.setenv(pallas_triton.WARPS_ENV, "4")
-    w4, i4 = pallas_triton.route_select(z, b, topk=4, score_func="sigmoid", interpret=True, **KW)
+    w1, i1 = pallas_triton.route_select(z, b, topk=6, score_func="sigmoid", interpret=True, **KW)
+    w4, i4 = pallas_triton.route_select(z, b, topk=6, score_func="sigmoid", interpret=True, num_warps=4, **KW)
     np.testing.assert_array_equal(np.asarray(i1), np.asarray(i4))
     np.testing.assert_array_equal(np.asarray(w1), np.asarray(w4))
+    wr, ir = reference.route_select(z, b, topk=6, score_func="sigmoid", **KW)
+    np.testing.assert_array_equal(np.asarray(i1), np.asarray(ir))
+    assert np.all(np.asarray(w1) > 0)  # no pad weight (0) anywhere
 
 
-def test_dispatch_auto_keeps_the_reference_until_measured(monkeypatch):
-    """Plain 'auto' declines (the fix of its multi-row race on the H200 is not yet checked there: the
-    reason says so); 'interpret' runs the
-    kernel; DSV41_KERNELS=moe_route=... picks it per op; an unsupported shape under a context falls
+def test_dispatch_auto_picks_the_kernel_on_a_gpu(monkeypatch):
+    """Plain 'auto' has no objection (auto_reason None: measured on the H200 in session 25), so on
+    the CPU the reference runs only because there is no GPU; 'interpret' runs the kernel; DSV41_KERNELS=moe_route=... picks it per op; an unsupported shape under a context falls
     back to the reference."""
     rng = np.random.default_rng()
     z, b = _case(rng, 3, 96)
     kw = dict(topk=6, score_func="sqrtsoftplus", **KW)
-    assert "not been checked on a GPU" in pallas_triton.auto_reason(z)
+    assert pallas_triton.auto_reason(z) is None
     calls = []
     real = pallas_triton.route_select
     monkeypatch.setattr(pallas_triton, "route_select", lambda *a, **k: calls.append(k["interpret"]) or real(*a, **k))
@@ -112,6 +109,10 @@ def test_dispatch_auto_keeps_the_reference_until_measured(monkeypatch):
     with dispatch.use_implementation("interpret"):  # bf16 logits: unsupported, the reference instead
         api.route_select(z.astype(jnp.bfloat16), b, **kw)
     assert calls == [True, True]
+    monkeypatch.delenv("DSV41_KERNELS")  # plain auto on a (pretended) GPU: the kernel, compiled
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
+    assert dispatch.choose("moe_route", None, api._kernel, lambda k: k.unsupported_reason(z, b, 6, "sqrtsoftplus"),
+                           lambda k: k.auto_reason(z)) == (pallas_triton, False)
 
 
 def test_model_router_runs_on_the_op():
