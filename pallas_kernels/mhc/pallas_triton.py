@@ -104,8 +104,18 @@ def _partial(x_ref, fn_ref, t0, kbase, *, bt, bk, steps, hc):
     return jax.lax.fori_loop(0, steps, body, (z, z, jnp.zeros((bt,), jnp.float32)))
 
 
+def _columns(x, k: int, hc: int):
+    """Columns [k*hc, (k+1)*hc) of x [bt, 16] as [bt, hc] (Triton has no slices of a register tile:
+    a masked sum over the 16 / hc groups, exact -- one term, the rest zeros)."""
+    g = x.reshape(x.shape[0], 16 // hc, hc)
+    return jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, g.shape, 1) == k, g, 0.0), axis=1)
+
+
 def _split(a, b, ss, scale_ref, base_ref, *, hc, width, norm_eps, hc_eps, iters):
-    """(a, b, ss) -> (P [bt, 16]: pre in columns 0..hc-1, post in hc..2hc-1; C [bt, hc*hc] comb)."""
+    """(a, b, ss) -> (pre [bt, hc], post [bt, hc], C [bt, hc*hc] comb). pre and post are separate
+    outputs so that the next kernel reads them as they are: as columns of one [T, 16] array they
+    were two XLA slices per site, which XLA runs as two device copies (memcpy) before the next
+    custom call (session 25: 160 of the batch-1 step's 170 copies, 0.17 ms)."""
     bt = a.shape[0]
     r = jax.lax.rsqrt(ss / width + norm_eps)[:, None]
     s0, s1, s2 = scale_ref[0], scale_ref[1], scale_ref[2]
@@ -123,14 +133,15 @@ def _split(a, b, ss, scale_ref, base_ref, *, hc, width, norm_eps, hc_eps, iters)
         return c / (jnp.sum(c, axis=1, keepdims=True) + hc_eps)
 
     c = jax.lax.fori_loop(0, iters - 1, sink, c)
-    return pp, c.reshape(bt, hc * hc)
+    return _columns(pp, 0, hc), _columns(pp, 1, hc), c.reshape(bt, hc * hc)
 
 
-def _mix_fused_kernel(x_ref, fn_ref, scale_ref, base_ref, p_ref, c_ref, *, bt, bk, steps, split_kw):
+def _mix_fused_kernel(x_ref, fn_ref, scale_ref, base_ref, pre_ref, post_ref, c_ref, *, bt, bk, steps, split_kw):
     t0 = pl.multiple_of(pl.program_id(0) * bt, bt)
     a, b, ss = _partial(x_ref, fn_ref, t0, 0, bt=bt, bk=bk, steps=steps, hc=split_kw["hc"])
-    pp, c = _split(a, b, ss, scale_ref, base_ref, **split_kw)
-    p_ref[pl.ds(t0, bt), :] = pp
+    pre, post, c = _split(a, b, ss, scale_ref, base_ref, **split_kw)
+    pre_ref[pl.ds(t0, bt), :] = pre
+    post_ref[pl.ds(t0, bt), :] = post
     c_ref[pl.ds(t0, bt), :] = c
 
 
@@ -163,18 +174,17 @@ def _sum_over_splits(load, n_split: int):
     return jax.lax.fori_loop(1, n_split // grp, lambda i, c: tuple(u + v for u, v in zip(c, part(i))), part(0))
 
 
-def _mix_split_kernel(pa_ref, pb_ref, ps_ref, scale_ref, base_ref, p_ref, c_ref, *, bt, n_split, split_kw):
-    _mix_split_rows(pl.multiple_of(pl.program_id(0) * bt, bt), pa_ref, pb_ref, ps_ref, scale_ref, base_ref, p_ref,
-                    c_ref, bt=bt, n_split=n_split, split_kw=split_kw)
+def _mix_split_kernel(pa_ref, pb_ref, ps_ref, scale_ref, base_ref, pre_ref, post_ref, c_ref, *, bt, n_split, split_kw):
+    _mix_split_rows(pl.multiple_of(pl.program_id(0) * bt, bt), pa_ref, pb_ref, ps_ref, scale_ref, base_ref,
+                    (pre_ref, post_ref, c_ref), bt=bt, n_split=n_split, split_kw=split_kw)
 
 
-def _mix_split_rows(t0, pa_ref, pb_ref, ps_ref, scale_ref, base_ref, p_ref, c_ref, *, bt, n_split, split_kw):
-    """The split kernel's work for rows [t0, t0 + bt)."""
+def _mix_split_rows(t0, pa_ref, pb_ref, ps_ref, scale_ref, base_ref, out_refs, *, bt, n_split, split_kw):
+    """The split kernel's work for rows [t0, t0 + bt): (pre, post, comb) into ``out_refs``."""
     rows = pl.ds(t0, bt)
     a, b, ss = _sum_over_splits(lambda sp: (pa_ref[sp, rows, :], pb_ref[sp, rows, :], ps_ref[sp, rows]), n_split)
-    pp, c = _split(a, b, ss, scale_ref, base_ref, **split_kw)
-    p_ref[rows, :] = pp
-    c_ref[rows, :] = c
+    for ref, v in zip(out_refs, _split(a, b, ss, scale_ref, base_ref, **split_kw)):
+        ref[rows, :] = v
 
 
 def _mix_config(t: int, width: int):
@@ -225,9 +235,9 @@ def hc_mixes(x, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters, interpret=
     steps = width // n_split // bk
     split_kw = dict(hc=hc, width=width, norm_eps=float(norm_eps), hc_eps=float(hc_eps), iters=int(sinkhorn_iters))
     params = pltriton.CompilerParams(num_warps=4, num_stages=3)
-    out_shape = (jax.ShapeDtypeStruct((tp, 16), jnp.float32), jax.ShapeDtypeStruct((tp, hc * hc), jnp.float32))
+    out_shape = _mixes_shapes(tp, hc)
     if n_split == 1:
-        pp, c = pl.pallas_call(
+        pre, post, c = pl.pallas_call(
             functools.partial(_mix_fused_kernel, bt=bt, bk=bk, steps=steps, split_kw=split_kw),
             out_shape=out_shape, grid=(tp // bt,), compiler_params=params, interpret=interpret,
             name="hc_mixes_fused",
@@ -240,26 +250,35 @@ def hc_mixes(x, fn, scale, base, *, norm_eps, hc_eps, sinkhorn_iters, interpret=
                        jax.ShapeDtypeStruct((n_split, tp), jnp.float32)),
             grid=(tp // bt, n_split), compiler_params=params, interpret=interpret, name="hc_mixes_partial",
         )(xf, fn)
-        pp, c = _split_call(pa, pb, ps, scale, base, bt=bt, split_kw=split_kw, warps=split_warps, interpret=interpret)
-    return _unpack_mixes(pp, c, lead, hc)
+        pre, post, c = _split_call(pa, pb, ps, scale, base, bt=bt, split_kw=split_kw, warps=split_warps,
+                                   interpret=interpret)
+    return _unpack_mixes(pre, post, c, lead, hc)
+
+
+def _mixes_shapes(tp: int, hc: int):
+    """The mix kernels' outputs: pre [T, hc], post [T, hc], comb [T, hc*hc] (f32)."""
+    return tuple(jax.ShapeDtypeStruct((tp, w), jnp.float32) for w in (hc, hc, hc * hc))
 
 
 def _split_call(pa, pb, ps, scale, base, *, bt, split_kw, warps, interpret):
-    """hc_mixes' split kernel over the K-split partial sums ([n_split, T, .]): (pp [T, 16], c [T, hc*hc])."""
+    """hc_mixes' split kernel over the K-split partial sums ([n_split, T, .]): (pre [T, hc],
+    post [T, hc], c [T, hc*hc])."""
     n_split, tp, _ = pa.shape
-    hc = split_kw["hc"]
     return pl.pallas_call(
         functools.partial(_mix_split_kernel, bt=bt, n_split=n_split, split_kw=split_kw),
-        out_shape=(jax.ShapeDtypeStruct((tp, 16), jnp.float32), jax.ShapeDtypeStruct((tp, hc * hc), jnp.float32)),
+        out_shape=_mixes_shapes(tp, split_kw["hc"]),
         grid=(tp // bt,), interpret=interpret, name="hc_mixes_split",
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=1),
     )(pa, pb, ps, scale, base)
 
 
-def _unpack_mixes(pp, c, lead, hc):
-    """(pre, post, comb) of the first prod(lead) rows of the split kernel's outputs."""
+def _unpack_mixes(pre, post, c, lead, hc):
+    """(pre, post, comb) of the first prod(lead) rows of the split kernel's outputs (no slice when
+    there are no pad rows)."""
     t = math.prod(lead)
-    return pp[:t, :hc].reshape(*lead, hc), pp[:t, hc:2 * hc].reshape(*lead, hc), c[:t].reshape(*lead, hc, hc)
+    if pre.shape[0] != t:
+        pre, post, c = pre[:t], post[:t], c[:t]
+    return pre.reshape(*lead, hc), post.reshape(*lead, hc), c.reshape(*lead, hc, hc)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -444,7 +463,8 @@ def _expand_mix_kernel(f_ref, r_ref, post_ref, comb_ref, pre_ref, fn_ref, o_ref,
 NORM_COLS = 512  # columns of the collapse each norm program of the split kernel normalizes (at most)
 
 
-def _mix_split_norm_kernel(pa_ref, pb_ref, ps_ref, scale_ref, base_ref, py_ref, y_ref, w_ref, p_ref, c_ref, yn_ref, *,
+def _mix_split_norm_kernel(pa_ref, pb_ref, ps_ref, scale_ref, base_ref, py_ref, y_ref, w_ref, pre_ref, post_ref, c_ref,
+                           yn_ref, *,
                            t, n_split, split_kw, d, cb, eps):
     """Programs 0..t-1: :func:`_mix_split_kernel` for row i. Programs t..: the next site's RMSNorm of
     the collapse, row (i - t) // (d / cb), columns ``cb`` wide: the row's sum of squares from the
@@ -454,7 +474,7 @@ def _mix_split_norm_kernel(pa_ref, pb_ref, ps_ref, scale_ref, base_ref, py_ref, 
 
     @pl.when(i < t)
     def _():
-        _mix_split_rows(i, pa_ref, pb_ref, ps_ref, scale_ref, base_ref, p_ref, c_ref, bt=1, n_split=n_split,
+        _mix_split_rows(i, pa_ref, pb_ref, ps_ref, scale_ref, base_ref, (pre_ref, post_ref, c_ref), bt=1, n_split=n_split,
                         split_kw=split_kw)
 
     @pl.when(i >= t)
@@ -511,15 +531,14 @@ def hc_expand_collapse_mixes(f, residual, post, comb, pre, fn, scale, base, y_no
       fn.astype(f32).reshape(fn.shape[0], hc, d))
     split_kw = dict(hc=hc, width=hc * d, norm_eps=float(norm_eps), hc_eps=float(hc_eps), iters=int(sinkhorn_iters))
     if y_norm is None:
-        pp, c = _split_call(pa, pb, ps, scale.astype(f32), base.astype(f32), bt=1, split_kw=split_kw,
-                            warps=_split_warps(1), interpret=interpret)
-        return h.reshape(*lead, hc, d), y.reshape(*lead, d), _unpack_mixes(pp, c, lead, hc)
+        pre, post, c = _split_call(pa, pb, ps, scale.astype(f32), base.astype(f32), bt=1, split_kw=split_kw,
+                                   warps=_split_warps(1), interpret=interpret)
+        return h.reshape(*lead, hc, d), y.reshape(*lead, d), _unpack_mixes(pre, post, c, lead, hc)
     cb = pick_block(d, NORM_COLS)
-    pp, c, y = pl.pallas_call(
+    pre, post, c, y = pl.pallas_call(
         functools.partial(_mix_split_norm_kernel, t=t, n_split=ns, split_kw=split_kw, d=d, cb=cb, eps=float(y_norm_eps)),
-        out_shape=(jax.ShapeDtypeStruct((t, 16), f32), jax.ShapeDtypeStruct((t, hc * hc), f32),
-                   jax.ShapeDtypeStruct((t, d), f.dtype)),
+        out_shape=(*_mixes_shapes(t, hc), jax.ShapeDtypeStruct((t, d), f.dtype)),
         grid=(t + t * (d // cb),), interpret=interpret, name="hc_mixes_split_norm",
         compiler_params=pltriton.CompilerParams(num_warps=_split_warps(1), num_stages=1),
     )(pa, pb, ps, scale.astype(f32), base.astype(f32), py[0], y, y_norm_weight)
-    return h.reshape(*lead, hc, d), y.reshape(*lead, d), _unpack_mixes(pp, c, lead, hc)
+    return h.reshape(*lead, hc, d), y.reshape(*lead, d), _unpack_mixes(pre, post, c, lead, hc)
