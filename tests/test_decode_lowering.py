@@ -1,0 +1,58 @@
+"""The tiny model's decode forward (batch 1, one token) lowered for cuda on the CPU with the kernels
+plain ``auto`` runs on a GPU: no kernel reads another kernel's output through an XLA slice where
+the kernels could hand it over whole. XLA materializes such a slice before the consumer (a device
+copy when contiguous): session 25 found the mHC mixes' pre / post columns as 160 of the batch-1
+step's 170 copies (0.17 ms). ``sliced_kernel_operands`` is checked on a hand-written program too."""
+
+import dsv41_jax  # noqa: F401  (import order: dsv41_jax before pallas_kernels)
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import dispatch
+from pallas_kernels.testing import lower_for, sliced_kernel_operands
+
+PROGRAM = '''
+  func.func public @main(%arg0: tensor<1x16xf32>) -> tensor<1x4xf32> {
+    %0:2 = stablehlo.custom_call @__gpu$xla.gpu.triton(%arg0) {name = "producer"} : (tensor<1x16xf32>) -> (tensor<1x16xf32>, tensor<1x16xf32>)
+    %1 = stablehlo.slice %0#0 [0:1, 4:8] : (tensor<1x16xf32>) -> tensor<1x4xf32>
+    %2 = stablehlo.reshape %1 : (tensor<1x4xf32>) -> tensor<4xf32>
+    %3 = sdy.sharding_constraint %2 <@mesh, [{}]> : tensor<4xf32>
+    %4 = stablehlo.slice %arg0 [0:1, 0:4] : (tensor<1x16xf32>) -> tensor<1x4xf32>
+    %5 = stablehlo.custom_call @__gpu$xla.gpu.triton(%4, %3) {name = "consumer"} : (tensor<1x4xf32>, tensor<4xf32>) -> tensor<1x4xf32>
+    return %5 : tensor<1x4xf32>
+  }
+'''
+
+
+def test_sliced_kernel_operands_finds_a_slice_between_kernels():
+    """Operand 1 of 'consumer' is a slice (through a reshape and a sharding constraint) of
+    'producer''s first result; operand 0 slices an argument, which XLA fuses elsewhere: not listed."""
+    assert sliced_kernel_operands(PROGRAM) == [
+        "consumer operand 1: stablehlo.slice  [0:1, 4:8] : (tensor<1x16xf32>) -> tensor<1x4xf32> of producer"]
+
+
+def test_decode_step_hands_the_mixes_to_the_next_kernel_whole(monkeypatch):
+    from dsv41_jax import transformer
+    from dsv41_jax.cache import init_cache
+    from dsv41_jax.config import get_preset
+    from dsv41_jax.options import RunOptions
+    from dsv41_jax.params import init_params
+
+    resolve = dispatch.resolve  # plain 'auto' as on a GPU: the kernels auto_reason lets run
+    monkeypatch.delenv("DSV41_KERNELS", raising=False)
+    monkeypatch.setattr(dispatch, "resolve", lambda implementation=None, op=None: (
+        "pallas" if (implementation or dispatch.default_implementation(op)) == "auto" else resolve(implementation, op)))
+    cfg, opts = get_preset("tiny"), RunOptions()
+    params = jax.eval_shape(lambda: init_params(cfg, 0))
+    cache = jax.eval_shape(lambda: init_cache(cfg, 1, 64, opts))
+    ids = {str(l): jax.ShapeDtypeStruct((1, 1, cfg.engram_n_hash_cols), jnp.int32) for l in cfg.engram_layer_ids}
+    text = lower_for("cuda", lambda p, c, t, n, e: transformer.forward_step(p, c, t, n, e, cfg=cfg, opts=opts,
+                                                                           logits_mode="last"),
+                     params, cache, jax.ShapeDtypeStruct((1, 1), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32),
+                     ids).as_text()
+    assert text.count("hc_expand_mix") >= cfg.n_layers  # the fused mHC path is the one lowered
+    sliced = sliced_kernel_operands(text)
+    # the one known case: window_kv_write reads the kv columns of the fused wq_a / wkv GEMV's output
+    # (in the real-width model a dtype conversion sits between them: a fusion, not a copy)
+    assert all(s.startswith("window_kv_write operand 0:") for s in sliced), sliced
+    assert not [s for s in sliced if "hc_" in s]
