@@ -36,6 +36,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -186,10 +187,12 @@ def group_pairs(indices, weights, n_exp: int, bt: int):
     flat_w = weights.reshape(p).astype(jnp.float32)
     if n <= 2 and bt == 1:
         # decode: each pair its own one-row block. The arrays are the inputs as they are and
-        # constants, so XLA runs no kernel for them (a select fusion per MoE layer before: ~1.5 us
-        # at batch 1 on the H200, session 21's profile); a negative index stays negative.
-        block_pair = jnp.arange(p, dtype=jnp.int32)
-        return flat_e, block_pair, block_pair // k, flat_w
+        # literal constants, so XLA runs no kernel for them (a select fusion per MoE layer before:
+        # ~1.5 us at batch 1 on the H200, session 21's profile; then an iota, which XLA computes
+        # with a kernel of its own before a custom call: 39 x 0.9 us per step, session 25's
+        # profile); a negative index stays negative.
+        block_pair = np.arange(p, dtype=np.int32)
+        return flat_e, jnp.asarray(block_pair), jnp.asarray(block_pair // k), flat_w
     if n <= 2:  # each pair its own block, no sort (a token's experts are distinct)
         nb = p
         block_expert = jnp.where(flat_e < 0, -1, flat_e)
