@@ -17,6 +17,8 @@ portability gate: no AMD GPU is lent to us.
 
 from __future__ import annotations
 
+import re
+
 import jax
 from jax.sharding import AxisType
 
@@ -128,8 +130,6 @@ def sliced_kernel_operands(text: str) -> list[str]:
     before the kernel: as a device-to-device copy when the slice is contiguous (session 25: the mHC
     mixes' pre and post columns were 160 of the batch-1 step's 170 copies, 0.17 ms). One readable
     line per such operand: consumer kernel, operand position, the slice, producer kernel."""
-    import re
-
     found = []
     for func in re.split(r"\n\s*func\.func ", text):
         defs = {}

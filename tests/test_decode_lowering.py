@@ -38,10 +38,8 @@ def test_decode_step_hands_the_mixes_to_the_next_kernel_whole(monkeypatch):
     from dsv41_jax.options import RunOptions
     from dsv41_jax.params import init_params
 
-    resolve = dispatch.resolve  # plain 'auto' as on a GPU: the kernels auto_reason lets run
-    monkeypatch.delenv("DSV41_KERNELS", raising=False)
-    monkeypatch.setattr(dispatch, "resolve", lambda implementation=None, op=None: (
-        "pallas" if (implementation or dispatch.default_implementation(op)) == "auto" else resolve(implementation, op)))
+    monkeypatch.delenv("DSV41_KERNELS", raising=False)  # plain 'auto' as on a GPU: the kernels auto_reason lets run
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
     cfg, opts = get_preset("tiny"), RunOptions()
     params = jax.eval_shape(lambda: init_params(cfg, 0))
     cache = jax.eval_shape(lambda: init_cache(cfg, 1, 64, opts))
