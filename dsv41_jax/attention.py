@@ -244,8 +244,9 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
     ang = rope_angles(positions, freqs)
     act = cfg.fp8_block_size
 
-    q_lat, kv_lat = linear_multi(x, [p["wq_a"], p["wkv"]], act_block=act)  # one launch at decode sizes
-    qr = norm(q_lat, p["q_norm"], cfg.norm_eps)
+    # one GEMV launch at decode sizes, and one split-K finish kernel that also applies q_norm
+    qr, kv_lat = linear_multi(x, [p["wq_a"], p["wkv"]], act_block=act, norms=[p["q_norm"], None],
+                              norm_eps=cfg.norm_eps)
     q = linear(qr, p["wq_b"], act_block=act, path="attn.wq_b").reshape(B, S, H, Dh)
     if cfg.is_v4:
         q = head_rms_norm(q, cfg.norm_eps)

@@ -37,18 +37,24 @@ def linear(x: jax.Array, node, *, act_block: int = 32, out_dtype=None, path: str
     return quantized_matmul(x, w, act_block=act_block, out_dtype=out_dtype)
 
 
-def linear_multi(x: jax.Array, nodes, *, act_block: int = 32, out_dtype=None, paths=None) -> list:
+def linear_multi(x: jax.Array, nodes, *, act_block: int = 32, out_dtype=None, paths=None, norms=None,
+                 norm_eps: float = 0.0) -> list:
     """``[linear(x, node) for node in nodes]`` (same values) for linear layers that read the same input:
     at decode sizes one kernel launch computes them all (``quantized_matmul_multi``). ``paths``: each
     weight's partition-rule name, as for :func:`linear`; under a ``tp`` mesh weights with a path keep
-    their own tensor-parallel calls."""
+    their own tensor-parallel calls. ``norms``: per layer an RMSNorm node (``{"weight": [N]}``) or
+    None; that output is then ``norm(linear(x, node), norms[j], norm_eps)`` (on the GPU at decode sizes
+    normalized by the GEMV's split-K finish kernel)."""
+    norms = list(norms) if norms is not None else [None] * len(nodes)
     paths = list(paths) if paths is not None else [None] * len(nodes)
     if any(p is not None for p in paths):
         from sharding.tensor_parallel import tp_active
 
         if tp_active():
-            return [linear(x, n, act_block=act_block, out_dtype=out_dtype, path=p) for n, p in zip(nodes, paths)]
-    return quantized_matmul_multi(x, [weight_of(n) for n in nodes], act_block=act_block, out_dtype=out_dtype)
+            ys = [linear(x, n, act_block=act_block, out_dtype=out_dtype, path=p) for n, p in zip(nodes, paths)]
+            return [y if nn is None else norm(y, nn, norm_eps) for y, nn in zip(ys, norms)]
+    return quantized_matmul_multi(x, [weight_of(n) for n in nodes], act_block=act_block, out_dtype=out_dtype,
+                                  norms=[None if nn is None else nn["weight"] for nn in norms], norm_eps=norm_eps)
 
 
 def grouped_linear(x: jax.Array, node, *, groups: int) -> jax.Array:

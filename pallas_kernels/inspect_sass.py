@@ -235,13 +235,20 @@ def _cases(which: str, tokens: int = 1, experts: int = 384, config=None):
         ring = Fp8Tensor(S((b, w, d), jnp.float8_e4m3fn), S((b, w, d // 32), jnp.float8_e8m0fnu), (1, 32))
         return (lambda *a: kvw.window_kv_write(*a, eps=1e-6), S((b, d), jnp.bfloat16), S((d,), jnp.bfloat16),
                 S((b, r // 2), jnp.float32), ring, S((b,), jnp.int32))
-    raise ValueError(f"unknown case {which!r}: expected moe, moe-bf16, gemv, sparse-attn, indexer, mhc, route "
-                     "or kv-write")
+    if which == "qnorm":  # wq_a + wkv at ``tokens`` rows with q_norm: the fused GEMV, then the split-K
+        # finish kernel (K parts summed, q normalized, kv handed over whole)
+        wa = Fp8Tensor(S((1280, 5120), jnp.float8_e4m3fn), S((40, 160), jnp.float8_e8m0fnu), (32, 32))
+        wk = Fp8Tensor(S((512, 5120), jnp.float8_e4m3fn), S((16, 160), jnp.float8_e8m0fnu), (32, 32))
+        return (lambda x, a, b, w: qmm.quantized_matmul_multi(x, [a, b], norms=[w, None], norm_eps=1e-6),
+                S((tokens, 5120), jnp.bfloat16), wa, wk, S((1280,), jnp.bfloat16))
+    raise ValueError(f"unknown case {which!r}: expected moe, moe-bf16, gemv, sparse-attn, indexer, mhc, route, "
+                     "kv-write or qnorm")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("case", choices=["moe", "moe-bf16", "gemv", "sparse-attn", "indexer", "mhc", "route", "kv-write"])
+    ap.add_argument("case", choices=["moe", "moe-bf16", "gemv", "sparse-attn", "indexer", "mhc", "route", "kv-write",
+                                     "qnorm"])
     ap.add_argument("--decode", default=None, help="DSV41_FMA_DECODE for this run, e.g. fp4=e4m3")
     ap.add_argument("--tokens", type=int, default=1, help="tokens (moe, route), rows (gemv, kv-write) or sequences "
                     "(sparse-attn, indexer)")

@@ -67,6 +67,8 @@ def test_decode_step_fuses_same_input_projections(monkeypatch):
     assert jaxpr.count("name=qmm_fma_fp8_x2") == 2 * cfg.n_layers, jaxpr.count("name=qmm_fma_fp8_x2")
     # and wo_a, the grouped projection, one launch over its groups per layer
     assert jaxpr.count("name=qmm_fma_fp8_grouped") == cfg.n_layers, jaxpr.count("name=qmm_fma_fp8_grouped")
+    # and wq_a's K parts summed and q_norm applied by the split-K finish kernel
+    assert jaxpr.count("name=qmm_split_finish") == cfg.n_layers, jaxpr.count("name=qmm_split_finish")
     assert np.all(np.isfinite(out))
     np.testing.assert_allclose(out, ref, rtol=0, atol=2e-3 * float(np.max(np.abs(ref))))
 

@@ -38,21 +38,33 @@ def uses_kernel(x, w, *, act_block=32, implementation=None) -> bool:
     return _choose(x, w, act_block, implementation)[0] is not None
 
 
-def quantized_matmul_multi(x, ws, *, act_block=32, out_dtype=None, implementation=None) -> list:
+def quantized_matmul_multi(x, ws, *, act_block=32, out_dtype=None, norms=None, norm_eps=0.0,
+                           implementation=None) -> list:
     """``[quantized_matmul(x, w) for w in ws]``, the same values, in one kernel launch where the decode
     GEMV can take every weight together (1-4 rows, one format, block and K: the projections that read
     the same input, such as wq_a and wkv, or the shared expert's w1 and w3). Otherwise, and on the
     reference path, one call per weight. At batch-1 decode the host's launch cost per kernel limits
-    the step rate (BENCHMARKS.md, session 5), so each launch saved counts."""
+    the step rate (BENCHMARKS.md, session 5), so each launch saved counts.
+
+    ``norms``: per weight an RMSNorm weight [N_j] or None; output j is then
+    ``rms_norm(y_j, norms[j], norm_eps)`` (:func:`dsv41_jax.layers.rms_norm`: fp32 statistics of the
+    rounded output, rounded again). In the one-launch case a finish kernel sums the GEMV's K parts
+    and normalizes (``pallas_triton_finish``: wq_a's q_norm, one kernel where XLA ran three)."""
     ws = list(ws)
+    norms = list(norms) if norms is not None else [None] * len(ws)
+    if len(norms) != len(ws):
+        raise ValueError(f"quantized_matmul_multi: {len(norms)} norm weights for {len(ws)} weights")
     if len(ws) > 1:
         kernel, interpret = _choose(x, ws[0], act_block, implementation)
         if (kernel is not None and all(_choose(x, w, act_block, implementation)[0] is not None for w in ws[1:])
-                and kernel.fused_gemv_config(x, ws, act_block=act_block) is not None):
+                and kernel.fused_gemv_config(x, ws, act_block=act_block) is not None
+                and kernel.finish_reason(x, ws, norms) is None):
             return dispatch.call_kernel(kernel.quantized_matmul_multi, x, tuple(ws), act_block=act_block,
-                                        out_dtype=out_dtype, interpret=interpret)
-    return [quantized_matmul(x, w, act_block=act_block, out_dtype=out_dtype, implementation=implementation)
-            for w in ws]
+                                        out_dtype=out_dtype, interpret=interpret, norms=tuple(norms),
+                                        norm_eps=norm_eps)
+    ys = [quantized_matmul(x, w, act_block=act_block, out_dtype=out_dtype, implementation=implementation)
+          for w in ws]
+    return [y if nw is None else reference.rms_norm(y, nw, norm_eps) for y, nw in zip(ys, norms)]
 
 
 def grouped_matmul(x, w, *, groups: int, out_dtype=None, implementation=None):

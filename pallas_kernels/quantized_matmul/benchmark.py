@@ -273,6 +273,56 @@ def grouped_sweep(key, rows_list=(1, 2, 8), reps=9):
     return out
 
 
+def finish_sweep(key, rows_list=(1, 2, 4), reps=9):
+    """wq_a + wkv (FP8, K = 5120) with q_norm, as the attention's decode calls them: one fma GEMV
+    launch, then the split-K finish kernel (K parts summed, q normalized; ``pallas_triton_finish``)
+    against the same GEMV with XLA's sum + rms_norm after it (the path before session 26) and the
+    reference (dequantize + dot + norm). Each checked against the reference on the GPU; device time
+    per call (profiler) with the kernels listed."""
+    from dsv41_jax.layers import rms_norm
+
+    (_, n1, k), (_, n2, _) = [p for p in PROJECTIONS if p[0] == "wq_a"][0], [p for p in PROJECTIONS if p[0] == "wkv"][0]
+    w1, w2 = random_fp8(key, n1, k), random_fp8(jax.random.fold_in(key, 1), n2, k)
+    pairs = [(w1, w2)] + [(distinct_copy(w1), distinct_copy(w2)) for _ in range(reps - 1)]
+    nw = (1.0 + 0.1 * jax.random.normal(jax.random.fold_in(key, 2), (n1,), jnp.float32)).astype(jnp.bfloat16)
+    floor = (tree_bytes(w1) + tree_bytes(w2)) / HBM_BYTES_PER_S
+    log(f"\n# wq_a + wkv with q_norm (FP8 32x32, {n1} + {n2} rows, K={k}; floor {floor * 1e6:.2f} us)")
+    eps = 1e-6
+
+    def finish(x, a, b, w):
+        return pallas_triton.quantized_matmul_multi(x, [a, b], norms=[w, None], norm_eps=eps)
+
+    def xla_after(x, a, b, w):
+        q, kv = pallas_triton.quantized_matmul_multi(x, [a, b])
+        return [rms_norm(q, w, eps), kv]
+
+    def ref(x, a, b, w):
+        return [rms_norm(reference.quantized_matmul(x, a), w, eps), reference.quantized_matmul(x, b)]
+
+    out = []
+    for m in rows_list:
+        xs = [jax.random.normal(jax.random.fold_in(key, 100 * m + r), (m, k), jnp.bfloat16) for r in range(reps)]
+        args = [(xs[r], *pairs[r]) for r in range(reps)]
+        yr = jax.jit(ref)(*args[0], nw)
+        row = dict(op="qmm_multi_q_norm", M=m, floor_s=floor, ok=True)
+        for name, fn in (("finish", finish), ("xla_after", xla_after), ("reference", ref)):
+            try:
+                y = jax.jit(fn)(*args[0], nw)
+                err = max(max_rel_err(a, b) for a, b in zip(y, yr))
+                kernels = []
+                t = device_time_op(fn, args, (nw,), reps=reps, kernels=kernels)
+                good = bool(err <= CHECK_TOL)
+                row.update({f"{name}_s": t, f"{name}_rel_err": err, f"{name}_kernels": [kn for kn, _ in kernels]})
+                row["ok"] &= good
+                log(f"  M={m} {name:9s}: {t * 1e6:7.2f} us ({100 * floor / t:5.1f}% of HBM), rel err {err:.2e} "
+                    f"{'PASS' if good else 'FAIL'}; kernels: {', '.join(f'{kn} {ks * 1e6:.2f}' for kn, ks in kernels)}")
+            except Exception as e:  # noqa: BLE001
+                row["ok"] = False
+                log(f"  M={m} {name} FAILED {type(e).__name__}: {str(e)[:300]}")
+        out.append(row)
+    return out
+
+
 # tiled-kernel configs (bm, bn, bk, splits, warps, stages) the prefill sweep tries beside the default
 PREFILL_CONFIGS = [(128, 128, 64, 1, 8, 3), (128, 128, 64, 1, 4, 3), (128, 256, 64, 1, 8, 3), (64, 128, 64, 1, 4, 4),
                    (128, 128, 128, 1, 8, 3), (256, 128, 64, 1, 8, 3), (128, 64, 128, 1, 4, 4)]
@@ -412,8 +462,14 @@ def main(argv=None):
     ap.add_argument("--prefill", action="store_true",
                     help="the FP8 tiled GEMM at a 4096-row prefill chunk: configs checked, then device time beside "
                          "XLA and the bf16 dot ceiling, then exit (with --names: projections, default wq_b,wo_b,shared_w2)")
+    ap.add_argument("--finish", action="store_true",
+                    help="wq_a + wkv with q_norm: the split-K finish kernel vs XLA's sum + norm: check + device time")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
+    if a.finish:
+        rows = finish_sweep(jax.random.PRNGKey(13))
+        write_rows(a.out, "qmm_finish.json", rows)
+        return 0 if rows and all(r["ok"] for r in rows) else 1
     if a.grouped:
         rows = grouped_sweep(jax.random.PRNGKey(9))
         write_rows(a.out, "qmm_grouped.json", rows)

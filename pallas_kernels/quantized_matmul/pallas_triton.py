@@ -65,6 +65,7 @@ N_SM_DEFAULT = 132
 
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: E402,F401  (applies the fix)
 from pallas_kernels.quantized_matmul import pallas_triton_fma as fma  # noqa: E402
+from pallas_kernels.quantized_matmul import pallas_triton_finish  # noqa: E402
 from pallas_kernels import triton_compat  # noqa: E402
 
 triton_compat.FP8_IMPRECISE_ACC_KERNELS.update(f"qmm_fp8_{m}" for m in MMA8_MODES)
@@ -472,8 +473,19 @@ def fused_gemv_config(x, ws, *, act_block=32) -> tuple | None:
     return fma_decode_config(math.prod(x.shape[:-1]), ws)
 
 
-def quantized_matmul_multi(x, ws, *, act_block=32, out_dtype=None, interpret=False, config=None) -> list:
-    """``[x @ W.T for W in ws]`` in one fma kernel launch (decode sizes; see :func:`fused_gemv_config`)."""
+def finish_reason(x, ws, norms) -> str | None:
+    """Why the one-launch GEMV cannot hand these outputs to the split-K finish kernel with their
+    ``norms`` (None: it can, or no output is normalized)."""
+    if norms is None or all(nw is None for nw in norms):
+        return None
+    widths = [weight_logical_shape(w)[0] for w in ws]
+    return pallas_triton_finish.finish_reason((1, math.prod(x.shape[:-1]), sum(widths)), widths, list(norms))
+
+
+def quantized_matmul_multi(x, ws, *, act_block=32, out_dtype=None, interpret=False, config=None, norms=None,
+                           norm_eps=0.0) -> list:
+    """``[x @ W.T for W in ws]`` in one fma kernel launch (decode sizes; see :func:`fused_gemv_config`);
+    ``norms``: an RMSNorm weight (or None) per output, applied by the split-K finish kernel."""
     config = config or fused_gemv_config(x, ws, act_block=act_block)
     if config is None:
         raise ValueError("quantized_matmul_multi (pallas): these weights cannot share one launch "
@@ -482,7 +494,7 @@ def quantized_matmul_multi(x, ws, *, act_block=32, out_dtype=None, interpret=Fal
     lead = x.shape[:-1]
     k = x.shape[-1]
     ys = fma.quantized_matmul_fma_multi(x.reshape(-1, k), list(ws), act_block=act_block, out_dtype=out_dtype,
-                                        config=tuple(config), interpret=interpret)
+                                        config=tuple(config), interpret=interpret, norms=norms, norm_eps=norm_eps)
     return [y.reshape(*lead, y.shape[-1]) for y in ys]
 
 

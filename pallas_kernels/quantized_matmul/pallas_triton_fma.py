@@ -47,6 +47,8 @@ from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, act_quant, exact_f32
 from dsv41_jax.quant.codecs import E4M3_MAX, pow2
 from dsv41_jax.quant.fake_quant import fp8_block_scale
 
+from .pallas_triton_finish import split_finish
+
 FMA_MAX_ROWS = 4  # activation rows one program handles (a static loop sharing each decoded tile)
 # The fused MoE takes the fma kernels by default up to this many (token, slot) pairs. H200, 96 MXFP4
 # experts (session 9): 192 pairs (batch 32) fma 1.41 ms vs tensor cores 2.11; 384 pairs fma 2.75 vs 2.40.
@@ -534,32 +536,42 @@ def _fma_kernel(*refs, fmt, m, bn, kg, steps, g, split, nblocks, group_blocks=No
 
 
 def _fma_launch(xs, operands, *, fmt, m, n, k, g, config, nblocks, out_dtype, interpret, name, group_blocks=None,
-                quant=False):
+                quant=False, raw=False):
     """One launch of :func:`_fma_kernel` over ``n`` output rows (grid: bn-row blocks x K parts), the K
-    parts summed by XLA after it -> [m, n] out_dtype."""
+    parts summed by XLA after it -> [m, n] out_dtype; with ``raw`` the K parts as they are, [splits,
+    m, n] float32 (also for one part), for :func:`pallas_triton_finish.split_finish`."""
     _, bn, kg, splits, warps, stages = config
-    out_shape = (jax.ShapeDtypeStruct((splits, m, n), jnp.float32) if splits > 1
+    split = raw or splits > 1
+    out_shape = (jax.ShapeDtypeStruct((splits, m, n), jnp.float32) if split
                  else jax.ShapeDtypeStruct((m, n), out_dtype))
     y = pl.pallas_call(
         functools.partial(_fma_kernel, fmt=fmt, m=m, bn=bn, kg=kg, steps=(k // g) // kg // splits, g=g,
-                          split=splits > 1, nblocks=nblocks, group_blocks=group_blocks, quant=quant),
+                          split=split, nblocks=nblocks, group_blocks=group_blocks, quant=quant),
         out_shape=out_shape,
         grid=(n // bn, splits),
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
         name=name,
     )(*xs, *operands)
+    if raw:
+        return y
     if splits > 1:
         y = jnp.sum(y, axis=0)
     return y.astype(out_dtype)
 
 
-def quantized_matmul_fma_multi(x2, ws, *, act_block, out_dtype, config, interpret=False) -> list:
+def quantized_matmul_fma_multi(x2, ws, *, act_block, out_dtype, config, interpret=False, norms=None,
+                               norm_eps=0.0) -> list:
     """x2 [M, K] (M <= FMA_MAX_ROWS), ws FP8/MXFP4 weights [N_j, K] sharing format, block and K ->
     [x2 @ W_j.T as [M, N_j] out_dtype], in one kernel launch (plus the activation fake-quant and, when
     K is split, one sum): the projections that read one input (wq_a and wkv; the shared expert's w1
-    and w3) cost one launch instead of one each."""
+    and w3) cost one launch instead of one each. ``norms``: per weight an RMSNorm weight [N_j] or
+    None; where any is given the K parts are summed, rounded and normalized by one finish kernel
+    (:func:`pallas_triton_finish.split_finish`) instead of XLA's sum and norm."""
     ws = list(ws)
+    norms = list(norms) if norms is not None else [None] * len(ws)
+    if len(norms) != len(ws):
+        raise ValueError(f"quantized_matmul (pallas, fma): {len(norms)} norm weights for {len(ws)} weights")
     reason = multi_reason(x2.shape[0], ws, config)
     if reason is not None:
         raise ValueError(f"quantized_matmul (pallas, fma): {reason}")
@@ -576,9 +588,12 @@ def quantized_matmul_fma_multi(x2, ws, *, act_block, out_dtype, config, interpre
     else:
         xs = act_view(x2, ws[0], widen=False) if quant else act_view(act_quant(x2, act_block).astype(jnp.bfloat16), ws[0])
     operands = [v for w in ws for v in weight_view(w)]
+    finish = any(nw is not None for nw in norms)
     y = _fma_launch(xs, operands, fmt=fmt, m=m, n=n, k=k, g=g, config=config, nblocks=tuple(v // bn for v in ns),
-                    out_dtype=out_dtype, interpret=interpret, quant=quant,
+                    out_dtype=out_dtype, interpret=interpret, quant=quant, raw=finish,
                     name=f"qmm_fma_{fmt}" if len(ws) == 1 else f"qmm_fma_{fmt}_x{len(ws)}")
+    if finish:
+        return split_finish(y, ns, norms, eps=norm_eps, out_dtype=out_dtype, interpret=interpret)
     if len(ws) == 1:
         return [y]
     offs = [0]

@@ -45,3 +45,11 @@ def grouped_matmul(x, w, *, groups, out_dtype=None):
     y = jnp.einsum("...gk,gnk->...gn", x.astype(op), wf, preferred_element_type=jnp.float32,
                    precision=jax.lax.Precision.HIGHEST)
     return y.astype(out_dtype)
+
+
+def rms_norm(y, weight, eps):
+    """The model's RMSNorm (:func:`dsv41_jax.layers.rms_norm`, imported here when called: that module
+    imports this package) on a GEMM output, as ``quantized_matmul_multi``'s ``norms`` apply it."""
+    from dsv41_jax.layers import rms_norm as model_rms_norm
+
+    return model_rms_norm(y, weight, eps)

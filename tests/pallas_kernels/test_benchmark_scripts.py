@@ -239,6 +239,25 @@ def test_qmm_grouped_sweep_runs_in_interpret_mode(monkeypatch):
     assert all(r["ok"] for r in rows), [(r["M"], r["config"], r["rel_err"]) for r in rows]
 
 
+def test_qmm_finish_sweep_runs_in_interpret_mode(monkeypatch):
+    """``quantized_matmul.benchmark --finish`` at small wq_a / wkv shapes (interpret mode, timing
+    stubbed): the finish kernel, XLA's sum + norm and the reference, each checked, all pass."""
+    import functools
+
+    import pallas_kernels.quantized_matmul.benchmark as bq
+    from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
+
+    monkeypatch.setitem(fma.DECODE_GEMV, "qmm", "fma")
+    monkeypatch.setattr(bq, "PROJECTIONS", [("wq_a", 160, 512), ("wkv", 64, 512)])
+    monkeypatch.setattr(bq, "device_time_op", lambda *a, kernels=None, **k: kernels.append(("k", 1e-6)) or 1e-6)
+    monkeypatch.setattr(bq.pallas_triton, "quantized_matmul_multi",
+                        functools.partial(bq.pallas_triton.quantized_matmul_multi, interpret=True))
+    monkeypatch.setattr(bq, "log", lambda *a: None)
+    rows = bq.finish_sweep(__import__("jax").random.PRNGKey(0), rows_list=(1, 4), reps=2)
+    assert [r["M"] for r in rows] == [1, 4]
+    assert all(r["ok"] and {"finish_s", "xla_after_s", "reference_s"} <= set(r) for r in rows), rows
+
+
 def test_mhc_sweep_runs_in_interpret_mode(monkeypatch):
     """``mhc.benchmark --sweep`` at a small width (interpret mode, timing stubbed): every decode config
     of hc_mixes is checked against the reference (max abs err <= 1e-5), and the site is timed for both

@@ -128,3 +128,15 @@ def test_route_and_kv_write_cases_lower():
     fn, *specs = inspect_sass._cases("kv-write", tokens=2)
     (k,) = inspect_sass.triton_kernels(fn, *specs)
     assert k["name"] == "window_kv_write" and k["ttir"].count("tt.store") == 2
+
+
+def test_qnorm_case_lowers():
+    """The qnorm case (wq_a + wkv with q_norm at 4 rows): the fused GEMV writing its K parts, then the
+    split-K finish kernel, which stores 1280 / 512 = 5 + 1 chunks per output row with no mask."""
+    from pallas_kernels import lowering_census as lc
+
+    fn, *specs = inspect_sass._cases("qnorm", tokens=4)
+    ks = {k["name"]: k for k in inspect_sass.triton_kernels(fn, *specs)}
+    assert set(ks) == {"qmm_fma_fp8_x2", "qmm_split_finish"}
+    fin = lc.count(ks["qmm_split_finish"]["ttir"])
+    assert fin["ops"]["tt.store"] == 6 and fin["masked_stores"] == 0 and fin["masked_loads"] == 0

@@ -409,6 +409,97 @@ def test_multi_gemv_dispatch(monkeypatch):
             np.testing.assert_array_equal(np.asarray(y), np.asarray(_reference(x, w)))
 
 
+@pytest.mark.parametrize("dtype,m,splits,widths", [
+    (jnp.bfloat16, 1, 10, (1280, 512)), (jnp.bfloat16, 3, 4, (96, 32)), (jnp.float32, 2, 1, (48, 64)),
+])
+def test_split_finish_interpret(dtype, m, splits, widths):
+    """The split-K finish kernel: outputs without a norm are the K parts summed in order (part 0
+    first) and rounded, bit for bit; normalized outputs equal the model's rms_norm of those rounded
+    sums within one ulp of the output (the sum of squares in another order)."""
+    from dsv41_jax.layers import rms_norm
+    from pallas_kernels.quantized_matmul.pallas_triton_finish import split_finish
+
+    rng = np.random.default_rng()
+    n = sum(widths)
+    parts = rng.standard_normal((splits, m, n), np.float32) * np.exp2(rng.integers(-6, 6, (splits, m, n)))
+    parts = parts.astype(np.float32)
+    nw = jnp.asarray((rng.uniform(0.5, 1.5, widths[0])).astype(np.float32)).astype(jnp.bfloat16)
+    eps = 1e-6
+    for normed in (True, False):
+        norms = [nw if normed else None, None]
+        outs = jax.jit(lambda p, w: split_finish(p, widths, [w if normed else None, None], eps=eps, out_dtype=dtype,
+                                                 interpret=True))(jnp.asarray(parts), nw)
+        acc = parts[0].copy()
+        for s_ in range(1, splits):
+            acc = acc + parts[s_]  # float32, in order
+        ys = np.split(np.asarray(jnp.asarray(acc).astype(dtype)), np.cumsum(widths)[:-1], axis=-1)
+        for j, (o, y) in enumerate(zip(outs, ys)):
+            assert o.shape == (m, widths[j]) and o.dtype == dtype
+            if norms[j] is None:
+                np.testing.assert_array_equal(np.asarray(o), y)
+            else:
+                check_close(o, rms_norm(jnp.asarray(y), norms[j], eps))
+
+
+def test_split_finish_reasons():
+    """Shapes the finish kernel refuses, each with the reason named."""
+    from pallas_kernels.quantized_matmul.pallas_triton_finish import finish_reason, split_finish
+
+    w = jnp.ones((64,), jnp.float32)
+    assert finish_reason((2, 1, 72), (64, 8), [w, None]) == "output 1: width 8 is not a multiple of 16"
+    assert "do not add up" in finish_reason((2, 1, 100), (64, 32), [w, None])
+    assert "expected (32,)" in finish_reason((2, 1, 96), (64, 32), [None, w])
+    assert "2 norm weights for 1 outputs" in finish_reason((2, 1, 64), (64,), [w, None])
+    with pytest.raises(ValueError, match="split_finish .pallas.: output 1: width 8"):
+        split_finish(jnp.ones((2, 1, 72)), (64, 8), [w, None], eps=1e-6, out_dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("dtype,m,ns,k", [(jnp.bfloat16, 1, (160, 64), 512), (jnp.float32, 3, (96, 32), 1024)])
+def test_multi_gemv_norms(monkeypatch, dtype, m, ns, k):
+    """api.quantized_matmul_multi with ``norms`` (wq_a's q_norm): on the kernel path one GEMV launch and
+    one finish kernel, no XLA reduction, and the values equal the reference path's (per-weight
+    reference calls, then the model's rms_norm) within an ulp; the reference path runs no kernel."""
+    from dsv41_jax.layers import rms_norm
+    from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
+
+    monkeypatch.setitem(fma.DECODE_GEMV, "qmm", "fma")
+    rng = np.random.default_rng()
+    x = activations(rng, (1, m, k), dtype)
+    ws = [quantized("fp8", rng.standard_normal((n, k), np.float32) * np.float32(0.05)) for n in ns]
+    nw = jnp.asarray(rng.uniform(0.5, 1.5, ns[0]).astype(np.float32))
+    eps = 1e-6
+    want = [rms_norm(_reference(x, ws[0]), nw, eps), _reference(x, ws[1])]
+
+    def fn(x, a, b, w):  # traced afresh in each dispatch context (a jit cache would keep the first)
+        return api.quantized_matmul_multi(x, [a, b], norms=[w, None], norm_eps=eps)
+    def outside_kernels(jaxpr):
+        """Primitive names of the program outside its pallas_calls."""
+        names = []
+        for eqn in jaxpr.eqns:
+            names.append(eqn.primitive.name)
+            if eqn.primitive.name != "pallas_call":  # pjit / custom_jvp bodies
+                for v in eqn.params.values():
+                    sub = getattr(v, "jaxpr", v)
+                    if hasattr(sub, "eqns"):
+                        names += outside_kernels(sub)
+        return names
+
+    with dispatch.use_implementation("interpret"):
+        closed = jax.make_jaxpr(lambda *a: fn(*a))(x, *ws, nw)
+        prims = outside_kernels(closed.jaxpr)
+        assert prims.count("pallas_call") == 2 and "qmm_split_finish" in str(closed)
+        assert not {"reduce_sum", "rsqrt", "slice"} & set(prims), prims
+        for y, yr in zip(run(fn, x, *ws, nw), want):
+            assert y.shape == yr.shape and y.dtype == dtype
+            check_close(y, yr)
+    with dispatch.use_implementation("reference"):
+        assert outside_kernels(jax.make_jaxpr(lambda *a: fn(*a))(x, *ws, nw).jaxpr).count("pallas_call") == 0
+        for y, yr in zip(run(fn, x, *ws, nw), want):  # the same ops, fused by XLA in another program
+            check_close(y, yr)
+        with pytest.raises(ValueError, match="1 norm weights for 2 weights"):
+            api.quantized_matmul_multi(x, ws, norms=[nw])
+
+
 @pytest.mark.parametrize("target", ["cuda", "rocm"])
 def test_fma_multi_gemv_cross_lowering(target):
     """V4.1-Flash's wq_a + wkv (1280 and 512 rows, K = 5120) and shared expert w1 + w3 (2304 rows each)
@@ -421,6 +512,13 @@ def test_fma_multi_gemv_cross_lowering(target):
             txt = lower_for(target, lambda x, a, b: pallas_triton.quantized_matmul_multi(x, [a, b], config=cfg),
                             x, *ws).as_text()
             assert pallas_triton_call_count(txt) == 1
+    # wq_a + wkv with q_norm: the GEMV's K parts and the split-K finish kernel
+    ws, nw = pairs[0], S((1280,), jnp.bfloat16)
+    for m in (1, 4):
+        x = S((1, m, 5120), jnp.bfloat16)
+        txt = lower_for(target, lambda x, a, b, w: pallas_triton.quantized_matmul_multi(
+            x, [a, b], norms=[w, None], norm_eps=1e-6), x, *ws, nw).as_text()
+        assert pallas_triton_call_count(txt) == 2 and "qmm_split_finish" in txt
 
 
 def test_use_decode_route_restores_on_errors():
