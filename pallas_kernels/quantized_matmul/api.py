@@ -54,16 +54,22 @@ def quantized_matmul_multi(x, ws, *, act_block=32, out_dtype=None, norms=None, n
     norms = list(norms) if norms is not None else [None] * len(ws)
     if len(norms) != len(ws):
         raise ValueError(f"quantized_matmul_multi: {len(norms)} norm weights for {len(ws)} weights")
+    ys = None
     if len(ws) > 1:
         kernel, interpret = _choose(x, ws[0], act_block, implementation)
         if (kernel is not None and all(_choose(x, w, act_block, implementation)[0] is not None for w in ws[1:])
-                and kernel.fused_gemv_config(x, ws, act_block=act_block) is not None
-                and kernel.finish_reason(x, ws, norms) is None):
-            return dispatch.call_kernel(kernel.quantized_matmul_multi, x, tuple(ws), act_block=act_block,
-                                        out_dtype=out_dtype, interpret=interpret, norms=tuple(norms),
-                                        norm_eps=norm_eps)
-    ys = [quantized_matmul(x, w, act_block=act_block, out_dtype=out_dtype, implementation=implementation)
-          for w in ws]
+                and kernel.fused_gemv_config(x, ws, act_block=act_block) is not None):
+            finish = any(nw is not None for nw in norms) and dispatch.choose(
+                "quantized_matmul", implementation, _kernel, lambda k: k.finish_reason(x, ws, norms),
+                lambda k: k.finish_auto_reason(x))[0] is not None
+            ys = dispatch.call_kernel(kernel.quantized_matmul_multi, x, tuple(ws), act_block=act_block,
+                                      out_dtype=out_dtype, interpret=interpret,
+                                      norms=tuple(norms) if finish else None, norm_eps=norm_eps)
+            if finish:
+                return ys
+    if ys is None:
+        ys = [quantized_matmul(x, w, act_block=act_block, out_dtype=out_dtype, implementation=implementation)
+              for w in ws]
     return [y if nw is None else reference.rms_norm(y, nw, norm_eps) for y, nw in zip(ys, norms)]
 
 

@@ -289,8 +289,20 @@ def finish_sweep(key, rows_list=(1, 2, 4), reps=9):
     log(f"\n# wq_a + wkv with q_norm (FP8 32x32, {n1} + {n2} rows, K={k}; floor {floor * 1e6:.2f} us)")
     eps = 1e-6
 
+    from pallas_kernels.quantized_matmul import pallas_triton_finish as fin
+
     def finish(x, a, b, w):
         return pallas_triton.quantized_matmul_multi(x, [a, b], norms=[w, None], norm_eps=eps)
+
+    def finish_warps(warps):
+        def fn(x, a, b, w):
+            saved = fin.FINISH_WARPS
+            fin.FINISH_WARPS = warps  # read when the kernel is traced (inside device_time_op's jit)
+            try:
+                return finish(x, a, b, w)
+            finally:
+                fin.FINISH_WARPS = saved
+        return fn
 
     def xla_after(x, a, b, w):
         q, kv = pallas_triton.quantized_matmul_multi(x, [a, b])
@@ -299,13 +311,26 @@ def finish_sweep(key, rows_list=(1, 2, 4), reps=9):
     def ref(x, a, b, w):
         return [rms_norm(reference.quantized_matmul(x, a), w, eps), reference.quantized_matmul(x, b)]
 
+    def fma_multi_ok(m, ws, cfg):
+        from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
+
+        return fma.multi_reason(m, ws, cfg) is None
+
     out = []
     for m in rows_list:
         xs = [jax.random.normal(jax.random.fold_in(key, 100 * m + r), (m, k), jnp.bfloat16) for r in range(reps)]
         args = [(xs[r], *pairs[r]) for r in range(reps)]
         yr = jax.jit(ref)(*args[0], nw)
         row = dict(op="qmm_multi_q_norm", M=m, floor_s=floor, ok=True)
-        for name, fn in (("finish", finish), ("xla_after", xla_after), ("reference", ref)):
+        variants = [("finish", finish), ("xla_after", xla_after), ("reference", ref)]
+        variants += [(f"finish_w{w}", finish_warps(w)) for w in (1, 2, 8) if w != fin.FINISH_WARPS]
+        base = pallas_triton.fused_gemv_config(xs[0], [w1, w2])
+        for splits in (5, 2):  # fewer K parts: a GEMV with fewer programs, less for the finish to read
+            cfg = base[:3] + (splits,) + base[4:]
+            if cfg != base and fma_multi_ok(m, [w1, w2], cfg):
+                variants.append((f"finish_s{splits}", lambda x, a, b, w, cfg=cfg: pallas_triton.quantized_matmul_multi(
+                    x, [a, b], norms=[w, None], norm_eps=eps, config=cfg)))
+        for name, fn in variants:
             try:
                 y = jax.jit(fn)(*args[0], nw)
                 err = max(max_rel_err(a, b) for a, b in zip(y, yr))
@@ -314,7 +339,7 @@ def finish_sweep(key, rows_list=(1, 2, 4), reps=9):
                 good = bool(err <= CHECK_TOL)
                 row.update({f"{name}_s": t, f"{name}_rel_err": err, f"{name}_kernels": [kn for kn, _ in kernels]})
                 row["ok"] &= good
-                log(f"  M={m} {name:9s}: {t * 1e6:7.2f} us ({100 * floor / t:5.1f}% of HBM), rel err {err:.2e} "
+                log(f"  M={m} {name:10s}: {t * 1e6:7.2f} us ({100 * floor / t:5.1f}% of HBM), rel err {err:.2e} "
                     f"{'PASS' if good else 'FAIL'}; kernels: {', '.join(f'{kn} {ks * 1e6:.2f}' for kn, ks in kernels)}")
             except Exception as e:  # noqa: BLE001
                 row["ok"] = False

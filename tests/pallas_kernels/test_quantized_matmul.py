@@ -500,6 +500,26 @@ def test_multi_gemv_norms(monkeypatch, dtype, m, ns, k):
             api.quantized_matmul_multi(x, ws, norms=[nw])
 
 
+def test_multi_gemv_norms_auto_policy(monkeypatch):
+    """Under ``auto`` on a GPU the finish kernel runs at one row only (measured faster there, slower
+    than XLA's sum + norm at 2 and 4 rows: ``finish_auto_reason``); 2 rows keep the one GEMV launch
+    and normalize in XLA."""
+    from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
+
+    monkeypatch.delenv("DSV41_KERNELS", raising=False)
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setitem(fma.DECODE_GEMV, "qmm", "fma")
+    rng = np.random.default_rng()
+    ws = [quantized("fp8", rng.standard_normal((n, 512), np.float32) * np.float32(0.05)) for n in (160, 64)]
+    nw = jnp.ones((160,), jnp.bfloat16)
+    for m, finish in ((1, True), (2, False)):
+        x = jax.ShapeDtypeStruct((m, 512), jnp.bfloat16)
+        txt = str(jax.make_jaxpr(lambda x, a, b, w: api.quantized_matmul_multi(x, [a, b], norms=[w, None]))(
+            x, *ws, nw))
+        assert txt.count("name=qmm_fma_fp8_x2") == 1 and ("name=qmm_split_finish" in txt) == finish, m
+        assert (pallas_triton.finish_auto_reason(x) is None) == finish
+
+
 @pytest.mark.parametrize("target", ["cuda", "rocm"])
 def test_fma_multi_gemv_cross_lowering(target):
     """V4.1-Flash's wq_a + wkv (1280 and 512 rows, K = 5120) and shared expert w1 + w3 (2304 rows each)
