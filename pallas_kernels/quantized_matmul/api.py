@@ -60,8 +60,7 @@ def quantized_matmul_multi(x, ws, *, act_block=32, out_dtype=None, norms=None, n
         if (kernel is not None and all(_choose(x, w, act_block, implementation)[0] is not None for w in ws[1:])
                 and kernel.fused_gemv_config(x, ws, act_block=act_block) is not None):
             finish = any(nw is not None for nw in norms) and dispatch.choose(
-                "quantized_matmul", implementation, _kernel, lambda k: k.finish_reason(x, ws, norms),
-                lambda k: k.finish_auto_reason(x))[0] is not None
+                "quantized_matmul", implementation, _kernel, lambda k: k.finish_reason(x, ws, norms))[0] is not None
             ys = dispatch.call_kernel(kernel.quantized_matmul_multi, x, tuple(ws), act_block=act_block,
                                       out_dtype=out_dtype, interpret=interpret,
                                       norms=tuple(norms) if finish else None, norm_eps=norm_eps)

@@ -323,7 +323,7 @@ def finish_sweep(key, rows_list=(1, 2, 4), reps=9):
         yr = jax.jit(ref)(*args[0], nw)
         row = dict(op="qmm_multi_q_norm", M=m, floor_s=floor, ok=True)
         variants = [("finish", finish), ("xla_after", xla_after), ("reference", ref)]
-        variants += [(f"finish_w{w}", finish_warps(w)) for w in (1, 2, 8) if w != fin.FINISH_WARPS]
+        variants += [(f"finish_w{w}", finish_warps(w)) for w in (1, 2, 4, 8) if w != fin.FINISH_WARPS]
         base = pallas_triton.fused_gemv_config(xs[0], [w1, w2])
         for splits in (5, 2):  # fewer K parts: a GEMV with fewer programs, less for the finish to read
             cfg = base[:3] + (splits,) + base[4:]

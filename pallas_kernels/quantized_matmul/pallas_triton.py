@@ -482,20 +482,6 @@ def finish_reason(x, ws, norms) -> str | None:
     return pallas_triton_finish.finish_reason((1, math.prod(x.shape[:-1]), sum(widths)), widths, list(norms))
 
 
-def finish_auto_reason(x) -> str | None:
-    """Why ``auto`` leaves the K-part sum and the norms to XLA after the one-launch GEMV (None: the
-    split-K finish kernel runs). H200, session 26 (``benchmark --finish``, wq_a + wkv with q_norm,
-    device time): one row 3.47 us for the finish kernel against 4.82 for XLA's sum of squares,
-    norm and kv slice (the batch-1 step: 8.215 -> 8.132 ms); two and four rows 6.35 and 6.34 us
-    against XLA's 3.61 and 3.94 (at more than one row XLA reduces with several blocks; the kernel's
-    one program per row waits on its 70 loads about nine at a time)."""
-    m = math.prod(x.shape[:-1])
-    if m > 1:
-        return (f"{m} rows: XLA's sum and norm after the GEMV measured faster than the finish kernel at 2 and 4 "
-                "rows on the H200 (session 26)")
-    return None
-
-
 def quantized_matmul_multi(x, ws, *, act_block=32, out_dtype=None, interpret=False, config=None, norms=None,
                            norm_eps=0.0) -> list:
     """``[x @ W.T for W in ws]`` in one fma kernel launch (decode sizes; see :func:`fused_gemv_config`);

@@ -5,7 +5,19 @@ output to its dtype and applies the norm, where XLA ran three kernels per layer 
 Why (issue 8, session 26 profile of the batch-1 step, H200): after the ``wq_a`` + ``wkv`` GEMV
 (10 K parts, [10, B, 1280 + 512] f32) XLA ran the sum of squares of q as a one-block reduction
 (``input_reduce_fusion`` f32[], 3.1 µs), then the normalization (1.4 µs), then the kv slice
-(1.1 µs): 5.6 µs per layer, 0.22 ms per step. Here each program takes one activation row: it
+(1.1 µs): 5.6 µs per layer, 0.22 ms per step.
+
+Measured on the H200 (session 26, ``quantized_matmul.benchmark --finish``, device time of the GEMV +
+what follows it, µs):
+
+    rows | XLA sum + norm + slice | finish, 4 warps | finish, 8 warps (default) | 1 / 2 warps
+       1 | 10.35 (3 XLA kernels)  |  9.02           |  8.15                     | 11.26 / 10.19
+       2 | 10.03                  | 12.68           |  9.84                     | 11.61 / 11.54
+       4 | 13.57                  | 16.27           | 13.40                     | 15.15 / 15.28
+
+The kernel's time is the latency of its loads (70 chunk loads per row, a few in flight per thread
+at a time); 8 warps halve what each thread waits on. With 4 warps the batch-1 step went from
+8.215 to 8.132-8.137 ms (two processes). Here each program takes one activation row: it
 sums the K parts in order (part 0 first), rounds to ``out_dtype`` as the reference's GEMM
 output, and for a normalized output computes ``w * y * rsqrt(mean(y^2) + eps)`` in float32 from
 the rounded values, then rounds again (:func:`dsv41_jax.layers.rms_norm`). Columns go in chunks of
@@ -80,7 +92,7 @@ def _finish_kernel(*refs, splits, widths, normed, eps):
         off += width
 
 
-FINISH_WARPS = 4  # warps per program (one program per row)
+FINISH_WARPS = 8  # warps per program (one program per row; the table above)
 
 
 def split_finish(parts, widths, norm_weights, *, eps: float, out_dtype, interpret=False, warps=None) -> list:

@@ -500,11 +500,12 @@ def test_multi_gemv_norms(monkeypatch, dtype, m, ns, k):
             api.quantized_matmul_multi(x, ws, norms=[nw])
 
 
-def test_multi_gemv_norms_auto_policy(monkeypatch):
-    """Under ``auto`` on a GPU the finish kernel runs at one row only (measured faster there, slower
-    than XLA's sum + norm at 2 and 4 rows: ``finish_auto_reason``); 2 rows keep the one GEMV launch
-    and normalize in XLA."""
+def test_multi_gemv_norms_auto(monkeypatch):
+    """Under ``auto`` on a GPU the finish kernel follows every one-launch GEMV with norms (1-4 rows;
+    measured at least as fast as XLA's sum + norm at 1, 2 and 4 rows with 8 warps, session 26), with
+    8 warps; with the GEMMs on the reference (DSV41_KERNELS) neither kernel runs."""
     from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
+    from pallas_kernels.quantized_matmul.pallas_triton_finish import split_finish
 
     monkeypatch.delenv("DSV41_KERNELS", raising=False)
     monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
@@ -512,12 +513,20 @@ def test_multi_gemv_norms_auto_policy(monkeypatch):
     rng = np.random.default_rng()
     ws = [quantized("fp8", rng.standard_normal((n, 512), np.float32) * np.float32(0.05)) for n in (160, 64)]
     nw = jnp.ones((160,), jnp.bfloat16)
-    for m, finish in ((1, True), (2, False)):
+
+    def jaxpr(m):
         x = jax.ShapeDtypeStruct((m, 512), jnp.bfloat16)
-        txt = str(jax.make_jaxpr(lambda x, a, b, w: api.quantized_matmul_multi(x, [a, b], norms=[w, None]))(
+        return str(jax.make_jaxpr(lambda x, a, b, w: api.quantized_matmul_multi(x, [a, b], norms=[w, None]))(
             x, *ws, nw))
-        assert txt.count("name=qmm_fma_fp8_x2") == 1 and ("name=qmm_split_finish" in txt) == finish, m
-        assert (pallas_triton.finish_auto_reason(x) is None) == finish
+
+    for m in (1, 2, 4):
+        txt = jaxpr(m)
+        assert txt.count("name=qmm_fma_fp8_x2") == 1 and txt.count("name=qmm_split_finish") == 1, m
+    fin = str(jax.make_jaxpr(lambda p, w: split_finish(p, (64, 32), [w, None], eps=1e-6, out_dtype=jnp.bfloat16))(
+        jnp.ones((2, 1, 96)), jnp.ones((64,))))
+    assert "num_warps=8" in fin
+    monkeypatch.setenv("DSV41_KERNELS", "quantized_matmul=reference")
+    assert "pallas_call" not in jaxpr(1)
 
 
 @pytest.mark.parametrize("target", ["cuda", "rocm"])
