@@ -24,6 +24,16 @@ H200 it made the 7-layer decode step 15 % slower (1.928 -> 2.220 ms, same tokens
 ``DSV41_XLA_DEFAULTS=off`` leaves ``XLA_FLAGS`` alone; a flag the user already set in ``XLA_FLAGS``
 is never overridden.
 
+``DSV41_AUTOTUNE_RESULTS=PATH`` pins XLA's GEMM autotuning across processes: when PATH does not
+exist the run writes its autotuning choices there (``--xla_gpu_dump_autotune_results_to``), and
+when it exists the run reads them back (``--xla_gpu_load_autotune_results_from``) instead of timing
+the candidates again. Why: XLA picks each GEMM fusion's config by timing it, so two processes of
+the same commit can compile different summation orders and decode different greedy tokens. On the
+H200 (session 26, 7-layer probe, same commit): two default processes gave two digests,
+two processes with ``--xla_gpu_autotune_level=0`` one digest, 16 % slower. With the compilation
+cache on, a re-run loads the same executables anyway; this is for comparing runs with the cache
+off (the benchmark protocol) or across commits.
+
 ``DSV41_DECODE_XLA_OPTIONS`` (``name=value`` pairs, comma-separated, e.g.
 ``xla_gpu_command_buffer_scheduling_mode=CONCURRENT``) are compile options for the engine's
 decode-step programs only (one token per row): :func:`decode_compiler_options`. A flag tried for
@@ -60,8 +70,25 @@ def apply_runtime_defaults() -> str:
     cur = os.environ.get("XLA_FLAGS", "")
     if os.environ.get("DSV41_XLA_DEFAULTS", "").lower() == "off":
         return cur
-    os.environ["XLA_FLAGS"] = with_runtime_defaults(cur)
+    os.environ["XLA_FLAGS"] = with_runtime_defaults(cur, {**GPU_RUNTIME_DEFAULTS, **autotune_results_flags()})
     return os.environ["XLA_FLAGS"]
+
+
+def autotune_results_flags(path: str | None = None) -> dict[str, str]:
+    """The flag that ``DSV41_AUTOTUNE_RESULTS`` (or ``path``) asks for: read the autotuning results
+    from the file when it exists, else write them there (module docstring). A directory, or a file
+    in a missing directory, is refused with the variable's name."""
+    path = os.environ.get("DSV41_AUTOTUNE_RESULTS", "") if path is None else path
+    if not path:
+        return {}
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        raise ValueError(f"DSV41_AUTOTUNE_RESULTS={path!r} is a directory; give a file path (e.g. {path}/autotune.txt)")
+    if os.path.exists(path):
+        return {"xla_gpu_load_autotune_results_from": path}
+    if not os.path.isdir(os.path.dirname(path)):
+        raise ValueError(f"DSV41_AUTOTUNE_RESULTS={path!r}: directory {os.path.dirname(path)!r} does not exist")
+    return {"xla_gpu_dump_autotune_results_to": path}
 
 
 def decode_compiler_options(text: str | None = None) -> dict[str, str]:
