@@ -53,6 +53,21 @@ assert jaxpr2.count("shard_map") == 1, jaxpr2.count("shard_map")
 np.testing.assert_array_equal(np.asarray(got2), np.asarray(want[0]))
 # no mesh: the kernel is called as it is
 assert "shard_map" not in str(jax.make_jaxpr(f)(x, w, h, pre))
+
+# the fused GEMV with a normalized output (wq_a + wkv with q_norm): its norm weight is an operand of
+# the wrapped call, not a value the shard_map closes over; the results equal one device's
+from pallas_kernels.quantized_matmul import quantized_matmul_multi
+w2 = quantize_fp8(jnp.asarray(rng.normal(size=(64, 256)) * 0.05, jnp.float32))
+nw = jnp.asarray(rng.uniform(0.5, 1.5, size=(128,)), jnp.float32)
+def g(x, a, b, nw):
+    return quantized_matmul_multi(x[:1], [a, b], norms=[nw, None], norm_eps=1e-6, implementation="interpret")
+want3 = jax.jit(g)(x, w, w2, nw)
+with use_mesh(mesh):
+    jaxpr3 = str(jax.make_jaxpr(g)(x, ws, w2, nw))
+    got3 = jax.jit(g)(x, ws, w2, nw)
+assert jaxpr3.count("shard_map") == 1 and "qmm_split_finish" in jaxpr3, jaxpr3.count("shard_map")
+for g_, r in zip(got3, want3):
+    np.testing.assert_array_equal(np.asarray(g_), np.asarray(r))
 print("OK")
 '''
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from pallas_kernels import dispatch
 
 from dsv41_jax.quant import is_quantized
@@ -61,15 +63,25 @@ def quantized_matmul_multi(x, ws, *, act_block=32, out_dtype=None, norms=None, n
                 and kernel.fused_gemv_config(x, ws, act_block=act_block) is not None):
             finish = any(nw is not None for nw in norms) and dispatch.choose(
                 "quantized_matmul", implementation, _kernel, lambda k: k.finish_reason(x, ws, norms))[0] is not None
-            ys = dispatch.call_kernel(kernel.quantized_matmul_multi, x, tuple(ws), act_block=act_block,
-                                      out_dtype=out_dtype, interpret=interpret,
-                                      norms=tuple(norms) if finish else None, norm_eps=norm_eps)
+            # the norm weights are operands (call_kernel's keywords must be static)
+            normed = tuple(nw is not None for nw in norms) if finish else (False,) * len(ws)
+            ys = dispatch.call_kernel(functools.partial(_multi_with_norms, kernel), x, tuple(ws),
+                                      tuple(nw for nw, n in zip(norms, normed) if n), normed=normed,
+                                      act_block=act_block, out_dtype=out_dtype, interpret=interpret,
+                                      norm_eps=norm_eps)
             if finish:
                 return ys
     if ys is None:
         ys = [quantized_matmul(x, w, act_block=act_block, out_dtype=out_dtype, implementation=implementation)
               for w in ws]
     return [y if nw is None else reference.rms_norm(y, nw, norm_eps) for y, nw in zip(ys, norms)]
+
+
+def _multi_with_norms(kernel, x, ws, norm_weights, *, normed, **kw):
+    """``kernel.quantized_matmul_multi`` with the norm weights of the outputs flagged in ``normed``."""
+    given = iter(norm_weights)
+    norms = [next(given) if n else None for n in normed] if any(normed) else None
+    return kernel.quantized_matmul_multi(x, ws, norms=norms, **kw)
 
 
 def grouped_matmul(x, w, *, groups: int, out_dtype=None, implementation=None):
