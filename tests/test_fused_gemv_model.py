@@ -71,10 +71,13 @@ def test_decode_step_fuses_same_input_projections(monkeypatch):
         tok = jnp.asarray(rng.integers(3, 5000, (B, 1)), jnp.int32)
         out = []
         for impl, step in (("reference", ref_step), ("interpret", kernel_step)):
+            jax.effects_barrier()  # the callbacks of every step dispatched so far have run
             routes.clear()
             with dispatch.use_implementation(impl):
                 logits, _ = step(params, cache, tok, one)
-            out.append((np.asarray(logits), list(routes)))
+            logits = np.asarray(logits)
+            jax.effects_barrier()
+            out.append((logits, list(routes)))
         return params, cache, tok, out
 
     # A draw whose two paths route some token to different experts has a near-tie in the gate scores:
