@@ -1,6 +1,7 @@
 """The decode step's same-input projections share one kernel launch (wq_a + wkv, the shared expert's
-w1 + w3; ``layers.linear_multi``), wo_a runs one grouped launch, and the step's logits still equal
-the reference path's.
+w1 + w3; ``layers.linear_multi``), wo_a runs one grouped launch, every fused call equals the
+reference on its inputs, and the step's logits equal the reference path's (up to the FP8 rounding
+flips described in the test).
 
 The weight GEMMs run on the Pallas kernels in interpret mode (every other op on its reference, to
 keep the CPU time small). A 1-token decode step is the case the fused launch exists for (the host's
@@ -31,22 +32,27 @@ def _only_qmm_kernels(monkeypatch):
 
 
 def test_decode_step_fuses_same_input_projections(monkeypatch):
-    from dsv41_jax import moe
-
+    from dsv41_jax import layers
     from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
 
     monkeypatch.setitem(fma.DECODE_GEMV, "qmm", "fma")
     _only_qmm_kernels(monkeypatch)
-    # every MoE layer's routing, as each path decides it (a debug callback inside the jitted step)
-    routes = []
-    route = moe.route
+    # every fused call (wq_a + wkv with q_norm, the shared expert's w1 + w3) checked inside the jitted
+    # step against the reference path on the same inputs: immune to what the FP8 activation roundings
+    # make of one-ulp differences further on (see the logits check below)
+    call_errors = []
+    fused = layers.quantized_matmul_multi
 
-    def recording_route(*a, **k):
-        w, idx = route(*a, **k)
-        jax.debug.callback(lambda i: routes.append(np.asarray(i)), idx)
-        return w, idx
+    def checked_multi(x, ws, **kw):
+        ys = fused(x, ws, **kw)
+        with dispatch.use_implementation("reference"):  # read at trace time
+            yrs = fused(x, ws, **kw)
+        errs = [jnp.max(jnp.abs(y.astype(jnp.float32) - r.astype(jnp.float32))) / jnp.max(jnp.abs(r.astype(jnp.float32)))
+                for y, r in zip(ys, yrs)]
+        jax.debug.callback(lambda *e: call_errors.append([float(v) for v in e]), *errs)
+        return ys
 
-    monkeypatch.setattr(moe, "route", recording_route)
+    monkeypatch.setattr(layers, "quantized_matmul_multi", checked_multi)
     cfg = get_preset("tiny-v4")
     opts = RunOptions(dtype="float32", kv_cache_dtype="float32")
     B, P = 2, 9
@@ -58,9 +64,9 @@ def test_decode_step_fuses_same_input_projections(monkeypatch):
     kernel_step = jax.jit(functools.partial(forward_step, cfg=cfg, opts=opts))
 
     def draw():
-        """Fresh weights and tokens; (reference logits and routes, kernel-path logits and routes).
-        The prompt is fed one token per step: the reference decode program fills the cache (9
-        positions), so the test compiles no prefill program (one forward program fewer, ~20 CPU-s)."""
+        """Fresh weights and tokens: (reference logits, kernel-path logits). The prompt is fed one
+        token per step: the reference decode program fills the cache (9 positions), so the test
+        compiles no prefill program (one forward program fewer, ~20 CPU-s)."""
         params = init_params(cfg, seed=np.random.randint(1 << 30))
         rng = np.random.default_rng()
         prompt = jnp.asarray(rng.integers(3, 5000, (B, P)), jnp.int32)
@@ -69,28 +75,30 @@ def test_decode_step_fuses_same_input_projections(monkeypatch):
             for t in range(P):
                 _, cache = ref_step(params, cache, prompt[:, t:t + 1], one)
         tok = jnp.asarray(rng.integers(3, 5000, (B, 1)), jnp.int32)
-        out = []
-        for impl, step in (("reference", ref_step), ("interpret", kernel_step)):
-            jax.effects_barrier()  # the callbacks of every step dispatched so far have run
-            routes.clear()
-            with dispatch.use_implementation(impl):
-                logits, _ = step(params, cache, tok, one)
-            logits = np.asarray(logits)
-            jax.effects_barrier()
-            out.append((logits, list(routes)))
-        return params, cache, tok, out
+        with dispatch.use_implementation("reference"):
+            ref = np.asarray(ref_step(params, cache, tok, one)[0])
+        jax.effects_barrier()  # the reference steps' callbacks (their fused calls are the reference's)
+        call_errors.clear()
+        with dispatch.use_implementation("interpret"):
+            out = np.asarray(kernel_step(params, cache, tok, one)[0])
+        jax.effects_barrier()
+        # per layer: wq_a + wkv and w1 + w3, each output within float32 summation-order noise
+        assert len(call_errors) == 2 * cfg.n_layers, len(call_errors)
+        assert max(max(e) for e in call_errors) <= 1e-5, call_errors
+        return params, cache, tok, ref, out
 
-    # A draw whose two paths route some token to different experts has a near-tie in the gate scores:
-    # the kernels' fp32 sums in another order move an FP8 activation rounding, the MoE input by ~1e-3,
-    # and the top-k picks the other expert (one draw in ~30: seed 6 of 0..29 in session 26, before and
-    # after the split-K finish kernel alike). Such a draw is legitimately far apart; draw again.
+    # The logits: every linear fake-quantizes its input to e4m3, so a one-ulp summation difference
+    # now and then crosses a rounding boundary (or flips a top-k pick) and the logits move by 1e-2 to
+    # 1e-1 of their scale: about one draw in 30 (session 26: 2 of 60 with single-threaded Eigen, as
+    # the tests run, with every MoE and indexer pick equal; one seed of 30 with a routing flip). The
+    # per-call checks above hold on every draw; a draw whose logits moved is drawn again (4 draws).
     for _ in range(4):
-        params, cache, tok, ((ref, ref_routes), (out, out_routes)) = draw()
-        assert len(ref_routes) == len(out_routes) == cfg.n_layers  # hash layers too (route returns tid2eid)
-        if all(np.array_equal(a, b) for a, b in zip(ref_routes, out_routes)):
+        params, cache, tok, ref, out = draw()
+        assert np.all(np.isfinite(out))
+        if np.max(np.abs(out - ref)) <= 2e-3 * float(np.max(np.abs(ref))):
             break
     else:
-        raise AssertionError("4 draws in a row routed differently on the kernel path: not a near-tie")
+        raise AssertionError("the logits differed on 4 draws in a row: more than a rounding flip")
     with dispatch.use_implementation("reference"):
         ref_jaxpr = str(jax.make_jaxpr(functools.partial(forward_step, cfg=cfg, opts=opts))(params, cache, tok, one))
     with dispatch.use_implementation("interpret"):
@@ -102,8 +110,6 @@ def test_decode_step_fuses_same_input_projections(monkeypatch):
     assert jaxpr.count("name=qmm_fma_fp8_grouped") == cfg.n_layers, jaxpr.count("name=qmm_fma_fp8_grouped")
     # and wq_a's K parts summed and q_norm applied by the split-K finish kernel
     assert jaxpr.count("name=qmm_split_finish") == cfg.n_layers, jaxpr.count("name=qmm_split_finish")
-    assert np.all(np.isfinite(out))
-    np.testing.assert_allclose(out, ref, rtol=0, atol=2e-3 * float(np.max(np.abs(ref))))
 
     # a prefill chunk (B x 9 rows > 4) keeps one launch per weight
     with dispatch.use_implementation("interpret"):
