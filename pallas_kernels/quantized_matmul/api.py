@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 from pallas_kernels import dispatch
 
 from dsv41_jax.quant import is_quantized
@@ -56,32 +54,34 @@ def quantized_matmul_multi(x, ws, *, act_block=32, out_dtype=None, norms=None, n
     norms = list(norms) if norms is not None else [None] * len(ws)
     if len(norms) != len(ws):
         raise ValueError(f"quantized_matmul_multi: {len(norms)} norm weights for {len(ws)} weights")
-    ys = None
-    if len(ws) > 1:
-        kernel, interpret = _choose(x, ws[0], act_block, implementation)
-        if (kernel is not None and all(_choose(x, w, act_block, implementation)[0] is not None for w in ws[1:])
-                and kernel.fused_gemv_config(x, ws, act_block=act_block) is not None):
-            finish = any(nw is not None for nw in norms) and dispatch.choose(
-                "quantized_matmul", implementation, _kernel, lambda k: k.finish_reason(x, ws, norms))[0] is not None
-            # the norm weights are operands (call_kernel's keywords must be static)
-            normed = tuple(nw is not None for nw in norms) if finish else (False,) * len(ws)
-            ys = dispatch.call_kernel(functools.partial(_multi_with_norms, kernel), x, tuple(ws),
-                                      tuple(nw for nw, n in zip(norms, normed) if n), normed=normed,
-                                      act_block=act_block, out_dtype=out_dtype, interpret=interpret,
-                                      norm_eps=norm_eps)
-            if finish:
-                return ys
-    if ys is None:
+    fused = _fused_kernel(x, ws, act_block, implementation)
+    if fused is not None:
+        kernel, interpret = fused
+        finish = any(nw is not None for nw in norms) and dispatch.choose(
+            "quantized_matmul", implementation, _kernel, lambda k: k.finish_reason(x, ws, norms))[0] is not None
+        # the norm weights travel as an operand (None leaves for the outputs without one): call_kernel's
+        # keywords are for static values
+        ys = dispatch.call_kernel(lambda x, ws, norms, **kw: kernel.quantized_matmul_multi(x, ws, norms=norms, **kw),
+                                  x, tuple(ws), tuple(norms) if finish else None, act_block=act_block,
+                                  out_dtype=out_dtype, interpret=interpret, norm_eps=norm_eps)
+        if finish:
+            return ys
+    else:
         ys = [quantized_matmul(x, w, act_block=act_block, out_dtype=out_dtype, implementation=implementation)
               for w in ws]
     return [y if nw is None else reference.rms_norm(y, nw, norm_eps) for y, nw in zip(ys, norms)]
 
 
-def _multi_with_norms(kernel, x, ws, norm_weights, *, normed, **kw):
-    """``kernel.quantized_matmul_multi`` with the norm weights of the outputs flagged in ``normed``."""
-    given = iter(norm_weights)
-    norms = [next(given) if n else None for n in normed] if any(normed) else None
-    return kernel.quantized_matmul_multi(x, ws, norms=norms, **kw)
+def _fused_kernel(x, ws, act_block, implementation):
+    """(kernel module, interpret) when one GEMV launch can compute every weight of ``ws`` (two or more,
+    each taken by the kernel, a shared fma configuration), else None."""
+    if len(ws) < 2:
+        return None
+    kernel, interpret = _choose(x, ws[0], act_block, implementation)
+    if (kernel is None or any(_choose(x, w, act_block, implementation)[0] is None for w in ws[1:])
+            or kernel.fused_gemv_config(x, ws, act_block=act_block) is None):
+        return None
+    return kernel, interpret
 
 
 def grouped_matmul(x, w, *, groups: int, out_dtype=None, implementation=None):

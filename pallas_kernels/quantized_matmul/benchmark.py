@@ -281,7 +281,8 @@ def finish_sweep(key, rows_list=(1, 2, 4), reps=9):
     per call (profiler) with the kernels listed."""
     from dsv41_jax.layers import rms_norm
 
-    (_, n1, k), (_, n2, _) = [p for p in PROJECTIONS if p[0] == "wq_a"][0], [p for p in PROJECTIONS if p[0] == "wkv"][0]
+    shapes = {name: (n, k) for name, n, k in PROJECTIONS}
+    (n1, k), (n2, _) = shapes["wq_a"], shapes["wkv"]
     w1, w2 = random_fp8(key, n1, k), random_fp8(jax.random.fold_in(key, 1), n2, k)
     pairs = [(w1, w2)] + [(distinct_copy(w1), distinct_copy(w2)) for _ in range(reps - 1)]
     nw = (1.0 + 0.1 * jax.random.normal(jax.random.fold_in(key, 2), (n1,), jnp.float32)).astype(jnp.bfloat16)
@@ -290,6 +291,7 @@ def finish_sweep(key, rows_list=(1, 2, 4), reps=9):
     eps = 1e-6
 
     from pallas_kernels.quantized_matmul import pallas_triton_finish as fin
+    from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
 
     def finish(x, a, b, w):
         return pallas_triton.quantized_matmul_multi(x, [a, b], norms=[w, None], norm_eps=eps)
@@ -311,11 +313,6 @@ def finish_sweep(key, rows_list=(1, 2, 4), reps=9):
     def ref(x, a, b, w):
         return [rms_norm(reference.quantized_matmul(x, a), w, eps), reference.quantized_matmul(x, b)]
 
-    def fma_multi_ok(m, ws, cfg):
-        from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
-
-        return fma.multi_reason(m, ws, cfg) is None
-
     out = []
     for m in rows_list:
         xs = [jax.random.normal(jax.random.fold_in(key, 100 * m + r), (m, k), jnp.bfloat16) for r in range(reps)]
@@ -327,7 +324,7 @@ def finish_sweep(key, rows_list=(1, 2, 4), reps=9):
         base = pallas_triton.fused_gemv_config(xs[0], [w1, w2])
         for splits in (5, 2):  # fewer K parts: a GEMV with fewer programs, less for the finish to read
             cfg = base[:3] + (splits,) + base[4:]
-            if cfg != base and fma_multi_ok(m, [w1, w2], cfg):
+            if cfg != base and fma.multi_reason(m, [w1, w2], cfg) is None:
                 variants.append((f"finish_s{splits}", lambda x, a, b, w, cfg=cfg: pallas_triton.quantized_matmul_multi(
                     x, [a, b], norms=[w, None], norm_eps=eps, config=cfg)))
         for name, fn in variants:

@@ -95,7 +95,7 @@ def _finish_kernel(*refs, splits, widths, normed, eps):
 FINISH_WARPS = 8  # warps per program (one program per row; the table above)
 
 
-def split_finish(parts, widths, norm_weights, *, eps: float, out_dtype, interpret=False, warps=None) -> list:
+def split_finish(parts, widths, norm_weights, *, eps: float, out_dtype, interpret=False) -> list:
     """parts [S, M, N] float32 (the GEMV's K parts; N = sum of ``widths``) -> one [M, width_j]
     ``out_dtype`` array per output: ``y_j = round(sum_s parts[s, :, cols_j])``, and where
     ``norm_weights[j]`` is not None, ``round(w_j * y_j * rsqrt(mean(y_j^2) + eps))`` instead."""
@@ -111,7 +111,7 @@ def split_finish(parts, widths, norm_weights, *, eps: float, out_dtype, interpre
         functools.partial(_finish_kernel, splits=splits, widths=widths, normed=normed, eps=float(eps)),
         out_shape=tuple(jax.ShapeDtypeStruct((m, w), out_dtype) for w in widths),
         grid=(m,),
-        compiler_params=pltriton.CompilerParams(num_warps=warps or FINISH_WARPS, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=FINISH_WARPS, num_stages=1),
         interpret=interpret,
         name="qmm_split_finish",
     )(parts.astype(jnp.float32), *[nw for nw in norm_weights if nw is not None]))

@@ -569,9 +569,6 @@ def quantized_matmul_fma_multi(x2, ws, *, act_block, out_dtype, config, interpre
     None; where any is given the K parts are summed, rounded and normalized by one finish kernel
     (:func:`pallas_triton_finish.split_finish`) instead of XLA's sum and norm."""
     ws = list(ws)
-    norms = list(norms) if norms is not None else [None] * len(ws)
-    if len(norms) != len(ws):
-        raise ValueError(f"quantized_matmul (pallas, fma): {len(norms)} norm weights for {len(ws)} weights")
     reason = multi_reason(x2.shape[0], ws, config)
     if reason is not None:
         raise ValueError(f"quantized_matmul (pallas, fma): {reason}")
@@ -588,7 +585,7 @@ def quantized_matmul_fma_multi(x2, ws, *, act_block, out_dtype, config, interpre
     else:
         xs = act_view(x2, ws[0], widen=False) if quant else act_view(act_quant(x2, act_block).astype(jnp.bfloat16), ws[0])
     operands = [v for w in ws for v in weight_view(w)]
-    finish = any(nw is not None for nw in norms)
+    finish = norms is not None and any(nw is not None for nw in norms)
     y = _fma_launch(xs, operands, fmt=fmt, m=m, n=n, k=k, g=g, config=config, nblocks=tuple(v // bn for v in ns),
                     out_dtype=out_dtype, interpret=interpret, quant=quant, raw=finish,
                     name=f"qmm_fma_{fmt}" if len(ws) == 1 else f"qmm_fma_{fmt}_x{len(ws)}")
