@@ -22,11 +22,14 @@ def weight_of(node):
     return node if is_quantized(node) else node["weight"]
 
 
-def linear(x: jax.Array, node, *, act_block: int = 32, out_dtype=None, path: str | None = None) -> jax.Array:
+def linear(x: jax.Array, node, *, act_block: int = 32, out_dtype=None, path: str | None = None,
+           defer: bool = False) -> jax.Array:
     """DeepSeek's ``linear()``: FP8/FP4 weights get the FP8 activation fake-quant per ``act_block``;
     plain weights are a plain matmul. fp32 accumulation, output in ``out_dtype`` (default x.dtype).
     ``path``: the weight's name in the partition-rule table (``"attn.wq_b"``); under a mesh with
-    ``tp`` the Pallas kernel then runs on each device's shard (``sharding.tensor_parallel``)."""
+    ``tp`` the Pallas kernel then runs on each device's shard (``sharding.tensor_parallel``).
+    ``defer``: the output may be a :class:`pallas_kernels.deferred_sum.DeferredSum` (the decode
+    GEMV's K parts) for a consumer that sums them (the mHC expansion); never under ``tp``."""
     w = weight_of(node)
     if path is not None:
         from sharding.tensor_parallel import tp_linear
@@ -34,7 +37,7 @@ def linear(x: jax.Array, node, *, act_block: int = 32, out_dtype=None, path: str
         y = tp_linear(x, w, path=path, act_block=act_block, out_dtype=out_dtype)
         if y is not None:
             return y
-    return quantized_matmul(x, w, act_block=act_block, out_dtype=out_dtype)
+    return quantized_matmul(x, w, act_block=act_block, out_dtype=out_dtype, defer=defer)
 
 
 def linear_multi(x: jax.Array, nodes, *, act_block: int = 32, out_dtype=None, paths=None, norms=None,

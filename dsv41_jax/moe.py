@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.deferred_sum import moe_output
 from pallas_kernels.moe_route import route_select
 from pallas_kernels.moe_route.reference import picked_weights
 from pallas_kernels.moe_route.reference import scores as route_scores
@@ -35,7 +36,7 @@ def route(p_gate, x, cfg: ModelConfig, topk: int, tokens=None):
     return picked_weights(s, idx, norm_topk_prob=cfg.norm_topk_prob, route_scale=cfg.route_scale)
 
 
-def shared_expert(p, x, cfg: ModelConfig):
+def shared_expert(p, x, cfg: ModelConfig, *, defer: bool = False):
     act = cfg.fp8_block_size
     # one launch at decode sizes; the bf16 outputs' own values (quant.exact_f32)
     g, u = (exact_f32(y) for y in linear_multi(
@@ -44,12 +45,14 @@ def shared_expert(p, x, cfg: ModelConfig):
         u = jnp.clip(u, -cfg.swiglu_limit, cfg.swiglu_limit)
         g = jnp.minimum(g, cfg.swiglu_limit)
     h = (jax.nn.silu(g) * u).astype(x.dtype)
-    return linear(h, p["w2"], act_block=act, path="ffn.shared_experts.w2")
+    return linear(h, p["w2"], act_block=act, path="ffn.shared_experts.w2", defer=defer)
 
 
-def moe(p, x, layer: int, cfg: ModelConfig, *, return_routing: bool = False, tokens=None):
+def moe(p, x, layer: int, cfg: ModelConfig, *, return_routing: bool = False, tokens=None, defer: bool = False):
     """x [B, S, D] (after ffn_norm) -> [B, S, D] in x.dtype. ``tokens`` [B, S]: the input ids (V4
-    hash layers route by them)."""
+    hash layers route by them). ``defer``: the output may be a
+    :class:`pallas_kernels.deferred_sum.DeferredSum` (the routed experts' slot rows and the shared
+    expert's K parts, unsummed) for the mHC expansion kernel to sum; the same value otherwise."""
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
     _, topk = cfg.moe_experts(layer)
@@ -58,10 +61,9 @@ def moe(p, x, layer: int, cfg: ModelConfig, *, return_routing: bool = False, tok
     e = p["experts"]
     with jax.named_scope("routed_experts"):
         y = routed_experts(xf, w, idx, weight_of(e["w1"]), weight_of(e["w2"]), weight_of(e["w3"]),
-                           swiglu_limit=cfg.swiglu_limit, act_block=cfg.fp8_block_size)
+                           swiglu_limit=cfg.swiglu_limit, act_block=cfg.fp8_block_size, defer=defer)
     with jax.named_scope("shared_expert"):
-        y = y + shared_expert(p["shared_experts"], xf, cfg).astype(jnp.float32)
-    out = y.astype(x.dtype).reshape(shape)
+        out = moe_output(y, shared_expert(p["shared_experts"], xf, cfg, defer=defer), x.dtype, shape)
     if return_routing:
         return out, (w.reshape(*shape[:-1], -1), idx.reshape(*shape[:-1], -1))
     return out

@@ -41,6 +41,11 @@ FUSE_EXPAND_COLLAPSE = os.environ.get("DSV41_MHC_FUSED_COLLAPSE", "on").lower() 
 # GPU). On by default since session 20: 7-layer batch-1 probe on the H200, 1.990 -> 1.969 ms of
 # device time per step (-2 kernels per layer); DSV41_MHC_FUSED_NORM=off restores the separate norm.
 FUSE_NEXT_NORM = os.environ.get("DSV41_MHC_FUSED_NORM", "on").lower() != "off"
+# ... and the sums that end the layer output before the fused expansion -- wo_b's split-K parts, the
+# MoE's slot rows + the shared expert's w2 parts -- done inside the expansion kernel
+# (pallas_kernels.deferred_sum; one XLA kernel fewer per site on a GPU). DSV41_DEFER_SUMS=off leaves
+# them to XLA (A/B measurements).
+DEFER_SUMS = os.environ.get("DSV41_DEFER_SUMS", "on").lower() != "off"
 
 
 def _mixes(p, site, h, cfg):
@@ -88,7 +93,9 @@ def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None
         if aux is not None and cfg.is_v4:  # V4 collapses with the site's own pre (speculative rollback reads it)
             aux.setdefault("attn_pre", {})[l] = attn_pre
     with jax.named_scope("attention"):
-        x, cache_layers, shared = attention(p["attn"], x, l, cfg, opts, cache_layers, pos0, lengths, shared)
+        # fused: wo_b's split-K sum is left to the expansion kernel (deferred_sum)
+        x, cache_layers, shared = attention(p["attn"], x, l, cfg, opts, cache_layers, pos0, lengths, shared,
+                                            defer_out=fuse and DEFER_SUMS)
     with jax.named_scope("attn_mhc"):
         ffn_norm = _next_norm(p["ffn_norm"], cfg) if fuse else None  # not None: the fused op applies it
         if fuse:
@@ -105,13 +112,15 @@ def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None
             ffn_pre, ffn_post, ffn_comb = _mixes(p, "ffn", h, cfg)
             x_ffn = hc_collapse(h, ffn_pre if cfg.is_v4 else attn_pre)
         x = x_ffn if ffn_norm is not None else norm(x_ffn, p["ffn_norm"], cfg.norm_eps)
+    # the MoE's output sums (slots, shared expert) left to the fused expansion kernel (deferred_sum)
+    defer = fuse and collapse_next and next_p is not None and DEFER_SUMS
     with jax.named_scope("moe"):
         if aux is not None:
-            x, routing = moe(p["ffn"], x, l, cfg, return_routing=True, tokens=tokens)
+            x, routing = moe(p["ffn"], x, l, cfg, return_routing=True, tokens=tokens, defer=defer)
             aux.setdefault("routing", {})[l] = routing
             aux.setdefault("comb", {})[l] = (attn_comb, ffn_comb)
         else:
-            x = moe(p["ffn"], x, l, cfg, tokens=tokens)
+            x = moe(p["ffn"], x, l, cfg, tokens=tokens, defer=defer)
     with jax.named_scope("ffn_mhc"):
         if fuse and collapse_next and next_p is not None:
             attn_norm = _next_norm(next_p["attn_norm"], cfg)

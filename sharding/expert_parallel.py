@@ -72,16 +72,17 @@ def _split_axes(spec_tree):
 
 
 def routed_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, implementation=None,
-                   mesh=None, path=None):
-    """``moe_experts`` with the experts split over the mesh (context mesh by default)."""
+                   mesh=None, path=None, defer=False):
+    """``moe_experts`` with the experts split over the mesh (context mesh by default). ``defer``: as
+    ``moe_experts``' (the unsplit cases only; the expert-parallel paths return the sum)."""
     m = mesh if mesh is not None else context_mesh()
     if m is None or not (set(auto_axes(m)) & {"ep", "tp"}):
         return moe_experts(x, weights, indices, w1, w2, w3, swiglu_limit=swiglu_limit, act_block=act_block,
-                           implementation=implementation)
+                           implementation=implementation, defer=defer)
     sizes = mesh_sizes(m)
     if sizes["ep"] == 1 and sizes["tp"] == 1:
         return moe_experts(x, weights, indices, w1, w2, w3, swiglu_limit=swiglu_limit, act_block=act_block,
-                           implementation=implementation)
+                           implementation=implementation, defer=defer)
     return expert_parallel_moe(x, weights, indices, w1, w2, w3, mesh=m, swiglu_limit=swiglu_limit,
                                act_block=act_block, implementation=implementation, path=path)
 

@@ -4,6 +4,8 @@ the kernels could hand it over whole. XLA materializes such a slice before the c
 copy when contiguous): session 25 found the mHC mixes' pre / post columns as 160 of the batch-1
 step's 170 copies (0.17 ms). ``sliced_kernel_operands`` is checked on a hand-written program too."""
 
+import re
+
 import dsv41_jax  # noqa: F401  (import order: dsv41_jax before pallas_kernels)
 import jax
 import jax.numpy as jnp
@@ -54,3 +56,8 @@ def test_decode_step_hands_the_mixes_to_the_next_kernel_whole(monkeypatch):
     # columns of the GEMV's output through an XLA slice)
     assert text.count("qmm_split_finish") >= cfg.n_layers
     assert sliced_kernel_operands(text) == []
+    # wo_b's K parts (f32 [P, 1, D]) go to the attention side's expansion kernel unsummed
+    # (pallas_kernels.deferred_sum): no XLA sum between the two kernels
+    firsts = [re.search(r"\(tensor<[^>]*>", line).group(0)[1:] for line in text.splitlines()
+              if "custom_call" in line and "hc_expand_mix" in line]
+    assert sum(re.fullmatch(r"tensor<\d+x1x%dxf32>" % cfg.dim, f) is not None for f in firsts) == cfg.n_layers, firsts

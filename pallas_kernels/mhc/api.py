@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pallas_kernels import dispatch
+from pallas_kernels.deferred_sum import materialize
 
 from . import reference
 
@@ -56,7 +57,9 @@ def hc_expand_collapse_mixes(f, residual, post, comb, pre, fn, scale, base, *, n
     :func:`hc_mixes` of h. At decode sizes one op on a GPU (two kernels instead of four); where
     that kernel cannot run (prefill sizes), the two ops, each dispatched on its own.
     ``y_norm = (weight, eps)``: y comes back RMS-normalized (the next site's input norm; on a GPU at
-    decode sizes inside the same two kernels, else :func:`reference.rms_norm` after the collapse)."""
+    decode sizes inside the same two kernels, else :func:`reference.rms_norm` after the collapse).
+    ``f`` may be a :class:`~pallas_kernels.deferred_sum.DeferredSum` (a layer output not yet summed):
+    the kernel sums it on its own columns; every other path materializes it first."""
     kernel, interpret = dispatch.choose("hc_expand_collapse_mixes", implementation, _kernel,
                                         lambda k: k.expand_mix_reason(f, residual, post, comb, pre, fn, y_norm),
                                         lambda k: k.auto_reason("hc_expand_collapse_mixes"))
@@ -65,6 +68,7 @@ def hc_expand_collapse_mixes(f, residual, post, comb, pre, fn, scale, base, *, n
         w, eps = y_norm if y_norm is not None else (None, 0.0)
         return dispatch.call_kernel(kernel.hc_expand_collapse_mixes, f, residual, post, comb, pre, fn, scale, base, w,
                                     y_norm_eps=float(eps), interpret=interpret, **kw)
+    f = materialize(f)
     h, y = hc_expand_collapse(f, residual, post, comb, pre, implementation=implementation)
     if y_norm is not None:
         y = reference.rms_norm(y, *y_norm)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.deferred_sum import DeferredSum
 from pallas_kernels.quantized_matmul.pallas_triton import pick_block
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
 
@@ -353,10 +354,10 @@ def hc_collapse(x, pre, *, interpret=False):
     return y.reshape(*lead, d)
 
 
-def _expand_block(f_ref, r_ref, post_ref, comb_ref, hc, rows=slice(None), cols=slice(None)):
+def _expand_block(f, r_ref, post_ref, comb_ref, hc, rows=slice(None), cols=slice(None)):
     """The expanded streams [bt, hc, bd] (fp32) of rows ``rows`` and columns ``cols`` of the refs
-    (the whole block by default): post * f + sum_j comb[j] * residual[j]."""
-    f = f_ref[rows, cols].astype(jnp.float32)
+    (the whole block by default): post * f + sum_j comb[j] * residual[j]; ``f`` the layer output's
+    values [bt, bd] there (fp32)."""
     y = post_ref[rows, :][:, :, None] * f[:, None, :]
     for j in range(hc):
         y += comb_ref[rows, j, :][:, :, None] * r_ref[rows, j, cols].astype(jnp.float32)[:, None, :]
@@ -364,7 +365,7 @@ def _expand_block(f_ref, r_ref, post_ref, comb_ref, hc, rows=slice(None), cols=s
 
 
 def _expand_kernel(f_ref, r_ref, post_ref, comb_ref, o_ref, *, hc):
-    o_ref[...] = _expand_block(f_ref, r_ref, post_ref, comb_ref, hc).astype(o_ref.dtype)
+    o_ref[...] = _expand_block(f_ref[...].astype(jnp.float32), r_ref, post_ref, comb_ref, hc).astype(o_ref.dtype)
 
 
 def hc_expand(f, residual, post, comb, *, interpret=False):
@@ -387,7 +388,7 @@ def hc_expand(f, residual, post, comb, *, interpret=False):
 
 
 def _expand_collapse_kernel(f_ref, r_ref, post_ref, comb_ref, pre_ref, o_ref, y_ref, *, hc):
-    h = _expand_block(f_ref, r_ref, post_ref, comb_ref, hc).astype(o_ref.dtype)
+    h = _expand_block(f_ref[...].astype(jnp.float32), r_ref, post_ref, comb_ref, hc).astype(o_ref.dtype)
     o_ref[...] = h
     # the collapse of the stored (rounded) streams, as hc_collapse would read them back
     y_ref[...] = _collapse_block(h, pre_ref[...]).astype(y_ref.dtype)
@@ -430,19 +431,78 @@ MIX_FUSED_MAX_T = 8  # rows: one row per program, as hc_mixes' decode configurat
 MIX_FUSED_BD = 64  # columns of every stream per program: D / 64 programs per row, as many K splits
 
 
-def _expand_mix_kernel(f_ref, r_ref, post_ref, comb_ref, pre_ref, fn_ref, o_ref, y_ref, pa_ref, pb_ref, ps_ref, *py_ref,
-                       hc, bd):
+def _f_values(f_refs, t, row, cols, *, layout):
+    """The layer output f's values [1, bd] (fp32) of row t, columns ``cols``: read from f as stored,
+    or summed here from a :class:`~pallas_kernels.deferred_sum.DeferredSum`'s pieces (``layout`` =
+    (parts P, slots k, dtype), see :func:`_f_operands`): the GEMV's K parts in order, rounded to
+    dtype; the routed experts' k slot rows (those with an expert) in order, plus the rounded parts,
+    rounded again -- the producers' own sums (``DeferredSum.value``), on these columns only."""
+    n_parts, k, dtype = layout
+    if n_parts == 0 and k == 0:
+        return f_refs[0][row, cols].astype(jnp.float32)
+    y = None
+    if n_parts:
+        parts = f_refs[0]
+        y = parts[0, row, cols]
+        for p in range(1, n_parts):
+            y = y + parts[p, row, cols]
+        y = y.astype(dtype).astype(jnp.float32)
+    if k:
+        rows_ref, index_ref = f_refs[-2:]
+        routed = None
+        for s in range(k):
+            r = jnp.where(index_ref[t * k + s] >= 0, rows_ref[pl.ds(t * k + s, 1), cols].astype(jnp.float32), 0.0)
+            routed = r if routed is None else routed + r
+        y = routed if y is None else (routed + y).astype(dtype).astype(jnp.float32)
+    return y
+
+
+def _f_operands(f, t: int, d: int):
+    """(operands, layout) of the layer output f for :func:`_f_values`: f [T, D] itself, layout (0, 0,
+    dtype); or a DeferredSum's parts [P, T, D] f32, expert rows [R, D] and expert index [T*k]."""
+    if not isinstance(f, DeferredSum):
+        return (f.reshape(t, d),), (0, 0, f.dtype)
+    ops = []
+    n_parts = k = 0
+    if f.parts is not None:
+        n_parts = f.parts.shape[0]
+        ops.append(f.parts.astype(jnp.float32))
+    if f.expert_rows is not None:
+        k = f.expert_index.shape[1]
+        ops += [f.expert_rows, f.expert_index.reshape(-1).astype(jnp.int32)]
+    return tuple(ops), (n_parts, k, jnp.dtype(f.dtype))
+
+
+def deferred_reason(f, t: int, d: int) -> str | None:
+    """Why the expansion kernel cannot sum this DeferredSum's pieces itself (None: it can)."""
+    if not isinstance(f, DeferredSum):
+        return None
+    if f.parts is not None and (f.parts.ndim != 3 or f.parts.shape[1:] != (t, d)):
+        return f"the GEMV's K parts must be [P, {t}, {d}], got {tuple(f.parts.shape)}"
+    if f.expert_rows is not None:
+        n, k = f.expert_index.shape
+        if n != t or f.expert_rows.ndim != 2 or f.expert_rows.shape[0] < t * k or f.expert_rows.shape[1] != d:
+            return (f"the experts' slot rows [{tuple(f.expert_rows.shape)}] / index {tuple(f.expert_index.shape)} "
+                    f"do not fit {t} rows of width {d}")
+    return None
+
+
+def _expand_mix_kernel(*refs, hc, bd, n_f, layout):
     """Program (t, j): row t, columns [j*bd, +bd) of every stream: the expansion (as
-    :func:`_expand_kernel`), the collapse of the stored streams with ``pre`` (as
-    :func:`_collapse_kernel`), and the next mixes' partial sums over these hc*bd inputs (as
-    :func:`_partial`'s one-row path: exact fp32 products of the stored streams and fn), written as
-    K split j of :func:`_mix_split_kernel`'s inputs; with ``py_ref`` also the sum of squares of the
-    stored collapse over these columns (split j of the next RMSNorm's statistics)."""
+    :func:`_expand_kernel`; f's values from :func:`_f_values`, the first ``n_f`` refs), the
+    collapse of the stored streams with ``pre`` (as :func:`_collapse_kernel`), and the next mixes'
+    partial sums over these hc*bd inputs (as :func:`_partial`'s one-row path: exact fp32 products of
+    the stored streams and fn), written as K split j of :func:`_mix_split_kernel`'s inputs; with
+    ``py_ref`` also the sum of squares of the stored collapse over these columns (split j of the next
+    RMSNorm's statistics)."""
+    f_refs = refs[:n_f]
+    r_ref, post_ref, comb_ref, pre_ref, fn_ref, o_ref, y_ref, pa_ref, pb_ref, ps_ref, *py_ref = refs[n_f:]
     t = pl.program_id(0)
     j = pl.program_id(1)
     row = pl.ds(t, 1)
     cols = pl.ds(pl.multiple_of(j * bd, bd), bd)
-    h = _expand_block(f_ref, r_ref, post_ref, comb_ref, hc, row, cols).astype(o_ref.dtype)  # [1, hc, bd]
+    f = _f_values(f_refs, t, row, cols, layout=layout)
+    h = _expand_block(f, r_ref, post_ref, comb_ref, hc, row, cols).astype(o_ref.dtype)  # [1, hc, bd]
     o_ref[row, :, cols] = h
     hf = h.astype(jnp.float32)
     y = _collapse_block(hf, pre_ref[row, :]).astype(y_ref.dtype)
@@ -490,7 +550,11 @@ def _mix_split_norm_kernel(pa_ref, pb_ref, ps_ref, scale_ref, base_ref, py_ref, 
 
 
 def expand_mix_reason(f, residual, post, comb, pre, fn, y_norm=None):
+    """Why :func:`hc_expand_collapse_mixes` cannot take this call (None: it can); ``f`` an array or a
+    :class:`~pallas_kernels.deferred_sum.DeferredSum`."""
     reason = expand_collapse_reason(f, residual, post, comb, pre) or unsupported_reason(residual, fn)
+    if reason is None:
+        reason = deferred_reason(f, math.prod(residual.shape[:-2]), residual.shape[-1])
     if reason is None and y_norm is not None and tuple(y_norm[0].shape) != (residual.shape[-1],):
         reason = f"the norm weight {tuple(y_norm[0].shape)} must be [D] = ({residual.shape[-1]},)"
     if reason is not None:
@@ -510,15 +574,18 @@ def hc_expand_collapse_mixes(f, residual, post, comb, pre, fn, scale, base, y_no
     forms the mixes' split-K partial sums; then hc_mixes' split kernel) instead of four. With
     ``y_norm_weight`` [D], y comes back RMS-normalized (eps ``y_norm_eps``): the expansion kernel
     also writes the sums of squares of its columns of y, and the split kernel's extra programs
-    normalize y beside the Sinkhorn (the norm's two XLA kernels gone)."""
+    normalize y beside the Sinkhorn (the norm's two XLA kernels gone). ``f`` may be a
+    :class:`~pallas_kernels.deferred_sum.DeferredSum`: the expansion kernel then sums its pieces on
+    its own columns (:func:`_f_values`) instead of XLA before it."""
     y_norm = None if y_norm_weight is None else (y_norm_weight, y_norm_eps)
     lead, hc, d, t, _, _ = _site_layout("hc_expand_collapse_mixes",
                                         expand_mix_reason(f, residual, post, comb, pre, fn, y_norm), residual)
     bd = MIX_FUSED_BD
     ns = d // bd
     f32 = jnp.float32
+    f_ops, layout = _f_operands(f, t, d)
     h, y, pa, pb, ps, *py = pl.pallas_call(
-        functools.partial(_expand_mix_kernel, hc=hc, bd=bd),
+        functools.partial(_expand_mix_kernel, hc=hc, bd=bd, n_f=len(f_ops), layout=layout),
         out_shape=(jax.ShapeDtypeStruct((t, hc, d), f.dtype), jax.ShapeDtypeStruct((t, d), f.dtype),
                    jax.ShapeDtypeStruct((ns, t, 16), f32), jax.ShapeDtypeStruct((ns, t, hc * hc), f32),
                    jax.ShapeDtypeStruct((ns, t), f32)) + ((jax.ShapeDtypeStruct((ns, t), f32),) if y_norm else ()),
@@ -526,7 +593,7 @@ def hc_expand_collapse_mixes(f, residual, post, comb, pre, fn, scale, base, y_no
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="hc_expand_mix",
-    )(f.reshape(t, d), residual.reshape(t, hc, d), post.reshape(t, hc).astype(f32),
+    )(*f_ops, residual.reshape(t, hc, d), post.reshape(t, hc).astype(f32),
       comb.reshape(t, hc, hc).astype(f32), pre.reshape(t, hc).astype(f32),
       fn.astype(f32).reshape(fn.shape[0], hc, d))
     split_kw = dict(hc=hc, width=hc * d, norm_eps=float(norm_eps), hc_eps=float(hc_eps), iters=int(sinkhorn_iters))

@@ -41,6 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.quant import act_quant, is_quantized
+from pallas_kernels.deferred_sum import expert_slots, slot_sum
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
 from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
 from pallas_kernels.quantized_matmul.pallas_triton import (
@@ -178,7 +179,7 @@ def group_pairs(indices, weights, n_exp: int, bt: int):
     Returns (block_expert [nb] int32, negative = unused; block_pair [nb*bt] int32, P = padding;
     block_token [nb*bt] int32 (0 for padding); block_weight [nb*bt] f32 (0 for padding)).
     A pair whose index is negative has no expert: it lands in an unused block (its output row is
-    never written; :func:`sum_slots` drops it). The kernels skip every block whose expert is
+    never written; :func:`~pallas_kernels.deferred_sum.slot_sum` drops it). The kernels skip every block whose expert is
     negative.
     """
     n, k = indices.shape
@@ -218,14 +219,6 @@ def group_pairs(indices, weights, n_exp: int, bt: int):
     block_token = jnp.where(valid, safe // k, 0).astype(jnp.int32)
     block_weight = jnp.where(valid, flat_w[safe], 0.0)
     return block_expert, block_pair, block_token, block_weight
-
-
-def sum_slots(y, indices):
-    """y [P + 1, D] (one row per (token, slot) pair, then the dummy row) -> [N, D] f32: the sum over
-    each token's slots, pairs without an expert (index < 0; rows never written) counted as 0."""
-    n, k = indices.shape
-    rows = y[: n * k].reshape(n, k, -1).astype(jnp.float32)
-    return jnp.sum(jnp.where((indices >= 0)[:, :, None], rows, 0.0), axis=1)
 
 
 def mma_fp4_words(x_dtype, bk_a: int, bk_b: int) -> bool:
@@ -430,7 +423,13 @@ def default_fma_config(w1, rows_per_expert: float = 1.0) -> tuple:
     return ("fma", bt, pick_block(i_dim, bi), kg_for(d), pick_block(d, bi), kg_for(i_dim), 4, 3)
 
 
-def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cfg):
+def _slots_out(y, indices, defer: bool):
+    """The kernels' per-pair rows y summed over each token's slots, or with ``defer`` handed on
+    unsummed (:func:`pallas_kernels.deferred_sum.expert_slots`)."""
+    return expert_slots(y, indices) if defer else slot_sum(y, indices)
+
+
+def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cfg, defer=False):
     reason = fma_reason(w1, cfg)
     if reason is not None:
         raise ValueError(f"moe_experts (pallas, fma): {reason}")
@@ -467,10 +466,13 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
         interpret=interpret,
         name=f"moe_down_fma_{fmt}",
     )(block_expert, block_pair, *hs, d2, s2)
-    return sum_slots(y, indices)
+    return _slots_out(y, indices, defer)
 
 
-def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, interpret=False, config=None):
+def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, interpret=False, config=None,
+                defer=False):
+    """The routed experts' output [N, D] float32; ``defer``: as the kernels' unsummed slot rows
+    (a :class:`~pallas_kernels.deferred_sum.DeferredSum`)."""
     reason = unsupported_reason(x, weights, indices, w1, w2, w3, act_block)
     if reason is not None:
         raise ValueError(f"moe_experts (pallas): {reason}")
@@ -485,7 +487,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
             config = cand
     if config is not None and config[0] == "fma":  # vector-unit decode kernels (no tensor cores)
         return _moe_fma(x, weights, indices, w1, w2, w3, limit=limit, act_block=act_block, interpret=interpret,
-                        cfg=tuple(config))
+                        cfg=tuple(config), defer=defer)
     quant = is_quantized(w1)
     op = operand_dtype(x.dtype, w1)
     cfg = tuple(config or _config(p, n_exp, i_dim, d))
@@ -548,4 +550,4 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
         interpret=interpret,
         name=f"moe_down_{fmt}",
     )(block_expert, block_pair, h, d2, s2)
-    return sum_slots(y, indices)
+    return _slots_out(y, indices, defer)

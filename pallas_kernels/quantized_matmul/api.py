@@ -21,14 +21,18 @@ def _choose(x, w, act_block, implementation):
         lambda k: k.unsupported_reason(x, w, act_block=act_block), lambda k: k.auto_reason(x, w))
 
 
-def quantized_matmul(x, w, *, act_block=32, out_dtype=None, implementation=None):
+def quantized_matmul(x, w, *, act_block=32, out_dtype=None, implementation=None, defer=False):
     """y = x @ W.T. x [..., K]; w an Fp8Tensor [N, K] (32x32 blocks: V4.1, 128x128: V4), Fp4Tensor
     [N, K] (packed [N, K/2]) or a plain [N, K] array. Quantized weights get DeepSeek's FP8 activation
-    fake-quant per ``act_block`` (32 in V4.1, 128 in V4; equal to the FP8 weight block)."""
+    fake-quant per ``act_block`` (32 in V4.1, 128 in V4; equal to the FP8 weight block).
+
+    ``defer``: where the decode GEMV runs, y may come back as a
+    :class:`~pallas_kernels.deferred_sum.DeferredSum` (its K parts, unsummed) for a consumer that sums
+    them itself; ``deferred_sum.materialize`` gives the same value as without ``defer``."""
     kernel, interpret = _choose(x, w, act_block, implementation)
     if kernel is not None:
         return dispatch.call_kernel(kernel.quantized_matmul, x, w, act_block=act_block, out_dtype=out_dtype,
-                                    interpret=interpret)
+                                    interpret=interpret, defer=defer)
     return reference.quantized_matmul(x, w, act_block=act_block, out_dtype=out_dtype)
 
 

@@ -67,6 +67,7 @@ from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: E402,F4
 from pallas_kernels.quantized_matmul import pallas_triton_fma as fma  # noqa: E402
 from pallas_kernels.quantized_matmul import pallas_triton_finish  # noqa: E402
 from pallas_kernels import triton_compat  # noqa: E402
+from pallas_kernels.deferred_sum import gemv_parts  # noqa: E402
 
 triton_compat.FP8_IMPRECISE_ACC_KERNELS.update(f"qmm_fp8_{m}" for m in MMA8_MODES)
 N_SM = 132  # H200; only used to choose the split-K factor (a heuristic, any value is correct)
@@ -498,7 +499,9 @@ def quantized_matmul_multi(x, ws, *, act_block=32, out_dtype=None, interpret=Fal
     return [y.reshape(*lead, y.shape[-1]) for y in ys]
 
 
-def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, config=None):
+def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, config=None, defer=False):
+    """x [..., K] @ W.T -> [..., N] out_dtype. ``defer``: where the fma GEMV runs, its K parts as a
+    :class:`~pallas_kernels.deferred_sum.DeferredSum` (the sum left to the consumer); else the array."""
     reason = unsupported_reason(x, w, act_block=act_block)
     if reason is not None:
         raise ValueError(f"quantized_matmul (pallas): {reason}")
@@ -513,8 +516,8 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, con
         config = fma_decode_config(m, [w])  # None: the tensor-core GEMV below
     if config is not None and config[0] == "fma":  # vector-unit GEMV for 1-4 rows (pallas_triton_fma)
         y = fma.quantized_matmul_fma(x2, w, act_block=act_block, out_dtype=out_dtype, config=tuple(config),
-                                     interpret=interpret)
-        return y.reshape(*lead, n)
+                                     interpret=interpret, raw=defer)
+        return gemv_parts(y, out_dtype, (*lead, n)) if defer else y.reshape(*lead, n)
     xq = (act_quant(x2, act_block) if is_quantized(w) else x2).astype(op)
     bm, bn, bk, splits, warps, stages = config or _config(m, n, k, fmt)
     mp = -(-m // bm) * bm

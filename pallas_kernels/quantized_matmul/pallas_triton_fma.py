@@ -561,14 +561,17 @@ def _fma_launch(xs, operands, *, fmt, m, n, k, g, config, nblocks, out_dtype, in
 
 
 def quantized_matmul_fma_multi(x2, ws, *, act_block, out_dtype, config, interpret=False, norms=None,
-                               norm_eps=0.0) -> list:
+                               norm_eps=0.0, raw=False) -> list:
     """x2 [M, K] (M <= FMA_MAX_ROWS), ws FP8/MXFP4 weights [N_j, K] sharing format, block and K ->
     [x2 @ W_j.T as [M, N_j] out_dtype], in one kernel launch (plus the activation fake-quant and, when
     K is split, one sum): the projections that read one input (wq_a and wkv; the shared expert's w1
     and w3) cost one launch instead of one each. ``norms``: per weight an RMSNorm weight [N_j] or
     None; where any is given the K parts are summed, rounded and normalized by one finish kernel
-    (:func:`pallas_triton_finish.split_finish`) instead of XLA's sum and norm."""
+    (:func:`pallas_triton_finish.split_finish`) instead of XLA's sum and norm. ``raw`` (one weight,
+    no norms): the K parts [splits, M, N] float32 as the kernel wrote them."""
     ws = list(ws)
+    if raw and (len(ws) != 1 or norms is not None):
+        raise ValueError("quantized_matmul (pallas, fma): raw K parts are for one weight without norms")
     reason = multi_reason(x2.shape[0], ws, config)
     if reason is not None:
         raise ValueError(f"quantized_matmul (pallas, fma): {reason}")
@@ -587,7 +590,7 @@ def quantized_matmul_fma_multi(x2, ws, *, act_block, out_dtype, config, interpre
     operands = [v for w in ws for v in weight_view(w)]
     finish = norms is not None and any(nw is not None for nw in norms)
     y = _fma_launch(xs, operands, fmt=fmt, m=m, n=n, k=k, g=g, config=config, nblocks=tuple(v // bn for v in ns),
-                    out_dtype=out_dtype, interpret=interpret, quant=quant, raw=finish,
+                    out_dtype=out_dtype, interpret=interpret, quant=quant, raw=finish or raw,
                     name=f"qmm_fma_{fmt}" if len(ws) == 1 else f"qmm_fma_{fmt}_x{len(ws)}")
     if finish:
         return split_finish(y, ns, norms, eps=norm_eps, out_dtype=out_dtype, interpret=interpret)
@@ -599,10 +602,11 @@ def quantized_matmul_fma_multi(x2, ws, *, act_block, out_dtype, config, interpre
     return [y[:, a:b] for a, b in zip(offs[:-1], offs[1:])]
 
 
-def quantized_matmul_fma(x2, w, *, act_block, out_dtype, config, interpret=False):
-    """x2 [M, K] (M <= FMA_MAX_ROWS), w FP8/MXFP4 [N, K] -> [M, N] out_dtype."""
+def quantized_matmul_fma(x2, w, *, act_block, out_dtype, config, interpret=False, raw=False):
+    """x2 [M, K] (M <= FMA_MAX_ROWS), w FP8/MXFP4 [N, K] -> [M, N] out_dtype; with ``raw`` the K parts
+    [splits, M, N] float32 before XLA's sum (for a consumer that sums them: ``deferred_sum``)."""
     return quantized_matmul_fma_multi(x2, [w], act_block=act_block, out_dtype=out_dtype, config=config,
-                                      interpret=interpret)[0]
+                                      interpret=interpret, raw=raw)[0]
 
 
 GROUPED_MAX_ROWS = 8  # rows per group of the grouped GEMV (wo_a at batch 8: one kernel instead of XLA's

@@ -1,0 +1,63 @@
+"""The decode step hands wo_b's split-K parts, and the MoE's slot rows with the shared expert's w2
+parts, to the fused mHC expansion kernel unsummed (``pallas_kernels.deferred_sum``,
+``transformer.DEFER_SUMS``), and its logits equal those of the step that sums them with XLA first.
+
+The tiny V4.1 model with 64-wide experts (so that the fused MoE and the shared expert's w2 GEMV take
+it; the preset's 32 are below their K tile); the weight GEMVs, the MoE and the mHC ops on their
+Pallas kernels in interpret mode, every other op on its reference."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41_jax import Model, transformer
+from dsv41_jax.cache import init_cache
+from dsv41_jax.config import get_preset
+from dsv41_jax.options import RunOptions
+from dsv41_jax.params import init_params
+from pallas_kernels import dispatch
+from pallas_kernels.deferred_sum import DeferredSum
+from pallas_kernels.mhc import pallas_triton as mhc_kernel
+
+KERNEL_OPS = ("quantized_matmul", "moe_experts")
+
+
+def test_deferred_sums_give_the_logits_of_the_summed_step(monkeypatch):
+    choose = dispatch.choose
+    monkeypatch.setattr(dispatch, "choose", lambda op, impl, *a, **k: choose(
+        op, impl if op.startswith("hc_") or op in KERNEL_OPS else "reference", *a, **k))
+    pieces = []
+    real = mhc_kernel.hc_expand_collapse_mixes
+
+    def spy(f, *a, **k):
+        pieces.append((f.parts is not None, f.expert_rows is not None) if isinstance(f, DeferredSum) else None)
+        return real(f, *a, **k)
+
+    monkeypatch.setattr(mhc_kernel, "hc_expand_collapse_mixes", spy)
+    cfg = dataclasses.replace(get_preset("tiny"), moe_inter_dim=64)
+    params = init_params(cfg, np.random.randint(1 << 30))
+    opts = RunOptions(dtype="bfloat16")
+    rng = np.random.default_rng()
+    toks = jnp.asarray(rng.integers(3, 5000, (1, 1)), jnp.int32)
+    ids = Model(cfg, params).engram_ids(np.asarray(toks), np.zeros((1, 1), np.int32))
+
+    def run(defer):
+        monkeypatch.setattr(transformer, "DEFER_SUMS", defer)
+        pieces.clear()
+        step = jax.jit(functools.partial(transformer.forward_step, cfg=cfg, opts=opts))  # traced afresh
+        with dispatch.use_implementation("interpret"):
+            logits, _ = step(params, init_cache(cfg, 1, 16, opts), toks, jnp.asarray([1], jnp.int32), ids)
+        return list(pieces), np.asarray(logits, np.float32)
+
+    deferred_pieces, deferred = run(True)
+    # every layer's attention expansion gets wo_b's parts; the FFN expansions that fuse the next
+    # layer's mixes (layers 1, 2, 4..7: not before an Engram layer, not the last) the MoE's pieces
+    n = cfg.n_layers
+    assert deferred_pieces.count((True, False)) == n and deferred_pieces.count((True, True)) == n - 3
+    summed_pieces, summed = run(False)
+    assert summed_pieces == [None] * len(deferred_pieces)
+    assert np.all(np.isfinite(deferred)) and np.std(deferred) > 0
+    np.testing.assert_array_equal(deferred, summed)
