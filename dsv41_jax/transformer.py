@@ -43,9 +43,11 @@ FUSE_EXPAND_COLLAPSE = os.environ.get("DSV41_MHC_FUSED_COLLAPSE", "on").lower() 
 FUSE_NEXT_NORM = os.environ.get("DSV41_MHC_FUSED_NORM", "on").lower() != "off"
 # ... and the sums that end the layer output before the fused expansion -- wo_b's split-K parts, the
 # MoE's slot rows + the shared expert's w2 parts -- done inside the expansion kernel
-# (pallas_kernels.deferred_sum; one XLA kernel fewer per site on a GPU). DSV41_DEFER_SUMS=off leaves
-# them to XLA (A/B measurements).
-DEFER_SUMS = os.environ.get("DSV41_DEFER_SUMS", "on").lower() != "off"
+# (pallas_kernels.deferred_sum; one XLA kernel fewer per site on a GPU). DSV41_DEFER_SUMS: "on" (both
+# sites), "attn" (wo_b's only), "off" (XLA sums both; A/B measurements).
+DEFER_SUMS = os.environ.get("DSV41_DEFER_SUMS", "on").lower()
+if DEFER_SUMS not in ("on", "attn", "off"):
+    raise ValueError(f"DSV41_DEFER_SUMS={DEFER_SUMS!r}: expected on, attn or off")
 
 
 def _mixes(p, site, h, cfg):
@@ -95,7 +97,7 @@ def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None
     with jax.named_scope("attention"):
         # fused: wo_b's split-K sum is left to the expansion kernel (deferred_sum)
         x, cache_layers, shared = attention(p["attn"], x, l, cfg, opts, cache_layers, pos0, lengths, shared,
-                                            defer_out=fuse and DEFER_SUMS)
+                                            defer_out=fuse and DEFER_SUMS != "off")
     with jax.named_scope("attn_mhc"):
         ffn_norm = _next_norm(p["ffn_norm"], cfg) if fuse else None  # not None: the fused op applies it
         if fuse:
@@ -113,7 +115,7 @@ def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None
             x_ffn = hc_collapse(h, ffn_pre if cfg.is_v4 else attn_pre)
         x = x_ffn if ffn_norm is not None else norm(x_ffn, p["ffn_norm"], cfg.norm_eps)
     # the MoE's output sums (slots, shared expert) left to the fused expansion kernel (deferred_sum)
-    defer = fuse and collapse_next and next_p is not None and DEFER_SUMS
+    defer = fuse and collapse_next and next_p is not None and DEFER_SUMS == "on"
     with jax.named_scope("moe"):
         if aux is not None:
             x, routing = moe(p["ffn"], x, l, cfg, return_routing=True, tokens=tokens, defer=defer)

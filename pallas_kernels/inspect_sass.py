@@ -221,6 +221,24 @@ def _cases(which: str, tokens: int = 1, experts: int = 384, config=None):
                  S((3,), jnp.float32), S((mix,), jnp.float32), S((d,), jnp.bfloat16))
         return (lambda *a: mhc.hc_expand_collapse_mixes(*a, norm_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20,
                                                         y_norm_eps=1e-6), *specs)
+    if which == "mhc-moe":  # the FFN-side site as the model runs it: f the MoE's output unsummed (6 slot
+        # rows + the shared expert's 3 w2 K parts; pallas_kernels.deferred_sum)
+        from pallas_kernels.deferred_sum import DeferredSum
+        from pallas_kernels.mhc import pallas_triton as mhc
+
+        t, hc, d, k = tokens, 4, 5120, 6
+        mix = (2 + hc) * hc
+        specs = (S((3, t, d), jnp.float32), S((t * k + 1, d), jnp.bfloat16), S((t, k), jnp.int32),
+                 S((t, hc, d), jnp.bfloat16), S((t, hc), jnp.float32), S((t, hc, hc), jnp.float32),
+                 S((t, hc), jnp.float32), S((mix, hc * d), jnp.float32), S((3,), jnp.float32), S((mix,), jnp.float32),
+                 S((d,), jnp.bfloat16))
+
+        def site(parts, rows, index, *a):
+            f = DeferredSum(parts=parts, expert_rows=rows, expert_index=index, dtype=jnp.dtype(jnp.bfloat16),
+                            shape=(t, d))
+            return mhc.hc_expand_collapse_mixes(f, *a, norm_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20, y_norm_eps=1e-6)
+
+        return (site, *specs)
     if which == "route":  # the router's selection: ``tokens`` rows over ``experts`` experts, top-6
         from pallas_kernels.moe_route import pallas_triton as mr
 
@@ -241,14 +259,14 @@ def _cases(which: str, tokens: int = 1, experts: int = 384, config=None):
         wk = Fp8Tensor(S((512, 5120), jnp.float8_e4m3fn), S((16, 160), jnp.float8_e8m0fnu), (32, 32))
         return (lambda x, a, b, w: qmm.quantized_matmul_multi(x, [a, b], norms=[w, None], norm_eps=1e-6),
                 S((tokens, 5120), jnp.bfloat16), wa, wk, S((1280,), jnp.bfloat16))
-    raise ValueError(f"unknown case {which!r}: expected moe, moe-bf16, gemv, sparse-attn, indexer, mhc, route, "
+    raise ValueError(f"unknown case {which!r}: expected moe, moe-bf16, gemv, sparse-attn, indexer, mhc, mhc-moe, route, "
                      "kv-write or qnorm")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("case", choices=["moe", "moe-bf16", "gemv", "sparse-attn", "indexer", "mhc", "route", "kv-write",
-                                     "qnorm"])
+    ap.add_argument("case", choices=["moe", "moe-bf16", "gemv", "sparse-attn", "indexer", "mhc", "mhc-moe", "route",
+                                     "kv-write", "qnorm"])
     ap.add_argument("--decode", default=None, help="DSV41_FMA_DECODE for this run, e.g. fp4=e4m3")
     ap.add_argument("--tokens", type=int, default=1, help="tokens (moe, route), rows (gemv, kv-write) or sequences "
                     "(sparse-attn, indexer)")

@@ -45,7 +45,7 @@ def test_deferred_sums_give_the_logits_of_the_summed_step(monkeypatch):
     ids = Model(cfg, params).engram_ids(np.asarray(toks), np.zeros((1, 1), np.int32))
 
     def run(defer):
-        monkeypatch.setattr(transformer, "DEFER_SUMS", defer)
+        monkeypatch.setattr(transformer, "DEFER_SUMS", "on" if defer else "off")
         pieces.clear()
         step = jax.jit(functools.partial(transformer.forward_step, cfg=cfg, opts=opts))  # traced afresh
         with dispatch.use_implementation("interpret"):
