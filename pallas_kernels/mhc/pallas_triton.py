@@ -354,13 +354,42 @@ def hc_collapse(x, pre, *, interpret=False):
     return y.reshape(*lead, d)
 
 
+def _expand_loads(r_ref, post_ref, comb_ref, hc, rows=slice(None), cols=slice(None)):
+    """The expansion's inputs of rows ``rows`` and columns ``cols`` of the refs (the whole block by
+    default): (post [bt, hc], [comb[:, j, :] for j], [residual stream j [bt, bd] fp32 for j])."""
+    return (post_ref[rows, :], [comb_ref[rows, j, :] for j in range(hc)],
+            [r_ref[rows, j, cols].astype(jnp.float32) for j in range(hc)])
+
+
+def _expand_values(f, loads):
+    """The expanded streams [bt, hc, bd] (fp32): post * f + sum_j comb[j] * residual[j] in this order;
+    ``f`` the layer output's values [bt, bd] (fp32), ``loads`` from :func:`_expand_loads`."""
+    post, combs, rs = loads
+    y = post[:, :, None] * f[:, None, :]
+    for c, r in zip(combs, rs):
+        y += c[:, :, None] * r[:, None, :]
+    return y
+
+
 def _expand_block(f, r_ref, post_ref, comb_ref, hc, rows=slice(None), cols=slice(None)):
     """The expanded streams [bt, hc, bd] (fp32) of rows ``rows`` and columns ``cols`` of the refs
-    (the whole block by default): post * f + sum_j comb[j] * residual[j]; ``f`` the layer output's
-    values [bt, bd] there (fp32)."""
-    y = post_ref[rows, :][:, :, None] * f[:, None, :]
-    for j in range(hc):
-        y += comb_ref[rows, j, :][:, :, None] * r_ref[rows, j, cols].astype(jnp.float32)[:, None, :]
+    (the whole block by default): :func:`_expand_values` of :func:`_expand_loads`."""
+    return _expand_values(f, _expand_loads(r_ref, post_ref, comb_ref, hc, rows, cols))
+
+
+def _pick(x, j: int, axis: int):
+    """x's index j along ``axis`` as a masked sum (Triton has no slices of a register tile): exact,
+    one term and zeros."""
+    return jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, x.shape, axis) == j, x, 0.0), axis=axis)
+
+
+def _expand_tiles(f, r, post, comb):
+    """:func:`_expand_block`'s streams (the same operations in the same order) from tiles loaded
+    whole: f [bt, bd], r [bt, hc, bd] (fp32), post [bt, hc], comb [bt, hc, hc]. One load per operand
+    instead of one per stream (:func:`_expand_mix_kernel`)."""
+    y = post[:, :, None] * f[:, None, :]
+    for j in range(r.shape[1]):
+        y += _pick(comb, j, 1)[:, :, None] * _pick(r, j, 1)[:, None, :]
     return y
 
 
@@ -429,6 +458,11 @@ def hc_expand_collapse(f, residual, post, comb, pre, *, interpret=False):
 
 MIX_FUSED_MAX_T = 8  # rows: one row per program, as hc_mixes' decode configuration
 MIX_FUSED_BD = 64  # columns of every stream per program: D / 64 programs per row, as many K splits
+# How the expansion kernel is written (trace time; session 27's variants, timed on the H200 by
+# .gpu/expand_variants.py): "tiles" "stream" (one load per residual stream and comb row, as up to
+# session 26) or "whole" (one load each, _expand_tiles); "order" "uses" (loads beside their uses,
+# stores as soon as computed) or "loads" (every load first, stores last); "warps" per program.
+EXPAND_MIX = {"tiles": "stream", "order": "uses", "warps": 4}
 
 
 def _f_values(f_refs, t, row, cols, *, layout):
@@ -501,20 +535,35 @@ def _expand_mix_kernel(*refs, hc, bd, n_f, layout):
     j = pl.program_id(1)
     row = pl.ds(t, 1)
     cols = pl.ds(pl.multiple_of(j * bd, bd), bd)
+    loads_first = EXPAND_MIX["order"] == "loads"
     f = _f_values(f_refs, t, row, cols, layout=layout)
-    h = _expand_block(f, r_ref, post_ref, comb_ref, hc, row, cols).astype(o_ref.dtype)  # [1, hc, bd]
-    o_ref[row, :, cols] = h
+    if EXPAND_MIX["tiles"] == "whole":
+        ins = (r_ref[row, :, cols].astype(jnp.float32), post_ref[row, :], comb_ref[row, :, :])
+        expand = lambda: _expand_tiles(f, *ins)  # noqa: E731
+    else:
+        ins = _expand_loads(r_ref, post_ref, comb_ref, hc, row, cols)
+        expand = lambda: _expand_values(f, ins)  # noqa: E731
+    pre = pre_ref[row, :]
+    if loads_first:
+        fa = fn_ref[pl.ds(0, 16), :, cols]  # [16, hc, bd]: pre and post rows
+        fb = fn_ref[pl.ds(2 * hc, hc * hc), :, cols]  # the comb rows
+    h = expand().astype(o_ref.dtype)  # [1, hc, bd]
     hf = h.astype(jnp.float32)
-    y = _collapse_block(hf, pre_ref[row, :]).astype(y_ref.dtype)
-    y_ref[row, cols] = y
-    if py_ref:  # the next norm's partial sum of squares over these columns of the stored (rounded) collapse
-        yf = y.astype(jnp.float32)
-        py_ref[0][pl.ds(j, 1), row] = jnp.sum(yf * yf, axis=1)[None, :]
-    fa = fn_ref[pl.ds(0, 16), :, cols]  # [16, hc, bd]: pre and post rows
-    fb = fn_ref[pl.ds(2 * hc, hc * hc), :, cols]  # the comb rows
+    y = _collapse_block(hf, pre).astype(y_ref.dtype)
+    if not loads_first:
+        o_ref[row, :, cols] = h
+        y_ref[row, cols] = y
+        fa = fn_ref[pl.ds(0, 16), :, cols]
+        fb = fn_ref[pl.ds(2 * hc, hc * hc), :, cols]
     a = jnp.sum(jnp.sum(fa * hf, axis=2), axis=1)
     b = jnp.sum(jnp.sum(fb * hf, axis=2), axis=1)
     ss = jnp.sum(jnp.sum(hf * hf, axis=2), axis=1)  # [1]
+    if loads_first:
+        o_ref[row, :, cols] = h
+        y_ref[row, cols] = y
+    if py_ref:  # the next norm's partial sum of squares over these columns of the stored (rounded) collapse
+        yf = y.astype(jnp.float32)
+        py_ref[0][pl.ds(j, 1), row] = jnp.sum(yf * yf, axis=1)[None, :]
     pa_ref[pl.ds(j, 1), row, :] = a[None, None, :]
     pb_ref[pl.ds(j, 1), row, :] = b[None, None, :]
     ps_ref[pl.ds(j, 1), row] = ss[None, :]
@@ -590,7 +639,7 @@ def hc_expand_collapse_mixes(f, residual, post, comb, pre, fn, scale, base, y_no
                    jax.ShapeDtypeStruct((ns, t, 16), f32), jax.ShapeDtypeStruct((ns, t, hc * hc), f32),
                    jax.ShapeDtypeStruct((ns, t), f32)) + ((jax.ShapeDtypeStruct((ns, t), f32),) if y_norm else ()),
         grid=(t, ns),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=EXPAND_MIX["warps"], num_stages=1),
         interpret=interpret,
         name="hc_expand_mix",
     )(*f_ops, residual.reshape(t, hc, d), post.reshape(t, hc).astype(f32),
