@@ -48,7 +48,7 @@ FUSE_NEXT_NORM = os.environ.get("DSV41_MHC_FUSED_NORM", "on").lower() != "off"
 # (1.23 us) leaves the step and the attention-side kernel stays at 5.1 us: -0.059 ms per 40-layer
 # step; on the FFN side the kernel grew from 5.26 to 6.73 us, as much as the XLA kernel it replaces
 # (1.49 us): its 6 slot rows + 3 parts load in further dependent rounds (sm_90 SASS).
-DEFER_SUMS = os.environ.get("DSV41_DEFER_SUMS", "attn").lower()
+DEFER_SUMS = os.environ.get("DSV41_DEFER_SUMS", "on").lower()
 if DEFER_SUMS not in ("on", "attn", "off"):
     raise ValueError(f"DSV41_DEFER_SUMS={DEFER_SUMS!r}: expected on, attn or off")
 

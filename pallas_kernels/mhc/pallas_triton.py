@@ -462,7 +462,7 @@ MIX_FUSED_BD = 64  # columns of every stream per program: D / 64 programs per ro
 # .gpu/expand_variants.py): "tiles" "stream" (one load per residual stream and comb row, as up to
 # session 26) or "whole" (one load each, _expand_tiles); "order" "uses" (loads beside their uses,
 # stores as soon as computed) or "loads" (every load first, stores last); "warps" per program.
-EXPAND_MIX = {"tiles": "stream", "order": "uses", "warps": 4}
+EXPAND_MIX = {"tiles": "stream", "order": "loads", "warps": 2}
 
 
 def _f_values(f_refs, t, row, cols, *, layout):
