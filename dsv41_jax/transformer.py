@@ -44,10 +44,11 @@ FUSE_NEXT_NORM = os.environ.get("DSV41_MHC_FUSED_NORM", "on").lower() != "off"
 # ... and the sums that end the layer output before the fused expansion -- wo_b's split-K parts, the
 # MoE's slot rows + the shared expert's w2 parts -- done inside the expansion kernel
 # (pallas_kernels.deferred_sum; one XLA kernel fewer per site on a GPU). DSV41_DEFER_SUMS: "on" (both
-# sites), "attn" (wo_b's only; the default), "off" (XLA sums both). H200, session 27: wo_b's sum
-# (1.23 us) leaves the step and the attention-side kernel stays at 5.1 us: -0.059 ms per 40-layer
-# step; on the FFN side the kernel grew from 5.26 to 6.73 us, as much as the XLA kernel it replaces
-# (1.49 us): its 6 slot rows + 3 parts load in further dependent rounds (sm_90 SASS).
+# sites; the default), "attn" (wo_b's only), "off" (XLA sums both). H200, session 27: wo_b's sum
+# (1.23 us) left the step with the attention-side kernel unchanged (-0.051 ms per 40-layer step);
+# on the FFN side the expansion kernel first grew from 5.26 to 6.73 us, as much as the XLA kernel it
+# replaced (1.49 us), until its loads were all issued first (mhc EXPAND_MIX): then 3.82 us on both
+# sides (7-layer probe 1.820 ms per step "off" -> 1.785 with both sums and that kernel).
 DEFER_SUMS = os.environ.get("DSV41_DEFER_SUMS", "on").lower()
 if DEFER_SUMS not in ("on", "attn", "off"):
     raise ValueError(f"DSV41_DEFER_SUMS={DEFER_SUMS!r}: expected on, attn or off")

@@ -458,10 +458,16 @@ def hc_expand_collapse(f, residual, post, comb, pre, *, interpret=False):
 
 MIX_FUSED_MAX_T = 8  # rows: one row per program, as hc_mixes' decode configuration
 MIX_FUSED_BD = 64  # columns of every stream per program: D / 64 programs per row, as many K splits
-# How the expansion kernel is written (trace time; session 27's variants, timed on the H200 by
-# .gpu/expand_variants.py): "tiles" "stream" (one load per residual stream and comb row, as up to
-# session 26) or "whole" (one load each, _expand_tiles); "order" "uses" (loads beside their uses,
-# stores as soon as computed) or "loads" (every load first, stores last); "warps" per program.
+# How the expansion kernel is written (trace time): "tiles" "stream" (one load per residual stream
+# and comb row) or "whole" (one load each, _expand_tiles); "order" "uses" (loads beside their uses,
+# stores as soon as computed: up to session 26) or "loads" (every load first, stores last); "warps"
+# per program (4 up to session 26). The sm_90 SASS of the old kernel issued its ~50 loads in ~15
+# groups, each waiting for the last (ptxas reuses the registers; no load moves above a store).
+# H200, one row, D 5120, L2 flushed (session 27, .gpu/expand_variants.py, device time of the kernel,
+# f as an array / as the MoE's deferred pieces): stream/uses/4 6.55 / 7.90 us; stream/loads/4 6.65 /
+# 7.93; whole/loads/4 3.48 / 3.81 (the mix partials' bits differ: another reduction layout);
+# **stream/loads/2 3.62 / 4.24, bit-identical outputs**; whole/loads/2 3.86 / 4.16; 1 warp 4.7-5.0.
+# In the 7-layer probe 5.1 / 6.7 -> 3.82 us per call inside the step.
 EXPAND_MIX = {"tiles": "stream", "order": "loads", "warps": 2}
 
 

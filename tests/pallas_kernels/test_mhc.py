@@ -243,3 +243,27 @@ def test_mixes_refuses_a_split_that_leaves_k_blocks_out():
     out = pallas_triton.hc_mixes(x, fn, scale, base, interpret=True, config=(1, 64, 4), **KW)
     for a, b in zip(out, reference.hc_mixes(x, fn, scale, base, **KW)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("tiles,order", [("stream", "uses"), ("whole", "uses"), ("whole", "loads")])
+def test_expansion_kernel_variants_give_the_default_outputs(monkeypatch, tiles, order):
+    """The expansion kernel's ways of writing (``EXPAND_MIX``: one load per stream or whole tiles, loads
+    beside their uses or all first) perform the same operations in the same order: streams, collapse
+    (normalized) and mix partials equal the default's bit for bit. (The warp count does not reach
+    interpret mode; on the H200 the 2- and 4-warp variants gave the same bits, session 27.)"""
+    x, fn, scale, base, f = inputs(np.random.randint(1 << 30), 2, 256, jnp.bfloat16)
+    _, post, comb = reference.hc_mixes(x, fn, scale, base, **KW)
+    key = jax.random.PRNGKey(np.random.randint(1 << 30))
+    pre_next = jax.nn.sigmoid(jax.random.normal(key, (2, HC))) + 0.1
+    w = jax.random.uniform(jax.random.fold_in(key, 2), (256,), jnp.float32, 0.2, 3.0).astype(jnp.bfloat16)
+    args = (f, x, post, comb, pre_next, fn, scale, base)
+    want = api.hc_expand_collapse_mixes(*args, y_norm=(w, 1e-6), implementation="interpret", **KW)
+    monkeypatch.setitem(pallas_triton.EXPAND_MIX, "tiles", tiles)
+    monkeypatch.setitem(pallas_triton.EXPAND_MIX, "order", order)
+    got = api.hc_expand_collapse_mixes(*args, y_norm=(w, 1e-6), implementation="interpret", **KW)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    for target in ("cuda", "rocm"):  # and each lowers for both vendors
+        txt = lower_for(target, lambda *a: pallas_triton.hc_expand_collapse_mixes(*a, y_norm_eps=1e-6, **KW),
+                        *(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in args + (w,))).as_text()
+        assert txt.count("hc_expand_mix") >= 1
