@@ -40,6 +40,7 @@ from dsv41_jax.params import init_params
 from dsv41_jax.quant import Fp8Tensor
 from dsv41_jax.transformer import forward_step
 from pallas_kernels import dispatch
+from pallas_kernels.deferred_sum import materialize
 from pallas_kernels.moe import pallas_triton as moe_kernel
 from pallas_kernels.moe import reference as moe_reference
 from pallas_kernels.quantized_matmul import pallas_triton as qmm_kernel
@@ -94,10 +95,10 @@ def kernels_on_weight_gemms(monkeypatch):
     rec = {"qmm": [], "moe": [], "fallback_fp8": [], "errors": []}
     qmm, qmm_ref, moe = qmm_kernel.quantized_matmul, qmm_reference.quantized_matmul, moe_kernel.moe_experts
 
-    def qmm_checked(x, w, *, act_block=32, out_dtype=None, interpret=False, config=None):
+    def qmm_checked(x, w, *, act_block=32, out_dtype=None, interpret=False, config=None, defer=False):
         rec["qmm"].append((w.block if isinstance(w, Fp8Tensor) else type(w).__name__, act_block, interpret))
-        y = qmm(x, w, act_block=act_block, out_dtype=out_dtype, interpret=interpret, config=config)
-        d, s = _rel_err(y, qmm_ref(x, w, act_block=act_block, out_dtype=out_dtype))
+        y = qmm(x, w, act_block=act_block, out_dtype=out_dtype, interpret=interpret, config=config, defer=defer)
+        d, s = _rel_err(materialize(y), qmm_ref(x, w, act_block=act_block, out_dtype=out_dtype))
         jax.debug.callback(lambda d, s, n=tuple(w.shape): rec["errors"].append(("qmm", n, float(d), float(s))), d, s)
         return y
 
@@ -106,11 +107,12 @@ def kernels_on_weight_gemms(monkeypatch):
             rec["fallback_fp8"].append(tuple(w.shape))
         return qmm_ref(x, w, *a, **k)
 
-    def moe_checked(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, interpret=False, config=None):
+    def moe_checked(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, interpret=False, config=None,
+                    defer=False):
         rec["moe"].append((type(w1).__name__, act_block, interpret))
         y = moe(x, weights, indices, w1, w2, w3, swiglu_limit=swiglu_limit, act_block=act_block,
-                interpret=interpret, config=config)
-        d, s = _rel_err(y, moe_reference.moe_experts(x, weights, indices, w1, w2, w3, swiglu_limit=swiglu_limit,
+                interpret=interpret, config=config, defer=defer)
+        d, s = _rel_err(materialize(y), moe_reference.moe_experts(x, weights, indices, w1, w2, w3, swiglu_limit=swiglu_limit,
                                                      act_block=act_block))
         jax.debug.callback(lambda d, s: rec["errors"].append(("moe", tuple(x.shape), float(d), float(s))), d, s)
         return y

@@ -550,23 +550,27 @@ def _expand_mix_kernel(*refs, hc, bd, n_f, layout):
         ins = _expand_loads(r_ref, post_ref, comb_ref, hc, row, cols)
         expand = lambda: _expand_values(f, ins)  # noqa: E731
     pre = pre_ref[row, :]
+
+    def load_fn():  # [16, hc, bd] each: the pre and post rows of fn, its comb rows
+        return fn_ref[pl.ds(0, 16), :, cols], fn_ref[pl.ds(2 * hc, hc * hc), :, cols]
+
+    def store(h, y):
+        o_ref[row, :, cols] = h
+        y_ref[row, cols] = y
+
     if loads_first:
-        fa = fn_ref[pl.ds(0, 16), :, cols]  # [16, hc, bd]: pre and post rows
-        fb = fn_ref[pl.ds(2 * hc, hc * hc), :, cols]  # the comb rows
+        fa, fb = load_fn()
     h = expand().astype(o_ref.dtype)  # [1, hc, bd]
     hf = h.astype(jnp.float32)
     y = _collapse_block(hf, pre).astype(y_ref.dtype)
     if not loads_first:
-        o_ref[row, :, cols] = h
-        y_ref[row, cols] = y
-        fa = fn_ref[pl.ds(0, 16), :, cols]
-        fb = fn_ref[pl.ds(2 * hc, hc * hc), :, cols]
+        store(h, y)
+        fa, fb = load_fn()
     a = jnp.sum(jnp.sum(fa * hf, axis=2), axis=1)
     b = jnp.sum(jnp.sum(fb * hf, axis=2), axis=1)
     ss = jnp.sum(jnp.sum(hf * hf, axis=2), axis=1)  # [1]
     if loads_first:
-        o_ref[row, :, cols] = h
-        y_ref[row, cols] = y
+        store(h, y)
     if py_ref:  # the next norm's partial sum of squares over these columns of the stored (rounded) collapse
         yf = y.astype(jnp.float32)
         py_ref[0][pl.ds(j, 1), row] = jnp.sum(yf * yf, axis=1)[None, :]
