@@ -47,10 +47,6 @@ class DeferredSum:
         """T: the number of output rows (the product of the leading dims)."""
         return math.prod(self.shape[:-1])
 
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
     def value(self) -> jax.Array:
         """The value, by the producers' own XLA ops (see the module docstring)."""
         y = None
