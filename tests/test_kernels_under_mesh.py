@@ -68,6 +68,30 @@ with use_mesh(mesh):
 assert jaxpr3.count("shard_map") == 1 and "qmm_split_finish" in jaxpr3, jaxpr3.count("shard_map")
 for g_, r in zip(got3, want3):
     np.testing.assert_array_equal(np.asarray(g_), np.asarray(r))
+
+# a deferred sum (wo_b's K parts) handed from one wrapped kernel to the next (the mHC expansion):
+# a pytree through both shard_maps; the results equal one device's
+from pallas_kernels.deferred_sum import DeferredSum
+from pallas_kernels.mhc import hc_expand_collapse_mixes
+x1 = jnp.asarray(rng.normal(size=(1, 1, 2048)), jnp.float32).astype(jnp.bfloat16)
+wk = quantize_fp8(jnp.asarray(rng.normal(size=(256, 2048)) * 0.05, jnp.float32))
+res = jnp.asarray(rng.normal(size=(1, 1, 4, 256)), jnp.float32).astype(jnp.bfloat16)
+post = jnp.asarray(rng.uniform(0.5, 2.0, size=(1, 1, 4)), jnp.float32)
+comb = jnp.asarray(rng.uniform(0.0, 0.5, size=(1, 1, 4, 4)), jnp.float32)
+fn = jnp.asarray(rng.normal(size=(24, 1024)) * 0.05, jnp.float32)
+sc, base = jnp.ones((3,), jnp.float32), jnp.zeros((24,), jnp.float32)
+kinds = []
+def site(x1, wk, res, post, comb, fn):
+    f = quantized_matmul(x1, wk, implementation="interpret", defer=True)
+    kinds.append(type(f).__name__)
+    return hc_expand_collapse_mixes(f, res, post, comb, post, fn, sc, base, norm_eps=1e-6, hc_eps=1e-6,
+                                    sinkhorn_iters=20, implementation="interpret")
+want4 = jax.jit(site)(x1, wk, res, post, comb, fn)
+with use_mesh(mesh):
+    got4 = jax.jit(site)(x1, jax.device_put(wk, NamedSharding(mesh, P("tp", None))), res, post, comb, fn)
+assert kinds == ["DeferredSum", "DeferredSum"], kinds
+for g_, r in zip(jax.tree.leaves(got4), jax.tree.leaves(want4)):
+    np.testing.assert_array_equal(np.asarray(g_, np.float32), np.asarray(r, np.float32))
 print("OK")
 '''
 
