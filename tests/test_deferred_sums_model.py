@@ -61,3 +61,15 @@ def test_deferred_sums_give_the_logits_of_the_summed_step(monkeypatch):
     assert summed_pieces == [None] * len(deferred_pieces)
     assert np.all(np.isfinite(deferred)) and np.std(deferred) > 0
     np.testing.assert_array_equal(deferred, summed)
+
+
+def test_defer_sums_switch_names_a_wrong_value():
+    """``DSV41_DEFER_SUMS`` is read at import: a value other than on / attn / off stops the import with
+    the variable and the accepted values named."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", "import dsv41_jax.transformer"], capture_output=True, text=True,
+                       env={**os.environ, "DSV41_DEFER_SUMS": "yes", "JAX_PLATFORMS": "cpu"}, timeout=300)
+    assert r.returncode != 0 and "DSV41_DEFER_SUMS='yes': expected on, attn or off" in r.stderr, r.stderr[-2000:]
