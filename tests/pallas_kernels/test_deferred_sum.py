@@ -149,3 +149,27 @@ def test_producers_defer_to_the_same_values():
     plain = moe_output(summed, materialize(shared), jnp.bfloat16, (1, N, D))
     assert not isinstance(plain, DeferredSum) and plain.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(materialize(out), np.float32), np.asarray(plain, np.float32))
+
+
+@pytest.mark.parametrize("target", ["cuda", "rocm"])
+def test_expansion_kernel_with_deferred_pieces_lowers(target):
+    """The real decode shapes (D = 5120; wo_b's 4 parts; the MoE's 6 slot rows + 3 w2 parts) lower
+    for both vendors, one expansion kernel and one split kernel each, no XLA sum before them."""
+    from jax.experimental.pallas import triton as pltriton
+
+    from pallas_kernels.testing import lower_for
+
+    S = jax.ShapeDtypeStruct
+    d, t, k = 5120, 1, 6
+    site = (S((t, HC, d), jnp.bfloat16), S((t, HC), jnp.float32), S((t, HC, HC), jnp.float32), S((t, HC), jnp.float32),
+            S((24, HC * d), jnp.float32), S((3,), jnp.float32), S((24,), jnp.float32), S((d,), jnp.bfloat16))
+
+    def run(parts, rows, index, *a):
+        f = DeferredSum(parts=parts, expert_rows=rows, expert_index=index, dtype=jnp.dtype(jnp.bfloat16), shape=(t, d))
+        return mhc_kernel.hc_expand_collapse_mixes(f, *a, y_norm_eps=1e-6, **KW)
+
+    for n_parts, pieces in ((4, (None, None)), (3, (S((t * k + 1, d), jnp.bfloat16), S((t, k), jnp.int32)))):
+        fn = (lambda p, *a: run(p, None, None, *a)) if pieces[0] is None else run
+        args = (S((n_parts, t, d), jnp.float32),) + tuple(a for a in pieces if a is not None) + site
+        txt = lower_for(target, fn, *args).as_text()
+        assert txt.count(pltriton.CUSTOM_CALL_TARGET_NAME) == 2 and "stablehlo.reduce" not in txt
