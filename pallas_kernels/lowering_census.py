@@ -25,7 +25,7 @@ import re
 import sys
 
 CASES = (("moe", 1), ("moe", 64), ("gemv", 1), ("gemv", 8), ("sparse-attn", 1), ("sparse-attn", 8), ("indexer", 1),
-         ("mhc", 1), ("route", 1), ("route", 64), ("kv-write", 1), ("kv-write", 8), ("qnorm", 1), ("qnorm", 4))
+         ("mhc", 1), ("mhc-moe", 1), ("route", 1), ("route", 64), ("kv-write", 1), ("kv-write", 8), ("qnorm", 1), ("qnorm", 4))
 
 
 def count(ttir: str) -> dict:
