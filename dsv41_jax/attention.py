@@ -233,9 +233,9 @@ def compress(p, x, lc, pos0, lengths, m: int, cfg: ModelConfig, opts: RunOptions
 
 
 def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: dict, pos0, lengths, shared: dict, *,
-              defer_out: bool = False):
+              defer: bool = False):
     """One attention sub-layer. ``x`` [B,S,D] (after attn_norm). Returns (out [B,S,D], cache_layers
-    with this layer's updates, shared runtime slots). ``defer_out``: ``out`` may be wo_b's K parts
+    with this layer's updates, shared runtime slots). ``defer``: ``out`` may be wo_b's K parts
     (a :class:`pallas_kernels.deferred_sum.DeferredSum`) for the mHC expansion kernel to sum."""
     B, S, _ = x.shape
     dtype = x.dtype
@@ -337,7 +337,7 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
     G, Lo = cfg.o_groups, cfg.o_lora_rank
     with jax.named_scope("wo_a"):
         o = grouped_linear(o.reshape(B, S, G, -1).astype(dtype), p["wo_a"], groups=G)
-    out = linear(o.reshape(B, S, G * Lo), p["wo_b"], act_block=act, path="attn.wo_b", defer=defer_out)
+    out = linear(o.reshape(B, S, G * Lo), p["wo_b"], act_block=act, path="attn.wo_b", defer=defer)
     return out, cache_layers, shared
 
 

@@ -101,7 +101,7 @@ def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None
     with jax.named_scope("attention"):
         # fused: wo_b's split-K sum is left to the expansion kernel (deferred_sum)
         x, cache_layers, shared = attention(p["attn"], x, l, cfg, opts, cache_layers, pos0, lengths, shared,
-                                            defer_out=fuse and DEFER_SUMS != "off")
+                                            defer=fuse and DEFER_SUMS != "off")
     with jax.named_scope("attn_mhc"):
         ffn_norm = _next_norm(p["ffn_norm"], cfg) if fuse else None  # not None: the fused op applies it
         if fuse:
@@ -118,8 +118,10 @@ def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None
             ffn_pre, ffn_post, ffn_comb = _mixes(p, "ffn", h, cfg)
             x_ffn = hc_collapse(h, ffn_pre if cfg.is_v4 else attn_pre)
         x = x_ffn if ffn_norm is not None else norm(x_ffn, p["ffn_norm"], cfg.norm_eps)
-    # the MoE's output sums (slots, shared expert) left to the fused expansion kernel (deferred_sum)
-    defer = fuse and collapse_next and next_p is not None and DEFER_SUMS == "on"
+    # the FFN expansion fused with the next layer's collapse and mixes; then the MoE's output sums
+    # (slots, shared expert) are left to that kernel (deferred_sum)
+    fuse_next = fuse and collapse_next and next_p is not None
+    defer = fuse_next and DEFER_SUMS == "on"
     with jax.named_scope("moe"):
         if aux is not None:
             x, routing = moe(p["ffn"], x, l, cfg, return_routing=True, tokens=tokens, defer=defer)
@@ -128,7 +130,7 @@ def block(p, h, pre, l, cfg, opts, cache_layers, pos0, lengths, shared, aux=None
         else:
             x = moe(p["ffn"], x, l, cfg, tokens=tokens, defer=defer)
     with jax.named_scope("ffn_mhc"):
-        if fuse and collapse_next and next_p is not None:
+        if fuse_next:
             attn_norm = _next_norm(next_p["attn_norm"], cfg)
             h, x_next, next_mixes = hc_expand_collapse_mixes(x, residual, ffn_post, ffn_comb, ffn_pre, next_p["hc_attn_fn"],
                                                              next_p["hc_attn_scale"], next_p["hc_attn_base"],

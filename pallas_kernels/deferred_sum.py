@@ -55,7 +55,7 @@ class DeferredSum:
             y = y.astype(self.dtype)
         if self.expert_rows is not None:
             routed = slot_sum(self.expert_rows, self.expert_index)
-            y = routed if y is None else (routed + y.astype(jnp.float32)).astype(self.dtype)
+            y = routed if y is None else _routed_plus_shared(routed, y, self.dtype)
         return y.reshape(self.shape)
 
 
@@ -65,6 +65,12 @@ def slot_sum(rows, index):
     n, k = index.shape
     r = rows[: n * k].reshape(n, k, -1).astype(jnp.float32)
     return jnp.sum(jnp.where((index >= 0)[:, :, None], r, 0.0), axis=1)
+
+
+def _routed_plus_shared(routed, shared, dtype):
+    """The MoE layer's output: ``dtype(routed + float32(shared))`` (routed float32, shared the shared
+    expert's output in ``dtype``)."""
+    return (routed + shared.astype(jnp.float32)).astype(dtype)
 
 
 def materialize(x):
@@ -92,5 +98,5 @@ def moe_output(routed, shared, dtype, shape):
             and shared.rows == routed.rows):
         return DeferredSum(parts=shared.parts, expert_rows=routed.expert_rows, expert_index=routed.expert_index,
                            dtype=jnp.dtype(dtype), shape=tuple(shape))
-    y = materialize(routed).astype(jnp.float32) + materialize(shared).reshape(-1, shape[-1]).astype(jnp.float32)
-    return y.astype(dtype).reshape(shape)
+    routed = materialize(routed).astype(jnp.float32)
+    return _routed_plus_shared(routed, materialize(shared).reshape(routed.shape), dtype).reshape(shape)

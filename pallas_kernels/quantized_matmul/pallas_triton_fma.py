@@ -47,6 +47,8 @@ from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, act_quant, exact_f32
 from dsv41_jax.quant.codecs import E4M3_MAX, pow2
 from dsv41_jax.quant.fake_quant import fp8_block_scale
 
+from pallas_kernels.deferred_sum import gemv_parts
+
 from .pallas_triton_finish import split_finish
 
 FMA_MAX_ROWS = 4  # activation rows one program handles (a static loop sharing each decoded tile)
@@ -555,9 +557,8 @@ def _fma_launch(xs, operands, *, fmt, m, n, k, g, config, nblocks, out_dtype, in
     )(*xs, *operands)
     if raw:
         return y
-    if splits > 1:
-        y = jnp.sum(y, axis=0)
-    return y.astype(out_dtype)
+    # the K parts' sum and rounding as a deferred consumer would do them (one definition)
+    return gemv_parts(y, out_dtype, y.shape[1:]).value() if split else y
 
 
 def quantized_matmul_fma_multi(x2, ws, *, act_block, out_dtype, config, interpret=False, norms=None,
