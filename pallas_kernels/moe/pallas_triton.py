@@ -42,6 +42,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.quant import act_quant, is_quantized
 from pallas_kernels.deferred_sum import expert_slots, slot_sum
+from pallas_kernels.moe.gate_up_finish import finish_act_quant_view, finish_reference, swiglu_h
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
 from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
 from pallas_kernels.quantized_matmul.pallas_triton import (
@@ -171,6 +172,13 @@ def _config(n_pairs: int, n_exp: int, i: int, d: int):
     bk_a = pick_block(d, 256 if bt <= 32 else 64)
     bk_b = pick_block(i, 256 if bt <= 32 else 64)
     return bt, bi, bk_a, bd, bk_b, 4
+
+
+def group_pairs_count(n: int, k: int, n_exp: int, bt: int) -> int:
+    """The number of blocks :func:`group_pairs` makes for ``n`` tokens x ``k`` slots over ``n_exp``
+    experts in blocks of ``bt`` rows."""
+    p = n * k
+    return p if n <= 2 else min(n_exp + 1, p) + -(-p // bt)
 
 
 def group_pairs(indices, weights, n_exp: int, bt: int):
@@ -314,10 +322,12 @@ def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd,
         y_ref[pair_ref[hrows], rows] = acc.astype(y_ref.dtype)
 
 
-def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, g, x_dtype, limit):
+def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, g, x_dtype, limit, splits=1):
     """Kernel A on the vector units (``"fma"`` configs): the block's ``bt`` rows share each decoded
     w1 / w3 tile; one fused multiply-add per weight element and row (:mod:`pallas_triton_fma`). Each
-    step's x groups are loaded once for both tiles.
+    step's x groups are loaded once for both tiles. With ``splits > 1`` (grid axis 2) a program
+    runs ``steps`` of the K steps of its split and stores the fp32 gate / up sums to
+    ``[splits, 2, rows, I]``; :mod:`gate_up_finish` then adds the splits and applies the activation.
 
     The activation fake-quant stays an XLA op before the kernel even with
     ``DSV41_FMA_ACT_QUANT=kernel``: done here (``fma.quant_phases``) it took the sm_90 loop from 596
@@ -325,9 +335,11 @@ def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, 
     (session 18, ``inspect_sass moe``): with 16 weight rows per program the per-program repetition
     costs far more than the two XLA kernels it saves."""
     x_refs = refs[:-5]
-    w1_ref, s1_ref, w3_ref, s3_ref, h_ref = refs[-5:]
+    w1_ref, s1_ref, w3_ref, s3_ref, out_ref = refs[-5:]
     b = pl.program_id(0)
     j = pl.program_id(1)
+    split = pl.program_id(2) if splits > 1 else 0  # (program ids outside pl.when: interpret mode)
+    step0 = split * steps
     e = be_ref[b]
     row0 = pl.multiple_of(j * bi, bi)
 
@@ -336,13 +348,13 @@ def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, 
         toks = [tok_ref[b * bt + r] for r in range(bt)]
 
         def load(i):
-            g0 = pl.multiple_of(i * kg, kg)
+            g0 = pl.multiple_of((i + step0) * kg, kg)
             return (fma.load_tile(fmt, w1_ref, s1_ref, (e,), row0, bi, g0, kg, g),
                     fma.load_tile(fmt, w3_ref, s3_ref, (e,), row0, bi, g0, kg, g))
 
         def compute(i, tiles, carry):
             gs, us = carry
-            g0 = pl.multiple_of(i * kg, kg)
+            g0 = pl.multiple_of((i + step0) * kg, kg)
             xs = fma.load_x(x_refs, toks, g0, kg)
             pg = fma.partials(fmt, tiles[0], xs)
             pu = fma.partials(fmt, tiles[1], xs)
@@ -351,13 +363,13 @@ def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, 
         z = tuple(jnp.zeros((bi, kg), jnp.float32) for _ in range(bt))
         gs, us = fma.k_loop(steps, load, compute, (z, z))
         for r in range(bt):
-            gr = jnp.sum(gs[r], axis=1).astype(x_dtype).astype(jnp.float32)
-            ur = jnp.sum(us[r], axis=1).astype(x_dtype).astype(jnp.float32)
-            if limit > 0:
-                ur = jnp.clip(ur, -limit, limit)
-                gr = jnp.minimum(gr, limit)
-            h = gr * jax.nn.sigmoid(gr) * ur * wt_ref[b * bt + r]
-            h_ref[b * bt + r, pl.ds(row0, bi)] = h.astype(h_ref.dtype)
+            gr, ur = jnp.sum(gs[r], axis=1), jnp.sum(us[r], axis=1)
+            if splits > 1:
+                out_ref[split, 0, b * bt + r, pl.ds(row0, bi)] = gr
+                out_ref[split, 1, b * bt + r, pl.ds(row0, bi)] = ur
+            else:
+                h = swiglu_h(gr, ur, wt_ref[b * bt + r], x_dtype, limit)
+                out_ref[b * bt + r, pl.ds(row0, bi)] = h.astype(out_ref.dtype)
 
 
 def _down_fma_kernel(be_ref, pair_ref, *refs, fmt, bt, bd, kg, steps, g):
@@ -402,13 +414,40 @@ def fma_reason(w1, config) -> str | None:
     for name, kdim, kg in (("D", d, kg_a), ("I", i_dim, kg_b)):
         if kdim % g or (kdim // g) % kg:
             return f"reduction dim {name}={kdim} must split into steps of {kg} groups of {g}"
+    splits = fma_splits(config)
+    if splits < 1 or (d // g // kg_a) % splits:
+        return (f"the gate/up K split ({splits}) must divide its {d // g // kg_a} K steps "
+                f"(D={d}, {kg_a} groups of {g} per step)")
     return None
 
 
-def default_fma_config(w1, rows_per_expert: float = 1.0) -> tuple:
-    """("fma", bt, bi, kg_a, bd, kg_b, warps, stages): one-row blocks up to 4 expected rows per expert
-    (pairs / min(experts, pairs)), 4-row blocks beyond. On the H200 (session 9, 96 experts) one-row
-    blocks beat 2-row ones at 2 rows per expert (1.41 vs 1.51 ms) and 4-row ones at 4 (2.75 vs 3.20)."""
+def fma_splits(config) -> int:
+    """The gate/up kernel's K splits of an ``"fma"`` config: its optional 9th entry, else 1."""
+    return int(config[8]) if len(config) > 8 else 1
+
+
+def _parse_splits(text: str) -> int:
+    try:
+        n = int(text.strip() or "1")
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"DSV41_MOE_SPLITS={text!r}: expected a positive integer (the gate/up kernel's K splits)")
+    return n
+
+
+# K splits of the fma gate/up kernel where its grid is small (read at trace time; DSV41_MOE_SPLITS):
+# the default config takes ``splits`` when the gate/up grid (blocks x I/bi programs) has fewer than
+# ``below`` programs and the split divides its K steps (:mod:`gate_up_finish`).
+GATE_UP_SPLIT = {"splits": _parse_splits(os.environ.get("DSV41_MOE_SPLITS", "")), "below": 2048}
+
+
+def default_fma_config(w1, rows_per_expert: float = 1.0, blocks: int | None = None) -> tuple:
+    """("fma", bt, bi, kg_a, bd, kg_b, warps, stages[, splits]): one-row blocks up to 4 expected rows
+    per expert (pairs / min(experts, pairs)), 4-row blocks beyond. On the H200 (session 9, 96
+    experts) one-row blocks beat 2-row ones at 2 rows per expert (1.41 vs 1.51 ms) and 4-row ones at
+    4 (2.75 vs 3.20). With ``blocks`` (the grouping's block count) the gate/up K split of
+    :data:`GATE_UP_SPLIT` is added where the gate/up grid is small."""
     _, i_dim, d = weight_logical_shape(w1)
     g = fma.group_size(w1)
     bi = 16 if weight_format(w1) == "fp4" else min(32, g)
@@ -420,7 +459,12 @@ def default_fma_config(w1, rows_per_expert: float = 1.0) -> tuple:
         return kg
 
     bt = 1 if rows_per_expert <= 4 else 4
-    return ("fma", bt, pick_block(i_dim, bi), kg_for(d), pick_block(d, bi), kg_for(i_dim), 4, 3)
+    cfg = ("fma", bt, pick_block(i_dim, bi), kg_for(d), pick_block(d, bi), kg_for(i_dim), 4, 3)
+    splits = GATE_UP_SPLIT["splits"]
+    if (blocks is not None and splits > 1 and blocks * (i_dim // cfg[2]) < GATE_UP_SPLIT["below"]
+            and (d // g // cfg[3]) % splits == 0):
+        cfg += (splits,)
+    return cfg
 
 
 def _slots_out(y, indices, defer: bool):
@@ -433,7 +477,8 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
     reason = fma_reason(w1, cfg)
     if reason is not None:
         raise ValueError(f"moe_experts (pallas, fma): {reason}")
-    _, bt, bi, kg_a, bd, kg_b, warps, stages = cfg
+    _, bt, bi, kg_a, bd, kg_b, warps, stages = cfg[:8]
+    splits = fma_splits(cfg)
     n, k = indices.shape
     n_exp, i_dim, d = weight_logical_shape(w1)
     fmt = weight_format(w1)
@@ -446,18 +491,25 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
     xs = fma.act_quant_view(x, w1, interpret=interpret) if prologue else fma.act_view(act_quant(x, act_block), w1)
     (d1, s1), (d2, s2), (d3, s3) = (fma.weight_view(w) for w in (w1, w2, w3))
     params = pltriton.CompilerParams(num_warps=warps, num_stages=stages)
+    a_out = (jax.ShapeDtypeStruct((splits, 2, nb * bt, i_dim), jnp.float32) if splits > 1
+             else jax.ShapeDtypeStruct((nb * bt, i_dim), x.dtype))
     h = pl.pallas_call(
-        functools.partial(_gate_up_fma_kernel, fmt=fmt, bt=bt, bi=bi, kg=kg_a, steps=d // g // kg_a, g=g,
-                          x_dtype=x.dtype, limit=limit),
-        out_shape=jax.ShapeDtypeStruct((nb * bt, i_dim), x.dtype),
-        grid=(nb, i_dim // bi),
+        functools.partial(_gate_up_fma_kernel, fmt=fmt, bt=bt, bi=bi, kg=kg_a, steps=d // g // kg_a // splits, g=g,
+                          x_dtype=x.dtype, limit=limit, splits=splits),
+        out_shape=a_out,
+        grid=(nb, i_dim // bi, splits) if splits > 1 else (nb, i_dim // bi),
         compiler_params=params,
         interpret=interpret,
         name=f"moe_gate_up_fma_{fmt}",
     )(block_expert, block_token, block_weight, *xs, d1, s1, d3, s3)
+    if splits > 1 and (DEBUG["return_h"] or not prologue):  # the split's finish as XLA ops
+        h = finish_reference(h, block_weight, x.dtype, limit)
     if DEBUG["return_h"]:  # as the tensor-core path: h after its act-quant
         return act_quant(h, act_block), block_pair
-    hs = fma.act_quant_view(h, w1, interpret=interpret) if prologue else fma.act_view(act_quant(h, act_block), w1)
+    if splits > 1 and prologue:  # the split's finish is the down kernel's act-quant prologue
+        hs = finish_act_quant_view(h, block_weight, w1, x_dtype=x.dtype, limit=limit, interpret=interpret)
+    else:
+        hs = fma.act_quant_view(h, w1, interpret=interpret) if prologue else fma.act_view(act_quant(h, act_block), w1)
     y = pl.pallas_call(
         functools.partial(_down_fma_kernel, fmt=fmt, bt=bt, bd=bd, kg=kg_b, steps=i_dim // g // kg_b, g=g),
         out_shape=jax.ShapeDtypeStruct((p + 1, d), x.dtype),
@@ -482,7 +534,8 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     p = n * k
     limit = float(swiglu_limit or 0.0)
     if config is None and fmt != "plain" and p <= fma.FMA_MOE_MAX_PAIRS and fma.DECODE_GEMV["moe"] == "fma":
-        cand = default_fma_config(w1, p / max(1, min(n_exp, p)))
+        rpe = p / max(1, min(n_exp, p))
+        cand = default_fma_config(w1, rpe, blocks=group_pairs_count(n, k, n_exp, 1 if rpe <= 4 else 4))
         if fma_reason(w1, cand) is None:  # else the tensor-core kernels below
             config = cand
     if config is not None and config[0] == "fma":  # vector-unit decode kernels (no tensor cores)
