@@ -426,20 +426,31 @@ def fma_splits(config) -> int:
     return int(config[8]) if len(config) > 8 else 1
 
 
-def _parse_splits(text: str) -> int:
+def fma_gate_up_warps(config) -> int:
+    """The gate/up kernel's warps of an ``"fma"`` config: its optional 10th entry, else the config's
+    warps (7th entry, also the down kernel's)."""
+    return int(config[9]) if len(config) > 9 else int(config[6])
+
+
+def _parse_splits(text: str) -> dict:
+    """``DSV41_MOE_SPLITS``: "S" (K splits) or "S,BI,W" (also the gate/up kernel's rows per program
+    and warps while split)."""
+    parts = [t.strip() for t in text.split(",")] if text.strip() else ["1"]
     try:
-        n = int(text.strip() or "1")
+        vals = [int(t) for t in parts]
     except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"DSV41_MOE_SPLITS={text!r}: expected a positive integer (the gate/up kernel's K splits)")
-    return n
+        vals = []
+    if len(vals) not in (1, 3) or min(vals) < 1:
+        raise ValueError(f"DSV41_MOE_SPLITS={text!r}: expected S or S,BI,W (positive integers: the gate/up "
+                         "kernel's K splits, and its rows per program and warps while split)")
+    return {"splits": vals[0], "bi": vals[1] if len(vals) == 3 else None, "warps": vals[2] if len(vals) == 3 else None}
 
 
 # K splits of the fma gate/up kernel where its grid is small (read at trace time; DSV41_MOE_SPLITS):
-# the default config takes ``splits`` when the gate/up grid (blocks x I/bi programs) has fewer than
-# ``below`` programs and the split divides its K steps (:mod:`gate_up_finish`).
-GATE_UP_SPLIT = {"splits": _parse_splits(os.environ.get("DSV41_MOE_SPLITS", "")), "below": 2048}
+# the default config takes ``splits`` (and, if set, ``bi`` rows per program and ``warps`` for the
+# gate/up kernel) when the unsplit gate/up grid (blocks x I/bi programs) has fewer than ``below``
+# programs and the split divides its K steps (:mod:`gate_up_finish`).
+GATE_UP_SPLIT = {**_parse_splits(os.environ.get("DSV41_MOE_SPLITS", "")), "below": 2048}
 
 
 def default_fma_config(w1, rows_per_expert: float = 1.0, blocks: int | None = None) -> tuple:
@@ -460,10 +471,12 @@ def default_fma_config(w1, rows_per_expert: float = 1.0, blocks: int | None = No
 
     bt = 1 if rows_per_expert <= 4 else 4
     cfg = ("fma", bt, pick_block(i_dim, bi), kg_for(d), pick_block(d, bi), kg_for(i_dim), 4, 3)
-    splits = GATE_UP_SPLIT["splits"]
-    if (blocks is not None and splits > 1 and blocks * (i_dim // cfg[2]) < GATE_UP_SPLIT["below"]
-            and (d // g // cfg[3]) % splits == 0):
-        cfg += (splits,)
+    sp = GATE_UP_SPLIT
+    if (blocks is not None and sp["splits"] > 1 and blocks * (i_dim // cfg[2]) < sp["below"]
+            and (d // g // cfg[3]) % sp["splits"] == 0):
+        split = cfg[:2] + (sp["bi"] or cfg[2],) + cfg[3:] + (sp["splits"], sp["warps"] or cfg[6])
+        if fma_reason(w1, split) is None:
+            return split
     return cfg
 
 
@@ -491,6 +504,7 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
     xs = fma.act_quant_view(x, w1, interpret=interpret) if prologue else fma.act_view(act_quant(x, act_block), w1)
     (d1, s1), (d2, s2), (d3, s3) = (fma.weight_view(w) for w in (w1, w2, w3))
     params = pltriton.CompilerParams(num_warps=warps, num_stages=stages)
+    a_params = pltriton.CompilerParams(num_warps=fma_gate_up_warps(cfg), num_stages=stages)
     a_out = (jax.ShapeDtypeStruct((splits, 2, nb * bt, i_dim), jnp.float32) if splits > 1
              else jax.ShapeDtypeStruct((nb * bt, i_dim), x.dtype))
     h = pl.pallas_call(
@@ -498,7 +512,7 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
                           x_dtype=x.dtype, limit=limit, splits=splits),
         out_shape=a_out,
         grid=(nb, i_dim // bi, splits) if splits > 1 else (nb, i_dim // bi),
-        compiler_params=params,
+        compiler_params=a_params,
         interpret=interpret,
         name=f"moe_gate_up_fma_{fmt}",
     )(block_expert, block_token, block_weight, *xs, d1, s1, d3, s3)

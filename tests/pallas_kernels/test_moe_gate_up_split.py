@@ -179,7 +179,40 @@ def test_default_split_rule(monkeypatch):
 
 
 def test_splits_variable_is_checked():
-    for bad in ("0", "-2", "two"):
+    for bad in ("0", "-2", "two", "5,32", "5,32,0"):
         with pytest.raises(ValueError, match="DSV41_MOE_SPLITS"):
             pallas_triton._parse_splits(bad)
-    assert pallas_triton._parse_splits("") == 1 and pallas_triton._parse_splits(" 5 ") == 5
+    assert pallas_triton._parse_splits("") == {"splits": 1, "bi": None, "warps": None}
+    assert pallas_triton._parse_splits(" 5 ") == {"splits": 5, "bi": None, "warps": None}
+    assert pallas_triton._parse_splits("5, 32, 8") == {"splits": 5, "bi": 32, "warps": 8}
+
+
+def test_split_rows_and_warps_reach_the_gate_up_kernel(monkeypatch):
+    """With S,BI,W the split config has BI rows per gate/up program and W gate/up warps (10th
+    entry); the down kernel keeps the config's own warps."""
+    e, i, d = 384, 2304, 5120
+    w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)
+    monkeypatch.setitem(pallas_triton.GATE_UP_SPLIT, "splits", 5)
+    monkeypatch.setitem(pallas_triton.GATE_UP_SPLIT, "bi", 32)
+    monkeypatch.setitem(pallas_triton.GATE_UP_SPLIT, "warps", 8)
+    cfg = pallas_triton.default_fma_config(w1, 1.0, blocks=6)
+    assert cfg == ("fma", 1, 32, 16, 16, 8, 4, 3, 5, 8), cfg
+    assert pallas_triton.fma_gate_up_warps(cfg) == 8 and pallas_triton.fma_gate_up_warps(cfg[:8]) == 4
+    txt = lower_for("cuda", lambda x, w, idx, a, b, c: pallas_triton.moe_experts(
+        x, w, idx, a, b, c, swiglu_limit=10.0, config=cfg),
+        S((1, d), jnp.bfloat16), S((1, 6), jnp.float32), S((1, 6), jnp.int32), w1,
+        Fp4Tensor(S((e, d, i // 2), jnp.uint8), S((e, d, i // 32), jnp.float8_e8m0fnu), 32), w1).as_text()
+    assert txt.count('name = "moe_gate_up_finish"') == 1
+    monkeypatch.setitem(pallas_triton.GATE_UP_SPLIT, "bi", 7)  # does not divide I: the split is not taken
+    assert len(pallas_triton.default_fma_config(w1, 1.0, blocks=6)) == 8
+
+
+def test_split_parity_with_other_rows_and_warps_interpret():
+    """A split config with 32 rows per gate/up program and 2 gate/up warps (10th entry) against the
+    reference, tiny V4.1-like shapes."""
+    x, wts, idx, w1, w2, w3 = make("fp4", np.random.randint(1 << 30), 1, jnp.bfloat16)
+    cfg = config(w1, 1, 4)
+    cfg = cfg[:2] + (32,) + cfg[3:] + (2,)
+    y = run(pallas_triton.moe_experts, x, wts, idx, w1, w2, w3, swiglu_limit=1.0, interpret=True, config=cfg)
+    yr = _reference(x, wts, idx, w1, w2, w3, swiglu_limit=1.0)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(yr), rtol=2.0**-7, atol=2.0**-7 * float(np.max(np.abs(yr))))
