@@ -435,7 +435,7 @@ def fma_gate_up_warps(config) -> int:
 def _parse_splits(text: str) -> dict:
     """``DSV41_MOE_SPLITS``: "S" (K splits) or "S,BI,W" (also the gate/up kernel's rows per program
     and warps while split)."""
-    parts = [t.strip() for t in text.split(",")] if text.strip() else ["1"]
+    parts = [t.strip() for t in text.split(",")] if text.strip() else [str(DEFAULT_SPLITS)]
     try:
         vals = [int(t) for t in parts]
     except ValueError:
@@ -445,6 +445,13 @@ def _parse_splits(text: str) -> dict:
                          "kernel's K splits, and its rows per program and warps while split)")
     return {"splits": vals[0], "bi": vals[1] if len(vals) == 3 else None, "warps": vals[2] if len(vals) == 3 else None}
 
+
+# The default: 2 splits (16 rows per program, 4 warps). H200, session 28 (BENCHMARKS.md, issue 6):
+# at one token the gate/up kernel 38.6 -> 36.2 us and the finish 2.7 us in place of the 1.8 us
+# act-quant prologue; batch-1 protocol 134.66 -> 135.43 tok/s (device time per step 7.826 -> 7.783
+# ms). 5 splits with 32 rows per program were faster in isolation (65.9 against 68.5 us for the
+# whole MoE) but not in the model (134.51 tok/s: its finish takes 3.5 us). DSV41_MOE_SPLITS=1: none.
+DEFAULT_SPLITS = 2
 
 # K splits of the fma gate/up kernel where its grid is small (read at trace time; DSV41_MOE_SPLITS):
 # the default config takes ``splits`` (and, if set, ``bi`` rows per program and ``warps`` for the

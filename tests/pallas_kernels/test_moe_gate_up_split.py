@@ -182,7 +182,8 @@ def test_splits_variable_is_checked():
     for bad in ("0", "-2", "two", "5,32", "5,32,0"):
         with pytest.raises(ValueError, match="DSV41_MOE_SPLITS"):
             pallas_triton._parse_splits(bad)
-    assert pallas_triton._parse_splits("") == {"splits": 1, "bi": None, "warps": None}
+    assert pallas_triton._parse_splits("") == {"splits": pallas_triton.DEFAULT_SPLITS, "bi": None, "warps": None}
+    assert pallas_triton.DEFAULT_SPLITS == 2
     assert pallas_triton._parse_splits(" 5 ") == {"splits": 5, "bi": None, "warps": None}
     assert pallas_triton._parse_splits("5, 32, 8") == {"splits": 5, "bi": 32, "warps": 8}
 
