@@ -52,6 +52,13 @@ def finish_reference(parts, weights, x_dtype, limit: float):
     return swiglu_h(g, u, weights[:, None], x_dtype, limit).astype(x_dtype)
 
 
+# How the finish kernel is written (read at trace time): "order" "uses" loads each phase's partial
+# sums right before using them, "loads" issues every load of the program before the first
+# arithmetic (as the mHC expansion kernel's EXPAND_MIX, session 27); "warps" per program. The two
+# orders give the same bits. Not yet timed on a GPU against each other (session 28's default: uses, 4).
+FINISH = {"order": "uses", "warps": 4}
+
+
 def _finish_view_kernel(p_ref, wt_ref, *out_refs, splits, rows, nph, per, nb, x_dtype, limit):
     """Program (r, c): row r, K groups [c*nb, +nb) of the partials [S * 2 * R, I/G, G] (row
     ``(2 s + t) R + r``: split s, t = 0 gate / 1 up) -> h, then its act-quant per group, stored as
@@ -60,11 +67,16 @@ def _finish_view_kernel(p_ref, wt_ref, *out_refs, splits, rows, nph, per, nb, x_
     b0 = pl.multiple_of(pl.program_id(1) * nb, nb)
     cols = [slice(None)] if nph == 1 else [pl.ds(j, per, stride=nph) for j in range(nph)]
     w = wt_ref[r]
+
+    def load(c):
+        return ([p_ref[2 * s * rows + r, pl.ds(b0, nb), c] for s in range(splits)],
+                [p_ref[(2 * s + 1) * rows + r, pl.ds(b0, nb), c] for s in range(splits)])
+
+    loaded = [load(c) for c in cols] if FINISH["order"] == "loads" else None
     phases = []
-    for c in cols:
-        g = sum_splits([p_ref[2 * s * rows + r, pl.ds(b0, nb), c] for s in range(splits)])
-        u = sum_splits([p_ref[(2 * s + 1) * rows + r, pl.ds(b0, nb), c] for s in range(splits)])
-        phases.append(swiglu_h(g, u, w, x_dtype, limit))
+    for i, c in enumerate(cols):
+        gl, ul = loaded[i] if loaded is not None else load(c)
+        phases.append(swiglu_h(sum_splits(gl), sum_splits(ul), w, x_dtype, limit))
     for o_ref, q in zip(out_refs, fma.quant_phases(phases)):
         o_ref[r, pl.ds(b0, nb), :] = q
 
@@ -87,7 +99,7 @@ def finish_act_quant_view(parts, weights, w, *, x_dtype, limit: float, interpret
                           limit=float(limit)),
         out_shape=tuple(jax.ShapeDtypeStruct((rows, groups, per), jnp.float32) for _ in range(nph)),
         grid=(rows, groups // nb),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=FINISH["warps"], num_stages=1),
         interpret=interpret,
         name="moe_gate_up_finish",
     )(parts.reshape(splits * 2 * rows, groups, g), weights.astype(jnp.float32))

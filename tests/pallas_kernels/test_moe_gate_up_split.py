@@ -217,3 +217,37 @@ def test_split_parity_with_other_rows_and_warps_interpret():
     y = run(pallas_triton.moe_experts, x, wts, idx, w1, w2, w3, swiglu_limit=1.0, interpret=True, config=cfg)
     yr = _reference(x, wts, idx, w1, w2, w3, swiglu_limit=1.0)
     np.testing.assert_allclose(np.asarray(y), np.asarray(yr), rtol=2.0**-7, atol=2.0**-7 * float(np.max(np.abs(yr))))
+
+
+@pytest.mark.parametrize("order,warps", [("loads", 4), ("loads", 1), ("uses", 2)])
+def test_finish_kernel_variants_give_the_default_bits(order, warps, monkeypatch):
+    """``FINISH`` variants (load order, warps) give the default's outputs bit for bit (interpret
+    mode) and lower for cuda and rocm; with "loads" every load comes before the first float add in the
+    Triton IR (the real shapes: 2 splits, 6 rows, I = 2304); with "uses" not."""
+    rng = np.random.default_rng(np.random.randint(1 << 30))
+    parts = jnp.asarray(rng.standard_normal((2, 2, 3, 128)).astype(np.float32))
+    wts = jnp.asarray(rng.uniform(0.05, 1.0, 3).astype(np.float32))
+    w1 = _q4(jnp.asarray(rng.standard_normal((2, 16, 128), np.float32)))
+    kw = dict(x_dtype=jnp.bfloat16, limit=1.0, interpret=True)
+    want = run(gate_up_finish.finish_act_quant_view, parts, wts, w1, **kw)
+    monkeypatch.setitem(gate_up_finish.FINISH, "order", order)
+    monkeypatch.setitem(gate_up_finish.FINISH, "warps", warps)
+    got = run(gate_up_finish.finish_act_quant_view, parts, wts, w1, **kw)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    from pallas_kernels import inspect_sass
+
+    e, i, d = 384, 2304, 5120
+    wf = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)
+    fn = lambda p, w: gate_up_finish.finish_act_quant_view(p, w, wf, x_dtype=jnp.bfloat16, limit=10.0)  # noqa: E731
+    specs = (S((2, 2, 6, i), jnp.float32), S((6,), jnp.float32))
+    (k,) = inspect_sass.triton_kernels(fn, *specs)  # (before lower_for: a cached lowering is not captured)
+    for target in ("cuda", "rocm"):
+        lower_for(target, fn, *specs)
+    assert k["name"] == "moe_gate_up_finish" and k["num_warps"] == warps
+    lines = k["ttir"].splitlines()
+    first_add = min(j for j, line in enumerate(lines) if "arith.addf" in line)  # the first split sum
+    loads = [j for j, line in enumerate(lines) if "tt.load" in line and "tt.store" not in lines[j + 1]]
+    assert len(loads) >= 8 * 2 * 2 + 1  # 8 phases x (gate, up) x 2 splits, the routing weight
+    # "loads": every partial-sum load before the first sum; "uses": the phases' loads interleaved
+    assert all(j < first_add for j in loads) == (order == "loads")
