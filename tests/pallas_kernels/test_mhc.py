@@ -248,8 +248,11 @@ def test_mixes_refuses_a_split_that_leaves_k_blocks_out():
 @pytest.mark.parametrize("tiles,order", [("stream", "uses"), ("whole", "uses"), ("whole", "loads")])
 def test_expansion_kernel_variants_give_the_default_outputs(monkeypatch, tiles, order):
     """The expansion kernel's ways of writing (``EXPAND_MIX``: one load per stream or whole tiles, loads
-    beside their uses or all first) perform the same operations in the same order: streams, collapse
-    (normalized) and mix partials equal the default's bit for bit. (The warp count does not reach
+    beside their uses or all first). With one load per stream the operations are the same in the same
+    order: streams, collapse (normalized) and mix partials equal the default's bit for bit. Whole
+    tiles pick each stream by a masked sum, which the compiler may contract with the multiply-add
+    differently: within one bf16 step of the streams (on the H200 their bits differed too, session
+    27; here 1 of 2048 elements in one draw of session 28's CI). (The warp count does not reach
     interpret mode; on the H200 the 2- and 4-warp variants gave the same bits, session 27.)"""
     x, fn, scale, base, f = inputs(np.random.randint(1 << 30), 2, 256, jnp.bfloat16)
     _, post, comb = reference.hc_mixes(x, fn, scale, base, **KW)
@@ -262,7 +265,11 @@ def test_expansion_kernel_variants_give_the_default_outputs(monkeypatch, tiles, 
     monkeypatch.setitem(pallas_triton.EXPAND_MIX, "order", order)
     got = api.hc_expand_collapse_mixes(*args, y_norm=(w, 1e-6), implementation="interpret", **KW)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        if tiles == "stream":
+            np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_allclose(a, b, rtol=2.0**-7, atol=1e-6 * float(np.max(np.abs(b))))
     for target in ("cuda", "rocm"):  # and each lowers for both vendors
         txt = lower_for(target, lambda *a: pallas_triton.hc_expand_collapse_mixes(*a, y_norm_eps=1e-6, **KW),
                         *(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in args + (w,))).as_text()
