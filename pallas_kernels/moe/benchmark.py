@@ -247,9 +247,9 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
         mma = pallas_triton._config(n * TOPK, experts, I, D)
         results = []
         fmas = fma_configs(w1, n, wide)[:1 if default_only else None]
-        if default_only and n * TOPK > 1:  # the block height the dispatch would pick at this size
-            auto = pallas_triton.default_fma_config(w1, n * TOPK / min(experts, n * TOPK))
-            fmas += [auto] if auto not in fmas else []
+        # the config the dispatch picks at this size (block height; the gate/up K split at one token)
+        auto = pallas_triton.default_fma_config(w1, n * TOPK / min(experts, n * TOPK), routing_shape=(n, TOPK))
+        fmas += [auto] if auto not in fmas else []
         tcs = [mma] + ([c for c in TC_DECODE_CONFIGS if c != mma] if wide else [])
         tc = [(c, vias[0], r) for r in (mma_routes or [None]) for c in tcs]
         for cfg, via, mroute in tc + [(c, v, None) for v in vias for c in fmas]:

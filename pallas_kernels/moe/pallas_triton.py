@@ -203,14 +203,14 @@ def group_pairs(indices, weights, n_exp: int, bt: int):
         block_pair = np.arange(p, dtype=np.int32)
         return flat_e, jnp.asarray(block_pair), jnp.asarray(block_pair // k), flat_w
     if n <= 2:  # each pair its own block, no sort (a token's experts are distinct)
-        nb = p
+        nb = group_pairs_count(n, k, n_exp, bt)
         block_expert = jnp.where(flat_e < 0, -1, flat_e)
         slot0 = (jnp.arange(nb * bt) % bt) == 0
         block_pair = jnp.where(slot0, jnp.arange(nb * bt) // bt, p).astype(jnp.int32)
     else:
         # pairs without an expert (index < 0) go to an extra bucket n_exp whose blocks are unused
         flat_b = jnp.where(flat_e < 0, n_exp, flat_e)
-        nb = min(n_exp + 1, p) + -(-p // bt)
+        nb = group_pairs_count(n, k, n_exp, bt)
         counts = jnp.zeros((n_exp + 1,), jnp.int32).at[flat_b].add(1)
         nblk = (counts + bt - 1) // bt
         blk_start = jnp.cumsum(nblk) - nblk
@@ -460,11 +460,11 @@ DEFAULT_SPLITS = 2
 GATE_UP_SPLIT = {**_parse_splits(os.environ.get("DSV41_MOE_SPLITS", "")), "below": 2048}
 
 
-def default_fma_config(w1, rows_per_expert: float = 1.0, blocks: int | None = None) -> tuple:
-    """("fma", bt, bi, kg_a, bd, kg_b, warps, stages[, splits]): one-row blocks up to 4 expected rows
-    per expert (pairs / min(experts, pairs)), 4-row blocks beyond. On the H200 (session 9, 96
-    experts) one-row blocks beat 2-row ones at 2 rows per expert (1.41 vs 1.51 ms) and 4-row ones at
-    4 (2.75 vs 3.20). With ``blocks`` (the grouping's block count) the gate/up K split of
+def default_fma_config(w1, rows_per_expert: float = 1.0, routing_shape: tuple[int, int] | None = None) -> tuple:
+    """("fma", bt, bi, kg_a, bd, kg_b, warps, stages[, splits, gate/up warps]): one-row blocks up to 4
+    expected rows per expert (pairs / min(experts, pairs)), 4-row blocks beyond. On the H200 (session
+    9, 96 experts) one-row blocks beat 2-row ones at 2 rows per expert (1.41 vs 1.51 ms) and 4-row
+    ones at 4 (2.75 vs 3.20). With ``routing_shape`` (the indices' [N, k]) the gate/up K split of
     :data:`GATE_UP_SPLIT` is added where the gate/up grid is small."""
     _, i_dim, d = weight_logical_shape(w1)
     g = fma.group_size(w1)
@@ -479,8 +479,10 @@ def default_fma_config(w1, rows_per_expert: float = 1.0, blocks: int | None = No
     bt = 1 if rows_per_expert <= 4 else 4
     cfg = ("fma", bt, pick_block(i_dim, bi), kg_for(d), pick_block(d, bi), kg_for(i_dim), 4, 3)
     sp = GATE_UP_SPLIT
-    if (blocks is not None and sp["splits"] > 1 and blocks * (i_dim // cfg[2]) < sp["below"]
-            and (d // g // cfg[3]) % sp["splits"] == 0):
+    if routing_shape is None or sp["splits"] == 1:
+        return cfg
+    blocks = group_pairs_count(*routing_shape, weight_logical_shape(w1)[0], bt)
+    if blocks * (i_dim // cfg[2]) < sp["below"] and (d // g // cfg[3]) % sp["splits"] == 0:
         split = cfg[:2] + (sp["bi"] or cfg[2],) + cfg[3:] + (sp["splits"], sp["warps"] or cfg[6])
         if fma_reason(w1, split) is None:
             return split
@@ -555,8 +557,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     p = n * k
     limit = float(swiglu_limit or 0.0)
     if config is None and fmt != "plain" and p <= fma.FMA_MOE_MAX_PAIRS and fma.DECODE_GEMV["moe"] == "fma":
-        rpe = p / max(1, min(n_exp, p))
-        cand = default_fma_config(w1, rpe, blocks=group_pairs_count(n, k, n_exp, 1 if rpe <= 4 else 4))
+        cand = default_fma_config(w1, p / max(1, min(n_exp, p)), routing_shape=(n, k))
         if fma_reason(w1, cand) is None:  # else the tensor-core kernels below
             config = cand
     if config is not None and config[0] == "fma":  # vector-unit decode kernels (no tensor cores)

@@ -196,7 +196,7 @@ def test_split_rows_and_warps_reach_the_gate_up_kernel(monkeypatch):
     monkeypatch.setitem(pallas_triton.GATE_UP_SPLIT, "splits", 5)
     monkeypatch.setitem(pallas_triton.GATE_UP_SPLIT, "bi", 32)
     monkeypatch.setitem(pallas_triton.GATE_UP_SPLIT, "warps", 8)
-    cfg = pallas_triton.default_fma_config(w1, 1.0, blocks=6)
+    cfg = pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6))
     assert cfg == ("fma", 1, 32, 16, 16, 8, 4, 3, 5, 8), cfg
     assert pallas_triton.fma_gate_up_warps(cfg) == 8 and pallas_triton.fma_gate_up_warps(cfg[:8]) == 4
     txt = lower_for("cuda", lambda x, w, idx, a, b, c: pallas_triton.moe_experts(
@@ -205,7 +205,7 @@ def test_split_rows_and_warps_reach_the_gate_up_kernel(monkeypatch):
         Fp4Tensor(S((e, d, i // 2), jnp.uint8), S((e, d, i // 32), jnp.float8_e8m0fnu), 32), w1).as_text()
     assert txt.count('name = "moe_gate_up_finish"') == 1
     monkeypatch.setitem(pallas_triton.GATE_UP_SPLIT, "bi", 7)  # does not divide I: the split is not taken
-    assert len(pallas_triton.default_fma_config(w1, 1.0, blocks=6)) == 8
+    assert len(pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6))) == 8
 
 
 def test_split_parity_with_other_rows_and_warps_interpret():
