@@ -460,12 +460,15 @@ DEFAULT_SPLITS = 2
 GATE_UP_SPLIT = {**_parse_splits(os.environ.get("DSV41_MOE_SPLITS", "")), "below": 2048}
 
 
-def default_fma_config(w1, rows_per_expert: float = 1.0, routing_shape: tuple[int, int] | None = None) -> tuple:
+def default_fma_config(w1, rows_per_expert: float = 1.0, routing_shape: tuple[int, int] | None = None,
+                       act_block: int = 32) -> tuple:
     """("fma", bt, bi, kg_a, bd, kg_b, warps, stages[, splits, gate/up warps]): one-row blocks up to 4
     expected rows per expert (pairs / min(experts, pairs)), 4-row blocks beyond. On the H200 (session
     9, 96 experts) one-row blocks beat 2-row ones at 2 rows per expert (1.41 vs 1.51 ms) and 4-row
     ones at 4 (2.75 vs 3.20). With ``routing_shape`` (the indices' [N, k]) the gate/up K split of
-    :data:`GATE_UP_SPLIT` is added where the gate/up grid is small."""
+    :data:`GATE_UP_SPLIT` is added where the gate/up grid is small and its finish is the h
+    act-quant prologue kernel (``act_block`` one K group of the experts, as V4.1's; measured there
+    only: elsewhere the finish would be XLA ops)."""
     _, i_dim, d = weight_logical_shape(w1)
     g = fma.group_size(w1)
     bi = 16 if weight_format(w1) == "fp4" else min(32, g)
@@ -479,7 +482,7 @@ def default_fma_config(w1, rows_per_expert: float = 1.0, routing_shape: tuple[in
     bt = 1 if rows_per_expert <= 4 else 4
     cfg = ("fma", bt, pick_block(i_dim, bi), kg_for(d), pick_block(d, bi), kg_for(i_dim), 4, 3)
     sp = GATE_UP_SPLIT
-    if routing_shape is None or sp["splits"] == 1:
+    if routing_shape is None or sp["splits"] == 1 or fma.moe_act_quant_site(w1, act_block) != "pallas":
         return cfg
     blocks = group_pairs_count(*routing_shape, weight_logical_shape(w1)[0], bt)
     if blocks * (i_dim // cfg[2]) < sp["below"] and (d // g // cfg[3]) % sp["splits"] == 0:
@@ -557,7 +560,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     p = n * k
     limit = float(swiglu_limit or 0.0)
     if config is None and fmt != "plain" and p <= fma.FMA_MOE_MAX_PAIRS and fma.DECODE_GEMV["moe"] == "fma":
-        cand = default_fma_config(w1, p / max(1, min(n_exp, p)), routing_shape=(n, k))
+        cand = default_fma_config(w1, p / max(1, min(n_exp, p)), routing_shape=(n, k), act_block=act_block)
         if fma_reason(w1, cand) is None:  # else the tensor-core kernels below
             config = cand
     if config is not None and config[0] == "fma":  # vector-unit decode kernels (no tensor cores)

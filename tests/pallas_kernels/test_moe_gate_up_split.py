@@ -251,3 +251,16 @@ def test_finish_kernel_variants_give_the_default_bits(order, warps, monkeypatch)
     assert len(loads) >= 8 * 2 * 2 + 1  # 8 phases x (gate, up) x 2 splits, the routing weight
     # "loads": every partial-sum load before the first sum; "uses": the phases' loads interleaved
     assert all(j < first_add for j in loads) == (order == "loads")
+
+
+def test_default_split_only_where_its_finish_is_the_prologue_kernel(monkeypatch):
+    """The default split is taken only where h's act-quant is the prologue kernel (V4.1's 32-wide
+    activation blocks on MXFP4 experts): not with V4's 128-wide blocks, nor under
+    DSV41_MOE_ACT_QUANT=xla (there the finish would be XLA ops, not measured)."""
+    e, i, d = 256, 2048, 4096
+    w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)
+    monkeypatch.setitem(pallas_triton.GATE_UP_SPLIT, "splits", 2)
+    assert len(pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6), act_block=32)) == 10
+    assert len(pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6), act_block=128)) == 8
+    monkeypatch.setattr(fma, "MOE_ACT_QUANT", "xla")
+    assert len(pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6), act_block=32)) == 8
