@@ -65,7 +65,7 @@ def _finish_view_kernel(p_ref, wt_ref, *out_refs, splits, rows, nph, per, nb, x_
     the ``nph`` phases (as ``fma._act_quant_view_kernel``)."""
     r = pl.program_id(0)
     b0 = pl.multiple_of(pl.program_id(1) * nb, nb)
-    cols = [slice(None)] if nph == 1 else [pl.ds(j, per, stride=nph) for j in range(nph)]
+    cols = fma.phase_cols(nph, per)
     w = wt_ref[r]
 
     def load(c):
@@ -91,9 +91,7 @@ def finish_act_quant_view(parts, weights, w, *, x_dtype, limit: float, interpret
     g = fma.group_size(w)
     nph, per = fma._phase_layout(w)
     groups = i_dim // g
-    nb = 32
-    while groups % nb:
-        nb //= 2
+    nb = fma.view_groups_per_program(groups)
     outs = pl.pallas_call(
         functools.partial(_finish_view_kernel, splits=splits, rows=rows, nph=nph, per=per, nb=nb, x_dtype=x_dtype,
                           limit=float(limit)),

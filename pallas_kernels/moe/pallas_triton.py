@@ -469,7 +469,7 @@ def default_fma_config(w1, rows_per_expert: float = 1.0, routing_shape: tuple[in
     :data:`GATE_UP_SPLIT` is added where the gate/up grid is small and its finish is the h
     act-quant prologue kernel (``act_block`` one K group of the experts, as V4.1's; measured there
     only: elsewhere the finish would be XLA ops)."""
-    _, i_dim, d = weight_logical_shape(w1)
+    n_exp, i_dim, d = weight_logical_shape(w1)
     g = fma.group_size(w1)
     bi = 16 if weight_format(w1) == "fp4" else min(32, g)
 
@@ -484,12 +484,10 @@ def default_fma_config(w1, rows_per_expert: float = 1.0, routing_shape: tuple[in
     sp = GATE_UP_SPLIT
     if routing_shape is None or sp["splits"] == 1 or fma.moe_act_quant_site(w1, act_block) != "pallas":
         return cfg
-    blocks = group_pairs_count(*routing_shape, weight_logical_shape(w1)[0], bt)
-    if blocks * (i_dim // cfg[2]) < sp["below"] and (d // g // cfg[3]) % sp["splits"] == 0:
-        split = cfg[:2] + (sp["bi"] or cfg[2],) + cfg[3:] + (sp["splits"], sp["warps"] or cfg[6])
-        if fma_reason(w1, split) is None:
-            return split
-    return cfg
+    if group_pairs_count(*routing_shape, n_exp, bt) * (i_dim // cfg[2]) >= sp["below"]:
+        return cfg
+    split = cfg[:2] + (sp["bi"] or cfg[2],) + cfg[3:] + (sp["splits"], sp["warps"] or cfg[6])
+    return split if fma_reason(w1, split) is None else cfg  # e.g. a split that does not divide the K steps
 
 
 def _slots_out(y, indices, defer: bool):

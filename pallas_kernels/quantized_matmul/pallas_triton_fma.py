@@ -286,13 +286,28 @@ def _phase_layout(w) -> tuple[int, int]:
     return (8, 4) if FMA_DECODE["fp4"] == "f16w" else (2, 16)
 
 
+def phase_cols(nph: int, per: int) -> list:
+    """The column index of each of the ``nph`` phases inside one K group of G = nph * per elements
+    (phase j = elements j, j + nph, ...: strided loads), for kernels that write :func:`act_view`'s
+    layout."""
+    return [slice(None)] if nph == 1 else [pl.ds(j, per, stride=nph) for j in range(nph)]
+
+
+def view_groups_per_program(groups: int) -> int:
+    """K groups one program of a view-writing kernel handles: the largest power of two <= 32
+    dividing ``groups``."""
+    nb = 32
+    while groups % nb:
+        nb //= 2
+    return nb
+
+
 def _act_quant_view_kernel(x_ref, *out_refs, nph, per, nb):
     """Program (r, c): row r, K groups [c*nb, +nb) of x [M, K/G, G] -> act_quant of each group,
-    stored as the ``nph`` phases (phase j = elements j, j + nph, ... of each group: strided loads)."""
+    stored as the ``nph`` phases (:func:`phase_cols`)."""
     r = pl.program_id(0)
     b0 = pl.multiple_of(pl.program_id(1) * nb, nb)
-    cols = [slice(None)] if nph == 1 else [pl.ds(j, per, stride=nph) for j in range(nph)]
-    phases = [x_ref[r, pl.ds(b0, nb), c].astype(jnp.float32) for c in cols]
+    phases = [x_ref[r, pl.ds(b0, nb), c].astype(jnp.float32) for c in phase_cols(nph, per)]
     for o_ref, q in zip(out_refs, quant_phases(phases)):
         o_ref[r, pl.ds(b0, nb), :] = q
 
@@ -305,9 +320,7 @@ def act_quant_view(x2, w, *, interpret=False):
     g = group_size(w)
     nph, per = _phase_layout(w)
     groups = k // g
-    nb = 32
-    while groups % nb:
-        nb //= 2
+    nb = view_groups_per_program(groups)
     outs = pl.pallas_call(
         functools.partial(_act_quant_view_kernel, nph=nph, per=per, nb=nb),
         out_shape=tuple(jax.ShapeDtypeStruct((m, groups, per), jnp.float32) for _ in range(nph)),
