@@ -55,8 +55,10 @@ def finish_reference(parts, weights, x_dtype, limit: float):
 # How the finish kernel is written (read at trace time): "order" "uses" loads each phase's partial
 # sums right before using them, "loads" issues every load of the program before the first
 # arithmetic (as the mHC expansion kernel's EXPAND_MIX, session 27); "warps" per program. The two
-# orders give the same bits. Not yet timed on a GPU against each other (session 28's default: uses, 4).
-FINISH = {"order": "uses", "warps": 4}
+# orders give the same bits. H200, session 29, inside the one-token MoE (384 experts; BENCHMARKS.md,
+# issue 6): uses/4 2.74 us, loads/4 2.72, uses/2 2.49, loads/2 2.50, uses/1 2.23, loads/1 2.25 (same
+# bits each). One warp per program is the default since (session 28's was 4).
+FINISH = {"order": "uses", "warps": 1}
 
 
 def _finish_view_kernel(p_ref, wt_ref, *out_refs, splits, rows, nph, per, nb, x_dtype, limit):

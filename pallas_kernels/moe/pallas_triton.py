@@ -460,6 +460,31 @@ DEFAULT_SPLITS = 2
 GATE_UP_SPLIT = {**_parse_splits(os.environ.get("DSV41_MOE_SPLITS", "")), "below": 2048}
 
 
+def _parse_down(text: str) -> dict:
+    """``DSV41_MOE_DOWN``: "BD,W", the down kernel's output rows per program and warps where the
+    gate/up kernel is split ("0": keep the config's own, as before session 29)."""
+    parts = [t.strip() for t in text.split(",")] if text.strip() else [str(v) for v in DEFAULT_DOWN]
+    try:
+        vals = [int(t) for t in parts]
+    except ValueError:
+        vals = []
+    if vals == [0]:
+        return {"bd": None, "warps": None}
+    if len(vals) != 2 or min(vals) < 1:
+        raise ValueError(f"DSV41_MOE_DOWN={text!r}: expected BD,W (positive integers: the down kernel's "
+                         "output rows per program and warps at one token) or 0 (the config's own)")
+    return {"bd": vals[0], "warps": vals[1]}
+
+
+# The down kernel's tile beside the split (one token): 64 output rows per program on 8 warps. H200,
+# session 29 (BENCHMARKS.md, issue 6), 384 experts, the whole MoE at one token: down 24.32 -> 22.38 us
+# against 16 rows on 4 warps (the default until then); 32/4 25.17, 32/8 25.05, 8/2 24.60, 16/8 26.87.
+DEFAULT_DOWN = (64, 8)
+
+# Read at trace time (DSV41_MOE_DOWN): taken with GATE_UP_SPLIT's split, where the grids are small.
+SPLIT_DOWN_TILE = _parse_down(os.environ.get("DSV41_MOE_DOWN", ""))
+
+
 def default_fma_config(w1, rows_per_expert: float = 1.0, routing_shape: tuple[int, int] | None = None,
                        act_block: int = 32) -> tuple:
     """("fma", bt, bi, kg_a, bd, kg_b, warps, stages[, splits, gate/up warps]): one-row blocks up to 4
@@ -486,7 +511,10 @@ def default_fma_config(w1, rows_per_expert: float = 1.0, routing_shape: tuple[in
         return cfg
     if group_pairs_count(*routing_shape, n_exp, bt) * (i_dim // cfg[2]) >= sp["below"]:
         return cfg
-    split = cfg[:2] + (sp["bi"] or cfg[2],) + cfg[3:] + (sp["splits"], sp["warps"] or cfg[6])
+    dt = SPLIT_DOWN_TILE
+    bd = pick_block(d, dt["bd"]) if dt["bd"] else cfg[4]
+    split = (cfg[:2] + (sp["bi"] or cfg[2], cfg[3], bd, cfg[5], dt["warps"] or cfg[6], cfg[7])
+             + (sp["splits"], sp["warps"] or cfg[6]))
     return split if fma_reason(w1, split) is None else cfg  # e.g. a split that does not divide the K steps
 
 
