@@ -57,7 +57,7 @@ def finish_reference(parts, weights, x_dtype, limit: float):
 # arithmetic (as the mHC expansion kernel's EXPAND_MIX, session 27); "warps" per program. The two
 # orders give the same bits. H200, session 29, inside the one-token MoE (384 experts; BENCHMARKS.md,
 # issue 6): uses/4 2.74 us, loads/4 2.72, uses/2 2.49, loads/2 2.50, uses/1 2.23, loads/1 2.25 (same
-# bits each). One warp per program is the default since (session 28's was 4).
+# bits each). One warp per program is the default since session 29 (session 28's: 4).
 FINISH = {"order": "uses", "warps": 1}
 
 

@@ -455,34 +455,37 @@ DEFAULT_SPLITS = 2
 
 # K splits of the fma gate/up kernel where its grid is small (read at trace time; DSV41_MOE_SPLITS):
 # the default config takes ``splits`` (and, if set, ``bi`` rows per program and ``warps`` for the
-# gate/up kernel) when the unsplit gate/up grid (blocks x I/bi programs) has fewer than ``below``
-# programs and the split divides its K steps (:mod:`gate_up_finish`).
+# gate/up kernel, else 16 rows and 4 warps) when the gate/up grid at 16 rows per program (blocks x
+# I/16 programs) has fewer than ``below`` programs and the split divides its K steps
+# (:mod:`gate_up_finish`).
 GATE_UP_SPLIT = {**_parse_splits(os.environ.get("DSV41_MOE_SPLITS", "")), "below": 2048}
 
 
 def _parse_down(text: str) -> dict:
-    """``DSV41_MOE_DOWN``: "BD,W", the down kernel's output rows per program and warps where the
-    gate/up kernel is split ("0": keep the config's own, as before session 29)."""
+    """``DSV41_MOE_DOWN``: "BD,W", the MXFP4 down kernel's output rows per program and warps in the
+    default fma configs ("0": 16 rows and the config's 4 warps, the default before session 29)."""
     parts = [t.strip() for t in text.split(",")] if text.strip() else [str(v) for v in DEFAULT_DOWN]
     try:
         vals = [int(t) for t in parts]
     except ValueError:
         vals = []
     if vals == [0]:
-        return {"bd": None, "warps": None}
+        return {"bd": 16, "warps": 4}
     if len(vals) != 2 or min(vals) < 1:
-        raise ValueError(f"DSV41_MOE_DOWN={text!r}: expected BD,W (positive integers: the down kernel's "
-                         "output rows per program and warps at one token) or 0 (the config's own)")
+        raise ValueError(f"DSV41_MOE_DOWN={text!r}: expected BD,W (positive integers: the MXFP4 down "
+                         "kernel's output rows per program and warps) or 0 (16 rows, 4 warps)")
     return {"bd": vals[0], "warps": vals[1]}
 
 
-# The down kernel's tile beside the split (one token): 64 output rows per program on 8 warps. H200,
-# session 29 (BENCHMARKS.md, issue 6), 384 experts, the whole MoE at one token: down 24.32 -> 22.38 us
-# against 16 rows on 4 warps (the default until then); 32/4 25.17, 32/8 25.05, 8/2 24.60, 16/8 26.87.
-DEFAULT_DOWN = (64, 8)
+# The MXFP4 down kernel's tile: 64 output rows per program on 4 warps. H200, session 29
+# (BENCHMARKS.md, issue 6), the down kernel inside the whole MoE, against 16 rows on 4 warps (the
+# default until then): one token (2-split gate/up), 384 experts 24.18 -> 21.85 us, 96 experts
+# 24.23 -> 22.87; 8 tokens (384 experts) 141.65 -> 119.35. 64 rows on 8 warps: 22.26 / 24.52 / 138.3;
+# 128 rows 23.3-23.9 at one token, 128.4 at 8; 32 rows on 2 warps 122.0 at 8.
+DEFAULT_DOWN = (64, 4)
 
-# Read at trace time (DSV41_MOE_DOWN): taken with GATE_UP_SPLIT's split, where the grids are small.
-SPLIT_DOWN_TILE = _parse_down(os.environ.get("DSV41_MOE_DOWN", ""))
+# Read at trace time (DSV41_MOE_DOWN).
+DOWN_TILE = _parse_down(os.environ.get("DSV41_MOE_DOWN", ""))
 
 
 def default_fma_config(w1, rows_per_expert: float = 1.0, routing_shape: tuple[int, int] | None = None,
@@ -496,7 +499,10 @@ def default_fma_config(w1, rows_per_expert: float = 1.0, routing_shape: tuple[in
     only: elsewhere the finish would be XLA ops)."""
     n_exp, i_dim, d = weight_logical_shape(w1)
     g = fma.group_size(w1)
-    bi = 16 if weight_format(w1) == "fp4" else min(32, g)
+    fp4 = weight_format(w1) == "fp4"
+    # MXFP4 gate/up: 32 rows per program unsplit (8 tokens, 384 experts, H200 session 29: gate/up
+    # 246.8 -> 238.0 us against 16 rows; 8 K groups per step or 8 warps slower), 16 when split
+    bi = 32 if fp4 else min(32, g)
 
     def kg_for(kdim):
         kg = 1
@@ -505,16 +511,16 @@ def default_fma_config(w1, rows_per_expert: float = 1.0, routing_shape: tuple[in
         return kg
 
     bt = 1 if rows_per_expert <= 4 else 4
-    cfg = ("fma", bt, pick_block(i_dim, bi), kg_for(d), pick_block(d, bi), kg_for(i_dim), 4, 3)
+    bd, warps = (DOWN_TILE["bd"], DOWN_TILE["warps"]) if fp4 else (bi, 4)
+    cfg = ("fma", bt, pick_block(i_dim, bi), kg_for(d), pick_block(d, bd), kg_for(i_dim), warps, 3)
+    if warps != 4:  # the gate/up kernel keeps 4 warps (10th entry)
+        cfg = cfg + (1, 4)
     sp = GATE_UP_SPLIT
     if routing_shape is None or sp["splits"] == 1 or fma.moe_act_quant_site(w1, act_block) != "pallas":
         return cfg
-    if group_pairs_count(*routing_shape, n_exp, bt) * (i_dim // cfg[2]) >= sp["below"]:
+    if group_pairs_count(*routing_shape, n_exp, bt) * (i_dim // 16) >= sp["below"]:  # grid at 16 rows
         return cfg
-    dt = SPLIT_DOWN_TILE
-    bd = pick_block(d, dt["bd"]) if dt["bd"] else cfg[4]
-    split = (cfg[:2] + (sp["bi"] or cfg[2], cfg[3], bd, cfg[5], dt["warps"] or cfg[6], cfg[7])
-             + (sp["splits"], sp["warps"] or cfg[6]))
+    split = cfg[:2] + (sp["bi"] or pick_block(i_dim, 16),) + cfg[3:8] + (sp["splits"], sp["warps"] or 4)
     return split if fma_reason(w1, split) is None else cfg  # e.g. a split that does not divide the K steps
 
 

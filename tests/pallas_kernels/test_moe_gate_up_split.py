@@ -192,32 +192,34 @@ def test_down_variable_is_checked():
     for bad in ("-2", "two", "64", "64,8,2", "64,0"):
         with pytest.raises(ValueError, match="DSV41_MOE_DOWN"):
             pallas_triton._parse_down(bad)
-    assert pallas_triton.DEFAULT_DOWN == (64, 8)
-    assert pallas_triton._parse_down("") == {"bd": 64, "warps": 8}
-    assert pallas_triton._parse_down(" 32, 4 ") == {"bd": 32, "warps": 4}
-    assert pallas_triton._parse_down("0") == {"bd": None, "warps": None}
+    assert pallas_triton.DEFAULT_DOWN == (64, 4)
+    assert pallas_triton._parse_down("") == {"bd": 64, "warps": 4}
+    assert pallas_triton._parse_down(" 32, 8 ") == {"bd": 32, "warps": 8}
+    assert pallas_triton._parse_down("0") == {"bd": 16, "warps": 4}
 
 
 def test_split_rows_and_warps_reach_the_gate_up_kernel(monkeypatch):
     """With S,BI,W the split config has BI rows per gate/up program and W gate/up warps (10th
-    entry); the down kernel takes SPLIT_DOWN_TILE's rows and warps (DSV41_MOE_DOWN)."""
+    entry); the down kernel takes DOWN_TILE's rows and warps (DSV41_MOE_DOWN), split or not, and the
+    unsplit MXFP4 gate/up kernel 32 rows per program."""
     e, i, d = 384, 2304, 5120
     w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)
+    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6)) == ("fma", 1, 16, 16, 64, 8, 4, 3, 2, 4)
+    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(8, 6)) == ("fma", 1, 32, 16, 64, 8, 4, 3)
+    # the split rule counts the grid at 16 rows: 4 tokens (24 blocks x 144 programs) stay unsplit
+    assert len(pallas_triton.default_fma_config(w1, 1.0, routing_shape=(4, 6))) == 8
+    monkeypatch.setattr(pallas_triton, "DOWN_TILE", pallas_triton._parse_down("0"))
+    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6)) == ("fma", 1, 16, 16, 16, 8, 4, 3, 2, 4)
+    monkeypatch.setattr(pallas_triton, "DOWN_TILE", {"bd": 32, "warps": 2})  # the gate/up kernel keeps 4 warps
+    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(8, 6)) == ("fma", 1, 32, 16, 32, 8, 2, 3, 1, 4)
+    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6)) == ("fma", 1, 16, 16, 32, 8, 2, 3, 2, 4)
+    monkeypatch.setattr(pallas_triton, "DOWN_TILE", pallas_triton._parse_down(""))
     monkeypatch.setitem(pallas_triton.GATE_UP_SPLIT, "splits", 5)
     monkeypatch.setitem(pallas_triton.GATE_UP_SPLIT, "bi", 32)
     monkeypatch.setitem(pallas_triton.GATE_UP_SPLIT, "warps", 8)
     cfg = pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6))
-    assert cfg == ("fma", 1, 32, 16, 64, 8, 8, 3, 5, 8), cfg
-    assert pallas_triton.fma_gate_up_warps(cfg) == 8 and pallas_triton.fma_gate_up_warps(cfg[:8]) == 8
-    monkeypatch.setitem(pallas_triton.GATE_UP_SPLIT, "warps", None)  # the gate/up kernel keeps the config's 4
-    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6)) == ("fma", 1, 32, 16, 64, 8, 8, 3, 5, 4)
-    monkeypatch.setattr(pallas_triton, "SPLIT_DOWN_TILE", {"bd": None, "warps": None})  # DSV41_MOE_DOWN=0
-    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6)) == ("fma", 1, 32, 16, 16, 8, 4, 3, 5, 4)
-    monkeypatch.setattr(pallas_triton, "SPLIT_DOWN_TILE", {"bd": 32, "warps": 2})
-    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6)) == ("fma", 1, 32, 16, 32, 8, 2, 3, 5, 4)
-    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(8, 6))[4:7] == (16, 8, 4)  # unsplit: unchanged
-    monkeypatch.setitem(pallas_triton.GATE_UP_SPLIT, "warps", 8)
-    monkeypatch.setattr(pallas_triton, "SPLIT_DOWN_TILE", pallas_triton._parse_down(""))
+    assert cfg == ("fma", 1, 32, 16, 64, 8, 4, 3, 5, 8), cfg
+    assert pallas_triton.fma_gate_up_warps(cfg) == 8 and pallas_triton.fma_gate_up_warps(cfg[:8]) == 4
     txt = lower_for("cuda", lambda x, w, idx, a, b, c: pallas_triton.moe_experts(
         x, w, idx, a, b, c, swiglu_limit=10.0, config=cfg),
         S((1, d), jnp.bfloat16), S((1, 6), jnp.float32), S((1, 6), jnp.int32), w1,
