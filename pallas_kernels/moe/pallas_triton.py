@@ -496,7 +496,8 @@ def default_fma_config(w1, rows_per_expert: float = 1.0, routing_shape: tuple[in
     ones at 4 (2.75 vs 3.20). With ``routing_shape`` (the indices' [N, k]) the gate/up K split of
     :data:`GATE_UP_SPLIT` is added where the gate/up grid is small and its finish is the h
     act-quant prologue kernel (``act_block`` one K group of the experts, as V4.1's; measured there
-    only: elsewhere the finish would be XLA ops)."""
+    only: elsewhere the finish would be XLA ops). MXFP4 tiles (session 29): the gate/up kernel 32
+    rows per program unsplit and 16 split, the down kernel :data:`DOWN_TILE` (``DSV41_MOE_DOWN``)."""
     n_exp, i_dim, d = weight_logical_shape(w1)
     g = fma.group_size(w1)
     fp4 = weight_format(w1) == "fp4"
