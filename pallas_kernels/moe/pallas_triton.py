@@ -440,9 +440,9 @@ def _parse_splits(text: str) -> dict:
         vals = [int(t) for t in parts]
     except ValueError:
         vals = []
-    if len(vals) not in (1, 3) or min(vals) < 1:
+    if len(vals) not in (1, 3) or min(vals) < 1 or any(v & (v - 1) for v in vals[1:]):
         raise ValueError(f"DSV41_MOE_SPLITS={text!r}: expected S or S,BI,W (positive integers: the gate/up "
-                         "kernel's K splits, and its rows per program and warps while split)")
+                         "kernel's K splits, and its rows per program and warps while split, powers of two)")
     return {"splits": vals[0], "bi": vals[1] if len(vals) == 3 else None, "warps": vals[2] if len(vals) == 3 else None}
 
 
@@ -471,8 +471,8 @@ def _parse_down(text: str) -> dict:
         vals = []
     if vals == [0]:
         return {"bd": 16, "warps": 4}
-    if len(vals) != 2 or min(vals) < 1:
-        raise ValueError(f"DSV41_MOE_DOWN={text!r}: expected BD,W (positive integers: the MXFP4 down "
+    if len(vals) != 2 or min(vals) < 1 or any(v & (v - 1) for v in vals):
+        raise ValueError(f"DSV41_MOE_DOWN={text!r}: expected BD,W (powers of two: the MXFP4 down "
                          "kernel's output rows per program and warps) or 0 (16 rows, 4 warps)")
     return {"bd": vals[0], "warps": vals[1]}
 

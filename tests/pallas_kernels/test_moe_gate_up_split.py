@@ -179,7 +179,7 @@ def test_default_split_rule(monkeypatch):
 
 
 def test_splits_variable_is_checked():
-    for bad in ("0", "-2", "two", "5,32", "5,32,0"):
+    for bad in ("0", "-2", "two", "5,32", "5,32,0", "2,24,4", "2,16,3"):
         with pytest.raises(ValueError, match="DSV41_MOE_SPLITS"):
             pallas_triton._parse_splits(bad)
     assert pallas_triton._parse_splits("") == {"splits": pallas_triton.DEFAULT_SPLITS, "bi": None, "warps": None}
@@ -189,7 +189,7 @@ def test_splits_variable_is_checked():
 
 
 def test_down_variable_is_checked():
-    for bad in ("-2", "two", "64", "64,8,2", "64,0"):
+    for bad in ("-2", "two", "64", "64,8,2", "64,0", "48,4", "64,6"):
         with pytest.raises(ValueError, match="DSV41_MOE_DOWN"):
             pallas_triton._parse_down(bad)
     assert pallas_triton.DEFAULT_DOWN == (64, 4)
