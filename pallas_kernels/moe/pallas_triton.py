@@ -497,13 +497,20 @@ def default_fma_config(w1, rows_per_expert: float = 1.0, routing_shape: tuple[in
     :data:`GATE_UP_SPLIT` is added where the gate/up grid is small and its finish is the h
     act-quant prologue kernel (``act_block`` one K group of the experts, as V4.1's; measured there
     only: elsewhere the finish would be XLA ops). MXFP4 tiles (session 29): the gate/up kernel 32
-    rows per program unsplit and 16 split, the down kernel :data:`DOWN_TILE` (``DSV41_MOE_DOWN``)."""
+    rows per program where its grid is large (8 tokens), else 16 (split or not); the down kernel
+    :data:`DOWN_TILE` (``DSV41_MOE_DOWN``)."""
     n_exp, i_dim, d = weight_logical_shape(w1)
     g = fma.group_size(w1)
     fp4 = weight_format(w1) == "fp4"
-    # MXFP4 gate/up: 32 rows per program unsplit (8 tokens, 384 experts, H200 session 29: gate/up
-    # 246.8 -> 238.0 us against 16 rows; 8 K groups per step or 8 warps slower), 16 when split
-    bi = 32 if fp4 else min(32, g)
+    bt = 1 if rows_per_expert <= 4 else 4
+    sp = GATE_UP_SPLIT
+    # "small": the gate/up grid at 16 rows per program (blocks x I/16) has fewer than sp["below"]
+    # programs (one or two tokens); unknown routing counts as small (16 rows, as before session 29)
+    small = routing_shape is None or group_pairs_count(*routing_shape, n_exp, bt) * (i_dim // 16) < sp["below"]
+    # MXFP4 gate/up on a large grid: 32 rows per program (8 tokens, 384 experts, H200 session 29:
+    # 246.8 -> 238.0 us against 16 rows; 8 K groups per step or 8 warps slower). Small grids keep 16:
+    # at 32 rows the cubin needs 212 registers (2 programs per SM), too few programs for one token.
+    bi = (16 if small else 32) if fp4 else min(32, g)
 
     def kg_for(kdim):
         kg = 1
@@ -511,15 +518,11 @@ def default_fma_config(w1, rows_per_expert: float = 1.0, routing_shape: tuple[in
             kg *= 2
         return kg
 
-    bt = 1 if rows_per_expert <= 4 else 4
     bd, warps = (DOWN_TILE["bd"], DOWN_TILE["warps"]) if fp4 else (bi, 4)
     cfg = ("fma", bt, pick_block(i_dim, bi), kg_for(d), pick_block(d, bd), kg_for(i_dim), warps, 3)
     if warps != 4:  # the gate/up kernel keeps 4 warps (10th entry)
         cfg = cfg + (1, 4)
-    sp = GATE_UP_SPLIT
-    if routing_shape is None or sp["splits"] == 1 or fma.moe_act_quant_site(w1, act_block) != "pallas":
-        return cfg
-    if group_pairs_count(*routing_shape, n_exp, bt) * (i_dim // 16) >= sp["below"]:  # grid at 16 rows
+    if not small or routing_shape is None or sp["splits"] == 1 or fma.moe_act_quant_site(w1, act_block) != "pallas":
         return cfg
     split = cfg[:2] + (sp["bi"] or pick_block(i_dim, 16),) + cfg[3:8] + (sp["splits"], sp["warps"] or 4)
     return split if fma_reason(w1, split) is None else cfg  # e.g. a split that does not divide the K steps

@@ -201,13 +201,20 @@ def test_down_variable_is_checked():
 def test_split_rows_and_warps_reach_the_gate_up_kernel(monkeypatch):
     """With S,BI,W the split config has BI rows per gate/up program and W gate/up warps (10th
     entry); the down kernel takes DOWN_TILE's rows and warps (DSV41_MOE_DOWN), split or not, and the
-    unsplit MXFP4 gate/up kernel 32 rows per program."""
+    MXFP4 gate/up kernel 32 rows per program on large grids (16 on small ones, split or not)."""
     e, i, d = 384, 2304, 5120
     w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)
     assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6)) == ("fma", 1, 16, 16, 64, 8, 4, 3, 2, 4)
     assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(8, 6)) == ("fma", 1, 32, 16, 64, 8, 4, 3)
-    # the split rule counts the grid at 16 rows: 4 tokens (24 blocks x 144 programs) stay unsplit
-    assert len(pallas_triton.default_fma_config(w1, 1.0, routing_shape=(4, 6))) == 8
+    # the split rule counts the grid at 16 rows: 4 tokens (24 blocks x 144 programs) stay unsplit, on 32 rows
+    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(4, 6)) == ("fma", 1, 32, 16, 64, 8, 4, 3)
+    # a small grid without the split keeps 16 gate/up rows: V4's 128-wide activation blocks at one
+    # token, the split turned off, or no routing shape given
+    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6), act_block=128) == ("fma", 1, 16, 16, 64, 8, 4, 3)
+    assert pallas_triton.default_fma_config(w1, 1.0) == ("fma", 1, 16, 16, 64, 8, 4, 3)
+    monkeypatch.setitem(pallas_triton.GATE_UP_SPLIT, "splits", 1)
+    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6)) == ("fma", 1, 16, 16, 64, 8, 4, 3)
+    monkeypatch.setitem(pallas_triton.GATE_UP_SPLIT, "splits", 2)
     monkeypatch.setattr(pallas_triton, "DOWN_TILE", pallas_triton._parse_down("0"))
     assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6)) == ("fma", 1, 16, 16, 16, 8, 4, 3, 2, 4)
     monkeypatch.setattr(pallas_triton, "DOWN_TILE", {"bd": 32, "warps": 2})  # the gate/up kernel keeps 4 warps
