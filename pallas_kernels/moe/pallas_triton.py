@@ -504,9 +504,11 @@ def default_fma_config(w1, rows_per_expert: float = 1.0, routing_shape: tuple[in
     fp4 = weight_format(w1) == "fp4"
     bt = 1 if rows_per_expert <= 4 else 4
     sp = GATE_UP_SPLIT
-    # "small": the gate/up grid at 16 rows per program (blocks x I/16) has fewer than sp["below"]
-    # programs (one or two tokens); unknown routing counts as small (16 rows, as before session 29)
-    small = routing_shape is None or group_pairs_count(*routing_shape, n_exp, bt) * (i_dim // 16) < sp["below"]
+    # "small": the gate/up grid at 16 rows per program (FP8 experts: at their min(32, G)) has fewer
+    # than sp["below"] programs (one or two tokens); unknown routing counts as small (16 rows, as
+    # before session 29)
+    base_rows = 16 if fp4 else min(32, g)
+    small = routing_shape is None or group_pairs_count(*routing_shape, n_exp, bt) * (i_dim // base_rows) < sp["below"]
     # MXFP4 gate/up on a large grid: 32 rows per program (8 tokens, 384 experts, H200 session 29:
     # 246.8 -> 238.0 us against 16 rows; 8 K groups per step or 8 warps slower). Small grids keep 16:
     # at 32 rows the cubin needs 212 registers (2 programs per SM), too few programs for one token.
@@ -524,7 +526,7 @@ def default_fma_config(w1, rows_per_expert: float = 1.0, routing_shape: tuple[in
         cfg = cfg + (1, 4)
     if not small or routing_shape is None or sp["splits"] == 1 or fma.moe_act_quant_site(w1, act_block) != "pallas":
         return cfg
-    split = cfg[:2] + (sp["bi"] or pick_block(i_dim, 16),) + cfg[3:8] + (sp["splits"], sp["warps"] or 4)
+    split = cfg[:2] + (sp["bi"] or pick_block(i_dim, base_rows),) + cfg[3:8] + (sp["splits"], sp["warps"] or 4)
     return split if fma_reason(w1, split) is None else cfg  # e.g. a split that does not divide the K steps
 
 

@@ -206,7 +206,7 @@ def test_split_rows_and_warps_reach_the_gate_up_kernel(monkeypatch):
     w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)
     assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6)) == ("fma", 1, 16, 16, 64, 8, 4, 3, 2, 4)
     assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(8, 6)) == ("fma", 1, 32, 16, 64, 8, 4, 3)
-    # the split rule counts the grid at 16 rows: 4 tokens (24 blocks x 144 programs) stay unsplit, on 32 rows
+    # the split rule counts the grid at 16 rows: 4 tokens (48 blocks x 144 programs) stay unsplit, on 32 rows
     assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(4, 6)) == ("fma", 1, 32, 16, 64, 8, 4, 3)
     # a small grid without the split keeps 16 gate/up rows: V4's 128-wide activation blocks at one
     # token, the split turned off, or no routing shape given
@@ -292,3 +292,13 @@ def test_default_split_only_where_its_finish_is_the_prologue_kernel(monkeypatch)
     assert len(pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6), act_block=128)) == 8
     monkeypatch.setattr(fma, "MOE_ACT_QUANT", "xla")
     assert len(pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6), act_block=32)) == 8
+
+
+def test_fp8_experts_keep_their_split_rule():
+    """FP8 experts (32 x 32 blocks) keep 32 rows, split or not, and count their grid at 32 rows: the
+    configs of session 28 (one token split; 3 and 8 tokens not)."""
+    e, i, d = 384, 2304, 5120
+    w1 = Fp8Tensor(S((e, i, d), jnp.float8_e4m3fn), S((e, i // 32, d // 32), jnp.float8_e8m0fnu), (32, 32))
+    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6)) == ("fma", 1, 32, 16, 32, 8, 4, 3, 2, 4)
+    for n in (3, 8):
+        assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(n, 6)) == ("fma", 1, 32, 16, 32, 8, 4, 3)
