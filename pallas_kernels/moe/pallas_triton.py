@@ -432,14 +432,21 @@ def fma_gate_up_warps(config) -> int:
     return int(config[9]) if len(config) > 9 else int(config[6])
 
 
+def _env_ints(text: str, default: tuple) -> list[int]:
+    """A comma-separated list of integers from an environment variable (``default`` when empty; []
+    when some entry is not an integer, for the caller's error)."""
+    if not text.strip():
+        return list(default)
+    try:
+        return [int(t.strip()) for t in text.split(",")]
+    except ValueError:
+        return []
+
+
 def _parse_splits(text: str) -> dict:
     """``DSV41_MOE_SPLITS``: "S" (K splits) or "S,BI,W" (also the gate/up kernel's rows per program
     and warps while split)."""
-    parts = [t.strip() for t in text.split(",")] if text.strip() else [str(DEFAULT_SPLITS)]
-    try:
-        vals = [int(t) for t in parts]
-    except ValueError:
-        vals = []
+    vals = _env_ints(text, (DEFAULT_SPLITS,))
     if len(vals) not in (1, 3) or min(vals) < 1 or any(v & (v - 1) for v in vals[1:]):
         raise ValueError(f"DSV41_MOE_SPLITS={text!r}: expected S or S,BI,W (positive integers: the gate/up "
                          "kernel's K splits, and its rows per program and warps while split, powers of two)")
@@ -464,11 +471,7 @@ GATE_UP_SPLIT = {**_parse_splits(os.environ.get("DSV41_MOE_SPLITS", "")), "below
 def _parse_down(text: str) -> dict:
     """``DSV41_MOE_DOWN``: "BD,W", the MXFP4 down kernel's output rows per program and warps in the
     default fma configs ("0": 16 rows and the config's 4 warps, the default before session 29)."""
-    parts = [t.strip() for t in text.split(",")] if text.strip() else [str(v) for v in DEFAULT_DOWN]
-    try:
-        vals = [int(t) for t in parts]
-    except ValueError:
-        vals = []
+    vals = _env_ints(text, DEFAULT_DOWN)
     if vals == [0]:
         return {"bd": 16, "warps": 4}
     if len(vals) != 2 or min(vals) < 1 or any(v & (v - 1) for v in vals):
@@ -512,7 +515,7 @@ def default_fma_config(w1, rows_per_expert: float = 1.0, routing_shape: tuple[in
     # MXFP4 gate/up on a large grid: 32 rows per program (8 tokens, 384 experts, H200 session 29:
     # 246.8 -> 238.0 us against 16 rows; 8 K groups per step or 8 warps slower). Small grids keep 16:
     # at 32 rows the cubin needs 212 registers (2 programs per SM), too few programs for one token.
-    bi = (16 if small else 32) if fp4 else min(32, g)
+    bi = 32 if fp4 and not small else base_rows
 
     def kg_for(kdim):
         kg = 1
