@@ -12,7 +12,9 @@ and every reference path, sees the same numbers as before). The value is
 
 * ``parts`` only: ``dtype(sum_p parts[p])`` -- a split-K GEMV's output;
 * ``expert_rows`` only: ``sum_s rows[t*k + s]`` over the slots s with ``expert_index[t, s] >= 0``, in
-  float32 (``dtype`` float32) -- the routed experts' output;
+  float32 (``dtype`` float32) -- the routed experts' output. The rows may themselves come unsummed,
+  as a split-K down kernel's fp32 sums ``[S, R, D]``: then each row is ``rows_dtype(sum_j rows[j])``
+  (the splits in order, :func:`split_sum`) before the slot sum;
 * both: ``dtype(routed + float32(dtype(sum_p parts[p])))`` -- the MoE's output (routed experts plus
   the shared expert's w2 GEMV).
 """
@@ -35,12 +37,29 @@ class DeferredSum:
     expert_index: jax.Array | None  # [T, k] int32: the slot's expert, < 0 = no expert (row not written)
     dtype: np.dtype = dataclasses.field(metadata=dict(static=True))
     shape: tuple = dataclasses.field(metadata=dict(static=True))  # the value's shape (..., D), prod(...) = T
+    # with expert_rows [S, R, D] (a split-K down kernel's fp32 sums): the dtype each row's in-order
+    # sum over S is rounded to (the unsplit kernel's output dtype); None for [R, D] rows
+    rows_dtype: np.dtype | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def __post_init__(self):
         if self.parts is None and self.expert_rows is None:
             raise ValueError("DeferredSum: give the GEMV's parts, the experts' rows, or both")
         if (self.expert_rows is None) != (self.expert_index is None):
             raise ValueError("DeferredSum: expert_rows and expert_index go together")
+        if self.expert_rows is not None and (self.expert_rows.ndim == 3) != (self.rows_dtype is not None):
+            raise ValueError("DeferredSum: split expert rows [S, R, D] need rows_dtype (and 2-D rows none), got "
+                             f"rows of shape {tuple(self.expert_rows.shape)} with rows_dtype {self.rows_dtype}")
+
+    @property
+    def row_splits(self) -> int:
+        """S for split expert rows [S, R, D], else 0."""
+        return int(self.expert_rows.shape[0]) if self.expert_rows is not None and self.expert_rows.ndim == 3 else 0
+
+    def expert_row_values(self) -> jax.Array:
+        """The experts' slot rows [R, D]: as given, or the split rows summed in order and rounded."""
+        if self.row_splits:
+            return split_sum(self.expert_rows, self.rows_dtype)
+        return self.expert_rows
 
     @property
     def rows(self) -> int:
@@ -54,9 +73,18 @@ class DeferredSum:
             y = jnp.sum(self.parts, axis=0) if self.parts.shape[0] > 1 else self.parts[0]
             y = y.astype(self.dtype)
         if self.expert_rows is not None:
-            routed = slot_sum(self.expert_rows, self.expert_index)
+            routed = slot_sum(self.expert_row_values(), self.expert_index)
             y = routed if y is None else _routed_plus_shared(routed, y, self.dtype)
         return y.reshape(self.shape)
+
+
+def split_sum(parts, dtype):
+    """``parts [S, ...]`` (a split-K kernel's fp32 sums) added in split order (0, 1, ...) and rounded
+    once to ``dtype``: the unsplit kernel's output up to the fp32 summation order."""
+    y = parts[0]
+    for s in range(1, parts.shape[0]):
+        y = y + parts[s]
+    return y.astype(dtype)
 
 
 def slot_sum(rows, index):
@@ -83,10 +111,12 @@ def gemv_parts(parts, dtype, shape) -> DeferredSum:
     return DeferredSum(parts=parts, expert_rows=None, expert_index=None, dtype=jnp.dtype(dtype), shape=tuple(shape))
 
 
-def expert_slots(rows, index) -> DeferredSum:
-    """The routed experts' output [T, D] float32 as the fused MoE's unsummed slot rows."""
+def expert_slots(rows, index, rows_dtype=None) -> DeferredSum:
+    """The routed experts' output [T, D] float32 as the fused MoE's unsummed slot rows: ``rows`` [R, D],
+    or a split-K down kernel's fp32 sums [S, R, D] with ``rows_dtype`` (the rows' dtype after their sum)."""
     return DeferredSum(parts=None, expert_rows=rows, expert_index=index, dtype=jnp.dtype(jnp.float32),
-                       shape=(index.shape[0], rows.shape[-1]))
+                       shape=(index.shape[0], rows.shape[-1]),
+                       rows_dtype=None if rows_dtype is None else jnp.dtype(rows_dtype))
 
 
 def moe_output(routed, shared, dtype, shape):
@@ -97,6 +127,6 @@ def moe_output(routed, shared, dtype, shape):
             and shared.expert_rows is None and shared.dtype == jnp.dtype(dtype)
             and shared.rows == routed.rows):
         return DeferredSum(parts=shared.parts, expert_rows=routed.expert_rows, expert_index=routed.expert_index,
-                           dtype=jnp.dtype(dtype), shape=tuple(shape))
+                           dtype=jnp.dtype(dtype), shape=tuple(shape), rows_dtype=routed.rows_dtype)
     routed = materialize(routed).astype(jnp.float32)
     return _routed_plus_shared(routed, materialize(shared).reshape(routed.shape), dtype).reshape(shape)

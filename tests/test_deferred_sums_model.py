@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from dsv41_jax import Model, transformer
 from dsv41_jax.cache import init_cache
@@ -25,19 +26,25 @@ from pallas_kernels.mhc import pallas_triton as mhc_kernel
 KERNEL_OPS = ("quantized_matmul", "moe_experts")
 
 
-def test_deferred_sums_give_the_logits_of_the_summed_step(monkeypatch):
+# 64-wide experts: one down K step (unsplit slot rows); 192: 3 down K steps, which the default down
+# split (pallas_kernels.moe.pallas_triton.DEFAULT_DOWN_SPLITS) divides, so the expansion kernel
+# also sums the down kernel's split-K rows
+@pytest.mark.parametrize("inter,row_splits", [(64, 0), (192, 3)])
+def test_deferred_sums_give_the_logits_of_the_summed_step(inter, row_splits, monkeypatch):
     choose = dispatch.choose
     monkeypatch.setattr(dispatch, "choose", lambda op, impl, *a, **k: choose(
         op, impl if op.startswith("hc_") or op in KERNEL_OPS else "reference", *a, **k))
-    pieces = []
+    pieces, splits = [], []
     real = mhc_kernel.hc_expand_collapse_mixes
 
     def spy(f, *a, **k):
+        if isinstance(f, DeferredSum):
+            splits.append(f.row_splits)
         pieces.append((f.parts is not None, f.expert_rows is not None) if isinstance(f, DeferredSum) else None)
         return real(f, *a, **k)
 
     monkeypatch.setattr(mhc_kernel, "hc_expand_collapse_mixes", spy)
-    cfg = dataclasses.replace(get_preset("tiny"), moe_inter_dim=64)
+    cfg = dataclasses.replace(get_preset("tiny"), moe_inter_dim=inter)
     params = init_params(cfg, np.random.randint(1 << 30))
     opts = RunOptions(dtype="bfloat16")
     rng = np.random.default_rng()
@@ -57,6 +64,7 @@ def test_deferred_sums_give_the_logits_of_the_summed_step(monkeypatch):
     # layer's mixes (layers 1, 2, 4..7: not before an Engram layer, not the last) the MoE's pieces
     n = cfg.n_layers
     assert deferred_pieces.count((True, False)) == n and deferred_pieces.count((True, True)) == n - 3
+    assert sorted(set(splits)) == sorted({0, row_splits}), splits  # wo_b's parts: 0; the MoE's rows
     summed_pieces, summed = run(False)
     assert summed_pieces == [None] * len(deferred_pieces)
     assert np.all(np.isfinite(deferred)) and np.std(deferred) > 0

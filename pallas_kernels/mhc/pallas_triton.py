@@ -481,9 +481,11 @@ def _f_values(f_refs, t, row, cols, *, layout):
     """The layer output f's values [1, bd] (fp32) of row t, columns ``cols``: read from f as stored,
     or summed here from a :class:`~pallas_kernels.deferred_sum.DeferredSum`'s pieces (``layout`` =
     (parts P, slots k, dtype), see :func:`_f_operands`): the GEMV's K parts in order, rounded to
-    dtype; the routed experts' k slot rows (those with an expert) in order, plus the rounded parts,
-    rounded again -- the producers' own sums (``DeferredSum.value``), on these columns only."""
-    n_parts, k, dtype = layout
+    dtype; the routed experts' k slot rows (those with an expert) in order -- each row first summed
+    over its ``row_splits`` split-K sums in order and rounded to ``rows_dtype`` when the down kernel
+    was split --, plus the rounded parts, rounded again: the producers' own sums
+    (``DeferredSum.value``), on these columns only."""
+    n_parts, k, dtype, row_splits, rows_dtype = layout
     if n_parts == 0 and k == 0:
         return f_refs[0][row, cols].astype(jnp.float32)
     y = None
@@ -497,7 +499,14 @@ def _f_values(f_refs, t, row, cols, *, layout):
         rows_ref, index_ref = f_refs[-2:]
         routed = None
         for s in range(k):
-            r = jnp.where(index_ref[t * k + s] >= 0, rows_ref[pl.ds(t * k + s, 1), cols].astype(jnp.float32), 0.0)
+            if row_splits:
+                v = rows_ref[0, pl.ds(t * k + s, 1), cols]
+                for j in range(1, row_splits):
+                    v = v + rows_ref[j, pl.ds(t * k + s, 1), cols]
+                v = v.astype(rows_dtype).astype(jnp.float32)
+            else:
+                v = rows_ref[pl.ds(t * k + s, 1), cols].astype(jnp.float32)
+            r = jnp.where(index_ref[t * k + s] >= 0, v, 0.0)
             routed = r if routed is None else routed + r
         y = routed if y is None else (routed + y).astype(dtype).astype(jnp.float32)
     return y
@@ -505,9 +514,10 @@ def _f_values(f_refs, t, row, cols, *, layout):
 
 def _f_operands(f, t: int, d: int):
     """(operands, layout) of the layer output f for :func:`_f_values`: f [T, D] itself, layout (0, 0,
-    dtype); or a DeferredSum's parts [P, T, D] f32, expert rows [R, D] and expert index [T*k]."""
+    dtype, 0, None); or a DeferredSum's parts [P, T, D] f32, expert rows [R, D] (or split-K sums
+    [S, R, D] f32) and expert index [T*k]."""
     if not isinstance(f, DeferredSum):
-        return (f.reshape(t, d),), (0, 0, f.dtype)
+        return (f.reshape(t, d),), (0, 0, f.dtype, 0, None)
     ops = []
     n_parts = k = 0
     if f.parts is not None:
@@ -516,7 +526,7 @@ def _f_operands(f, t: int, d: int):
     if f.expert_rows is not None:
         k = f.expert_index.shape[1]
         ops += [f.expert_rows, f.expert_index.reshape(-1).astype(jnp.int32)]
-    return tuple(ops), (n_parts, k, jnp.dtype(f.dtype))
+    return tuple(ops), (n_parts, k, jnp.dtype(f.dtype), f.row_splits, f.rows_dtype)
 
 
 def deferred_reason(f, t: int, d: int) -> str | None:
@@ -527,7 +537,8 @@ def deferred_reason(f, t: int, d: int) -> str | None:
         return f"the GEMV's K parts must be [P, {t}, {d}], got {tuple(f.parts.shape)}"
     if f.expert_rows is not None:
         n, k = f.expert_index.shape
-        if n != t or f.expert_rows.ndim != 2 or f.expert_rows.shape[0] < t * k or f.expert_rows.shape[1] != d:
+        rows = f.expert_rows.shape[f.expert_rows.ndim - 2:] if f.expert_rows.ndim in (2, 3) else (0, 0)
+        if n != t or rows[0] < t * k or rows[1] != d:
             return (f"the experts' slot rows [{tuple(f.expert_rows.shape)}] / index {tuple(f.expert_index.shape)} "
                     f"do not fit {t} rows of width {d}")
     return None

@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.quant import act_quant, is_quantized
-from pallas_kernels.deferred_sum import expert_slots, slot_sum
+from pallas_kernels.deferred_sum import expert_slots, slot_sum, split_sum
 from pallas_kernels.moe.gate_up_finish import finish_act_quant_view, finish_reference, swiglu_h
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
 from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
@@ -372,12 +372,17 @@ def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, 
                 out_ref[b * bt + r, pl.ds(row0, bi)] = h.astype(out_ref.dtype)
 
 
-def _down_fma_kernel(be_ref, pair_ref, *refs, fmt, bt, bd, kg, steps, g):
-    """Kernel B on the vector units: the block's ``bt`` h rows share each decoded w2 tile."""
+def _down_fma_kernel(be_ref, pair_ref, *refs, fmt, bt, bd, kg, steps, g, splits=1):
+    """Kernel B on the vector units: the block's ``bt`` h rows share each decoded w2 tile. With
+    ``splits > 1`` (grid axis 2) a program runs ``steps`` of the K steps of its split and stores its
+    fp32 sums to ``y[split]`` (:func:`pallas_kernels.deferred_sum.split_sum` adds the splits in order
+    and rounds; with ``defer`` the mHC expansion kernel does that sum itself)."""
     h_refs = refs[:-3]
     w2_ref, s2_ref, y_ref = refs[-3:]
     b = pl.program_id(0)
     j = pl.program_id(1)
+    split = pl.program_id(2) if splits > 1 else 0  # (program ids outside pl.when: interpret mode)
+    step0 = split * steps
     e = be_ref[b]
     row0 = pl.multiple_of(j * bd, bd)
 
@@ -386,15 +391,19 @@ def _down_fma_kernel(be_ref, pair_ref, *refs, fmt, bt, bd, kg, steps, g):
         hrows = [b * bt + r for r in range(bt)]
 
         def load(i):
-            return fma.load_tile(fmt, w2_ref, s2_ref, (e,), row0, bd, pl.multiple_of(i * kg, kg), kg, g)
+            return fma.load_tile(fmt, w2_ref, s2_ref, (e,), row0, bd, pl.multiple_of((i + step0) * kg, kg), kg, g)
 
         def compute(i, tile, accs):
-            parts = fma.tile_partials(fmt, tile, h_refs, hrows, pl.multiple_of(i * kg, kg), kg)
+            parts = fma.tile_partials(fmt, tile, h_refs, hrows, pl.multiple_of((i + step0) * kg, kg), kg)
             return tuple(a + p for a, p in zip(accs, parts))
 
         accs = fma.k_loop(steps, load, compute, tuple(jnp.zeros((bd, kg), jnp.float32) for _ in range(bt)))
         for r in range(bt):
-            y_ref[pair_ref[b * bt + r], pl.ds(row0, bd)] = jnp.sum(accs[r], axis=1).astype(y_ref.dtype)
+            acc = jnp.sum(accs[r], axis=1)
+            if splits > 1:
+                y_ref[split, pair_ref[b * bt + r], pl.ds(row0, bd)] = acc
+            else:
+                y_ref[pair_ref[b * bt + r], pl.ds(row0, bd)] = acc.astype(y_ref.dtype)
 
 
 def fma_reason(w1, config) -> str | None:
@@ -418,12 +427,21 @@ def fma_reason(w1, config) -> str | None:
     if splits < 1 or (d // g // kg_a) % splits:
         return (f"the gate/up K split ({splits}) must divide its {d // g // kg_a} K steps "
                 f"(D={d}, {kg_a} groups of {g} per step)")
+    dsplits = fma_down_splits(config)
+    if dsplits < 1 or (i_dim // g // kg_b) % dsplits:
+        return (f"the down K split ({dsplits}) must divide its {i_dim // g // kg_b} K steps "
+                f"(I={i_dim}, {kg_b} groups of {g} per step)")
     return None
 
 
 def fma_splits(config) -> int:
     """The gate/up kernel's K splits of an ``"fma"`` config: its optional 9th entry, else 1."""
     return int(config[8]) if len(config) > 8 else 1
+
+
+def fma_down_splits(config) -> int:
+    """The down kernel's K splits of an ``"fma"`` config: its optional 11th entry, else 1."""
+    return int(config[10]) if len(config) > 10 else 1
 
 
 def fma_gate_up_warps(config) -> int:
@@ -469,15 +487,18 @@ GATE_UP_SPLIT = {**_parse_splits(os.environ.get("DSV41_MOE_SPLITS", "")), "below
 
 
 def _parse_down(text: str) -> dict:
-    """``DSV41_MOE_DOWN``: "BD,W", the MXFP4 down kernel's output rows per program and warps in the
-    default fma configs ("0": 16 rows and the config's 4 warps, the default before session 29)."""
+    """``DSV41_MOE_DOWN``: "BD,W" or "BD,W,S", the MXFP4 down kernel's output rows per program and
+    warps in the default fma configs, and its K splits where the grid is small (as the gate/up split:
+    one or two tokens; default 1, none); "0": 16 rows, the config's 4 warps, no split (the default
+    before session 29)."""
     vals = _env_ints(text, DEFAULT_DOWN)
     if vals == [0]:
-        return {"bd": 16, "warps": 4}
-    if len(vals) != 2 or min(vals) < 1 or any(v & (v - 1) for v in vals):
-        raise ValueError(f"DSV41_MOE_DOWN={text!r}: expected BD,W (powers of two: the MXFP4 down "
-                         "kernel's output rows per program and warps) or 0 (16 rows, 4 warps)")
-    return {"bd": vals[0], "warps": vals[1]}
+        return {"bd": 16, "warps": 4, "splits": 1}
+    if len(vals) not in (2, 3) or min(vals) < 1 or any(v & (v - 1) for v in vals[:2]):
+        raise ValueError(f"DSV41_MOE_DOWN={text!r}: expected BD,W or BD,W,S (BD and W powers of two: the MXFP4 "
+                         "down kernel's output rows per program and warps; S its K splits on small grids) "
+                         "or 0 (16 rows, 4 warps, no split)")
+    return {"bd": vals[0], "warps": vals[1], "splits": vals[2] if len(vals) == 3 else DEFAULT_DOWN_SPLITS}
 
 
 # The MXFP4 down kernel's tile: 64 output rows per program on 4 warps. H200, session 29
@@ -487,13 +508,22 @@ def _parse_down(text: str) -> dict:
 # 128 rows 23.3-23.9 at one token, 128.4 at 8; 32 rows on 2 warps 122.0 at 8.
 DEFAULT_DOWN = (64, 4)
 
+# The MXFP4 down kernel's K splits on small grids (one or two tokens: the gate/up split's rule): 3
+# of its 9 K steps each (I = 2304, 8 groups of 32 per step); the fp32 sums are added in order by
+# the mHC expansion kernel where the MoE output is deferred, else by XLA. H200, session 31
+# (BENCHMARKS.md, issue 6), whole MoE at one token, 96 experts: down 22.90 -> 19.03 us (65.97 ->
+# 62.45 us for the MoE with an XLA sum of the splits); 384 experts 21.93 -> 18.94; two tokens
+# 37.76 -> 33.33. 9 splits: the same down time, a slower sum. Batch-1 protocol (XLA sum) 136.78 ->
+# 139.45 tok/s. Where 3 does not divide the K steps (V4-Flash: 8 steps) there is no split.
+DEFAULT_DOWN_SPLITS = 3
+
 # Read at trace time (DSV41_MOE_DOWN).
 DOWN_TILE = _parse_down(os.environ.get("DSV41_MOE_DOWN", ""))
 
 
 def default_fma_config(w1, rows_per_expert: float = 1.0, routing_shape: tuple[int, int] | None = None,
                        act_block: int = 32) -> tuple:
-    """("fma", bt, bi, kg_a, bd, kg_b, warps, stages[, splits, gate/up warps]): one-row blocks up to 4
+    """("fma", bt, bi, kg_a, bd, kg_b, warps, stages[, splits, gate/up warps[, down splits]]): one-row blocks up to 4
     expected rows per expert (pairs / min(experts, pairs)), 4-row blocks beyond. On the H200 (session
     9, 96 experts) one-row blocks beat 2-row ones at 2 rows per expert (1.41 vs 1.51 ms) and 4-row
     ones at 4 (2.75 vs 3.20). With ``routing_shape`` (the indices' [N, k]) the gate/up K split of
@@ -501,7 +531,8 @@ def default_fma_config(w1, rows_per_expert: float = 1.0, routing_shape: tuple[in
     act-quant prologue kernel (``act_block`` one K group of the experts, as V4.1's; measured there
     only: elsewhere the finish would be XLA ops). MXFP4 tiles (session 29): the gate/up kernel 32
     rows per program where its grid is large (8 tokens), else 16 (split or not); the down kernel
-    :data:`DOWN_TILE` (``DSV41_MOE_DOWN``)."""
+    :data:`DOWN_TILE` (``DSV41_MOE_DOWN``), with its K splits (11th entry) on small grids where
+    they divide its K steps (MXFP4 experts only)."""
     n_exp, i_dim, d = weight_logical_shape(w1)
     g = fma.group_size(w1)
     fp4 = weight_format(w1) == "fp4"
@@ -527,10 +558,14 @@ def default_fma_config(w1, rows_per_expert: float = 1.0, routing_shape: tuple[in
     cfg = ("fma", bt, pick_block(i_dim, bi), kg_for(d), pick_block(d, bd), kg_for(i_dim), warps, 3)
     if warps != 4:  # the gate/up kernel keeps 4 warps (10th entry)
         cfg = cfg + (1, 4)
-    if not small or routing_shape is None or sp["splits"] == 1 or fma.moe_act_quant_site(w1, act_block) != "pallas":
-        return cfg
-    split = cfg[:2] + (sp["bi"] or pick_block(i_dim, base_rows),) + cfg[3:8] + (sp["splits"], sp["warps"] or 4)
-    return split if fma_reason(w1, split) is None else cfg  # e.g. a split that does not divide the K steps
+    if small and routing_shape is not None and sp["splits"] > 1 and fma.moe_act_quant_site(w1, act_block) == "pallas":
+        split = cfg[:2] + (sp["bi"] or pick_block(i_dim, base_rows),) + cfg[3:8] + (sp["splits"], sp["warps"] or 4)
+        cfg = split if fma_reason(w1, split) is None else cfg  # e.g. a split that does not divide the K steps
+    dsplits = DOWN_TILE.get("splits", 1) if fp4 else 1
+    if small and routing_shape is not None and dsplits > 1:
+        down = cfg + ((1, 4) if len(cfg) == 8 else ()) + (dsplits,)
+        cfg = down if fma_reason(w1, down) is None else cfg
+    return cfg
 
 
 def _slots_out(y, indices, defer: bool):
@@ -577,14 +612,21 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
         hs = finish_act_quant_view(h, block_weight, w1, x_dtype=x.dtype, limit=limit, interpret=interpret)
     else:
         hs = fma.act_quant_view(h, w1, interpret=interpret) if prologue else fma.act_view(act_quant(h, act_block), w1)
+    dsplits = fma_down_splits(cfg)
     y = pl.pallas_call(
-        functools.partial(_down_fma_kernel, fmt=fmt, bt=bt, bd=bd, kg=kg_b, steps=i_dim // g // kg_b, g=g),
-        out_shape=jax.ShapeDtypeStruct((p + 1, d), x.dtype),
-        grid=(nb, d // bd),
+        functools.partial(_down_fma_kernel, fmt=fmt, bt=bt, bd=bd, kg=kg_b, steps=i_dim // g // kg_b // dsplits, g=g,
+                          splits=dsplits),
+        out_shape=(jax.ShapeDtypeStruct((dsplits, p + 1, d), jnp.float32) if dsplits > 1
+                   else jax.ShapeDtypeStruct((p + 1, d), x.dtype)),
+        grid=(nb, d // bd, dsplits) if dsplits > 1 else (nb, d // bd),
         compiler_params=params,
         interpret=interpret,
         name=f"moe_down_fma_{fmt}",
     )(block_expert, block_pair, *hs, d2, s2)
+    if dsplits > 1 and defer:  # the consumer adds the splits, then the slots
+        return expert_slots(y, indices, rows_dtype=x.dtype)
+    if dsplits > 1:
+        y = split_sum(y, x.dtype)
     return _slots_out(y, indices, defer)
 
 

@@ -39,6 +39,18 @@ def _slots(key, t, k, d, n_missing):
     return rows, jnp.asarray(index, jnp.int32)
 
 
+def _split_slots(key, t, k, d, n_missing, splits=3):
+    """A split-K down kernel's slot rows: fp32 sums [splits, t*k + 1, d] whose float32 sums are exact
+    in any order (rounded to bf16 afterwards), NaN in the rows of slots without an expert and in the
+    spare row."""
+    parts = _exact_parts(key, splits, t * k + 1, d)
+    index = np.array(jax.random.randint(jax.random.fold_in(key, 1), (t, k), 0, 8))
+    flat = index.reshape(-1)
+    flat[np.random.default_rng(int(jax.random.randint(key, (), 0, 1 << 30))).choice(t * k, n_missing, False)] = -1
+    ok = jnp.asarray(np.concatenate([flat >= 0, [False]]))
+    return jnp.where(ok[None, :, None], parts, jnp.nan), jnp.asarray(index, jnp.int32)
+
+
 def _site_inputs(key, t, d):
     ks = jax.random.split(key, 6)
     x = (jax.random.normal(ks[0], (t, HC, d), jnp.float32) * 2).astype(jnp.bfloat16)
@@ -52,7 +64,7 @@ def _site_inputs(key, t, d):
 
 
 @pytest.mark.parametrize("t,d,kind", [(1, 256, "gemv"), (3, 192, "gemv"), (1, 256, "moe"), (2, 128, "moe"),
-                                      (1, 128, "experts")])
+                                      (1, 128, "experts"), (1, 256, "moe_split"), (2, 128, "moe_split")])
 def test_expansion_kernel_sums_the_pieces(t, d, kind):
     """With f as a DeferredSum the expansion kernel gives the streams, collapse (normalized or not)
     and mixes it gives on f's value, bit for bit (inputs whose float32 sums are exact in any order).
@@ -68,6 +80,11 @@ def test_expansion_kernel_sums_the_pieces(t, d, kind):
         shared = gemv_parts(_exact_parts(jax.random.fold_in(key, 7), 3, t, d), jnp.bfloat16, (t, d))
         f = moe_output(expert_slots(rows, index), shared, jnp.bfloat16, (t, d))
         assert isinstance(f, DeferredSum) and f.parts is not None and f.expert_rows is not None
+    elif kind == "moe_split":  # the down kernel's split-K sums, each row summed and rounded first
+        rows, index = _split_slots(jax.random.fold_in(key, 8), t, k, d, n_missing=1)
+        shared = gemv_parts(_exact_parts(jax.random.fold_in(key, 7), 3, t, d), jnp.bfloat16, (t, d))
+        f = moe_output(expert_slots(rows, index, rows_dtype=jnp.bfloat16), shared, jnp.bfloat16, (t, d))
+        assert isinstance(f, DeferredSum) and f.row_splits == 3 and f.rows_dtype == jnp.bfloat16
     else:  # the routed experts alone: a float32 value (the slots' sum is not rounded)
         rows, index = _slots(jax.random.fold_in(key, 8), t, k, d, n_missing=2)
         f = expert_slots(rows, index)
@@ -108,6 +125,15 @@ def test_expansion_kernel_refuses_pieces_that_do_not_fit():
                                          implementation=IMPL, **KW)
     with pytest.raises(ValueError, match="go together"):
         DeferredSum(parts=None, expert_rows=rows, expert_index=None, dtype=jnp.dtype(jnp.float32), shape=(1, 128))
+    split_rows, split_index = _split_slots(key, 1, 3, 128, 0)
+    with pytest.raises(ValueError, match="need rows_dtype"):
+        DeferredSum(parts=None, expert_rows=split_rows, expert_index=split_index, dtype=jnp.dtype(jnp.float32),
+                    shape=(1, 128))
+    wrong_split = expert_slots(split_rows, split_index, rows_dtype=jnp.bfloat16)
+    assert "do not fit" in mhc_kernel.expand_mix_reason(
+        DeferredSum(parts=None, expert_rows=split_rows, expert_index=split_index, dtype=jnp.dtype(jnp.float32),
+                    shape=(2, 128), rows_dtype=jnp.dtype(jnp.bfloat16)), x, post, comb, pre_next, fn_next)
+    assert wrong_split.row_splits == 3 and expert_slots(rows, index).row_splits == 0
 
 
 def test_producers_defer_to_the_same_values():
@@ -142,6 +168,15 @@ def test_producers_defer_to_the_same_values():
     np.testing.assert_array_equal(np.asarray(materialize(slots)), np.asarray(summed))
     assert not isinstance(moe_api.moe_experts(xm, wts, idx, w1, w2, w3, swiglu_limit=7.0, implementation="reference",
                                               defer=True), DeferredSum)
+    # I = 192: 3 down K steps, which the default down split (3) divides at these small grids
+    w1s, w3s = (quantize_mxfp4(jax.random.normal(kk, (E, 192, D), jnp.float32) * 0.1) for kk in ks[:2])
+    w2s = quantize_mxfp4(jax.random.normal(ks[2], (E, D, 192), jnp.float32) * 0.1)
+    split_summed = moe_api.moe_experts(xm, wts, idx, w1s, w2s, w3s, **kw)
+    split_slots = moe_api.moe_experts(xm, wts, idx, w1s, w2s, w3s, defer=True, **kw)
+    from pallas_kernels.moe import pallas_triton as moe_kernel
+
+    assert split_slots.row_splits == moe_kernel.DEFAULT_DOWN_SPLITS == 3 and split_slots.rows_dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(materialize(split_slots)), np.asarray(split_summed))
     # the MoE output: deferred only when both pieces are; the same value either way
     shared = gemv_parts(_exact_parts(ks[0], 2, N, D), jnp.bfloat16, (N, D))
     out = moe_output(slots, shared, jnp.bfloat16, (1, N, D))
@@ -153,8 +188,9 @@ def test_producers_defer_to_the_same_values():
 
 @pytest.mark.parametrize("target", ["cuda", "rocm"])
 def test_expansion_kernel_with_deferred_pieces_lowers(target):
-    """The real decode shapes (D = 5120; wo_b's 4 parts; the MoE's 6 slot rows + 3 w2 parts) lower
-    for both vendors, one expansion kernel and one split kernel each, no XLA sum before them."""
+    """The real decode shapes (D = 5120; wo_b's 4 parts; the MoE's 6 slot rows, or their 3 split-K
+    down sums, + 3 w2 parts) lower for both vendors, one expansion kernel and one split kernel each,
+    no XLA sum before them."""
     from jax.experimental.pallas import triton as pltriton
 
     from pallas_kernels.testing import lower_for
@@ -168,8 +204,14 @@ def test_expansion_kernel_with_deferred_pieces_lowers(target):
         f = DeferredSum(parts=parts, expert_rows=rows, expert_index=index, dtype=jnp.dtype(jnp.bfloat16), shape=(t, d))
         return mhc_kernel.hc_expand_collapse_mixes(f, *a, y_norm_eps=1e-6, **KW)
 
-    for n_parts, pieces in ((4, (None, None)), (3, (S((t * k + 1, d), jnp.bfloat16), S((t, k), jnp.int32)))):
-        fn = (lambda p, *a: run(p, None, None, *a)) if pieces[0] is None else run
+    def run_split(parts, rows, index, *a):
+        f = DeferredSum(parts=parts, expert_rows=rows, expert_index=index, dtype=jnp.dtype(jnp.bfloat16), shape=(t, d),
+                        rows_dtype=jnp.dtype(jnp.bfloat16))
+        return mhc_kernel.hc_expand_collapse_mixes(f, *a, y_norm_eps=1e-6, **KW)
+
+    for n_parts, pieces, fn in ((4, (None, None), lambda p, *a: run(p, None, None, *a)),
+                                (3, (S((t * k + 1, d), jnp.bfloat16), S((t, k), jnp.int32)), run),
+                                (3, (S((3, t * k + 1, d), jnp.float32), S((t, k), jnp.int32)), run_split)):
         args = (S((n_parts, t, d), jnp.float32),) + tuple(a for a in pieces if a is not None) + site
         txt = lower_for(target, fn, *args).as_text()
         assert txt.count(pltriton.CUSTOM_CALL_TARGET_NAME) == 2 and "stablehlo.reduce" not in txt

@@ -189,13 +189,15 @@ def test_splits_variable_is_checked():
 
 
 def test_down_variable_is_checked():
-    for bad in ("-2", "two", "64", "64,8,2", "64,0", "48,4", "64,6"):
+    for bad in ("-2", "two", "64", "64,8,2,1", "64,8,0", "64,0", "48,4", "64,6", "48,4,3"):
         with pytest.raises(ValueError, match="DSV41_MOE_DOWN"):
             pallas_triton._parse_down(bad)
     assert pallas_triton.DEFAULT_DOWN == (64, 4)
-    assert pallas_triton._parse_down("") == {"bd": 64, "warps": 4}
-    assert pallas_triton._parse_down(" 32, 8 ") == {"bd": 32, "warps": 8}
-    assert pallas_triton._parse_down("0") == {"bd": 16, "warps": 4}
+    d = pallas_triton.DEFAULT_DOWN_SPLITS
+    assert pallas_triton._parse_down("") == {"bd": 64, "warps": 4, "splits": d}
+    assert pallas_triton._parse_down(" 32, 8 ") == {"bd": 32, "warps": 8, "splits": d}
+    assert pallas_triton._parse_down("64,4,3") == {"bd": 64, "warps": 4, "splits": 3}
+    assert pallas_triton._parse_down("0") == {"bd": 16, "warps": 4, "splits": 1}
 
 
 def test_split_rows_and_warps_reach_the_gate_up_kernel(monkeypatch):
@@ -204,19 +206,20 @@ def test_split_rows_and_warps_reach_the_gate_up_kernel(monkeypatch):
     MXFP4 gate/up kernel 32 rows per program on large grids (16 on small ones, split or not)."""
     e, i, d = 384, 2304, 5120
     w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)
-    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6)) == ("fma", 1, 16, 16, 64, 8, 4, 3, 2, 4)
+    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6)) == ("fma", 1, 16, 16, 64, 8, 4, 3, 2, 4, 3)
     assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(8, 6)) == ("fma", 1, 32, 16, 64, 8, 4, 3)
     # the split rule counts the grid at 16 rows: 4 tokens (48 blocks x 144 programs) stay unsplit, on 32 rows
     assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(4, 6)) == ("fma", 1, 32, 16, 64, 8, 4, 3)
     # a small grid without the split keeps 16 gate/up rows: V4's 128-wide activation blocks at one
     # token, the split turned off, or no routing shape given
-    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6), act_block=128) == ("fma", 1, 16, 16, 64, 8, 4, 3)
+    # (the down split still applies there: DOWN_TILE, tests/pallas_kernels/test_moe_down_split.py)
+    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6), act_block=128) == ("fma", 1, 16, 16, 64, 8, 4, 3, 1, 4, 3)
     assert pallas_triton.default_fma_config(w1, 1.0) == ("fma", 1, 16, 16, 64, 8, 4, 3)
     monkeypatch.setitem(pallas_triton.GATE_UP_SPLIT, "splits", 1)
-    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6)) == ("fma", 1, 16, 16, 64, 8, 4, 3)
+    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6)) == ("fma", 1, 16, 16, 64, 8, 4, 3, 1, 4, 3)
     monkeypatch.setitem(pallas_triton.GATE_UP_SPLIT, "splits", 2)
     monkeypatch.setattr(pallas_triton, "DOWN_TILE", pallas_triton._parse_down("0"))
-    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6)) == ("fma", 1, 16, 16, 16, 8, 4, 3, 2, 4)
+    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6)) == ("fma", 1, 16, 16, 16, 8, 4, 3, 2, 4)  # "0": no down split
     monkeypatch.setattr(pallas_triton, "DOWN_TILE", {"bd": 32, "warps": 2})  # the gate/up kernel keeps 4 warps
     assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(8, 6)) == ("fma", 1, 32, 16, 32, 8, 2, 3, 1, 4)
     assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6)) == ("fma", 1, 16, 16, 32, 8, 2, 3, 2, 4)
@@ -225,15 +228,15 @@ def test_split_rows_and_warps_reach_the_gate_up_kernel(monkeypatch):
     monkeypatch.setitem(pallas_triton.GATE_UP_SPLIT, "bi", 32)
     monkeypatch.setitem(pallas_triton.GATE_UP_SPLIT, "warps", 8)
     cfg = pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6))
-    assert cfg == ("fma", 1, 32, 16, 64, 8, 4, 3, 5, 8), cfg
+    assert cfg == ("fma", 1, 32, 16, 64, 8, 4, 3, 5, 8, 3), cfg
     assert pallas_triton.fma_gate_up_warps(cfg) == 8 and pallas_triton.fma_gate_up_warps(cfg[:8]) == 4
     txt = lower_for("cuda", lambda x, w, idx, a, b, c: pallas_triton.moe_experts(
         x, w, idx, a, b, c, swiglu_limit=10.0, config=cfg),
         S((1, d), jnp.bfloat16), S((1, 6), jnp.float32), S((1, 6), jnp.int32), w1,
         Fp4Tensor(S((e, d, i // 2), jnp.uint8), S((e, d, i // 32), jnp.float8_e8m0fnu), 32), w1).as_text()
     assert txt.count('name = "moe_gate_up_finish"') == 1
-    monkeypatch.setitem(pallas_triton.GATE_UP_SPLIT, "bi", 7)  # does not divide I: the split is not taken
-    assert len(pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6))) == 8
+    monkeypatch.setitem(pallas_triton.GATE_UP_SPLIT, "bi", 7)  # does not divide I: the gate/up split is not taken
+    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6)) == ("fma", 1, 16, 16, 64, 8, 4, 3, 1, 4, 3)
 
 
 def test_split_parity_with_other_rows_and_warps_interpret():

@@ -1,0 +1,164 @@
+"""The fma down kernel's K split (the fma config's 11th entry, ``DSV41_MOE_DOWN=BD,W,S``):
+interpret-mode parity with the reference and with the unsplit kernel on fresh random inputs, the
+split sums added in order and rounded once, refusal of splits that do not divide the down K steps,
+the dispatch's rule (small grids only, MXFP4 only), and cuda / rocm lowering at the real V4.1
+expert shapes."""
+
+import dsv41_jax  # noqa: F401  (import order: dsv41_jax before pallas_kernels)
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import ShapeDtypeStruct as S
+
+from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, quantize_fp8, quantize_mxfp4
+from pallas_kernels.moe import pallas_triton, reference
+from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
+from pallas_kernels.testing import lower_for
+
+E, I, D, K = 8, 192, 128, 3  # I = 6 groups of 32: with kg_b 2 the down kernel runs 3 K steps
+
+_q8 = jax.jit(quantize_fp8, static_argnames="block")
+_q4 = jax.jit(quantize_mxfp4, static_argnames="block")
+_reference = jax.jit(reference.moe_experts, static_argnames=("swiglu_limit", "act_block", "path"))
+
+
+def run(fn, *args, **kw):
+    return jax.jit(lambda *a: fn(*a, **kw))(*args)
+
+
+def make(fmt, seed, n, dtype, i_dim=I):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((n, D), np.float32).astype(np.dtype(dtype)))
+    wts = jnp.asarray(rng.uniform(0.05, 1.0, (n, K)).astype(np.float32))
+    idx = jnp.asarray(np.argsort(rng.random((n, E)), axis=1)[:, :K].astype(np.int32))
+
+    def w(shape):
+        wf = jnp.asarray(rng.standard_normal(shape, np.float32) * np.float32(0.2))
+        return _q8(wf) if fmt == "fp8" else _q4(wf)
+
+    return x, wts, idx, w((E, i_dim, D)), w((E, D, i_dim)), w((E, i_dim, D))
+
+
+def config(w1, bt, dsplits, gate_up_splits=1):
+    """The default config with two K groups per down step (3 steps), ``bt`` rows per block, 32 output
+    rows per down program, the gate/up split and the down split."""
+    cfg = list(pallas_triton.default_fma_config(w1))[:8]
+    cfg[1], cfg[4], cfg[5] = bt, 32, 2
+    return tuple(cfg) + (gate_up_splits, 4, dsplits)
+
+
+# Same tolerance as the gate/up split's parity: same products, fp32 sums in another order (each
+# split's sum, then the splits in order), the down output rounded once to x.dtype.
+@pytest.mark.parametrize("fmt,n,bt,dsplits,gsplits,dtype", [
+    ("fp4", 1, 1, 3, 1, jnp.bfloat16), ("fp4", 1, 1, 3, 2, jnp.float32), ("fp4", 2, 1, 3, 1, jnp.float32),
+    ("fp4", 9, 4, 3, 1, jnp.bfloat16), ("fp8", 1, 1, 3, 1, jnp.float32),
+])
+def test_down_split_parity_interpret(fmt, n, bt, dsplits, gsplits, dtype):
+    x, wts, idx, w1, w2, w3 = make(fmt, np.random.randint(1 << 30), n, dtype)
+    kw = dict(swiglu_limit=1.0, interpret=True)
+    if gsplits > 1:  # the gate/up split needs K steps it divides: one group per gate/up step (4 steps)
+        cfg, cfg1 = (c[:3] + (1,) + c[4:] for c in (config(w1, bt, dsplits, gsplits), config(w1, bt, 1, gsplits)))
+    else:
+        cfg, cfg1 = config(w1, bt, dsplits), config(w1, bt, 1)
+    assert pallas_triton.fma_reason(w1, cfg) is None, pallas_triton.fma_reason(w1, cfg)
+    y = run(pallas_triton.moe_experts, x, wts, idx, w1, w2, w3, config=cfg, **kw)
+    y1 = run(pallas_triton.moe_experts, x, wts, idx, w1, w2, w3, config=cfg1, **kw)
+    yr = _reference(x, wts, idx, w1, w2, w3, swiglu_limit=1.0)
+    tol = 2.0**-7 if dtype == jnp.bfloat16 else 1e-5
+    y, y1, yr = np.asarray(y), np.asarray(y1), np.asarray(yr)
+    assert np.all(np.isfinite(y)) and y.shape == (n, D)
+    scale = float(np.max(np.abs(yr)))
+    np.testing.assert_allclose(y, yr, rtol=tol, atol=tol * scale)
+    np.testing.assert_allclose(y, y1, rtol=tol, atol=tol * scale)
+
+
+def test_down_split_with_128_wide_activation_blocks_interpret():
+    """V4's 128-wide activation blocks (V4-Pro's I = 3072 has 12 down K steps, which 3 splits
+    divide): I = 384, 6 K steps of 2 groups, 3 splits; against the reference and the unsplit kernel."""
+    x, wts, idx, w1, w2, w3 = make("fp4", np.random.randint(1 << 30), 1, jnp.float32, i_dim=384)
+    cfg, cfg1 = config(w1, 1, 3), config(w1, 1, 1)
+    assert pallas_triton.fma_reason(w1, cfg) is None
+    kw = dict(swiglu_limit=1.0, act_block=128, interpret=True)
+    y = run(pallas_triton.moe_experts, x, wts, idx, w1, w2, w3, config=cfg, **kw)
+    y1 = run(pallas_triton.moe_experts, x, wts, idx, w1, w2, w3, config=cfg1, **kw)
+    yr = _reference(x, wts, idx, w1, w2, w3, swiglu_limit=1.0, act_block=128)
+    y, y1, yr = np.asarray(y), np.asarray(y1), np.asarray(yr)
+    scale = float(np.max(np.abs(yr)))
+    np.testing.assert_allclose(y, yr, rtol=1e-5, atol=1e-5 * scale)
+    np.testing.assert_allclose(y, y1, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_down_split_partials_sum_to_the_unsplit_down():
+    """The split kernel's stored fp32 partials, added over the splits, are each pair's down GEMM of
+    the kernel's own h (float32: exact up to the sum order; 1e-6), and ``split_sum`` adds them
+    in split order and rounds once."""
+    x, wts, idx, w1, w2, w3 = make("fp4", np.random.randint(1 << 30), 1, jnp.float32)
+    got = {}
+    real = pallas_triton.split_sum
+
+    def spy(parts, dtype):
+        got["parts"] = parts
+        return real(parts, dtype)
+
+    import unittest.mock as mock
+
+    with mock.patch.object(pallas_triton, "split_sum", spy):
+        y = pallas_triton.moe_experts(x, wts, idx, w1, w2, w3, swiglu_limit=1.0, interpret=True,
+                                      config=config(w1, 1, 3))  # eager: the spy sees the partials
+    parts = np.asarray(got["parts"])
+    assert parts.shape == (3, K + 1, D)
+    y1 = pallas_triton.moe_experts(x, wts, idx, w1, w2, w3, swiglu_limit=1.0, interpret=True, config=config(w1, 1, 1))
+    full = parts[0, :K] + parts[1, :K] + parts[2, :K]  # float32, in split order
+    np.testing.assert_allclose(full.sum(0), np.asarray(y1)[0], rtol=1e-6, atol=1e-6 * np.abs(full).max())
+    np.testing.assert_array_equal(np.asarray(y)[0], full.sum(0, dtype=np.float32))
+    # each split reads only its own third of the K groups: its partial differs from the others
+    assert not np.allclose(parts[0, :K], parts[1, :K])
+    rng = np.random.default_rng(np.random.randint(1 << 30))
+    p = jnp.asarray((rng.standard_normal((3, 4, 64)) * np.exp2(rng.integers(-8, 8, (3, 4, 64)))).astype(np.float32))
+    want = ((np.asarray(p[0]) + np.asarray(p[1])) + np.asarray(p[2])).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(jax.jit(real, static_argnums=1)(p, jnp.bfloat16)), want)
+
+
+def test_down_split_reasons():
+    _, _, _, w1, _, _ = make("fp4", 0, 1, jnp.float32)
+    assert pallas_triton.fma_reason(w1, config(w1, 1, 3)) is None
+    assert pallas_triton.fma_down_splits(config(w1, 1, 3)) == 3
+    assert pallas_triton.fma_down_splits(pallas_triton.default_fma_config(w1)) == 1
+    r = pallas_triton.fma_reason(w1, config(w1, 1, 2))
+    assert "down K split (2) must divide its 3 K steps" in r, r
+    assert "down K split (0)" in pallas_triton.fma_reason(w1, config(w1, 1, 0))
+
+
+def test_default_down_split_rule(monkeypatch):
+    """``DOWN_TILE["splits"]`` reaches the dispatch's config on small grids (one token), not on large
+    ones (8 tokens), not where it does not divide the K steps (V4-Flash: I = 2048, 8 steps), and not
+    for FP8 experts; with and without the gate/up split."""
+    e, i, d = 384, 2304, 5120
+    w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)
+    monkeypatch.setattr(pallas_triton, "DOWN_TILE", pallas_triton._parse_down("64,4,3"))
+    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6)) == ("fma", 1, 16, 16, 64, 8, 4, 3, 2, 4, 3)
+    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(8, 6)) == ("fma", 1, 32, 16, 64, 8, 4, 3)
+    monkeypatch.setitem(pallas_triton.GATE_UP_SPLIT, "splits", 1)
+    assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6)) == ("fma", 1, 16, 16, 64, 8, 4, 3, 1, 4, 3)
+    v4 = Fp4Tensor(S((256, 2048, 4096 // 2), jnp.uint8), S((256, 2048, 4096 // 32), jnp.float8_e8m0fnu), 32)
+    assert len(pallas_triton.default_fma_config(v4, 1.0, routing_shape=(1, 6))) == 8
+    w8 = Fp8Tensor(S((e, i, d), jnp.float8_e4m3fn), S((e, i // 32, d // 32), jnp.float8_e8m0fnu), (32, 32))
+    assert len(pallas_triton.default_fma_config(w8, 1.0, routing_shape=(1, 6))) == 8
+    monkeypatch.setattr(pallas_triton, "DOWN_TILE", pallas_triton._parse_down("64,4,1"))
+    assert len(pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6))) == 8
+
+
+@pytest.mark.parametrize("target", ["cuda", "rocm"])
+def test_down_split_cross_lowering_real_shapes(target, monkeypatch):
+    """At the real V4.1 expert shapes, one token, the default config with 3 down splits of the 9 K
+    steps: one gate/up kernel, its finish, one down kernel (grid axis 2) and the x prologue."""
+    e, i, d = 384, 2304, 5120
+    w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)
+    w2 = Fp4Tensor(S((e, d, i // 2), jnp.uint8), S((e, d, i // 32), jnp.float8_e8m0fnu), 32)
+    monkeypatch.setitem(fma.DECODE_GEMV, "moe", "fma")
+    monkeypatch.setattr(pallas_triton, "DOWN_TILE", pallas_triton._parse_down("64,4,3"))
+    txt = lower_for(target, lambda x, w, idx, a, b, c: pallas_triton.moe_experts(x, w, idx, a, b, c, swiglu_limit=10.0),
+                    S((1, d), jnp.bfloat16), S((1, 6), jnp.float32), S((1, 6), jnp.int32), w1, w2, w1).as_text()
+    for name in ("moe_gate_up_fma_fp4", "moe_gate_up_finish", "moe_down_fma_fp4", "fma_act_quant"):
+        assert txt.count(f'name = "{name}"') == 1, name
