@@ -250,6 +250,13 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
         # the config the dispatch picks at this size (block height; the gate/up K split at one token)
         auto = pallas_triton.default_fma_config(w1, n * TOPK / min(experts, n * TOPK), routing_shape=(n, TOPK))
         fmas += [auto] if auto not in fmas else []
+        # the down kernel's K splits around the dispatch's choice (session 31: 3 at one and two tokens)
+        same = {pallas_triton.with_down_splits(c, pallas_triton.fma_down_splits(c)) for c in fmas}
+        for ds in (1, 3, 9):
+            c = pallas_triton.with_down_splits(auto, ds)
+            if c not in same and pallas_triton.fma_reason(w1, c) is None:
+                fmas.append(c)
+                same.add(c)
         tcs = [mma] + ([c for c in TC_DECODE_CONFIGS if c != mma] if wide else [])
         tc = [(c, vias[0], r) for r in (mma_routes or [None]) for c in tcs]
         for cfg, via, mroute in tc + [(c, v, None) for v in vias for c in fmas]:

@@ -444,6 +444,13 @@ def fma_down_splits(config) -> int:
     return int(config[10]) if len(config) > 10 else 1
 
 
+def with_down_splits(config, splits: int) -> tuple:
+    """``config`` (an ``"fma"`` config) with ``splits`` down K splits: the 11-entry form, the gate/up
+    split and warps kept (1 and the config's warps where absent)."""
+    cfg = tuple(config[:8]) + (fma_splits(config), fma_gate_up_warps(config))
+    return cfg + (int(splits),)
+
+
 def fma_gate_up_warps(config) -> int:
     """The gate/up kernel's warps of an ``"fma"`` config: its optional 10th entry, else the config's
     warps (7th entry, also the down kernel's)."""

@@ -76,6 +76,13 @@ def test_moe_fma_sweep_runs_in_interpret_mode(monkeypatch):
     fma_rows = [r for r in rows if r["config"][0] == "fma"]
     assert any(r["config"][1] == 4 for r in fma_rows)  # 4-row blocks tried at 4 tokens
     assert len(fma_rows) >= 8 and all(r["ok"] for r in rows), [(r["config"], r["rel_err"]) for r in rows if not r["ok"]]
+    # I = 192: 3 down K steps: the dispatch's config at one token splits the down kernel in 3 (11th
+    # entry), and the sweep times it beside the unsplit default, each checked
+    monkeypatch.setattr(bm, "I", 192)
+    rows = bm.fma_sweep((1,), default_only=True)
+    downs = sorted(bm.pallas_triton.fma_down_splits(r["config"]) for r in rows if r["config"][0] == "fma")
+    assert downs == [1, 3] and all(r["ok"] for r in rows), [(r["config"], r["rel_err"]) for r in rows]
+    monkeypatch.setattr(bm, "I", 64)
     # --vias e4m3,f16 --default-only: the tensor-core default once, the fma default per route, each checked
     from pallas_kernels.quantized_matmul import pallas_triton_fma
 

@@ -162,3 +162,14 @@ def test_down_split_cross_lowering_real_shapes(target, monkeypatch):
                     S((1, d), jnp.bfloat16), S((1, 6), jnp.float32), S((1, 6), jnp.int32), w1, w2, w1).as_text()
     for name in ("moe_gate_up_fma_fp4", "moe_gate_up_finish", "moe_down_fma_fp4", "fma_act_quant"):
         assert txt.count(f'name = "{name}"') == 1, name
+
+
+def test_with_down_splits_keeps_the_rest_of_the_config():
+    _, _, _, w1, _, _ = make("fp4", 0, 1, jnp.float32)
+    base = pallas_triton.default_fma_config(w1)  # 8 entries
+    c = pallas_triton.with_down_splits(base, 3)
+    assert c == base + (1, base[6], 3) and pallas_triton.fma_down_splits(c) == 3
+    split = base + (2, 8)
+    assert pallas_triton.with_down_splits(split, 3) == split + (3,)
+    assert pallas_triton.with_down_splits(split + (3,), 1) == split + (1,)
+    assert pallas_triton.fma_splits(c) == 1 and pallas_triton.fma_gate_up_warps(split + (3,)) == 8
