@@ -162,3 +162,42 @@ def sliced_kernel_operands(text: str) -> list[str]:
                     piece = re.sub(r"%[\w#]+ = |%[\w#]+", "", d[1]).strip()
                     found.append(f"{kernel_name(line)} operand {pos}: {piece} of {kernel_name(src[1])}")
     return found
+
+
+def random_moe_case(fmt: str, seed: int, n: int, dtype, *, experts: int, inter: int, dim: int, topk: int):
+    """Fresh random inputs of the fused MoE for interpret-mode tests: x [n, dim] in ``dtype``, routing
+    weights in [0.05, 1), ``topk`` distinct experts per token, and w1 / w3 [experts, inter, dim], w2
+    [experts, dim, inter] from N(0, 0.2²) quantized to FP8 (``fmt`` "fp8", 32×32 blocks) or MXFP4.
+    -> (x, weights, indices, w1, w2, w3)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dsv41_jax.quant import quantize_fp8, quantize_mxfp4
+
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((n, dim), np.float32).astype(np.dtype(dtype)))
+    wts = jnp.asarray(rng.uniform(0.05, 1.0, (n, topk)).astype(np.float32))
+    idx = jnp.asarray(np.argsort(rng.random((n, experts)), axis=1)[:, :topk].astype(np.int32))
+    quant = jax.jit(quantize_fp8 if fmt == "fp8" else quantize_mxfp4)
+
+    def w(shape):
+        return quant(jnp.asarray(rng.standard_normal(shape, np.float32) * np.float32(0.2)))
+
+    return x, wts, idx, w((experts, inter, dim)), w((experts, dim, inter)), w((experts, inter, dim))
+
+
+def jit_call(fn, *args, **kw):
+    """``fn(*args, **kw)`` under ``jax.jit`` (the keywords static)."""
+    return jax.jit(lambda *a: fn(*a, **kw))(*args)
+
+
+def assert_split_close(y, y_unsplit, y_ref, tol: float):
+    """A K-split kernel's output ``y``: finite, the reference's shape, and within ``tol`` (relative,
+    plus ``tol`` of max|reference|) of both the reference and the unsplit kernel's output."""
+    import numpy as np
+
+    y, y_unsplit, y_ref = (np.asarray(a, np.float32) for a in (y, y_unsplit, y_ref))
+    assert np.all(np.isfinite(y)) and y.shape == y_ref.shape, (y.shape, y_ref.shape)
+    scale = float(np.max(np.abs(y_ref)))
+    np.testing.assert_allclose(y, y_ref, rtol=tol, atol=tol * scale)
+    np.testing.assert_allclose(y, y_unsplit, rtol=tol, atol=tol * scale)

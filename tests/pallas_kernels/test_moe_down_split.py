@@ -11,33 +11,18 @@ import numpy as np
 import pytest
 from jax import ShapeDtypeStruct as S
 
-from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, quantize_fp8, quantize_mxfp4
+from dsv41_jax.quant import Fp4Tensor, Fp8Tensor
 from pallas_kernels.moe import pallas_triton, reference
 from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
-from pallas_kernels.testing import lower_for
+from pallas_kernels.testing import assert_split_close, jit_call as run, lower_for, random_moe_case
 
 E, I, D, K = 8, 192, 128, 3  # I = 6 groups of 32: with kg_b 2 the down kernel runs 3 K steps
 
-_q8 = jax.jit(quantize_fp8, static_argnames="block")
-_q4 = jax.jit(quantize_mxfp4, static_argnames="block")
 _reference = jax.jit(reference.moe_experts, static_argnames=("swiglu_limit", "act_block", "path"))
 
 
-def run(fn, *args, **kw):
-    return jax.jit(lambda *a: fn(*a, **kw))(*args)
-
-
 def make(fmt, seed, n, dtype, i_dim=I):
-    rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.standard_normal((n, D), np.float32).astype(np.dtype(dtype)))
-    wts = jnp.asarray(rng.uniform(0.05, 1.0, (n, K)).astype(np.float32))
-    idx = jnp.asarray(np.argsort(rng.random((n, E)), axis=1)[:, :K].astype(np.int32))
-
-    def w(shape):
-        wf = jnp.asarray(rng.standard_normal(shape, np.float32) * np.float32(0.2))
-        return _q8(wf) if fmt == "fp8" else _q4(wf)
-
-    return x, wts, idx, w((E, i_dim, D)), w((E, D, i_dim)), w((E, i_dim, D))
+    return random_moe_case(fmt, seed, n, dtype, experts=E, inter=i_dim, dim=D, topk=K)
 
 
 def config(w1, bt, dsplits, gate_up_splits=1):
@@ -65,12 +50,8 @@ def test_down_split_parity_interpret(fmt, n, bt, dsplits, gsplits, dtype):
     y = run(pallas_triton.moe_experts, x, wts, idx, w1, w2, w3, config=cfg, **kw)
     y1 = run(pallas_triton.moe_experts, x, wts, idx, w1, w2, w3, config=cfg1, **kw)
     yr = _reference(x, wts, idx, w1, w2, w3, swiglu_limit=1.0)
-    tol = 2.0**-7 if dtype == jnp.bfloat16 else 1e-5
-    y, y1, yr = np.asarray(y), np.asarray(y1), np.asarray(yr)
-    assert np.all(np.isfinite(y)) and y.shape == (n, D)
-    scale = float(np.max(np.abs(yr)))
-    np.testing.assert_allclose(y, yr, rtol=tol, atol=tol * scale)
-    np.testing.assert_allclose(y, y1, rtol=tol, atol=tol * scale)
+    assert yr.shape == (n, D)
+    assert_split_close(y, y1, yr, 2.0**-7 if dtype == jnp.bfloat16 else 1e-5)
 
 
 def test_down_split_with_128_wide_activation_blocks_interpret():
@@ -83,10 +64,7 @@ def test_down_split_with_128_wide_activation_blocks_interpret():
     y = run(pallas_triton.moe_experts, x, wts, idx, w1, w2, w3, config=cfg, **kw)
     y1 = run(pallas_triton.moe_experts, x, wts, idx, w1, w2, w3, config=cfg1, **kw)
     yr = _reference(x, wts, idx, w1, w2, w3, swiglu_limit=1.0, act_block=128)
-    y, y1, yr = np.asarray(y), np.asarray(y1), np.asarray(yr)
-    scale = float(np.max(np.abs(yr)))
-    np.testing.assert_allclose(y, yr, rtol=1e-5, atol=1e-5 * scale)
-    np.testing.assert_allclose(y, y1, rtol=1e-5, atol=1e-5 * scale)
+    assert_split_close(y, y1, yr, 1e-5)
 
 
 def test_down_split_partials_sum_to_the_unsplit_down():
@@ -120,14 +98,19 @@ def test_down_split_partials_sum_to_the_unsplit_down():
     np.testing.assert_array_equal(np.asarray(jax.jit(real, static_argnums=1)(p, jnp.bfloat16)), want)
 
 
-def test_down_split_reasons():
-    _, _, _, w1, _, _ = make("fp4", 0, 1, jnp.float32)
-    assert pallas_triton.fma_reason(w1, config(w1, 1, 3)) is None
-    assert pallas_triton.fma_down_splits(config(w1, 1, 3)) == 3
-    assert pallas_triton.fma_down_splits(pallas_triton.default_fma_config(w1)) == 1
-    r = pallas_triton.fma_reason(w1, config(w1, 1, 2))
-    assert "down K split (2) must divide its 3 K steps" in r, r
-    assert "down K split (0)" in pallas_triton.fma_reason(w1, config(w1, 1, 0))
+@pytest.mark.parametrize("splits,why", [(1, None), (3, None), (2, "down K split (2) must divide its 3 K steps"),
+                                        (6, "down K split (6) must divide its 3 K steps"), (0, "down K split (0)")])
+def test_down_split_reasons(splits, why):
+    """A down split is refused, with the K steps named, unless it divides them; the config without an
+    11th entry has none."""
+    w1 = make("fp4", 0, 1, jnp.float32)[3]
+    cfg = config(w1, 1, splits)
+    reason = pallas_triton.fma_reason(w1, cfg)
+    if why is None:
+        assert reason is None and pallas_triton.fma_down_splits(cfg) == splits
+    else:
+        assert reason is not None and why in reason, reason
+    assert pallas_triton.fma_down_splits(cfg[:10]) == 1
 
 
 def test_default_down_split_rule(monkeypatch):

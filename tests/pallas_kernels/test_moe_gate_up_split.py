@@ -11,33 +11,19 @@ import numpy as np
 import pytest
 from jax import ShapeDtypeStruct as S
 
-from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, act_quant, quantize_fp8, quantize_mxfp4
+from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, act_quant, quantize_mxfp4
 from pallas_kernels.moe import gate_up_finish, pallas_triton, reference
 from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
-from pallas_kernels.testing import lower_for
+from pallas_kernels.testing import assert_split_close, jit_call as run, lower_for, random_moe_case
 
 E, I, D, K = 8, 64, 256, 3  # D = 8 groups of 32: with kg_a 1 the gate/up kernel runs 8 K steps
 
-_q8 = jax.jit(quantize_fp8, static_argnames="block")
 _q4 = jax.jit(quantize_mxfp4, static_argnames="block")
 _reference = jax.jit(reference.moe_experts, static_argnames=("swiglu_limit", "act_block", "path"))
 
 
-def run(fn, *args, **kw):
-    return jax.jit(lambda *a: fn(*a, **kw))(*args)
-
-
 def make(fmt, seed, n, dtype):
-    rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.standard_normal((n, D), np.float32).astype(np.dtype(dtype)))
-    wts = jnp.asarray(rng.uniform(0.05, 1.0, (n, K)).astype(np.float32))
-    idx = jnp.asarray(np.argsort(rng.random((n, E)), axis=1)[:, :K].astype(np.int32))
-
-    def w(shape):
-        wf = jnp.asarray(rng.standard_normal(shape, np.float32) * np.float32(0.2))
-        return _q8(wf) if fmt == "fp8" else _q4(wf)
-
-    return x, wts, idx, w((E, I, D)), w((E, D, I)), w((E, I, D))
+    return random_moe_case(fmt, seed, n, dtype, experts=E, inter=I, dim=D, topk=K)
 
 
 def config(w1, bt, splits):
@@ -61,12 +47,8 @@ def test_split_parity_interpret(fmt, n, bt, splits, dtype, limit, site, monkeypa
     y1 = run(pallas_triton.moe_experts, x, wts, idx, w1, w2, w3, swiglu_limit=limit, interpret=True,
              config=config(w1, bt, 1))
     yr = _reference(x, wts, idx, w1, w2, w3, swiglu_limit=limit)
-    tol = 2.0**-7 if dtype == jnp.bfloat16 else 1e-5
-    y, y1, yr = np.asarray(y), np.asarray(y1), np.asarray(yr)
-    assert np.all(np.isfinite(y)) and y.shape == (n, D)
-    scale = float(np.max(np.abs(yr)))
-    np.testing.assert_allclose(y, yr, rtol=tol, atol=tol * scale)
-    np.testing.assert_allclose(y, y1, rtol=tol, atol=tol * scale)
+    assert yr.shape == (n, D)
+    assert_split_close(y, y1, yr, 2.0**-7 if dtype == jnp.bfloat16 else 1e-5)
 
 
 @pytest.mark.parametrize("dtype,limit", [(jnp.bfloat16, 1.0), (jnp.float32, 0.0)])
