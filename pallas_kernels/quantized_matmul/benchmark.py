@@ -177,7 +177,7 @@ FMA_SWEEP_M4 = ("wq_b", "wo_b")
 def fma_variants(m, w, wide: bool = False):
     """The vector-unit GEMV configs the ``--fma`` sweep times: the default and its neighbours
     (rows per program, K groups per step, split factor, warps)."""
-    from pallas_kernels.quantized_matmul.pallas_triton_fma import default_config, unsupported_reason
+    from pallas_kernels.quantized_matmul.pallas_triton_fma import default_config, group_size, unsupported_reason
 
     n, k = w.shape
     base = default_config(m, n, k, w)
@@ -185,6 +185,12 @@ def fma_variants(m, w, wide: bool = False):
     cands = [base, ("fma", bn, kg, splits, 2, stages), ("fma", bn, kg, splits, 8, stages),
              ("fma", bn // 2, kg, splits, 4, stages), ("fma", bn, kg * 2, splits, 4, stages),
              ("fma", bn, kg, splits * 2, 4, stages)]
+    # every larger K split that divides the K steps, down to one step per program, up to 16 programs
+    # per SM of an H200: the default stops at 4 per SM and 2 steps per program, and the MXFP4 MoE's
+    # down kernel gained 17 % going from 480 to 1,440 programs (session 31, BENCHMARKS.md issue 6)
+    steps = k // group_size(w) // kg
+    cands += [("fma", bn, kg, s, 4, stages) for s in range(splits + 1, steps + 1)
+              if steps % s == 0 and (n // bn) * s <= 16 * 132]
     if wide:  # (--wide) smaller row tiles with more warps, the other pipelining depths, more K splits
         cands += [("fma", bn // 2, kg, splits, 8, stages), ("fma", bn // 2, kg, splits * 2, 4, stages),
                   ("fma", bn // 4, kg, splits, 4, stages), ("fma", bn // 2, kg * 2, splits, 8, stages),

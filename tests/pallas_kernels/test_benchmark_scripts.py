@@ -131,6 +131,25 @@ def test_qmm_fma_sweep_runs_in_interpret_mode(monkeypatch):
     assert all(r["rel_err"] <= bq.CHECK_TOL for r in rows) and pallas_triton_fma.FMA_DECODE == {"fp4": "e4m3", "fp8": "f16w"}
 
 
+def test_qmm_fma_variants_take_more_k_splits_on_small_grids():
+    """The ``--fma`` sweep's GEMV configs for the shared expert's w2 (5120 x 2304, FP8; the default
+    splits its 9 K steps in 3: 480 programs) include 9 splits (one step per program, 1,440 programs);
+    none beyond 16 programs per SM, each a split that divides the K steps."""
+    import jax.numpy as jnp
+    from jax import ShapeDtypeStruct as S
+
+    import pallas_kernels.quantized_matmul.benchmark as bq
+    from dsv41_jax.quant import Fp8Tensor
+
+    w = Fp8Tensor(S((5120, 2304), jnp.float8_e4m3fn), S((160, 72), jnp.float8_e8m0fnu), (32, 32))
+    cfgs = bq.fma_variants(1, w)
+    assert cfgs[0] == ("fma", 32, 8, 3, 4, 3) and ("fma", 32, 8, 9, 4, 3) in cfgs, cfgs
+    assert all((5120 // c[1]) * c[3] <= 16 * 132 for c in cfgs), cfgs
+    wo_b = Fp8Tensor(S((5120, 8192), jnp.float8_e4m3fn), S((160, 256), jnp.float8_e8m0fnu), (32, 32))
+    splits = sorted({c[3] for c in bq.fma_variants(1, wo_b) if c[1:3] == (32, 8)})
+    assert splits == [4, 8], splits  # 16 splits would be 2,560 programs
+
+
 def test_device_time_op_finds_its_program():
     """The profiler-based timer runs end to end on the CPU backend: it finds the timed program in the
     trace and returns a positive, finite time per op (no timing ratios asserted: a loaded CI host

@@ -87,10 +87,14 @@ def test_expand_collapse_parity_interpret(t, dtype):
 
 @pytest.mark.parametrize("t,dtype,d", [(1, jnp.bfloat16, 256), (3, jnp.float32, 192), (8, jnp.bfloat16, 128)])
 def test_expand_collapse_mixes_parity_interpret(t, dtype, d):
-    """Expansion + next collapse + the next site's mixes in two kernels: the streams and the
-    collapse equal hc_expand_collapse's (the same operations), the mixes those of hc_mixes on the
-    kernel's own streams within the mixes tolerance (fp32 products, another summation order; D = 192:
-    3 K splits, summed by the split kernel in power-of-two groups)."""
+    """Expansion + next collapse + the next site's mixes in two kernels: the streams equal
+    hc_expand_collapse's bit for bit (the same operations); the collapse too, up to isolated one-step
+    flips of its final rounding: the two kernels are separate programs, and XLA:CPU (interpret mode)
+    may contract the collapse's multiply-adds into FMAs in one and not in the other, which moves an
+    fp32 sum that lies at a rounding boundary (session 31: 2 of 40 draws at 8 rows, bf16, one element
+    of 1,024 each, the same at the commit before that session's changes); the mixes those of hc_mixes
+    on the kernel's own streams within the mixes tolerance (fp32 products, another summation order;
+    D = 192: 3 K splits, summed by the split kernel in power-of-two groups)."""
     x, fn, scale, base, f = inputs(np.random.randint(1 << 30), t, d, dtype)
     _, post, comb = reference.hc_mixes(x, fn, scale, base, **KW)
     key = jax.random.PRNGKey(np.random.randint(1 << 30))
@@ -100,7 +104,10 @@ def test_expand_collapse_mixes_parity_interpret(t, dtype, d):
                                                implementation="interpret", **KW)
     h2, y2 = pallas_triton.hc_expand_collapse(f, x, post, comb, pre_next, interpret=True)
     np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(h2, np.float32))
-    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y2, np.float32))
+    got, want = np.asarray(y, np.float32), np.asarray(y2, np.float32)
+    step = 2.0**-7 if dtype == jnp.bfloat16 else 2.0**-23  # one step of the output's rounding, relative
+    assert y.dtype == y2.dtype and np.mean(got != want) <= 0.01, np.mean(got != want)
+    np.testing.assert_allclose(got, want, rtol=step, atol=0)
     for a, b in zip(mixes, reference.hc_mixes(h, fn_next, scale, base, **KW)):
         assert a.shape == b.shape and a.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-6)
