@@ -14,7 +14,7 @@ and every reference path, sees the same numbers as before). The value is
 * ``expert_rows`` only: ``sum_s rows[t*k + s]`` over the slots s with ``expert_index[t, s] >= 0``, in
   float32 (``dtype`` float32) -- the routed experts' output. The rows may themselves come unsummed,
   as a split-K down kernel's fp32 sums ``[S, R, D]``: then each row is ``rows_dtype(sum_j rows[j])``
-  (the splits in order, :func:`split_sum`) before the slot sum;
+  (the splits in order, :func:`sum_splits`) before the slot sum;
 * both: ``dtype(routed + float32(dtype(sum_p parts[p])))`` -- the MoE's output (routed experts plus
   the shared expert's w2 GEMV).
 """
@@ -58,7 +58,7 @@ class DeferredSum:
     def expert_row_values(self) -> jax.Array:
         """The experts' slot rows [R, D]: as given, or the split rows summed in order and rounded."""
         if self.row_splits:
-            return split_sum(self.expert_rows, self.rows_dtype)
+            return sum_splits(self.expert_rows).astype(self.rows_dtype)
         return self.expert_rows
 
     @property
@@ -78,13 +78,13 @@ class DeferredSum:
         return y.reshape(self.shape)
 
 
-def split_sum(parts, dtype):
-    """``parts [S, ...]`` (a split-K kernel's fp32 sums) added in split order (0, 1, ...) and rounded
-    once to ``dtype``: the unsplit kernel's output up to the fp32 summation order."""
-    y = parts[0]
-    for s in range(1, parts.shape[0]):
-        y = y + parts[s]
-    return y.astype(dtype)
+def sum_splits(parts):
+    """A split-K kernel's partial sums (a sequence, or an array's leading axis) added in split order
+    (s = 0 first): one definition for the XLA sums and the kernels that sum splits themselves."""
+    acc = parts[0]
+    for p in parts[1:]:
+        acc = acc + p
+    return acc
 
 
 def slot_sum(rows, index):

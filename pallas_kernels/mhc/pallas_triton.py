@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.deferred_sum import DeferredSum
+from pallas_kernels.deferred_sum import DeferredSum, sum_splits
 from pallas_kernels.quantized_matmul.pallas_triton import pick_block
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
 
@@ -490,19 +490,13 @@ def _f_values(f_refs, t, row, cols, *, layout):
         return f_refs[0][row, cols].astype(jnp.float32)
     y = None
     if n_parts:
-        parts = f_refs[0]
-        y = parts[0, row, cols]
-        for p in range(1, n_parts):
-            y = y + parts[p, row, cols]
-        y = y.astype(dtype).astype(jnp.float32)
+        y = sum_splits([f_refs[0][p, row, cols] for p in range(n_parts)]).astype(dtype).astype(jnp.float32)
     if k:
         rows_ref, index_ref = f_refs[-2:]
         routed = None
         for s in range(k):
             if row_splits:
-                v = rows_ref[0, pl.ds(t * k + s, 1), cols]
-                for j in range(1, row_splits):
-                    v = v + rows_ref[j, pl.ds(t * k + s, 1), cols]
+                v = sum_splits([rows_ref[j, pl.ds(t * k + s, 1), cols] for j in range(row_splits)])
                 v = v.astype(rows_dtype).astype(jnp.float32)
             else:
                 v = rows_ref[pl.ds(t * k + s, 1), cols].astype(jnp.float32)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.deferred_sum import sum_splits
 from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
 
 
@@ -35,14 +36,6 @@ def swiglu_h(g, u, w, x_dtype, limit: float):
         u = jnp.clip(u, -limit, limit)
         g = jnp.minimum(g, limit)
     return (g * jax.nn.sigmoid(g) * u * w).astype(x_dtype).astype(jnp.float32)
-
-
-def sum_splits(parts_list):
-    """The split partial sums added in split order (s = 0 first), one definition for both finishes."""
-    acc = parts_list[0]
-    for p in parts_list[1:]:
-        acc = acc + p
-    return acc
 
 
 def finish_reference(parts, weights, x_dtype, limit: float):

@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.quant import act_quant, is_quantized
-from pallas_kernels.deferred_sum import expert_slots, slot_sum, split_sum
+from pallas_kernels.deferred_sum import expert_slots
 from pallas_kernels.moe.gate_up_finish import finish_act_quant_view, finish_reference, swiglu_h
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
 from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
@@ -375,8 +375,8 @@ def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, 
 def _down_fma_kernel(be_ref, pair_ref, *refs, fmt, bt, bd, kg, steps, g, splits=1):
     """Kernel B on the vector units: the block's ``bt`` h rows share each decoded w2 tile. With
     ``splits > 1`` (grid axis 2) a program runs ``steps`` of the K steps of its split and stores its
-    fp32 sums to ``y[split]`` (:func:`pallas_kernels.deferred_sum.split_sum` adds the splits in order
-    and rounds; with ``defer`` the mHC expansion kernel does that sum itself)."""
+    fp32 sums to ``y[split]`` (:func:`_slots_out`: added in order and rounded by XLA, or with
+    ``defer`` by the mHC expansion kernel)."""
     h_refs = refs[:-3]
     w2_ref, s2_ref, y_ref = refs[-3:]
     b = pl.program_id(0)
@@ -570,15 +570,17 @@ def default_fma_config(w1, rows_per_expert: float = 1.0, routing_shape: tuple[in
         cfg = split if fma_reason(w1, split) is None else cfg  # e.g. a split that does not divide the K steps
     dsplits = DOWN_TILE.get("splits", 1) if fp4 else 1
     if small and routing_shape is not None and dsplits > 1:
-        down = cfg + ((1, 4) if len(cfg) == 8 else ()) + (dsplits,)
+        down = with_down_splits(cfg, dsplits)
         cfg = down if fma_reason(w1, down) is None else cfg
     return cfg
 
 
-def _slots_out(y, indices, defer: bool):
-    """The kernels' per-pair rows y summed over each token's slots, or with ``defer`` handed on
-    unsummed (:func:`pallas_kernels.deferred_sum.expert_slots`)."""
-    return expert_slots(y, indices) if defer else slot_sum(y, indices)
+def _slots_out(y, indices, defer: bool, rows_dtype=None):
+    """The kernels' per-pair rows y ([R, D], or a split down kernel's fp32 sums [S, R, D] whose
+    in-order sum is rounded to ``rows_dtype``) summed over each token's slots, or with ``defer``
+    handed on unsummed (:func:`pallas_kernels.deferred_sum.expert_slots`)."""
+    rows = expert_slots(y, indices, rows_dtype=rows_dtype)
+    return rows if defer else rows.value()
 
 
 def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cfg, defer=False):
@@ -630,11 +632,7 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
         interpret=interpret,
         name=f"moe_down_fma_{fmt}",
     )(block_expert, block_pair, *hs, d2, s2)
-    if dsplits > 1 and defer:  # the consumer adds the splits, then the slots
-        return expert_slots(y, indices, rows_dtype=x.dtype)
-    if dsplits > 1:
-        y = split_sum(y, x.dtype)
-    return _slots_out(y, indices, defer)
+    return _slots_out(y, indices, defer, rows_dtype=x.dtype if dsplits > 1 else None)
 
 
 def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, interpret=False, config=None,

@@ -69,19 +69,21 @@ def test_down_split_with_128_wide_activation_blocks_interpret():
 
 def test_down_split_partials_sum_to_the_unsplit_down():
     """The split kernel's stored fp32 partials, added over the splits, are each pair's down GEMM of
-    the kernel's own h (float32: exact up to the sum order; 1e-6), and ``split_sum`` adds them
-    in split order and rounds once."""
+    the kernel's own h (float32: exact up to the sum order; 1e-6), and ``deferred_sum.sum_splits``
+    adds them in split order (then one rounding)."""
     x, wts, idx, w1, w2, w3 = make("fp4", np.random.randint(1 << 30), 1, jnp.float32)
-    got = {}
-    real = pallas_triton.split_sum
+    from pallas_kernels import deferred_sum
 
-    def spy(parts, dtype):
+    got = {}
+    real = deferred_sum.sum_splits
+
+    def spy(parts):
         got["parts"] = parts
-        return real(parts, dtype)
+        return real(parts)
 
     import unittest.mock as mock
 
-    with mock.patch.object(pallas_triton, "split_sum", spy):
+    with mock.patch.object(deferred_sum, "sum_splits", spy):
         y = pallas_triton.moe_experts(x, wts, idx, w1, w2, w3, swiglu_limit=1.0, interpret=True,
                                       config=config(w1, 1, 3))  # eager: the spy sees the partials
     parts = np.asarray(got["parts"])
@@ -95,7 +97,7 @@ def test_down_split_partials_sum_to_the_unsplit_down():
     rng = np.random.default_rng(np.random.randint(1 << 30))
     p = jnp.asarray((rng.standard_normal((3, 4, 64)) * np.exp2(rng.integers(-8, 8, (3, 4, 64)))).astype(np.float32))
     want = ((np.asarray(p[0]) + np.asarray(p[1])) + np.asarray(p[2])).astype(jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(jax.jit(real, static_argnums=1)(p, jnp.bfloat16)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: real(a).astype(jnp.bfloat16))(p)), want)
 
 
 @pytest.mark.parametrize("splits,why", [(1, None), (3, None), (2, "down K split (2) must divide its 3 K steps"),
