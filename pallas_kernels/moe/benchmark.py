@@ -211,7 +211,7 @@ def fma_configs(w1, n, wide: bool = False):
 
 
 def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = False, experts: int | None = None,
-              mma_routes=None):
+              mma_routes=None, act_block: int = 32):
     """Tensor-core kernels (default config) vs the vector-unit ("fma") kernels at decode sizes, MXFP4
     experts at the V4.1 shape; every config checked against the reference (rel err, share of
     elements off by > 1%) before it is timed (device time from the profiler, :func:`device_time_op`:
@@ -221,7 +221,8 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
     ``default_only``: only the default fma config; ``experts``: routed experts (96: the benchmark's
     reduced model, where batch 32 puts 2 pairs on each expert; None: ``E``); ``mma_routes``: the tensor-core
     kernels' MXFP4 decode routes to time beside the fma ones (``pallas_triton.MMA_FP4``; None: the
-    current one)."""
+    current one); ``act_block``: the activation's fake-quant block (V4.1 32, V4 128; the shapes are the
+    module's ``E, I, D``, which ``--v4-flash`` sets to :data:`V4_SHAPE`)."""
     from pallas_kernels.quantized_matmul import pallas_triton_fma
 
     vias = pallas_triton_fma.checked_routes(vias)
@@ -232,7 +233,8 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
                   random_fp4(k3, (experts, I, D)))
     expert_bytes = sum(int(t.data[0].size + t.scale[0].size) for t in (w1, w2, w3))
     rows, summary = [], []
-    log(f"# MoE fma sweep (MXFP4 E={experts} I={I} D={D} top-{TOPK}), {jax.devices()[0].device_kind}, "
+    log(f"# MoE fma sweep (MXFP4 E={experts} I={I} D={D} top-{TOPK}, act blocks of {act_block}), "
+        f"{jax.devices()[0].device_kind}, "
         f"jax {jax.__version__}")
     for n in sizes:
         args, touched = [], []
@@ -242,27 +244,31 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
             args.append((_normal(jax.random.fold_in(kr, 7), (n, D), jnp.bfloat16), w, idx))
             touched.append(len(np.unique(np.asarray(idx))))
         floor = float(np.mean(touched)) * expert_bytes / HBM_BYTES_PER_S
-        yr = jax.jit(lambda x, w, idx, a, b, c: reference.moe_experts(x, w, idx, a, b, c, swiglu_limit=LIMIT))(
-            *args[0], w1, w2, w3)
+        yr = jax.jit(lambda x, w, idx, a, b, c: reference.moe_experts(x, w, idx, a, b, c, swiglu_limit=LIMIT,
+                                                                        act_block=act_block))(*args[0], w1, w2, w3)
         mma = pallas_triton._config(n * TOPK, experts, I, D)
         results = []
         fmas = fma_configs(w1, n, wide)[:1 if default_only else None]
         # the config the dispatch picks at this size (block height; the gate/up K split at one token)
-        auto = pallas_triton.default_fma_config(w1, n * TOPK / min(experts, n * TOPK), routing_shape=(n, TOPK))
+        auto = pallas_triton.default_fma_config(w1, n * TOPK / min(experts, n * TOPK), routing_shape=(n, TOPK),
+                                                act_block=act_block)
         fmas += [auto] if auto not in fmas else []
-        # the down kernel's K splits around the dispatch's choice (session 31: 3 at one and two tokens)
+        # the down kernel's K splits around the dispatch's choice (session 31: 3 at one and two tokens):
+        # every split that divides its K steps, with the dispatch's K step and with half of it
         same = {pallas_triton.with_down_splits(c, pallas_triton.fma_down_splits(c)) for c in fmas}
-        for ds in (1, 3, 9):
-            c = pallas_triton.with_down_splits(auto, ds)
-            if c not in same and pallas_triton.fma_reason(w1, c) is None:
-                fmas.append(c)
-                same.add(c)
+        for kgb in (auto[5], auto[5] // 2):
+            steps = I // pallas_triton.fma.group_size(w1) // max(kgb, 1)
+            for ds in range(1, min(steps, 9) + 1):
+                c = pallas_triton.with_down_splits(auto[:5] + (kgb,) + auto[6:], ds)
+                if steps % ds == 0 and c not in same and kgb >= 1 and pallas_triton.fma_reason(w1, c) is None:
+                    fmas.append(c)
+                    same.add(c)
         tcs = [mma] + ([c for c in TC_DECODE_CONFIGS if c != mma] if wide else [])
         tc = [(c, vias[0], r) for r in (mma_routes or [None]) for c in tcs]
         for cfg, via, mroute in tc + [(c, v, None) for v in vias for c in fmas]:
             try:
                 f = lambda x, w, idx, a, b, c, cfg=cfg: pallas_triton.moe_experts(  # noqa: E731
-                    x, w, idx, a, b, c, swiglu_limit=LIMIT, config=cfg)
+                    x, w, idx, a, b, c, swiglu_limit=LIMIT, config=cfg, act_block=act_block)
                 with pallas_triton_fma.use_decode_route(via), pallas_triton.use_mma_fp4(mroute):  # traced here
                     y = jax.jit(f)(*args[0], w1, w2, w3)
                     t = device_time_op(f, args, (w1, w2, w3), reps=5)
@@ -532,6 +538,8 @@ def main(argv=None):
     ap.add_argument("--default-only", action="store_true", help="with --fma: only the default fma config")
     ap.add_argument("--grid-order", default=None, choices=["rows", "blocks"],
                     help="the tensor-core kernels' launch order (pallas_triton.GRID_ORDER; default: as it is)")
+    ap.add_argument("--v4-flash", action="store_true", help="with --fma: V4-Flash's experts (E, I, D = V4_SHAPE, "
+                    "activation blocks of 128) instead of V4.1's")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
     if a.grid_order:
@@ -549,9 +557,12 @@ def main(argv=None):
         write_rows(a.out, "moe_prefill.json", rows)
         return 0
     if a.fma:
+        if a.v4_flash:
+            globals().update(zip(("E", "I", "D"), V4_SHAPE))
         sizes = tuple(int(v) for v in a.sizes.split(",")) if a.sizes else (1,) if a.quick else (1, 8)
         rows = fma_sweep(sizes, wide=a.wide, vias=a.vias and a.vias.split(","), default_only=a.default_only,
-                         experts=a.experts, mma_routes=a.mma_fp4 and a.mma_fp4.split(","))
+                         experts=a.experts, mma_routes=a.mma_fp4 and a.mma_fp4.split(","),
+                         act_block=128 if a.v4_flash else 32)
         write_rows(a.out, "moe_fma.json", rows)
         return 0
     run(quick=a.quick, out_dir=a.out, tune=a.tune)
