@@ -210,7 +210,7 @@ def test_fma_gemv_parity_interpret(fmt, dtype, m, n, k, block, via, monkeypatch)
     yr = _reference(x, w, act_block=block)
     base = default_config(m, n, k, w)
     ran = 0
-    for cfg in (base, base[:3] + (2,) + base[4:], base[:4] + (2, 3)):
+    for cfg in (base, base[:3] + (1,) + base[4:], base[:3] + (2,) + base[4:], base[:4] + (2, 3)):
         try:
             y = run(pallas_triton.quantized_matmul, x, w, act_block=block, interpret=True, config=cfg)
         except ValueError as e:  # a split that does not divide this K
@@ -219,6 +219,22 @@ def test_fma_gemv_parity_interpret(fmt, dtype, m, n, k, block, via, monkeypatch)
         check_close(y, yr)
         ran += 1
     assert ran >= 2
+
+
+@pytest.mark.parametrize("n,k,splits", [
+    (4096, 1280, 5),   # idx_wq_b: 128 blocks of 5 steps < 132 SMs -> one step per program (640 programs)
+    (1280, 5120, 10),  # wq_a: 40 blocks, 20 steps -> 10 splits of 2 steps (400 programs), not 20 of one
+    (32768, 1280, 1),  # wq_b: 1,024 blocks already fill the GPU
+    (5120, 2304, 3),   # shared_w2: 160 blocks x 3 splits of 3 steps (480 programs)
+    (5120, 8192, 4),   # wo_b
+])
+def test_fma_default_k_splits(n, k, splits):
+    """default_config's K split at one row (H200 session 32: fewer than 2 steps per program only when
+    the grid would otherwise have fewer programs than SMs)."""
+    from pallas_kernels.quantized_matmul.pallas_triton_fma import default_config
+
+    w = fp8_spec(n, k)
+    assert default_config(1, n, k, w) == ("fma", 32, 8, splits, 4, 3)
 
 
 @pytest.mark.parametrize("via", ["e4m3", "f16w"])
