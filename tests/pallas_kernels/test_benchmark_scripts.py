@@ -76,19 +76,35 @@ def test_moe_fma_sweep_runs_in_interpret_mode(monkeypatch):
     fma_rows = [r for r in rows if r["config"][0] == "fma"]
     assert any(r["config"][1] == 4 for r in fma_rows)  # 4-row blocks tried at 4 tokens
     assert len(fma_rows) >= 8 and all(r["ok"] for r in rows), [(r["config"], r["rel_err"]) for r in rows if not r["ok"]]
-    # I = 192: 3 down K steps: the dispatch's config at one token splits the down kernel in 3 (11th
-    # entry), and the sweep times it beside the unsplit default, each checked
+    # I = 192: 3 down K steps of 2 groups: the dispatch's config at one token splits the down kernel
+    # in 3 (11th entry); the sweep times it beside the unsplit default, and every split of the 6
+    # one-group steps (session 32), each checked
     monkeypatch.setattr(bm, "I", 192)
     rows = bm.fma_sweep((1,), default_only=True)
-    downs = sorted(bm.pallas_triton.fma_down_splits(r["config"]) for r in rows if r["config"][0] == "fma")
-    assert downs == [1, 3] and all(r["ok"] for r in rows), [(r["config"], r["rel_err"]) for r in rows]
+    downs = sorted((r["config"][5], bm.pallas_triton.fma_down_splits(r["config"])) for r in rows if r["config"][0] == "fma")
+    assert downs == [(1, 1), (1, 2), (1, 3), (1, 6), (2, 1), (2, 3)] and all(r["ok"] for r in rows), \
+        [(r["config"], r["rel_err"]) for r in rows]
+    # V4's activation blocks of 128 (--v4-flash): the reference and every kernel config take them
+    monkeypatch.setattr(bm, "I", 128)
+    rows = bm.fma_sweep((1,), default_only=True, act_block=128)
+    assert len(rows) >= 3 and all(r["ok"] for r in rows), [(r["config"], r["rel_err"]) for r in rows]
+    seen = {}
+    with monkeypatch.context() as m:  # main sets the module's shapes: restored on leaving
+        for name in ("E", "I", "D"):
+            m.setattr(bm, name, getattr(bm, name))
+        m.setattr(bm, "fma_sweep", lambda *a, **k: seen.update(shape=(bm.E, bm.I, bm.D), **k) or [])
+        assert bm.main(["--fma", "--v4-flash", "--quick"]) == 0
+    assert seen["shape"] == bm.V4_SHAPE and seen["act_block"] == 128 and (bm.E, bm.D) == (8, 256)
     monkeypatch.setattr(bm, "I", 64)
-    # --vias e4m3,f16 --default-only: the tensor-core default once, the fma default per route, each checked
+    # --vias e4m3,f16 --default-only: the tensor-core default once, then per route the fma default and
+    # the down kernel with half its K step (I = 64: one step of 2 groups -> 2 steps of 1, unsplit and
+    # split in 2), each checked
     from pallas_kernels.quantized_matmul import pallas_triton_fma
 
     monkeypatch.setattr(pallas_triton_fma, "FMA_DECODE", {"fp4": "e4m3", "fp8": "f16w"})
     rows = bm.fma_sweep((1,), vias=["f16w", "e4m3"], default_only=True)
-    assert len(rows) == 3 and [r["via"] for r in rows if r["config"][0] == "fma"] == ["f16w", "e4m3"], \
+    fma = [(r["via"], r["config"][5], bm.pallas_triton.fma_down_splits(r["config"])) for r in rows if r["config"][0] == "fma"]
+    assert len(rows) == 7 and fma == [(v, kgb, ds) for v in ("f16w", "e4m3") for kgb, ds in ((2, 1), (1, 1), (1, 2))], \
         [(r["config"], r["via"]) for r in rows]
     assert all(r["ok"] for r in rows) and pallas_triton_fma.FMA_DECODE == {"fp4": "e4m3", "fp8": "f16w"}  # restored
     with pytest.raises(ValueError, match="--vias f16: unknown weight decode route"):
@@ -96,13 +112,14 @@ def test_moe_fma_sweep_runs_in_interpret_mode(monkeypatch):
     # --sizes 8 --experts 2 --wide --mma-fp4 bytes,f16w: the tensor-core kernels (the default tiling and
     # the decode tilings with 64-wide K tiles; one wider than I = 64 here is refused and logged) once
     # per MXFP4 route, then the fma default and the block height the dispatch picks at 8 pairs per
-    # expert, each checked; the route switch restored
+    # expert (also with the down kernel's K step halved, unsplit and split in 2), each checked; the
+    # route switch restored
     route = bm.pallas_triton.MMA_FP4["route"]
     rows = bm.fma_sweep((8,), vias=["f16w"], default_only=True, experts=2, mma_routes=["bytes", "f16w"], wide=True)
     tc = [(r["mma_fp4"], r["config"]) for r in rows if r["config"][0] != "fma"]
     fit = [c for c in bm.TC_DECODE_CONFIGS if c[1] <= 64]
     assert len(fit) == 3 and [m for m, _ in tc] == ["bytes"] * 4 + ["f16w"] * 4, tc
-    assert [r["config"][1] for r in rows if r["config"][0] == "fma"] == [1, 4] and {r["experts"] for r in rows} == {2}
+    assert [r["config"][1] for r in rows if r["config"][0] == "fma"] == [1, 4, 4, 4] and {r["experts"] for r in rows} == {2}
     assert all(r["ok"] for r in rows) and bm.pallas_triton.MMA_FP4["route"] == route
 
 
