@@ -156,6 +156,15 @@ if MOE_ACT_QUANT is not None and MOE_ACT_QUANT not in MOE_ACT_QUANTS:
     raise ValueError(f"DSV41_MOE_ACT_QUANT={MOE_ACT_QUANT!r}: expected one of {', '.join(MOE_ACT_QUANTS)}")
 
 
+# Whether default_config may split a GEMV down to one K step per program where programs of two
+# steps would be fewer than the SMs (read at trace time; DSV41_FMA_FILL_SMS, "on" / "off"). "on"
+# (default since session 32): idx_wq_b (4096 x 1280 FP8, 128 row blocks) on 640 one-step programs,
+# 6.1 -> 5.2 us on the H200; "off": the session-31 rule (at least two steps per program), for A/Bs.
+FILL_SMS = os.environ.get("DSV41_FMA_FILL_SMS", "on").lower()
+if FILL_SMS not in ("on", "off"):
+    raise ValueError(f"DSV41_FMA_FILL_SMS={FILL_SMS!r}: expected on or off")
+
+
 def moe_act_quant_site(w, act_block: int) -> str:
     """Where the fused MoE's activations for expert weights ``w`` are fake-quantized: "pallas" (the
     prologue kernel) or "xla" (see :data:`MOE_ACT_QUANT`); "xla" where an activation block is not
@@ -487,7 +496,7 @@ def default_config(m: int, n, k: int, w) -> tuple:
             splits = cand
             if blocks * cand >= 4 * 132:
                 break
-    if blocks * splits < 132:
+    if blocks * splits < 132 and FILL_SMS == "on":
         # fewer programs than SMs even at two steps each: split down to one step per program
         # (idx_wq_b, 4096 x 1280 FP8 at one row, H200 session 32: 128 programs of 5 steps 6.1 us,
         # 640 of one step 5.2 us; wq_a's 320 programs of 2 steps beat 640 of one, 5.8 vs 6.1 us)

@@ -237,6 +237,22 @@ def test_fma_default_k_splits(n, k, splits):
     assert default_config(1, n, k, w) == ("fma", 32, 8, splits, 4, 3)
 
 
+def test_fma_fill_sms_switch(monkeypatch):
+    """DSV41_FMA_FILL_SMS=off restores the session-31 rule (two K steps per program at least):
+    idx_wq_b back on 128 programs; anything but on / off is refused at import."""
+    import subprocess
+    import sys
+
+    from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
+
+    monkeypatch.setattr(fma, "FILL_SMS", "off")
+    assert fma.default_config(1, 4096, 1280, fp8_spec(4096, 1280)) == ("fma", 32, 8, 1, 4, 3)
+    assert fma.default_config(1, 1280, 5120, fp8_spec(1280, 5120)) == ("fma", 32, 8, 10, 4, 3)
+    r = subprocess.run([sys.executable, "-c", "import pallas_kernels.quantized_matmul.pallas_triton_fma"],
+                       env={**__import__("os").environ, "DSV41_FMA_FILL_SMS": "maybe"}, capture_output=True, text=True)
+    assert r.returncode != 0 and "DSV41_FMA_FILL_SMS='maybe': expected on or off" in r.stderr
+
+
 @pytest.mark.parametrize("via", ["e4m3", "f16w"])
 @pytest.mark.parametrize("target", ["cuda", "rocm"])
 def test_fma_gemv_cross_lowering(target, via, monkeypatch):
