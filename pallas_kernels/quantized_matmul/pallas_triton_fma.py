@@ -499,7 +499,7 @@ def default_config(m: int, n, k: int, w) -> tuple:
     if blocks * splits < 132 and FILL_SMS == "on":
         # fewer programs than SMs even at two steps each: split down to one step per program
         # (idx_wq_b, 4096 x 1280 FP8 at one row, H200 session 32: 128 programs of 5 steps 6.1 us,
-        # 640 of one step 5.2 us; wq_a's 320 programs of 2 steps beat 640 of one, 5.8 vs 6.1 us)
+        # 640 of one step 5.2 us; wq_a's 400 programs of 2 steps beat 800 of one, 5.8 vs 6.1 us)
         splits = next(c for c in range(splits, steps + 1) if steps % c == 0 and (blocks * c >= 4 * 132 or c == steps))
     return ("fma", bn, kg, splits, 4, 3)
 
