@@ -29,16 +29,17 @@ import jax
 import jax.numpy as jnp
 
 TARGETS = ("moe", "moe8", "gemv", "wqb")
-GEMV_SHAPES = {"wq_b": (32768, 1280), "wo_b": (5120, 8192), "shared_w2": (5120, 2304)}
-MOE_SHAPE = (2304, 5120)  # V4.1 (I, D), top-6
+GEMV_NAMES = ("wq_b", "wo_b", "shared_w2")  # of the GEMV benchmark's PROJECTIONS (V4.1 shapes)
 
 
 def cases(target: str):
     """[(label, fn, make)] for ``target``: ``fn(*make())`` runs the op once (``make`` builds its
     random inputs; ``jax.eval_shape(make)`` gives their shapes without allocating them)."""
     from pallas_kernels.benchmarking import random_fp4, random_fp8
+    from pallas_kernels.moe import benchmark as moe_bench
     from pallas_kernels.moe import pallas_triton as moe
     from pallas_kernels.quantized_matmul import pallas_triton as qmm
+    from pallas_kernels.quantized_matmul.benchmark import PROJECTIONS
 
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}: expected one of {', '.join(TARGETS)}")
@@ -46,7 +47,7 @@ def cases(target: str):
     out = []
     if target in ("moe", "moe8"):
         e = 8 if target == "moe8" else 96
-        i, d = MOE_SHAPE
+        i, d = moe_bench.I, moe_bench.D  # V4.1's, top-6
 
         def make_moe():
             w1, w2, w3 = (random_fp4(jax.random.fold_in(key, j), s)
@@ -54,12 +55,12 @@ def cases(target: str):
             idx = jnp.array([[0, 1, 2, 4, 5, 7]] if e == 8 else [[3, 17, 29, 44, 60, 91]], jnp.int32)
             return jax.random.normal(key, (1, d), jnp.bfloat16), jnp.full((1, 6), 0.2, jnp.float32), idx, w1, w2, w3
 
-        fn = lambda x, w, ix, a, b, c: moe.moe_experts(x, w, ix, a, b, c, swiglu_limit=10.0)  # noqa: E731
+        fn = lambda x, w, ix, a, b, c: moe.moe_experts(x, w, ix, a, b, c, swiglu_limit=moe_bench.LIMIT)  # noqa: E731
         out.append((f"moe E={e}", fn, make_moe))
     else:
-        names = ("wq_b",) if target == "wqb" else tuple(GEMV_SHAPES)
-        for name in names:
-            n, k = GEMV_SHAPES[name]
+        shapes = {name: (n, k) for name, n, k in PROJECTIONS}
+        for name in ("wq_b",) if target == "wqb" else GEMV_NAMES:
+            n, k = shapes[name]
 
             def make_gemv(n=n, k=k):
                 return jax.random.normal(key, (1, k), jnp.bfloat16), random_fp8(jax.random.fold_in(key, n), n, k)

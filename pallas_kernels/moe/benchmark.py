@@ -256,11 +256,11 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
         # the down kernel's K splits around the dispatch's choice (session 31: 3 at one and two tokens):
         # every split that divides its K steps, with the dispatch's K step and with half of it
         same = {pallas_triton.with_down_splits(c, pallas_triton.fma_down_splits(c)) for c in fmas}
-        for kgb in (auto[5], auto[5] // 2):
-            steps = I // pallas_triton.fma.group_size(w1) // max(kgb, 1)
+        for kgb in [k for k in (auto[5], auto[5] // 2) if k]:
+            steps = I // pallas_triton.fma.group_size(w1) // kgb
             for ds in range(1, min(steps, 9) + 1):
                 c = pallas_triton.with_down_splits(auto[:5] + (kgb,) + auto[6:], ds)
-                if steps % ds == 0 and c not in same and kgb >= 1 and pallas_triton.fma_reason(w1, c) is None:
+                if steps % ds == 0 and c not in same and pallas_triton.fma_reason(w1, c) is None:
                     fmas.append(c)
                     same.add(c)
         tcs = [mma] + ([c for c in TC_DECODE_CONFIGS if c != mma] if wide else [])

@@ -496,8 +496,8 @@ GATE_UP_SPLIT = {**_parse_splits(os.environ.get("DSV41_MOE_SPLITS", "")), "below
 def _parse_down(text: str) -> dict:
     """``DSV41_MOE_DOWN``: "BD,W" or "BD,W,S", the MXFP4 down kernel's output rows per program and
     warps in the default fma configs, and its K splits where the grid is small (as the gate/up split:
-    one or two tokens; default 1, none); "0": 16 rows, the config's 4 warps, no split (the default
-    before session 29)."""
+    one or two tokens; default :data:`DEFAULT_DOWN_SPLITS`); "0": 16 rows, the config's 4 warps, no
+    split (the default before session 29)."""
     vals = _env_ints(text, DEFAULT_DOWN)
     if vals == [0]:
         return {"bd": 16, "warps": 4, "splits": 1}
@@ -521,7 +521,8 @@ DEFAULT_DOWN = (64, 4)
 # (BENCHMARKS.md, issue 6), whole MoE at one token, 96 experts: down 22.90 -> 19.03 us (65.97 ->
 # 62.45 us for the MoE with an XLA sum of the splits); 384 experts 21.93 -> 18.94; two tokens
 # 37.76 -> 33.33. 9 splits: the same down time, a slower sum. Batch-1 protocol (XLA sum) 136.78 ->
-# 139.45 tok/s. Where 3 does not divide the K steps (V4-Flash: 8 steps) there is no split.
+# 139.45 tok/s. Where 3 does not divide the K steps (V4-Flash: 4 steps of 16 groups) there is no
+# split; session 32 timed V4-Flash's 2 and 4 splits within 1 % of none.
 DEFAULT_DOWN_SPLITS = 3
 
 # Read at trace time (DSV41_MOE_DOWN).
@@ -568,7 +569,7 @@ def default_fma_config(w1, rows_per_expert: float = 1.0, routing_shape: tuple[in
     if small and routing_shape is not None and sp["splits"] > 1 and fma.moe_act_quant_site(w1, act_block) == "pallas":
         split = cfg[:2] + (sp["bi"] or pick_block(i_dim, base_rows),) + cfg[3:8] + (sp["splits"], sp["warps"] or 4)
         cfg = split if fma_reason(w1, split) is None else cfg  # e.g. a split that does not divide the K steps
-    dsplits = DOWN_TILE.get("splits", 1) if fp4 else 1
+    dsplits = DOWN_TILE["splits"] if fp4 else 1
     if small and routing_shape is not None and dsplits > 1:
         down = with_down_splits(cfg, dsplits)
         cfg = down if fma_reason(w1, down) is None else cfg

@@ -186,9 +186,9 @@ def fma_variants(m, w, wide: bool = False):
              ("fma", bn // 2, kg, splits, 4, stages), ("fma", bn, kg * 2, splits, 4, stages),
              ("fma", bn, kg, splits * 2, 4, stages)]
     # every larger K split that divides the K steps, down to one step per program, up to 16 programs
-    # per SM of an H200: the default stops at 4 per SM and 2 steps per program, and the MXFP4 MoE's
-    # down kernel gained 17 % going from 480 to 1,440 programs (session 31, BENCHMARKS.md issue 6)
-    # and the same with half the K groups per step (more, smaller steps: finer splits)
+    # per SM of an H200 (the default stops at about 4 per SM; the MXFP4 MoE's down kernel gained 17 %
+    # going from 480 to 1,440 programs, session 31), with the default's K groups per step and with
+    # half of them (more, smaller steps: finer splits)
     for kgs in (kg, kg // 2):
         steps = k // group_size(w) // max(kgs, 1)
         cands += [("fma", bn, kgs, s, 4, stages) for s in range(splits + 1, steps + 1)
