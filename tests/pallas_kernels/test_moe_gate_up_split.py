@@ -202,7 +202,7 @@ def test_split_rows_and_warps_reach_the_gate_up_kernel(monkeypatch):
     monkeypatch.setitem(pallas_triton.GATE_UP_SPLIT, "splits", 2)
     monkeypatch.setattr(pallas_triton, "DOWN_TILE", pallas_triton._parse_down("0"))
     assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6)) == ("fma", 1, 16, 16, 16, 8, 4, 3, 2, 4)  # "0": no down split
-    monkeypatch.setattr(pallas_triton, "DOWN_TILE", {"bd": 32, "warps": 2})  # the gate/up kernel keeps 4 warps
+    monkeypatch.setattr(pallas_triton, "DOWN_TILE", pallas_triton._parse_down("32,2,1"))  # the gate/up kernel keeps 4 warps
     assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(8, 6)) == ("fma", 1, 32, 16, 32, 8, 2, 3, 1, 4)
     assert pallas_triton.default_fma_config(w1, 1.0, routing_shape=(1, 6)) == ("fma", 1, 16, 16, 32, 8, 2, 3, 2, 4)
     monkeypatch.setattr(pallas_triton, "DOWN_TILE", pallas_triton._parse_down(""))
