@@ -79,12 +79,40 @@ from .config import ModelConfig
 from .engram import gather_rows
 from .engram_hash import ngram_hash_ids
 from .options import RunOptions
-from .quant import Fp8Tensor
+from .quant import Fp4Tensor, Fp8Tensor, with_fp4_packing
 from .sampling import SamplingParams, request_keys, sample_traced
 from .transformer import forward_step
 from .xla_flags import decode_compiler_options
 
 EOS_ID = 1
+
+# How the engine stores the routed experts' MXFP4 codes (Engine(expert_packing=...), else the
+# environment's DSV41_EXPERT_PACKING, else "auto"): "nibbles" as in the checkpoint; "f16pairs" re-laid
+# inside each 32-bit word for the MoE kernels' decode (dsv41_jax.quant.codecs.repack_f16pairs: 11
+# integer ops per 8 codes instead of 15; the same values, so the same tokens); "auto" = "f16pairs"
+# where the MoE dispatch runs the Pallas kernels (a GPU), else "nibbles".
+EXPERT_PACKINGS = ("auto", "nibbles", "f16pairs")
+
+
+def expert_packing_for(choice: str | None = None) -> str:
+    """The concrete packing ("nibbles" or "f16pairs") for ``choice`` (None: DSV41_EXPERT_PACKING,
+    default "auto")."""
+    import os
+
+    from pallas_kernels import dispatch
+
+    name = (choice if choice is not None else os.environ.get("DSV41_EXPERT_PACKING", "")).strip().lower() or "auto"
+    if name not in EXPERT_PACKINGS:
+        raise ValueError(f"expert packing {name!r} (Engine(expert_packing=) / DSV41_EXPERT_PACKING): expected one of "
+                         f"{', '.join(EXPERT_PACKINGS)}")
+    if name == "auto":
+        return "f16pairs" if dispatch.resolve(None, "moe_experts") != "reference" else "nibbles"
+    return name
+
+
+def _routed_expert(name: str, node) -> bool:
+    """The routed experts' MXFP4 weights (``...ffn.experts.w1/w2/w3``; not the shared expert)."""
+    return ".experts." in f".{name}." and node.block == 32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -466,12 +494,15 @@ class Engine:
     ``prefill_chunk``: tokens per prompt chunk (any size >= 1); ``engram_mode``: ``auto`` | ``host`` |
     ``device``; ``stop_ids``: tokens that end a sequence (default EOS = 1); ``mesh``: a
     :func:`sharding.make_mesh` mesh to run on (default: one device; see "On a mesh" in the module
-    docstring). ``batch_size`` must be a multiple of the mesh's ``dp``.
+    docstring). ``batch_size`` must be a multiple of the mesh's ``dp``. ``expert_packing``: how the
+    routed experts' MXFP4 codes are stored (:data:`EXPERT_PACKINGS`; default DSV41_EXPERT_PACKING or
+    "auto", which repacks them as "f16pairs" in place where the MoE kernels run: ``model.params``
+    then holds the repacked experts, the same values).
     """
 
     def __init__(self, model, *, batch_size: int = 8, max_seq_len: int = 4096, opts: RunOptions | None = None,
                  prefill_chunk: int = 256, engram_mode: str = "auto", stop_ids: Sequence[int] = (EOS_ID,),
-                 mesh=None, prefill_tokens: int | None = None):
+                 mesh=None, prefill_tokens: int | None = None, expert_packing: str | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         dp = mesh_sizes(mesh)["dp"]
@@ -508,6 +539,7 @@ class Engine:
             self._rows = self._rep = SingleDeviceSharding(jax.devices()[0])
         else:
             self._rows, self._rep = batch_sharding(mesh, self.B), NamedSharding(mesh, PartitionSpec())
+        self.expert_packing = expert_packing_for(expert_packing)
         self._setup_params(engram_mode)
         if mesh is None:
             self.cache = self._commit(init_cache(self.cfg, self.B, self.max_seq_len, self.opts))
@@ -555,6 +587,32 @@ class Engine:
         else:
             self.params = self._commit(jax.tree.map(lambda a: jnp.asarray(a) if isinstance(a, np.ndarray) else a,
                                                     params))
+        if self.expert_packing == "f16pairs":
+            self._repack_experts()
+
+    def _repack_experts(self):
+        """The routed experts' codes re-laid as "f16pairs" on the device, in place: the placed arrays are
+        donated, and where the model's own tree held device arrays (possibly those very buffers) its
+        expert nodes are replaced by the repacked ones, so that ``model.params`` stays usable and no
+        second copy of the experts is kept. (Any other reference to the old arrays is then unusable.)"""
+        self.params = with_fp4_packing(self.params, "f16pairs", only=_routed_expert, donate=True)
+        placed = {}
+
+        def collect(path, node):
+            if isinstance(node, Fp4Tensor):
+                placed[jax.tree_util.keystr(path)] = node
+            return node
+
+        is_fp4 = lambda x: isinstance(x, Fp4Tensor)  # noqa: E731
+        jax.tree_util.tree_map_with_path(collect, self.params, is_leaf=is_fp4)
+
+        def adopt(path, node):
+            new = placed.get(jax.tree_util.keystr(path)) if is_fp4(node) else None
+            if new is None or new.packing == node.packing or isinstance(node.data, np.ndarray):
+                return node
+            return new
+
+        self.model.params = jax.tree_util.tree_map_with_path(adopt, self.model.params, is_leaf=is_fp4)
 
     def _commit(self, tree):
         """Single-device arrays committed to the default device (sharded ones left as they are)."""

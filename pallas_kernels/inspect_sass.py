@@ -165,9 +165,9 @@ def resources(sass: str, num_warps: int) -> dict | None:
     return out
 
 
-def _cases(which: str, tokens: int = 1, experts: int = 384, config=None):
-    """(fn, *specs) of a case: "moe" (V4.1 MXFP4 experts: ``tokens`` tokens over ``experts`` experts,
-    the default config for that size or ``config``), "moe-bf16" (the same experts in bf16: the kernel
+def _cases(which: str, tokens: int = 1, experts: int = 384, config=None, packing: str = "nibbles"):
+    """(fn, *specs) of a case: "moe" (V4.1 MXFP4 experts in ``packing``: ``tokens`` tokens over
+    ``experts`` experts, the default config for that size or ``config``), "moe-bf16" (the same experts in bf16: the kernel
     without its decode) or "gemv" (wq_b at ``tokens`` rows)."""
     import jax.numpy as jnp
     from jax import ShapeDtypeStruct as S
@@ -181,8 +181,8 @@ def _cases(which: str, tokens: int = 1, experts: int = 384, config=None):
         if which == "moe-bf16":
             w1, w2 = S((e, i, d), jnp.bfloat16), S((e, d, i), jnp.bfloat16)
         else:
-            w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)
-            w2 = Fp4Tensor(S((e, d, i // 2), jnp.uint8), S((e, d, i // 32), jnp.float8_e8m0fnu), 32)
+            w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32, packing)
+            w2 = Fp4Tensor(S((e, d, i // 2), jnp.uint8), S((e, d, i // 32), jnp.float8_e8m0fnu), 32, packing)
         return (lambda x, w, idx, a, b, c: moe.moe_experts(x, w, idx, a, b, c, swiglu_limit=10.0, config=config),
                 S((tokens, d), jnp.bfloat16), S((tokens, 6), jnp.float32), S((tokens, 6), jnp.int32), w1, w2, w1)
     if which == "gemv":
@@ -271,6 +271,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=1, help="tokens (moe, route), rows (gemv, kv-write) or sequences "
                     "(sparse-attn, indexer)")
     ap.add_argument("--experts", type=int, default=384, help="moe, route: routed experts")
+    ap.add_argument("--packing", default="nibbles", choices=["nibbles", "f16pairs"],
+                    help="moe: how the experts' MXFP4 codes are stored (dsv41_jax.quant.codecs)")
     ap.add_argument("--config", default=None, help="the op's config tuple, e.g. \"(128, 128, 64, 128, 64, 8)\"; "
                     "sparse-attn, indexer, route: keyword arguments, e.g. \"{'block_h': 32, 'num_warps': 4}\"")
     ap.add_argument("--python", default=None, help="an interpreter with triton installed, for the SASS step")
@@ -296,7 +298,7 @@ def main(argv=None) -> int:
 
     if a.decode:
         fma.FMA_DECODE.update(fma._parse_fma_decode(a.decode))
-    fn, *specs = _cases(a.case, a.tokens, a.experts, config)
+    fn, *specs = _cases(a.case, a.tokens, a.experts, config, a.packing)
     for k in triton_kernels(fn, *specs):
         if a.python:  # compile in the other interpreter
             with tempfile.NamedTemporaryFile("w", suffix=".ttir", delete=False) as f:

@@ -195,7 +195,7 @@ def node_specs(node, logical: tuple[str | None, ...], sizes: dict[str, int], whe
         entries.pop()
     spec = P(*entries)
     if isinstance(node, (Fp8Tensor, Fp4Tensor)):
-        return type(node)(data=spec, scale=spec, block=node.block)
+        return node.replace(data=spec, scale=spec)  # static fields (block, FP4 packing) kept
     return spec
 
 

@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 from ..config import ModelConfig
-from ..quant import Fp4Tensor, Fp8Tensor
+from ..quant import Fp4Tensor, Fp8Tensor, with_fp4_packing
 from . import loader as _loader
 from .layout import leaf_table
 from .loader import DEFAULT_HOST_BUDGET, _concat_fn, _sharding_for, flatten_shardings
@@ -98,6 +98,7 @@ def save_params(params: dict, path: str | os.PathLike, cfg: ModelConfig, *, over
     if os.path.exists(path) and not overwrite:
         raise CheckpointError(f"{path} already exists (pass overwrite=True to replace it)")
     entries, treedef = leaf_table(cfg)
+    params = with_fp4_packing(params, "nibbles")  # checkpoints hold the nibble layout (an engine may have repacked)
     try:
         leaves = treedef.flatten_up_to(params)
     except (ValueError, TypeError) as e:

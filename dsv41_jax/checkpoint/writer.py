@@ -189,6 +189,8 @@ class _Resolver:
                 raise KeyError(f"{'.'.join(node_path)}: config expects {kind.__name__}, params hold {type(p).__name__}")
             elif p.block != spec.block:
                 raise KeyError(f"{'.'.join(node_path)}: block {p.block}, config expects {spec.block}")
+            if isinstance(p, Fp4Tensor):  # checkpoints hold the nibble layout (an engine may have repacked)
+                p = p.with_packing("nibbles")
             val = type(p)(data=np.asarray(p.data), scale=np.asarray(p.scale), block=p.block)
             for part, s in (("data", spec.data), ("scale", spec.scale)):
                 a = getattr(val, part)

@@ -8,6 +8,7 @@ and the fake-quantizers (Q8 / Q4e8 / Q4e4) the reference applies in place.
 
 from .codecs import (
     E2M1_VALUES,
+    FP4_PACKINGS,
     bf16_round,
     e2m1_decode,
     e2m1_encode,
@@ -16,7 +17,9 @@ from .codecs import (
     e8m0_encode_exponent,
     exact_f32,
     pack_nibbles,
+    repack_f16pairs,
     round_to_dtype,
+    unpack_f16pairs,
     unpack_nibbles,
 )
 from .fake_quant import act_quant, fake_quant_fp4_e4m3, fake_quant_fp8, fake_quant_mxfp4
@@ -29,10 +32,12 @@ from .tensors import (
     quantize_fp4_e4m3,
     quantize_fp8,
     quantize_mxfp4,
+    with_fp4_packing,
 )
 
 __all__ = [
     "E2M1_VALUES",
+    "FP4_PACKINGS",
     "Fp4Tensor",
     "Fp8Tensor",
     "act_quant",
@@ -54,5 +59,8 @@ __all__ = [
     "quantize_fp4_e4m3",
     "quantize_fp8",
     "quantize_mxfp4",
+    "repack_f16pairs",
+    "unpack_f16pairs",
     "unpack_nibbles",
+    "with_fp4_packing",
 ]

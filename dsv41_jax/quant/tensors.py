@@ -7,7 +7,9 @@ in memory and are only dequantized (a block at a time) where they are used.
   use (1, 32).
 * :class:`Fp4Tensor` – e2m1 codes packed two per byte in ``data`` (uint8, low nibble first) with one
   scale per ``block`` elements of the last dim: e8m0 for MXFP4 (experts, indexer keys; block 32),
-  e4m3 for V4.1's compressed KV (block 16).
+  e4m3 for V4.1's compressed KV (block 16). ``packing`` "f16pairs" holds the same codes re-laid
+  inside each 32-bit word for the GPU kernels' decode (:func:`~dsv41_jax.quant.codecs.repack_f16pairs`;
+  the engine repacks the routed experts when the MoE kernels run); checkpoints hold "nibbles".
 
 Leading dims (experts, batch, ...) are free. Both are ``flax.struct`` dataclasses: ``data`` and
 ``scale`` are leaves; ``block`` is static metadata.
@@ -15,6 +17,7 @@ Leading dims (experts, batch, ...) are free. Both are ``flax.struct`` dataclasse
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -22,7 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from .codecs import E2M1_MAX, E4M3_MAX, e2m1_decode, e2m1_encode, e4m3_round, e8m0_decode, e8m0_encode_exponent, pow2
-from .codecs import exact_f32, pack_nibbles, unpack_nibbles
+from .codecs import FP4_PACKINGS, exact_f32, pack_nibbles, repack_f16pairs, unpack_f16pairs, unpack_nibbles
 from .fake_quant import fp4_e4m3_block_scale, fp8_block_scale, mxfp4_block_scale
 
 
@@ -53,11 +56,30 @@ class Fp4Tensor:
     data: jax.Array  # uint8 [..., C/2]
     scale: jax.Array  # float8_e8m0fnu or float8_e4m3fn [..., C/block]
     block: int = struct.field(pytree_node=False, default=32)
+    # "nibbles" (the checkpoint's) or "f16pairs" (codecs.repack_f16pairs): how codes sit in ``data``
+    packing: str = struct.field(pytree_node=False, default="nibbles")
+
+    def __post_init__(self):
+        if self.packing not in FP4_PACKINGS:
+            raise ValueError(f"Fp4Tensor packing must be one of {', '.join(FP4_PACKINGS)}, got {self.packing!r}")
 
     @property
     def shape(self) -> tuple[int, ...]:
         """Logical (unpacked) shape."""
         return (*self.data.shape[:-1], self.data.shape[-1] * 2)
+
+    def nibble_data(self) -> jax.Array:
+        """``data`` in the checkpoint's nibble layout (un-repacked where ``packing`` is "f16pairs")."""
+        return unpack_f16pairs(self.data) if self.packing == "f16pairs" else self.data
+
+    def with_packing(self, packing: str) -> "Fp4Tensor":
+        """The same codes in ``packing`` (self where it already is)."""
+        if packing not in FP4_PACKINGS:
+            raise ValueError(f"Fp4Tensor packing must be one of {', '.join(FP4_PACKINGS)}, got {packing!r}")
+        if packing == self.packing:
+            return self
+        data = repack_f16pairs(self.data) if packing == "f16pairs" else self.nibble_data()
+        return Fp4Tensor(data=data, scale=self.scale, block=self.block, packing=packing)
 
     def scale_f32(self) -> jax.Array:
         if self.scale.dtype == jnp.float8_e4m3fn:
@@ -65,7 +87,7 @@ class Fp4Tensor:
         return e8m0_decode(self.scale)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        vals = e2m1_decode(unpack_nibbles(self.data))
+        vals = e2m1_decode(unpack_nibbles(self.nibble_data()))
         vals = vals.reshape(*vals.shape[:-1], vals.shape[-1] // self.block, self.block)
         out = vals * self.scale_f32()[..., None]
         return out.reshape(self.shape).astype(dtype)
@@ -143,3 +165,37 @@ def quantize_fp4_e4m3(x: jax.Array, block: int = 16) -> Fp4Tensor:
 
 def fp8_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
     return (*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
+
+
+def _is_fp4(x) -> bool:
+    return isinstance(x, Fp4Tensor)
+
+
+def with_fp4_packing(tree, packing: str, *, only=None, donate: bool = False):
+    """``tree`` with every :class:`Fp4Tensor` node (for which ``only(path, node)`` holds, where given;
+    ``path`` the dotted key path) in ``packing``; other nodes as they are. One jitted program per
+    shape; a device array keeps its sharding. ``donate``: the converted nodes' old ``data`` buffers
+    are given to the new ones (converting a model's experts in place, without a second copy; any
+    other reference to the old arrays is then unusable)."""
+    def conv(path, node):
+        if not _is_fp4(node) or node.packing == packing:
+            return node
+        name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        if only is not None and not only(name, node):
+            return node
+        sharding = getattr(node.data, "sharding", None)
+        data = _repack_data_jit(node.packing, packing, donate)(node.data)
+        if sharding is not None and getattr(data, "sharding", None) != sharding:
+            data = jax.device_put(data, sharding)
+        return Fp4Tensor(data=data, scale=node.scale, block=node.block, packing=packing)
+
+    return jax.tree_util.tree_map_with_path(conv, tree, is_leaf=_is_fp4)
+
+
+@functools.cache
+def _repack_data_jit(src: str, dst: str, donate: bool):
+    def f(data):
+        nib = unpack_f16pairs(data) if src == "f16pairs" else data
+        return repack_f16pairs(nib) if dst == "f16pairs" else nib
+
+    return jax.jit(f, donate_argnums=(0,) if donate else ())

@@ -40,7 +40,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsv41_jax.quant import act_quant, is_quantized
+from dsv41_jax.quant import FP4_PACKINGS, act_quant, is_quantized
 from pallas_kernels.deferred_sum import expert_slots
 from pallas_kernels.moe.gate_up_finish import finish_act_quant_view, finish_reference, swiglu_h
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
@@ -138,7 +138,7 @@ def unsupported_reason(x, weights, indices, w1, w2, w3, act_block=32):
     if d != x.shape[1]:
         return f"x has D={x.shape[1]} but the experts have D={d}"
     for name, w in (("w1", w1), ("w2", w2), ("w3", w3)):
-        r = weight_reason(w) or act_block_reason(w, act_block)
+        r = weight_reason(w, packings=FP4_PACKINGS) or act_block_reason(w, act_block)
         if r is not None:
             return f"{name}: {r}"
     return None
@@ -154,7 +154,7 @@ def auto_reason(w1=None, act_block=32):
     return None
 
 
-def _config(n_pairs: int, n_exp: int, i: int, d: int):
+def _config(n_pairs: int, n_exp: int, i: int, d: int, words_only: bool = False):
     """(bt, bi, bk_a, bd, bk_b, warps). From 256 rows per expert on (prefill chunks over few experts:
     the benchmark's 96 experts at 4096 tokens), 128-row blocks with 64-wide tiles: 13.45 ms against
     15.98 ms for the 64-row default, the fastest of 8 tilings on the H200 (session 8, BENCHMARKS.md).
@@ -162,15 +162,19 @@ def _config(n_pairs: int, n_exp: int, i: int, d: int):
     against 17.70 ms for (64, 128, 64, 128, 64, 4) with GRID_ORDER 'rows' (session 12) -- one
     half-empty block per expert costs less than ~1.5 fuller ones, each decoding the expert's weights.
     8 warps rather than 4 (session 12): 10.16 vs 10.52 ms at 96 experts, 16.67 vs 16.95 ms at 384 (the
-    gate/up kernel gains 0.5 ms, the down kernel loses 0.1-0.2)."""
+    gate/up kernel gains 0.5 ms, the down kernel loses 0.1-0.2). ``words_only``: the tiling for the
+    word route, the only one that reads experts packed as "f16pairs"."""
     rows_per_expert = n_pairs / max(1, min(n_exp, n_pairs))
     if rows_per_expert >= 64:
         return 128, pick_block(i, 64), pick_block(d, 64), pick_block(d, 64), pick_block(i, 64), 8
     bt = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64
     bi = pick_block(i, 64 if bt <= 32 else 128)
     bd = pick_block(d, 64 if bt <= 32 else 128)
-    bk_a = pick_block(d, 256 if bt <= 32 else 64)
-    bk_b = pick_block(i, 256 if bt <= 32 else 64)
+    # 256-wide K tiles for the bytes route; the word route takes 64 (session 10, 32 tokens over 96
+    # experts: 2,315-2,630 us against 4,451 at 256), and is the only route for f16pairs experts
+    wide = 256 if bt <= 32 and not words_only else 64
+    bk_a = pick_block(d, wide)
+    bk_b = pick_block(i, wide)
     return bt, bi, bk_a, bd, bk_b, 4
 
 
@@ -238,9 +242,9 @@ def mma_fp4_words(x_dtype, bk_a: int, bk_b: int) -> bool:
     return route == "f16w"
 
 
-def _weight_tile(fmt, fp4_words, w_ref, s_ref, e, rows, row0, bn, k0, bk, op_dtype, wblock):
+def _weight_tile(fmt, fp4_words, w_ref, s_ref, e, rows, row0, bn, k0, bk, op_dtype, wblock, packing="nibbles"):
     if fmt == "fp4" and fp4_words:
-        return load_fp4_word_tile(w_ref, s_ref, (e,), rows, bn, k0, bk, op_dtype)
+        return load_fp4_word_tile(w_ref, s_ref, (e,), rows, bn, k0, bk, op_dtype, packing)
     return load_weight_tiles(fmt, w_ref, s_ref, (e,), rows, row0, bn, k0, bk, op_dtype, wblock)
 
 
@@ -265,7 +269,7 @@ def _grid(nb: int, tiles: int, rows_first: bool) -> tuple[int, int]:
 
 def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
                     fmt, bt, bi, bk, steps, op_dtype, x_dtype, limit, quant, wblock=32, act_block=32,
-                    fp4_words=False, swap=False, rows_first=True):
+                    fp4_words=False, swap=False, rows_first=True, packing="nibbles"):
     b, j = _block_and_tile(rows_first)
     e = be_ref[b]
     row0 = pl.multiple_of(j * bi, bi)
@@ -280,8 +284,8 @@ def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_r
             g, u = carry
             k0 = pl.multiple_of(i * bk, bk)
             xt = x_ref[tok, pl.ds(k0, bk)]
-            w1t = _weight_tile(fmt, fp4_words, w1_ref, s1_ref, e, rows, row0, bi, k0, bk, op_dtype, wblock)
-            w3t = _weight_tile(fmt, fp4_words, w3_ref, s3_ref, e, rows, row0, bi, k0, bk, op_dtype, wblock)
+            w1t = _weight_tile(fmt, fp4_words, w1_ref, s1_ref, e, rows, row0, bi, k0, bk, op_dtype, wblock, packing)
+            w3t = _weight_tile(fmt, fp4_words, w3_ref, s3_ref, e, rows, row0, bi, k0, bk, op_dtype, wblock, packing)
             return g + tile_dot(fmt, xt, w1t, op_dtype, swap), u + tile_dot(fmt, xt, w3t, op_dtype, swap)
 
         z = jnp.zeros((bi, bt) if swap else (bt, bi), jnp.float32)
@@ -301,7 +305,7 @@ def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_r
 
 
 def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd, bk, steps, op_dtype, wblock=32,
-                 fp4_words=False, swap=False, rows_first=True):
+                 fp4_words=False, swap=False, rows_first=True, packing="nibbles"):
     b, j = _block_and_tile(rows_first)
     e = be_ref[b]
     row0 = pl.multiple_of(j * bd, bd)
@@ -313,7 +317,7 @@ def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd,
         def body(i, acc):
             k0 = pl.multiple_of(i * bk, bk)
             ht = h_ref[hrows, pl.ds(k0, bk)]
-            wt = _weight_tile(fmt, fp4_words, w2_ref, s2_ref, e, rows, row0, bd, k0, bk, op_dtype, wblock)
+            wt = _weight_tile(fmt, fp4_words, w2_ref, s2_ref, e, rows, row0, bd, k0, bk, op_dtype, wblock, packing)
             return acc + tile_dot(fmt, ht, wt, op_dtype, swap)
 
         acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bd, bt) if swap else (bt, bd), jnp.float32))
@@ -322,7 +326,8 @@ def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd,
         y_ref[pair_ref[hrows], rows] = acc.astype(y_ref.dtype)
 
 
-def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, g, x_dtype, limit, splits=1):
+def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, g, x_dtype, limit, splits=1,
+                        route=None):
     """Kernel A on the vector units (``"fma"`` configs): the block's ``bt`` rows share each decoded
     w1 / w3 tile; one fused multiply-add per weight element and row (:mod:`pallas_triton_fma`). Each
     step's x groups are loaded once for both tiles. With ``splits > 1`` (grid axis 2) a program
@@ -356,8 +361,8 @@ def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, 
             gs, us = carry
             g0 = pl.multiple_of((i + step0) * kg, kg)
             xs = fma.load_x(x_refs, toks, g0, kg)
-            pg = fma.partials(fmt, tiles[0], xs)
-            pu = fma.partials(fmt, tiles[1], xs)
+            pg = fma.partials(fmt, tiles[0], xs, route)
+            pu = fma.partials(fmt, tiles[1], xs, route)
             return tuple(a + p for a, p in zip(gs, pg)), tuple(a + p for a, p in zip(us, pu))
 
         z = tuple(jnp.zeros((bi, kg), jnp.float32) for _ in range(bt))
@@ -372,7 +377,7 @@ def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, 
                 out_ref[b * bt + r, pl.ds(row0, bi)] = h.astype(out_ref.dtype)
 
 
-def _down_fma_kernel(be_ref, pair_ref, *refs, fmt, bt, bd, kg, steps, g, splits=1):
+def _down_fma_kernel(be_ref, pair_ref, *refs, fmt, bt, bd, kg, steps, g, splits=1, route=None):
     """Kernel B on the vector units: the block's ``bt`` h rows share each decoded w2 tile. With
     ``splits > 1`` (grid axis 2) a program runs ``steps`` of the K steps of its split and stores its
     fp32 sums to ``y[split]`` (:func:`_slots_out`: added in order and rounded by XLA, or with
@@ -394,7 +399,7 @@ def _down_fma_kernel(be_ref, pair_ref, *refs, fmt, bt, bd, kg, steps, g, splits=
             return fma.load_tile(fmt, w2_ref, s2_ref, (e,), row0, bd, pl.multiple_of((i + step0) * kg, kg), kg, g)
 
         def compute(i, tile, accs):
-            parts = fma.tile_partials(fmt, tile, h_refs, hrows, pl.multiple_of((i + step0) * kg, kg), kg)
+            parts = fma.tile_partials(fmt, tile, h_refs, hrows, pl.multiple_of((i + step0) * kg, kg), kg, route=route)
             return tuple(a + p for a, p in zip(accs, parts))
 
         accs = fma.k_loop(steps, load, compute, tuple(jnp.zeros((bd, kg), jnp.float32) for _ in range(bt)))
@@ -593,6 +598,7 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
     n, k = indices.shape
     n_exp, i_dim, d = weight_logical_shape(w1)
     fmt = weight_format(w1)
+    route = fma.fp4_route(w1) if fmt == "fp4" else None
     g = fma.group_size(w1)
     p = n * k
     block_expert, block_pair, block_token, block_weight = group_pairs(indices, weights, n_exp, bt)
@@ -607,7 +613,7 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
              else jax.ShapeDtypeStruct((nb * bt, i_dim), x.dtype))
     h = pl.pallas_call(
         functools.partial(_gate_up_fma_kernel, fmt=fmt, bt=bt, bi=bi, kg=kg_a, steps=d // g // kg_a // splits, g=g,
-                          x_dtype=x.dtype, limit=limit, splits=splits),
+                          x_dtype=x.dtype, limit=limit, splits=splits, route=route),
         out_shape=a_out,
         grid=(nb, i_dim // bi, splits) if splits > 1 else (nb, i_dim // bi),
         compiler_params=a_params,
@@ -625,7 +631,7 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
     dsplits = fma_down_splits(cfg)
     y = pl.pallas_call(
         functools.partial(_down_fma_kernel, fmt=fmt, bt=bt, bd=bd, kg=kg_b, steps=i_dim // g // kg_b // dsplits, g=g,
-                          splits=dsplits),
+                          splits=dsplits, route=route),
         out_shape=(jax.ShapeDtypeStruct((dsplits, p + 1, d), jnp.float32) if dsplits > 1
                    else jax.ShapeDtypeStruct((p + 1, d), x.dtype)),
         grid=(nb, d // bd, dsplits) if dsplits > 1 else (nb, d // bd),
@@ -657,7 +663,11 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
                         cfg=tuple(config), defer=defer)
     quant = is_quantized(w1)
     op = operand_dtype(x.dtype, w1)
-    cfg = tuple(config or _config(p, n_exp, i_dim, d))
+    packing = getattr(w1, "packing", "nibbles") if fmt == "fp4" else "nibbles"
+    if fmt == "fp4" and {getattr(w, "packing", "nibbles") for w in (w2, w3)} != {packing}:
+        raise ValueError(f"moe_experts (pallas): w1, w2, w3 must share one MXFP4 packing, got "
+                         f"{[getattr(w, 'packing', None) for w in (w1, w2, w3)]}")
+    cfg = tuple(config or _config(p, n_exp, i_dim, d, words_only=packing == "f16pairs"))
     bt, bi, bk_a, bd, bk_b, warps = cfg[:6]
     stages = cfg[6] if len(cfg) > 6 else 3  # optional 7th entry: software-pipelining stages
     # optional 8th: 1 = weight tile as the dots' first operand (tile_dot's swap; measured 10-40 % slower
@@ -673,11 +683,13 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     d1, s1 = weight_operands(w1)
     d2, s2 = weight_operands(w2)
     d3, s3 = weight_operands(w3)
-    words = fmt == "fp4" and mma_fp4_words(x.dtype, bk_a, bk_b)
+    # "f16pairs" experts are read as words whatever the route (the bytes route reads nibbles)
+    words = fmt == "fp4" and (packing == "f16pairs" or mma_fp4_words(x.dtype, bk_a, bk_b))
     if words:  # packed codes as uint32 words; the activation in the words' K order (fused into act_quant)
         if bk_a % 32 or bk_b % 32:
-            raise ValueError(f"moe_experts (pallas): DSV41_MMA_FP4=f16w needs K tiles that are multiples of 32, "
-                             f"got bk_a={bk_a}, bk_b={bk_b} (config {cfg})")
+            raise ValueError(f"moe_experts (pallas): the word decode (DSV41_MMA_FP4=f16w, or experts packed as "
+                             f"f16pairs) needs K tiles that are multiples of 32, got bk_a={bk_a}, bk_b={bk_b} "
+                             f"(config {cfg})")
         d1, d2, d3 = (fma._words(t) for t in (d1, d2, d3))
         xq = fp4_word_k_order(xq)
     if s1 is None:
@@ -691,7 +703,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     h = pl.pallas_call(
         functools.partial(_gate_up_kernel, fmt=fmt, bt=bt, bi=bi, bk=bk_a, steps=d // bk_a, op_dtype=op,
                           x_dtype=x.dtype, limit=limit, quant=in_kernel, wblock=fp8_block(w1), act_block=act_block,
-                          fp4_words=words, swap=swap, rows_first=rows_first),
+                          fp4_words=words, swap=swap, rows_first=rows_first, packing=packing),
         # h leaves kernel A in x.dtype (the reference act-quantizes h.astype(x.dtype)); only the
         # in-kernel act-quant may store bf16 (its e4m3 values are exact there). Storing f32 h as bf16
         # before the XLA act_quant double-rounded and broke f32 parity.
@@ -710,7 +722,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
 
     y = pl.pallas_call(
         functools.partial(_down_kernel, fmt=fmt, bt=bt, bd=bd, bk=bk_b, steps=i_dim // bk_b, op_dtype=op,
-                          wblock=fp8_block(w1), fp4_words=words, swap=swap, rows_first=rows_first),
+                          wblock=fp8_block(w1), fp4_words=words, swap=swap, rows_first=rows_first, packing=packing),
         out_shape=jax.ShapeDtypeStruct((p + 1, d), x.dtype),
         grid=_grid(nb, d // bd, rows_first),
         compiler_params=params,

@@ -115,8 +115,9 @@ def fp8_block(w) -> int:
     return int(w.block[0]) if isinstance(w, Fp8Tensor) else 32
 
 
-def weight_reason(w, *, rows_block: int = 32, k_block: int = 64) -> str | None:
-    """Shape/format checks common to every weight the kernels stream ([..., N, K] logical)."""
+def weight_reason(w, *, rows_block: int = 32, k_block: int = 64, packings=("nibbles",)) -> str | None:
+    """Shape/format checks common to every weight the kernels stream ([..., N, K] logical);
+    ``packings``: the MXFP4 packings the caller's kernels read (the GEMMs here: nibbles only)."""
     shape = weight_logical_shape(w)
     if len(shape) < 2:
         return f"weight must be at least 2-D, got shape {shape}"
@@ -137,6 +138,9 @@ def weight_reason(w, *, rows_block: int = 32, k_block: int = 64) -> str | None:
             return f"MXFP4 weight block must be 32, got {w.block}"
         if w.scale.dtype != jnp.float8_e8m0fnu:
             return f"FP4 weight scale must be e8m0 (MXFP4), got {w.scale.dtype} (the e4m3-scaled FP4 is a cache format)"
+        if w.packing not in packings:
+            return (f"MXFP4 weights packed as {w.packing!r} are read here only in packing {', '.join(packings)} "
+                    "(the fused MoE reads f16pairs; convert with w.with_packing('nibbles'))")
     else:
         dt = jnp.asarray(w).dtype if not hasattr(w, "dtype") else w.dtype
         if dt not in (jnp.bfloat16, jnp.float32, jnp.float16):
@@ -258,7 +262,7 @@ def fp4_word_k_order(x):
     return jnp.swapaxes(x.reshape(*lead, k // 8, 2, 2, 2), -1, -2).reshape(*lead, k)
 
 
-def load_fp4_word_tile(w_ref, s_ref, lead, rows, bn, k0, bk, op_dtype):
+def load_fp4_word_tile(w_ref, s_ref, lead, rows, bn, k0, bk, op_dtype, packing="nibbles"):
     """One MXFP4 weight tile decoded a 32-bit word at a time (the tensor-core path's "f16w" route):
     ``w_ref`` holds the packed codes as uint32 words [..., N, K/8] (8 codes, element 8q + j in nibble
     j). Nibbles j and j + 4 go into the two f16 halves of a word by one shift-mask-or
@@ -266,12 +270,13 @@ def load_fp4_word_tile(w_ref, s_ref, lead, rows, bn, k0, bk, op_dtype):
     scale (with the 2**14), then ``op_dtype`` (exact in bf16), and the four (j, j + 4) pairs are
     interleaved by three 2-way joins into one [bn, bk] tile whose K order is
     :func:`fp4_word_k_order`'s. Returns a 1-tuple: one dot per tile, against the permuted activation.
-    ``bk`` must be a multiple of 32 (one scale per 32 elements = 4 words)."""
+    ``bk`` must be a multiple of 32 (one scale per 32 elements = 4 words). ``packing``: how the codes
+    sit in the words ("nibbles" or "f16pairs", :func:`pallas_triton_fma.fp4_word_pairs_f32`)."""
     wds = w_ref[(*lead, rows, pl.ds(k0 // 8, bk // 8))]
     s = s_ref[(*lead, rows, pl.ds(k0 // 32, bk // 32))]
     sf = _expand_cols(fma.e8m0_f32(s, 14), 4)  # [bn, bk/8]
     pairs = [jnp.stack([(lo * sf).astype(op_dtype), (hi * sf).astype(op_dtype)], axis=-1)  # [bn, bk/8, 2 (h)]
-             for lo, hi in fma.fp4_word_pairs_f32(wds)]
+             for lo, hi in fma.fp4_word_pairs_f32(wds, packing)]
     a = jnp.stack([pairs[0], pairs[1]], axis=-1)  # [bn, bk/8, h, j in {0, 1}]
     b = jnp.stack([pairs[2], pairs[3]], axis=-1)  # j in {2, 3}
     return (jnp.stack([a, b], axis=-1).reshape(bn, bk),)  # column 8q + 4h + 2(j % 2) + j // 2

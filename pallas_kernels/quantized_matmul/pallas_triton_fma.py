@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, act_quant, exact_f32
-from dsv41_jax.quant.codecs import E4M3_MAX, pow2
+from dsv41_jax.quant.codecs import E4M3_MAX, F16PAIRS_MAG, F16PAIRS_SIGN, pow2
 from dsv41_jax.quant.fake_quant import fp8_block_scale
 
 from pallas_kernels.deferred_sum import gemv_parts
@@ -233,6 +233,18 @@ def group_size(w) -> int:
     return int(w.block[0]) if isinstance(w, Fp8Tensor) else 2 * FP4_GROUP_BYTES
 
 
+def fp4_route(w) -> str:
+    """How the fma kernels decode MXFP4 weight ``w``: "f16pairs" where its codes are stored in that
+    packing (the layout dictates the decode), else :data:`FMA_DECODE`'s route ("f16w" or "e4m3")."""
+    return "f16pairs" if getattr(w, "packing", "nibbles") == "f16pairs" else FMA_DECODE["fp4"]
+
+
+def fp4_words(w) -> bool:
+    """Whether the fma kernels read MXFP4 weight ``w`` as uint32 words (routes "f16w" and "f16pairs";
+    the activation then in 8 phases)."""
+    return fp4_route(w) in ("f16w", "f16pairs")
+
+
 # ------------------------------------------------------------------------------------------------
 # views (XLA, outside the kernels)
 
@@ -256,7 +268,7 @@ def weight_view(w):
         data = w.data if w.data.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(w.data, jnp.uint8)
         *lead, n, kb = data.shape
         data = data.reshape(*lead, n, kb // FP4_GROUP_BYTES, FP4_GROUP_BYTES)
-        return (_words(data) if FMA_DECODE["fp4"] == "f16w" else data), jax.lax.bitcast_convert_type(w.scale, jnp.uint8)
+        return (_words(data) if fp4_words(w) else data), jax.lax.bitcast_convert_type(w.scale, jnp.uint8)
     raise TypeError(f"fma GEMV takes FP8 or MXFP4 weights, got {type(w).__name__}")
 
 
@@ -280,7 +292,7 @@ def act_view(xq, w, widen: bool = True):
             xr = xf.reshape(m, k // g, g // 4, 4)
             return tuple(xr[..., j] for j in range(4))
         return (xf.reshape(m, k // g, g),)
-    if FMA_DECODE["fp4"] == "f16w":
+    if fp4_words(w):
         xr = xf.reshape(m, k // 32, 4, 8)
         return tuple(xr[..., j] for j in range(8))
     pairs = xf.reshape(m, k // 32, FP4_GROUP_BYTES, 2)
@@ -292,7 +304,7 @@ def _phase_layout(w) -> tuple[int, int]:
     g = group_size(w)
     if isinstance(w, Fp8Tensor):
         return (4, g // 4) if FMA_DECODE["fp8"] == "f16w" else (1, g)
-    return (8, 4) if FMA_DECODE["fp4"] == "f16w" else (2, 16)
+    return (8, 4) if fp4_words(w) else (2, 16)
 
 
 def phase_cols(nph: int, per: int) -> list:
@@ -347,17 +359,25 @@ def act_quant_view(x2, w, *, interpret=False):
 _SIGNS = np.uint32(0x80008000)  # the sign bits of both f16 halves of a word
 
 
-def fp4_word_pairs_f32(w):
-    """uint32 words of eight e2m1 codes (nibble j = element 8q + j) -> four (element j, element j + 4)
-    pairs of float32 ``e2m1 * 2**-14``: nibbles j and j + 4 sit 16 bits apart, so one shift-mask-or
-    places both into the f16 halves of a word (sign to bit 15 / 31, magnitude to bits 11..9 / 27..25)."""
-    out = []
-    for j in range(4):
-        sign = (w << (12 - 4 * j)) & _SIGNS if j < 3 else w & _SIGNS
-        mag = (w << (9 - 4 * j)) & np.uint32(0x0E000E00) if j < 3 else (w >> 3) & np.uint32(0x0E000E00)
-        bits = sign | mag
-        out.append((_f16_bits_to_f32(bits), _f16_bits_to_f32(bits >> 16)))
-    return out
+def _f16_pair_bits(w, sign_at: int, mag_at: int):
+    """Codes whose sign sits at bit ``sign_at`` (and + 16) and magnitude at bits ``mag_at`` .. + 2 of
+    words ``w`` placed into f16 halves (sign to bit 15 / 31, magnitude to bits 9..11 / 25..27): one
+    mask when both are in place, one shift + mask when they are 6 bits apart, else two of each."""
+    def shifted(t, by):
+        return t if by == 0 else (t << np.uint32(by)) if by > 0 else (t >> np.uint32(-by))
+    if 15 - sign_at == 9 - mag_at:
+        return shifted(w, 15 - sign_at) & np.uint32(0x8E008E00)
+    return (shifted(w, 15 - sign_at) & _SIGNS) | (shifted(w, 9 - mag_at) & np.uint32(0x0E000E00))
+
+
+def fp4_word_pairs_f32(w, packing: str = "nibbles"):
+    """uint32 words of eight e2m1 codes (element 8q + j) -> four (element j, element j + 4) pairs of
+    float32 ``e2m1 * 2**-14``: codes j and j + 4 sit 16 bits apart, so one shift-mask-or places both
+    into the f16 halves of a word (sign to bit 15 / 31, magnitude to bits 11..9 / 27..25).
+    ``packing`` "nibbles": code j in nibble j (15 integer ops per word); "f16pairs"
+    (:func:`~dsv41_jax.quant.codecs.repack_f16pairs`): 11 per word."""
+    at = zip(F16PAIRS_SIGN, F16PAIRS_MAG) if packing == "f16pairs" else ((4 * j + 3, 4 * j) for j in range(4))
+    return [(_f16_bits_to_f32(t), _f16_bits_to_f32(t >> 16)) for t in (_f16_pair_bits(w, s, m) for s, m in at)]
 
 
 def fp8_word_pairs_f32(w):
@@ -391,12 +411,13 @@ def fp8_tile_partial(raw, sraw, xs):
     return [jnp.sum(w * x[0][None], axis=2) * sf for x in xs]
 
 
-def fp4_tile_partial(raw, sraw, xs):
-    """MXFP4 tile: packed bytes [bn, kg, 16] (or words [bn, kg, 4], route "f16w") with scale bytes
-    [bn, kg]; ``xs`` each activation row's phases (:func:`act_view`). Returns the scaled partial
-    sums [bn, kg] per row."""
-    if FMA_DECODE["fp4"] == "f16w":
-        pairs = fp4_word_pairs_f32(raw)
+def fp4_tile_partial(raw, sraw, xs, route=None):
+    """MXFP4 tile: packed bytes [bn, kg, 16] (or words [bn, kg, 4], routes "f16w" / "f16pairs") with
+    scale bytes [bn, kg]; ``xs`` each activation row's phases (:func:`act_view`). Returns the scaled
+    partial sums [bn, kg] per row. ``route``: :func:`fp4_route` of the weight (None: FMA_DECODE's)."""
+    route = route or FMA_DECODE["fp4"]
+    if route in ("f16w", "f16pairs"):
+        pairs = fp4_word_pairs_f32(raw, "f16pairs" if route == "f16pairs" else "nibbles")
         sf = e8m0_f32(sraw, 14)
         out = []
         for x in xs:
@@ -430,18 +451,19 @@ def load_x(x_refs, rows, g0, kg, quant=False):
     return [quant_phases(x) for x in xs] if quant else xs
 
 
-def partials(fmt, tile, xs):
-    """The scaled partial sums [bn, kg] of one loaded tile against each row's phases ``xs``."""
-    return (fp8_tile_partial if fmt == "fp8" else fp4_tile_partial)(*tile, xs)
+def partials(fmt, tile, xs, route=None):
+    """The scaled partial sums [bn, kg] of one loaded tile against each row's phases ``xs``;
+    ``route``: an MXFP4 weight's :func:`fp4_route` (None: FMA_DECODE's)."""
+    return fp8_tile_partial(*tile, xs) if fmt == "fp8" else fp4_tile_partial(*tile, xs, route)
 
 
-def tile_partials(fmt, tile, x_refs, rows, g0, kg, quant=False):
+def tile_partials(fmt, tile, x_refs, rows, g0, kg, quant=False, route=None):
     """The scaled partial sums [bn, kg] (one per weight row and K group) of one loaded tile
     (:func:`load_tile`) against each activation row in ``rows`` (indices into ``x_refs``, the phases
     of :func:`act_view`; K groups [g0, g0+kg)); the decoded tile is shared by all rows. The kernels
     add them up over the K steps and sum over the kg groups once, after the loop: a sum over kg
     inside the loop is a reduction across warps (shared memory and barriers) every step."""
-    return partials(fmt, tile, load_x(x_refs, rows, g0, kg, quant))
+    return partials(fmt, tile, load_x(x_refs, rows, g0, kg, quant), route)
 
 
 def k_loop(steps, load, compute, init):
@@ -506,20 +528,22 @@ def default_config(m: int, n, k: int, w) -> tuple:
 
 def multi_reason(m: int, ws, config) -> str | None:
     """Why one launch of the fma GEMV cannot compute ``x @ W.T`` for every W in ``ws`` (None: it can):
-    each must take the configuration alone, and all must share the format, block and K."""
+    each must take the configuration alone, and all must share the format, block, K and (MXFP4) packing."""
     for i, w in enumerate(ws):
         reason = unsupported_reason(m, w, config)
         if reason is not None:
             return f"weight {i}: {reason}"
     w0 = ws[0]
     for i, w in enumerate(ws[1:], 1):
-        if type(w) is not type(w0) or group_size(w) != group_size(w0) or w.shape[1] != w0.shape[1]:
-            return (f"weight {i} ({type(w).__name__} {tuple(w.shape)}, group {group_size(w)}) does not share the "
-                    f"format, block and K of weight 0 ({type(w0).__name__} {tuple(w0.shape)}, group {group_size(w0)})")
+        if (type(w) is not type(w0) or group_size(w) != group_size(w0) or w.shape[1] != w0.shape[1]
+                or getattr(w, "packing", None) != getattr(w0, "packing", None)):
+            return (f"weight {i} ({type(w).__name__} {tuple(w.shape)}, group {group_size(w)}, packing "
+                    f"{getattr(w, 'packing', '-')}) does not share the format, block, K and packing of weight 0 "
+                    f"({type(w0).__name__} {tuple(w0.shape)}, group {group_size(w0)}, packing {getattr(w0, 'packing', '-')})")
     return None
 
 
-def _fma_kernel(*refs, fmt, m, bn, kg, steps, g, split, nblocks, group_blocks=None, quant=False):
+def _fma_kernel(*refs, fmt, m, bn, kg, steps, g, split, nblocks, group_blocks=None, quant=False, route=None):
     """Programs (i_n, i_s): output rows [i_n*bn, +bn) of the concatenation of every weight's output,
     K part i_s. ``nblocks``: each weight's number of bn-row blocks; program i_n reads the weight whose
     blocks hold it (a static branch per weight, one taken). ``group_blocks`` (grouped GEMV, one
@@ -544,7 +568,7 @@ def _fma_kernel(*refs, fmt, m, bn, kg, steps, g, split, nblocks, group_blocks=No
         xrow0 = 0 if group_blocks is None else (i_n // group_blocks) * m
 
         def compute(i, tile, accs):
-            parts = tile_partials(fmt, tile, x_refs, [xrow0 + r for r in range(m)], g0_of(i), kg, quant)
+            parts = tile_partials(fmt, tile, x_refs, [xrow0 + r for r in range(m)], g0_of(i), kg, quant, route)
             return tuple(a + p for a, p in zip(accs, parts))
 
         accs = k_loop(steps, lambda i: load_tile(fmt, w_ref, s_ref, (), row0, bn, g0_of(i), kg, g), compute,
@@ -566,7 +590,7 @@ def _fma_kernel(*refs, fmt, m, bn, kg, steps, g, split, nblocks, group_blocks=No
 
 
 def _fma_launch(xs, operands, *, fmt, m, n, k, g, config, nblocks, out_dtype, interpret, name, group_blocks=None,
-                quant=False, raw=False):
+                quant=False, raw=False, route=None):
     """One launch of :func:`_fma_kernel` over ``n`` output rows (grid: bn-row blocks x K parts), the K
     parts summed by XLA after it -> [m, n] out_dtype; with ``raw`` the K parts as they are, [splits,
     m, n] float32 (also for one part), for :func:`pallas_triton_finish.split_finish`."""
@@ -576,7 +600,7 @@ def _fma_launch(xs, operands, *, fmt, m, n, k, g, config, nblocks, out_dtype, in
                  else jax.ShapeDtypeStruct((m, n), out_dtype))
     y = pl.pallas_call(
         functools.partial(_fma_kernel, fmt=fmt, m=m, bn=bn, kg=kg, steps=(k // g) // kg // splits, g=g,
-                          split=split, nblocks=nblocks, group_blocks=group_blocks, quant=quant),
+                          split=split, nblocks=nblocks, group_blocks=group_blocks, quant=quant, route=route),
         out_shape=out_shape,
         grid=(n // bn, splits),
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
@@ -620,6 +644,7 @@ def quantized_matmul_fma_multi(x2, ws, *, act_block, out_dtype, config, interpre
     finish = norms is not None and any(nw is not None for nw in norms)
     y = _fma_launch(xs, operands, fmt=fmt, m=m, n=n, k=k, g=g, config=config, nblocks=tuple(v // bn for v in ns),
                     out_dtype=out_dtype, interpret=interpret, quant=quant, raw=finish or raw,
+                    route=None if fmt == "fp8" else fp4_route(ws[0]),
                     name=f"qmm_fma_{fmt}" if len(ws) == 1 else f"qmm_fma_{fmt}_x{len(ws)}")
     if finish:
         return split_finish(y, ns, norms, eps=norm_eps, out_dtype=out_dtype, interpret=interpret)
@@ -673,5 +698,5 @@ def quantized_matmul_fma_grouped(x3, w, *, out_dtype, config, interpret=False):
     xs = act_view(jnp.swapaxes(x3, 0, 1).reshape(groups * m, k), w)  # group-major rows, as read by the kernel
     y = _fma_launch(xs, weight_view(w), fmt=fmt, m=m, n=n, k=k, g=group_size(w), config=config,
                     nblocks=(n // bn,), out_dtype=out_dtype, interpret=interpret, name=f"qmm_fma_{fmt}_grouped",
-                    group_blocks=(n // groups) // bn)
+                    group_blocks=(n // groups) // bn, route=None if fmt == "fp8" else fp4_route(w))
     return y.reshape(m, groups, n // groups)
