@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv41_jax.quant import FP4_PACKINGS, with_fp4_packing
 from pallas_kernels.moe import pallas_triton, reference
 from pallas_kernels.benchmarking import (HBM_BYTES_PER_S, device_time_op, fmt_us, log, max_rel_err, random_fp4,
                                          random_fp8, time_op, write_rows)
@@ -211,7 +212,7 @@ def fma_configs(w1, n, wide: bool = False):
 
 
 def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = False, experts: int | None = None,
-              mma_routes=None, act_block: int = 32):
+              mma_routes=None, act_block: int = 32, packings=("nibbles",)):
     """Tensor-core kernels (default config) vs the vector-unit ("fma") kernels at decode sizes, MXFP4
     experts at the V4.1 shape; every config checked against the reference (rel err, share of
     elements off by > 1%) before it is timed (device time from the profiler, :func:`device_time_op`:
@@ -222,7 +223,9 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
     reduced model, where batch 32 puts 2 pairs on each expert; None: ``E``); ``mma_routes``: the tensor-core
     kernels' MXFP4 decode routes to time beside the fma ones (``pallas_triton.MMA_FP4``; None: the
     current one); ``act_block``: the activation's fake-quant block (V4.1 32, V4 128; the shapes are the
-    module's ``E, I, D``, which ``--v4-flash`` sets to :data:`V4_SHAPE`)."""
+    module's ``E, I, D``, which ``--v4-flash`` sets to :data:`V4_SHAPE`); ``packings``: the experts' MXFP4
+    packings to run every config with, on the same codes (:data:`dsv41_jax.quant.FP4_PACKINGS`; the
+    tensor-core config of "f16pairs" is its word-route tiling)."""
     from pallas_kernels.quantized_matmul import pallas_triton_fma
 
     vias = pallas_triton_fma.checked_routes(vias)
@@ -236,6 +239,7 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
     log(f"# MoE fma sweep (MXFP4 E={experts} I={I} D={D} top-{TOPK}, act blocks of {act_block}), "
         f"{jax.devices()[0].device_kind}, "
         f"jax {jax.__version__}")
+    packed = {pk: tuple(with_fp4_packing(t, pk) for t in (w1, w2, w3)) for pk in packings}
     for n in sizes:
         args, touched = [], []
         for r in range(5):
@@ -246,8 +250,6 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
         floor = float(np.mean(touched)) * expert_bytes / HBM_BYTES_PER_S
         yr = jax.jit(lambda x, w, idx, a, b, c: reference.moe_experts(x, w, idx, a, b, c, swiglu_limit=LIMIT,
                                                                         act_block=act_block))(*args[0], w1, w2, w3)
-        mma = pallas_triton._config(n * TOPK, experts, I, D)
-        results = []
         fmas = fma_configs(w1, n, wide)[:1 if default_only else None]
         # the config the dispatch picks at this size (block height; the gate/up K split at one token)
         auto = pallas_triton.default_fma_config(w1, n * TOPK / min(experts, n * TOPK), routing_shape=(n, TOPK),
@@ -263,33 +265,37 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
                 if steps % ds == 0 and c not in same and pallas_triton.fma_reason(w1, c) is None:
                     fmas.append(c)
                     same.add(c)
-        tcs = [mma] + ([c for c in TC_DECODE_CONFIGS if c != mma] if wide else [])
-        tc = [(c, vias[0], r) for r in (mma_routes or [None]) for c in tcs]
-        for cfg, via, mroute in tc + [(c, v, None) for v in vias for c in fmas]:
-            try:
-                f = lambda x, w, idx, a, b, c, cfg=cfg: pallas_triton.moe_experts(  # noqa: E731
-                    x, w, idx, a, b, c, swiglu_limit=LIMIT, config=cfg, act_block=act_block)
-                with pallas_triton_fma.use_decode_route(via), pallas_triton.use_mma_fp4(mroute):  # traced here
-                    y = jax.jit(f)(*args[0], w1, w2, w3)
-                    t = device_time_op(f, args, (w1, w2, w3), reps=5)
-                err, frac = max_rel_err(y, yr), frac_off(y, yr)
-                ok = frac <= TUNE_MAX_FRAC and err <= 8e-3
-                label = f"mma {mroute or pallas_triton.MMA_FP4['route']}" if cfg[0] != "fma" else f"decode {via or 'current'}"
-                log(f"  n={n} cfg={cfg} {label}: {fmt_us(t)} us ({100 * floor / t:5.1f}% of HBM), rel err "
-                    f"{err:.2e}, {frac:.4f} of elements > 1%{'' if ok else '  WRONG'}")
-                rec = dict(op="fma_moe", tokens=n, experts=experts, config=cfg, via=via, mma_fp4=mroute, pallas_s=t,
-                           floor_s=floor, rel_err=err,
-                           frac_gt_1pct=frac, ok=ok)
-                rows.append(rec)
-                results.append(rec)
-            except Exception as e:  # noqa: BLE001
-                log(f"  n={n} cfg={cfg} FAILED {type(e).__name__}: {str(e)[:300]}")
-        good = [r for r in results if r["ok"]]
-        base = min((r for r in good if r["config"][0] != "fma"), key=lambda r: r["pallas_s"], default=None)
-        for via in vias:
-            best = min((r for r in good if r["config"][0] == "fma" and r["via"] == via), key=lambda r: r["pallas_s"],
-                       default=None)
-            summary.append((n, via, floor, base, best))
+        for pk in packings:
+            ws = packed[pk]
+            mma = pallas_triton._config(n * TOPK, experts, I, D, words_only=pk == "f16pairs")
+            results = []
+            tcs = [mma] + ([c for c in TC_DECODE_CONFIGS if c != mma] if wide else [])
+            tc = [(c, vias[0], r) for r in (mma_routes or [None]) for c in tcs]
+            for cfg, via, mroute in tc + [(c, v, None) for v in vias for c in fmas]:
+                try:
+                    f = lambda x, w, idx, a, b, c, cfg=cfg: pallas_triton.moe_experts(  # noqa: E731
+                        x, w, idx, a, b, c, swiglu_limit=LIMIT, config=cfg, act_block=act_block)
+                    with pallas_triton_fma.use_decode_route(via), pallas_triton.use_mma_fp4(mroute):  # traced here
+                        y = jax.jit(f)(*args[0], *ws)
+                        t = device_time_op(f, args, ws, reps=5)
+                    err, frac = max_rel_err(y, yr), frac_off(y, yr)
+                    ok = frac <= TUNE_MAX_FRAC and err <= 8e-3
+                    label = (f"mma {'f16pairs words' if pk == 'f16pairs' else mroute or pallas_triton.MMA_FP4['route']}"
+                             if cfg[0] != "fma" else f"decode {'f16pairs' if pk == 'f16pairs' else via or 'current'}")
+                    log(f"  n={n} cfg={cfg} {label}: {fmt_us(t)} us ({100 * floor / t:5.1f}% of HBM), rel err "
+                        f"{err:.2e}, {frac:.4f} of elements > 1%{'' if ok else '  WRONG'}")
+                    rec = dict(op="fma_moe", tokens=n, experts=experts, config=cfg, via=via, mma_fp4=mroute,
+                               packing=pk, pallas_s=t, floor_s=floor, rel_err=err, frac_gt_1pct=frac, ok=ok)
+                    rows.append(rec)
+                    results.append(rec)
+                except Exception as e:  # noqa: BLE001
+                    log(f"  n={n} cfg={cfg} FAILED {type(e).__name__}: {str(e)[:300]}")
+            good = [r for r in results if r["ok"]]
+            base = min((r for r in good if r["config"][0] != "fma"), key=lambda r: r["pallas_s"], default=None)
+            for via in vias:
+                best = min((r for r in good if r["config"][0] == "fma" and r["via"] == via),
+                           key=lambda r: r["pallas_s"], default=None)
+                summary.append((n, via if pk == "nibbles" else pk, floor, base, best))
     log("\n# MoE fma sweep summary: tokens, decode route, floor us, best tensor-core us, best fma us (config), % of HBM")
     for n, via, floor, base, best in summary:
         log(f"  {n:4d} {via or 'current':7s} {fmt_us(floor)} "
@@ -299,7 +305,8 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
     return rows
 
 
-def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int = 2, routes=None, plain=False):
+def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int = 2, routes=None, plain=False,
+                  packings=("nibbles",)):
     """Prefill-size fused MoE (tensor-core kernels): the default tiling and ``configs`` (default
     :data:`TUNE_CONFIGS_PREFILL`) at ``tokens`` tokens over ``experts`` MXFP4 experts (96 = the
     benchmark's reduced model: 256 rows per expert at 4096 tokens), each checked against the reference
@@ -309,7 +316,9 @@ def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int
     every token). The best correct config is printed last. ``routes``: the MXFP4 decode routes of the
     tensor-core kernels to run every config with (``pallas_triton.MMA_FP4``; None: the current one).
     ``plain``: also every config on the same experts dequantized to bf16 (no decode in the kernel; a
-    diagnostic of how much of the time the MXFP4 decode costs, not a model path)."""
+    diagnostic of how much of the time the MXFP4 decode costs, not a model path). ``packings``: the
+    experts' MXFP4 packings to run (:data:`dsv41_jax.quant.FP4_PACKINGS`; "f16pairs" always takes
+    the word route, so ``routes`` apply to "nibbles" only)."""
     key = jax.random.PRNGKey(23)
     k1, k2, k3, k4 = jax.random.split(key, 4)
     w1, w2, w3 = random_fp4(k1, (experts, I, D)), random_fp4(k2, (experts, D, I)), random_fp4(k3, (experts, I, D))
@@ -328,14 +337,17 @@ def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int
     yr = jax.jit(lambda x, w, idx, a, b, c: reference.moe_experts(x, w, idx, a, b, c, swiglu_limit=LIMIT))(
         *args[0], w1, w2, w3)
     rows = []
-    variants = [(r, (w1, w2, w3), yr) for r in routes or [None]]  # (decode route, experts, their reference)
+    # (decode route, experts, their reference); the reference reads either packing alike
+    variants = [(r, (w1, w2, w3), yr) for r in routes or [None]] if "nibbles" in packings else []
+    if "f16pairs" in packings:
+        variants.append(("f16pairs", tuple(with_fp4_packing(t, "f16pairs") for t in (w1, w2, w3)), yr))
     if plain:
         pw = tuple(jax.jit(lambda t: t.dequantize(jnp.bfloat16))(t) for t in (w1, w2, w3))
         variants.append(("plain", pw, jax.jit(lambda x, w, idx, a, b, c: reference.moe_experts(
             x, w, idx, a, b, c, swiglu_limit=LIMIT))(*args[0], *pw)))
     for route, ws, yv in variants:
-        with pallas_triton.use_mma_fp4(None if route == "plain" else route):
-            name = "plain" if route == "plain" else pallas_triton.MMA_FP4["route"]
+        with pallas_triton.use_mma_fp4(None if route in ("plain", "f16pairs") else route):
+            name = route if route in ("plain", "f16pairs") else pallas_triton.MMA_FP4["route"]
             for cfg in [None] + list(configs or TUNE_CONFIGS_PREFILL):
                 try:
                     f = lambda x, w, idx, a, b, c, cfg=cfg: pallas_triton.moe_experts(  # noqa: E731
@@ -345,7 +357,8 @@ def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int
                     kernels = []
                     t = device_time_op(f, args, ws, reps=reps, kernels=kernels)
                     ok = frac <= TUNE_MAX_FRAC and err <= 8e-3
-                    label = cfg or ("default", pallas_triton._config(tokens * TOPK, experts, I, D))
+                    label = cfg or ("default", pallas_triton._config(tokens * TOPK, experts, I, D,
+                                                                     words_only=name == "f16pairs"))
                     log(f"  route={'plain bf16 weights' if name == 'plain' else name} cfg={label}: {t * 1e3:8.3f} ms, "
                         f"{flops / t / 1e12:6.1f} TFLOP/s ({100 * flops / t / ceiling:5.1f}% of "
                         f"the ceiling), rel err {err:.2e}, {frac:.4f} of elements > 1%{'' if ok else '  WRONG'}")
@@ -540,8 +553,13 @@ def main(argv=None):
                     help="the tensor-core kernels' launch order (pallas_triton.GRID_ORDER; default: as it is)")
     ap.add_argument("--v4-flash", action="store_true", help="with --fma: V4-Flash's experts (E, I, D = V4_SHAPE, "
                     "activation blocks of 128) instead of V4.1's")
+    ap.add_argument("--packings", default="nibbles", help="with --fma or --prefill: the experts' MXFP4 packings to "
+                    f"compare on the same codes, e.g. nibbles,f16pairs (of {', '.join(FP4_PACKINGS)})")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
+    packings = tuple(p.strip() for p in a.packings.split(",") if p.strip())
+    if not packings or any(p not in FP4_PACKINGS for p in packings):
+        ap.error(f"--packings {a.packings!r}: expected a comma-separated subset of {', '.join(FP4_PACKINGS)}")
     if a.grid_order:
         pallas_triton.GRID_ORDER["order"] = a.grid_order
     if a.check:
@@ -553,7 +571,7 @@ def main(argv=None):
         cfgs = ([tuple(int(v) for v in c.split(",")) for c in a.configs.split(";")] if a.configs
                 else [(128, 128, 64, 128, 64, 8)] if a.quick else None)
         rows = prefill_sweep(a.tokens, a.experts or 96, routes=a.mma_fp4 and a.mma_fp4.split(","), configs=cfgs,
-                             plain=a.plain)
+                             plain=a.plain, packings=packings)
         write_rows(a.out, "moe_prefill.json", rows)
         return 0
     if a.fma:
@@ -562,7 +580,7 @@ def main(argv=None):
         sizes = tuple(int(v) for v in a.sizes.split(",")) if a.sizes else (1,) if a.quick else (1, 8)
         rows = fma_sweep(sizes, wide=a.wide, vias=a.vias and a.vias.split(","), default_only=a.default_only,
                          experts=a.experts, mma_routes=a.mma_fp4 and a.mma_fp4.split(","),
-                         act_block=128 if a.v4_flash else 32)
+                         act_block=128 if a.v4_flash else 32, packings=packings)
         write_rows(a.out, "moe_fma.json", rows)
         return 0
     run(quick=a.quick, out_dir=a.out, tune=a.tune)
