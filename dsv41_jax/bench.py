@@ -363,7 +363,8 @@ def run(args) -> dict:
                # host side per engine step (median over the timed runs): dispatch (input copies + the
                # jit call) and time blocked on the previous step's tokens (device still busy)
                "host_dispatch_ms": 1e3 * statistics.median(h[0] for h in host) if host else None,
-               "host_wait_ms": 1e3 * statistics.median(h[1] for h in host) if host else None}
+               "host_wait_ms": 1e3 * statistics.median(h[1] for h in host) if host else None,
+               "expert_packing": eng.expert_packing}
         out["decode"].append(row)
 
     for L in args.prefill_lens:
