@@ -310,9 +310,12 @@ def run(args) -> dict:
         """Peak bytes in use on the busiest device (None on CPU)."""
         return memory_stat(devs, "peak_bytes_in_use", max)
 
-    for B in args.batch_sizes:
+    for B, packing in [(b, p) for b in args.batch_sizes for p in args.expert_packings or [None]]:
         eng = Engine(model, batch_size=B, max_seq_len=args.prompt_len + args.new_tokens + 1, opts=opts,
-                     prefill_chunk=args.prefill_chunk, stop_ids=(), mesh=mesh, prefill_tokens=args.prefill_tokens)
+                     prefill_chunk=args.prefill_chunk, stop_ids=(), mesh=mesh, prefill_tokens=args.prefill_tokens,
+                     expert_packing=packing)
+        if args.expert_packings:
+            print(f"batch {B}: routed experts packed as {eng.expert_packing}", flush=True)
         if eng.chunk < min(args.prefill_chunk, args.prompt_len):
             out["notes"].append(f"batch {B}: prompts prefilled {eng.chunk} tokens per row per step "
                                 f"(--prefill-tokens {args.prefill_tokens} per step over the batch)")
@@ -487,6 +490,15 @@ def table(out: dict) -> str:
     return "\n".join(lines)
 
 
+def _packings(text: str) -> list[str]:
+    from .engine import EXPERT_PACKINGS
+
+    vals = [t.strip() for t in text.split(",") if t.strip()]
+    if not vals or any(v not in EXPERT_PACKINGS for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list of {', '.join(EXPERT_PACKINGS)}")
+    return vals
+
+
 def _ints_or_off(s: str) -> list[int]:
     """``0`` (or ``none``): no prefill rows; otherwise :func:`_ints`."""
     return [] if s.strip().lower() in ("0", "none", "") else _ints(s)
@@ -521,6 +533,10 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--batch-sizes", type=_ints_or_off, default=[1, 8, 32],
                     help="decode rows (0: none, e.g. for the prefill rows alone)")
+    ap.add_argument("--expert-packings", type=_packings, default=None,
+                    help="run every decode batch size once per routed-expert MXFP4 packing, in this order, e.g. "
+                    "nibbles,f16pairs (an A/B in one process; default: the engine's choice, DSV41_EXPERT_PACKING "
+                    "or auto). f16pairs repacks the model's experts in place: put nibbles first")
     ap.add_argument("--prefill-lens", type=_ints_or_off, default=[4096, 65536],
                     help="prompt lengths of the prefill rows (0: none; the decode rows report their prompts' prefill too)")
     ap.add_argument("--prefill-chunk", type=int, default=4096)

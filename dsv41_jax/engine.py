@@ -587,15 +587,18 @@ class Engine:
         else:
             self.params = self._commit(jax.tree.map(lambda a: jnp.asarray(a) if isinstance(a, np.ndarray) else a,
                                                     params))
-        if self.expert_packing == "f16pairs":
-            self._repack_experts()
+        self._repack_experts(self.expert_packing)
 
-    def _repack_experts(self):
-        """The routed experts' codes re-laid as "f16pairs" on the device, in place: the placed arrays are
-        donated, and where the model's own tree held device arrays (possibly those very buffers) its
-        expert nodes are replaced by the repacked ones, so that ``model.params`` stays usable and no
-        second copy of the experts is kept. (Any other reference to the old arrays is then unusable.)"""
-        self.params = with_fp4_packing(self.params, "f16pairs", only=_routed_expert, donate=True)
+    def _repack_experts(self, packing: str):
+        """The routed experts' codes re-laid in ``packing`` on the device (a no-op where they are), in
+        place: the placed arrays are donated, and where the model's own tree held device arrays
+        (possibly those very buffers) its expert nodes are replaced by the repacked ones, so that
+        ``model.params`` stays usable and no second copy of the experts is kept. (Any other reference
+        to the old arrays is then unusable.)"""
+        is_fp4 = lambda x: isinstance(x, Fp4Tensor)  # noqa: E731
+        if all(n.packing == packing for n in jax.tree.leaves(self.params, is_leaf=is_fp4) if is_fp4(n)):
+            return
+        self.params = with_fp4_packing(self.params, packing, only=_routed_expert, donate=True)
         placed = {}
 
         def collect(path, node):
@@ -603,7 +606,6 @@ class Engine:
                 placed[jax.tree_util.keystr(path)] = node
             return node
 
-        is_fp4 = lambda x: isinstance(x, Fp4Tensor)  # noqa: E731
         jax.tree_util.tree_map_with_path(collect, self.params, is_leaf=is_fp4)
 
         def adopt(path, node):
