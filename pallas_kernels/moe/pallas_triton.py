@@ -141,6 +141,9 @@ def unsupported_reason(x, weights, indices, w1, w2, w3, act_block=32):
         r = weight_reason(w, packings=FP4_PACKINGS) or act_block_reason(w, act_block)
         if r is not None:
             return f"{name}: {r}"
+    packings = [getattr(w, "packing", None) for w in (w1, w2, w3)]
+    if len(set(packings)) != 1:
+        return f"w1, w2, w3 must share one MXFP4 packing, got {packings}"
     return None
 
 
@@ -642,6 +645,28 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
     return _slots_out(y, indices, defer, rows_dtype=x.dtype if dsplits > 1 else None)
 
 
+# Beyond FMA_MOE_MAX_PAIRS pairs the MXFP4 experts still take the fma kernels while the expected rows
+# per expert (pairs / min(experts, pairs)) stay at most this, per packing. H200, session 33
+# (BENCHMARKS.md, issue 6), 384 experts, fma (the dispatch's config) against the tensor-core default:
+# 64 tokens (1 row per expert) 2.63 / 2.32 ms (nibbles / f16pairs) against 5.45 (bytes route) and
+# 6.80 (word route, the only one for f16pairs); 128 tokens (2 rows) 5.14 / 4.51 against 7.30 / 9.11;
+# 256 tokens (4 rows) 10.16 / 8.88 against 8.28 / 10.32. Session 9, 96 experts, 384 pairs (4 rows):
+# fma 2.75 against 2.40 (bytes). FP8 experts keep the pair limit alone (not measured).
+FMA_MOE_MAX_ROWS_PER_EXPERT = {"nibbles": 2.0, "f16pairs": 4.0}
+
+
+def takes_fma(w1, pairs: int) -> bool:
+    """Whether the default dispatch runs ``pairs`` (token, slot) pairs over experts ``w1`` on the fma
+    kernels (else the tensor-core ones): up to ``fma.FMA_MOE_MAX_PAIRS`` pairs, and for MXFP4
+    experts while the rows per expert stay within :data:`FMA_MOE_MAX_ROWS_PER_EXPERT`."""
+    if pairs <= fma.FMA_MOE_MAX_PAIRS:
+        return True
+    if weight_format(w1) != "fp4":
+        return False
+    n_exp = weight_logical_shape(w1)[0]
+    return pairs / max(1, min(n_exp, pairs)) <= FMA_MOE_MAX_ROWS_PER_EXPERT[getattr(w1, "packing", "nibbles")]
+
+
 def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, interpret=False, config=None,
                 defer=False):
     """The routed experts' output [N, D] float32; ``defer``: as the kernels' unsummed slot rows
@@ -654,7 +679,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     fmt = weight_format(w1)
     p = n * k
     limit = float(swiglu_limit or 0.0)
-    if config is None and fmt != "plain" and p <= fma.FMA_MOE_MAX_PAIRS and fma.DECODE_GEMV["moe"] == "fma":
+    if config is None and fmt != "plain" and fma.DECODE_GEMV["moe"] == "fma" and takes_fma(w1, p):
         cand = default_fma_config(w1, p / max(1, min(n_exp, p)), routing_shape=(n, k), act_block=act_block)
         if fma_reason(w1, cand) is None:  # else the tensor-core kernels below
             config = cand
@@ -663,10 +688,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
                         cfg=tuple(config), defer=defer)
     quant = is_quantized(w1)
     op = operand_dtype(x.dtype, w1)
-    packing = getattr(w1, "packing", "nibbles") if fmt == "fp4" else "nibbles"
-    if fmt == "fp4" and {getattr(w, "packing", "nibbles") for w in (w2, w3)} != {packing}:
-        raise ValueError(f"moe_experts (pallas): w1, w2, w3 must share one MXFP4 packing, got "
-                         f"{[getattr(w, 'packing', None) for w in (w1, w2, w3)]}")
+    packing = getattr(w1, "packing", "nibbles") if fmt == "fp4" else "nibbles"  # w2, w3 alike (unsupported_reason)
     cfg = tuple(config or _config(p, n_exp, i_dim, d, words_only=packing == "f16pairs"))
     bt, bi, bk_a, bd, bk_b, warps = cfg[:6]
     stages = cfg[6] if len(cfg) > 6 else 3  # optional 7th entry: software-pipelining stages

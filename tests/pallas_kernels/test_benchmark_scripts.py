@@ -233,6 +233,30 @@ def test_moe_prefill_sweep_runs_in_interpret_mode(monkeypatch):
     # --plain: every tiling also on bf16 copies of the experts, checked against their own reference
     rows = bm.prefill_sweep(tokens=24, experts=4, configs=cfgs[:1], plain=True)
     assert [r["route"] for r in rows] == ["auto", "auto", "plain", "plain"] and all(r["ok"] for r in rows)
+    # --packings nibbles,f16pairs: every tiling on both packings of the same codes, each checked
+    rows = bm.prefill_sweep(tokens=24, experts=4, configs=cfgs[:1], packings=("nibbles", "f16pairs"))
+    assert [r["route"] for r in rows] == ["auto", "auto", "f16pairs", "f16pairs"] and all(r["ok"] for r in rows)
+    with pytest.raises(SystemExit):
+        bm.main(["--prefill", "--packings", "nibbles,f16"])
+
+
+def test_moe_fma_sweep_packings_in_interpret_mode(monkeypatch):
+    """``moe.benchmark --fma --packings nibbles,f16pairs``: the tensor-core default (for f16pairs its
+    word-route tiling, 64-wide K tiles) and the fma configs once per packing, each checked."""
+    import functools
+
+    import pallas_kernels.moe.benchmark as bm
+
+    for name, v in (("E", 8), ("I", 64), ("D", 256), ("TOPK", 2)):
+        monkeypatch.setattr(bm, name, v)
+    monkeypatch.setattr(bm, "device_time_op", lambda *a, **k: 1e-6)
+    monkeypatch.setattr(bm.pallas_triton, "moe_experts", functools.partial(bm.pallas_triton.moe_experts, interpret=True))
+    monkeypatch.setattr(bm, "log", lambda *a: None)
+    rows = bm.fma_sweep((1,), default_only=True, packings=("nibbles", "f16pairs"))
+    by = {pk: [r["config"] for r in rows if r["packing"] == pk] for pk in ("nibbles", "f16pairs")}
+    assert by["nibbles"][1:] == by["f16pairs"][1:] and len(by["nibbles"]) >= 2
+    assert by["nibbles"][0][2] == 256 and by["f16pairs"][0][2] == 64  # gate/up K tile of the tensor-core default
+    assert all(r["ok"] for r in rows), [(r["packing"], r["config"], r["rel_err"]) for r in rows if not r["ok"]]
 
 
 def test_indexer_prefill_and_decode_topk_run_in_interpret_mode(monkeypatch, tmp_path):

@@ -508,8 +508,11 @@ def test_fma_cross_lowering_real_shapes(target, via, monkeypatch):
 
 def test_decode_gemv_switch_moe(monkeypatch):
     """With DECODE_GEMV moe=fma the fused MoE takes the fma kernels up to FMA_MOE_MAX_PAIRS pairs
-    (one-row blocks up to 4 expected rows per expert, 4-row blocks above) and the tensor-core kernels
-    above (42 tokens x 6 = 252 pairs <= 256 < 43 x 6)."""
+    (one-row blocks up to 4 expected rows per expert, 4-row blocks above), and beyond while the rows
+    per expert stay within FMA_MOE_MAX_ROWS_PER_EXPERT (MXFP4 nibbles 2, f16pairs 4), else the
+    tensor-core kernels: over 384 experts 128 tokens x 6 = 768 pairs (2 rows) fma, 200 tokens
+    (3.1 rows) fma for f16pairs only, 300 (4.7 rows) tensor cores; over 96 experts 43 tokens (258
+    pairs, 2.7 rows) tensor cores for nibbles."""
     from jax import ShapeDtypeStruct as S
 
     from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
@@ -519,7 +522,14 @@ def test_decode_gemv_switch_moe(monkeypatch):
     w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)
     w2 = Fp4Tensor(S((e, d, i // 2), jnp.uint8), S((e, d, i // 32), jnp.float8_e8m0fnu), 32)
     assert fma.FMA_MOE_MAX_PAIRS == 256
-    for n, want in ((1, True), (32, True), (42, True), (43, False)):
+    assert pallas_triton.FMA_MOE_MAX_ROWS_PER_EXPERT == {"nibbles": 2.0, "f16pairs": 4.0}
+    wp = w1.replace(packing="f16pairs")
+    w96 = Fp4Tensor(S((96, i, d // 2), jnp.uint8), S((96, i, d // 32), jnp.float8_e8m0fnu), 32)
+    for n, a, b, want in ((1, w1, w2, True), (42, w1, w2, True), (43, w1, w2, True), (128, w1, w2, True),
+                          (200, w1, w2, False), (200, wp, w2.replace(packing="f16pairs"), True),
+                          (300, wp, w2.replace(packing="f16pairs"), False), (42, w96, w96, True), (43, w96, w96, False)):
+        assert pallas_triton.takes_fma(a, n * 6) == want, (n, a.packing, a.shape)
+    for n, want in ((1, True), (43, True), (300, False)):  # the dispatch follows it
         txt = lower_for("cuda", lambda x, w, idx, a, b, c: pallas_triton.moe_experts(x, w, idx, a, b, c, swiglu_limit=10.0),
                         S((n, d), jnp.bfloat16), S((n, 6), jnp.float32), S((n, 6), jnp.int32), w1, w2, w1).as_text()
         assert ("moe_gate_up_fma_fp4" in txt) == want, n
