@@ -10,7 +10,8 @@ and does the sum on its own columns, so those XLA kernels go away.
 same XLA ops the producers run when they do not defer (so a consumer that cannot take the pieces,
 and every reference path, sees the same numbers as before). The value is
 
-* ``parts`` only: ``dtype(sum_p parts[p])`` -- a split-K GEMV's output;
+* ``parts`` only: ``dtype(sum_p parts[p])``, the parts added in order (:func:`sum_splits`, as every
+  kernel that sums them does) -- a split-K GEMV's output;
 * ``expert_rows`` only: ``sum_s rows[t*k + s]`` over the slots s with ``expert_index[t, s] >= 0``, in
   float32 (``dtype`` float32) -- the routed experts' output. The rows may themselves come unsummed,
   as a split-K down kernel's fp32 sums ``[S, R, D]``: then each row is ``rows_dtype(sum_j rows[j])``
@@ -70,7 +71,7 @@ class DeferredSum:
         """The value, by the producers' own XLA ops (see the module docstring)."""
         y = None
         if self.parts is not None:
-            y = jnp.sum(self.parts, axis=0) if self.parts.shape[0] > 1 else self.parts[0]
+            y = sum_splits(self.parts)  # in order, as the kernels that take the parts add them
             y = y.astype(self.dtype)
         if self.expert_rows is not None:
             routed = slot_sum(self.expert_row_values(), self.expert_index)

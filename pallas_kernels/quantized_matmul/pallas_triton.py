@@ -67,7 +67,7 @@ from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: E402,F4
 from pallas_kernels.quantized_matmul import pallas_triton_fma as fma  # noqa: E402
 from pallas_kernels.quantized_matmul import pallas_triton_finish  # noqa: E402
 from pallas_kernels import triton_compat  # noqa: E402
-from pallas_kernels.deferred_sum import gemv_parts  # noqa: E402
+from pallas_kernels.deferred_sum import gemv_parts, sum_splits  # noqa: E402
 
 triton_compat.FP8_IMPRECISE_ACC_KERNELS.update(f"qmm_fp8_{m}" for m in MMA8_MODES)
 N_SM = 132  # H200; only used to choose the split-K factor (a heuristic, any value is correct)
@@ -556,7 +556,7 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, con
         name=f"qmm_{fmt}_{SCALE_MODE['fp8']}" if mma8 else f"qmm_{fmt}",
     )(*operands)
     if splits > 1:
-        y = jnp.sum(y, axis=0)
+        y = sum_splits(y)  # the K parts in order: the one definition of a split-K sum
     if transposed:
         y = y.T
     return y[:m].astype(out_dtype).reshape(*lead, n)

@@ -215,3 +215,25 @@ def test_expansion_kernel_with_deferred_pieces_lowers(target):
         args = (S((n_parts, t, d), jnp.float32),) + tuple(a for a in pieces if a is not None) + site
         txt = lower_for(target, fn, *args).as_text()
         assert txt.count(pltriton.CUSTOM_CALL_TARGET_NAME) == 2 and "stablehlo.reduce" not in txt
+
+
+def test_gemv_parts_value_adds_the_parts_in_order():
+    """A split-K GEMV's value is ``dtype(((p0 + p1) + p2) + ...)``, the order the kernels that take the
+    parts use (``sum_splits``): parts with wide magnitudes (so that the order matters) give exactly
+    the sequential sum's bits, before and after the rounding; and the tensor-core GEMM's split sum is
+    the same definition (its K parts added in order)."""
+    rng = np.random.default_rng()
+    p = (rng.standard_normal((5, 3, 64)) * np.float32(2.0) ** rng.integers(-12, 12, (5, 3, 64))).astype(np.float32)
+    seq = p[0].copy()
+    for i in range(1, 5):
+        seq = (seq + p[i]).astype(np.float32)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        got = jax.jit(lambda a: gemv_parts(a, dtype, (3, 64)).value())(jnp.asarray(p))
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                      np.asarray(jnp.asarray(seq).astype(dtype).astype(jnp.float32)))
+    import inspect
+
+    from pallas_kernels.quantized_matmul import pallas_triton as qmm
+
+    src = inspect.getsource(qmm.quantized_matmul)
+    assert "sum_splits(y)" in src and "jnp.sum(y, axis=0)" not in src
