@@ -149,16 +149,16 @@ def test_checkpoints_hold_nibbles_when_the_params_are_repacked(tmp_path):
 def test_engine_repacks_the_routed_experts_in_place():
     """Engine(expert_packing="f16pairs"): the engine's and the model's routed experts are repacked
     (the shared expert is FP8 and untouched), the old nibble buffers given up, and greedy decoding
-    gives the tokens of the nibble engine; "auto" on the CPU (references) keeps nibbles; the packing
-    goes back to nibbles for an engine that asks for them."""
+    gives the tokens of the nibble engine; the packing goes back to nibbles for an engine that asks
+    for them."""
     from dsv41_jax import Model
     from dsv41_jax.engine import Engine, Request
     from dsv41_jax.sampling import SamplingParams
 
     model = Model.from_preset("tiny", seed=np.random.randint(1 << 16))
     reqs = [Request(prompt_ids=[5, 6, 7, 8], max_new_tokens=3), Request(prompt_ids=[9, 10], max_new_tokens=3)]
-    eng = Engine(model, batch_size=2, max_seq_len=32, prefill_chunk=8)
-    assert eng.expert_packing == "nibbles"  # auto without kernels
+    eng = Engine(model, batch_size=2, max_seq_len=32, prefill_chunk=8, expert_packing="nibbles")
+    assert eng.expert_packing == "nibbles"
     want = [r.output_ids for r in eng.generate(reqs, SamplingParams(temperature=0.0))]
     old = model.params["layers"]["0"]["ffn"]["experts"]["w1"]
     eng = Engine(model, batch_size=2, max_seq_len=32, prefill_chunk=8, expert_packing="f16pairs")
@@ -179,7 +179,8 @@ def test_auto_packing_follows_the_moe_dispatch(monkeypatch):
     from dsv41_jax.engine import expert_packing_for
     from pallas_kernels import dispatch
 
-    assert expert_packing_for("auto") == "nibbles"  # CPU: references
+    gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+    assert expert_packing_for("auto") == ("f16pairs" if gpu else "nibbles")  # the CPU runs the references
     with dispatch.use_implementation("interpret"):
         assert expert_packing_for(None) == "f16pairs"
     monkeypatch.setenv("DSV41_KERNELS", "auto,moe_experts=interpret")
