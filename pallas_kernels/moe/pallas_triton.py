@@ -48,8 +48,10 @@ from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
 from pallas_kernels.quantized_matmul.pallas_triton import (
     act_block_reason,
     act_fake_quant_tile,
+    fp4_phase_k_order,
     fp4_word_k_order,
     fp8_block,
+    load_fp4_phase_tiles,
     load_fp4_word_tile,
     load_weight_tiles,
     operand_dtype,
@@ -76,7 +78,7 @@ DEBUG = {"act_quant_in_kernel": False, "return_h": False}
 # tile re-reads the rows of hundreds of blocks from HBM. Read at trace time.
 GRID_ORDER = {"order": "rows"}
 
-MMA_FP4_ROUTES = ("auto", "bytes", "f16w")
+MMA_FP4_ROUTES = ("auto", "bytes", "f16w", "phases")
 
 
 def _parse_mma_fp4(text: str) -> str:
@@ -103,6 +105,12 @@ def _parse_mma_fp4(text: str) -> str:
 #   bytes 2.98e-3, words 2.96e-3 from the GPU reference, 4.0e-4 from each other -- the FP8 act-quant of
 #   h turns ulp differences (sums in another order, Triton's exp vs XLA's) into FP8 steps, the same
 #   for both routes (BENCHMARKS.md, issue 6, session 12), so forcing f16w is allowed for every dtype.
+# * "phases" (opt-in, session 33, not yet timed on a GPU): the word decode without the joins -- each
+#   K tile decoded into 8 phase tiles [bn, bk/8] (element 8q + j in phase j) and one dot per phase
+#   against the activation's phase tiles (x and h laid out per tile by phase by XLA,
+#   :func:`fp4_phase_k_order`). Needs K tiles of at least 128 (16 per phase dot); where a tiling has
+#   smaller ones the kernels take "f16w" instead. Meant for the decode tilings (256-wide K tiles),
+#   where the word route's joins made it 2x slower than the bytes route.
 MMA_FP4 = {"route": _parse_mma_fp4(os.environ.get("DSV41_MMA_FP4", ""))}
 
 
@@ -242,10 +250,27 @@ def mma_fp4_words(x_dtype, bk_a: int, bk_b: int) -> bool:
     route = MMA_FP4["route"]
     if route == "auto":
         return x_dtype == jnp.bfloat16 and max(bk_a, bk_b) <= 64 and bk_a % 32 == 0 and bk_b % 32 == 0
-    return route == "f16w"
+    return route in ("f16w", "phases")
 
 
-def _weight_tile(fmt, fp4_words, w_ref, s_ref, e, rows, row0, bn, k0, bk, op_dtype, wblock, packing="nibbles"):
+def mma_fp4_phases(bk_a: int, bk_b: int) -> bool:
+    """Whether the word-reading tensor-core kernels take the "phases" route: chosen by ``MMA_FP4`` and
+    both K tiles at least 128 wide (one dot of K >= 16 per phase)."""
+    return MMA_FP4["route"] == "phases" and min(bk_a, bk_b) >= 128
+
+
+def _x_tile(x_ref, rows, k0, bk, phases: bool):
+    """The activation tile of ``rows`` x [k0, k0+bk): one [rows, bk] tile, or with ``phases`` the 8
+    phase tiles [rows, bk/8] of a tile laid out by :func:`fp4_phase_k_order` (one load each)."""
+    if not phases:
+        return x_ref[rows, pl.ds(k0, bk)]
+    return tuple(x_ref[rows, pl.ds(k0 + j * (bk // 8), bk // 8)] for j in range(8))
+
+
+def _weight_tile(fmt, fp4_words, w_ref, s_ref, e, rows, row0, bn, k0, bk, op_dtype, wblock, packing="nibbles",
+                 phases=False):
+    if fmt == "fp4" and phases:
+        return load_fp4_phase_tiles(w_ref, s_ref, (e,), rows, bn, k0, bk, op_dtype, packing)
     if fmt == "fp4" and fp4_words:
         return load_fp4_word_tile(w_ref, s_ref, (e,), rows, bn, k0, bk, op_dtype, packing)
     return load_weight_tiles(fmt, w_ref, s_ref, (e,), rows, row0, bn, k0, bk, op_dtype, wblock)
@@ -272,7 +297,7 @@ def _grid(nb: int, tiles: int, rows_first: bool) -> tuple[int, int]:
 
 def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
                     fmt, bt, bi, bk, steps, op_dtype, x_dtype, limit, quant, wblock=32, act_block=32,
-                    fp4_words=False, swap=False, rows_first=True, packing="nibbles"):
+                    fp4_words=False, swap=False, rows_first=True, packing="nibbles", phases=False):
     b, j = _block_and_tile(rows_first)
     e = be_ref[b]
     row0 = pl.multiple_of(j * bi, bi)
@@ -286,9 +311,11 @@ def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_r
         def body(i, carry):
             g, u = carry
             k0 = pl.multiple_of(i * bk, bk)
-            xt = x_ref[tok, pl.ds(k0, bk)]
-            w1t = _weight_tile(fmt, fp4_words, w1_ref, s1_ref, e, rows, row0, bi, k0, bk, op_dtype, wblock, packing)
-            w3t = _weight_tile(fmt, fp4_words, w3_ref, s3_ref, e, rows, row0, bi, k0, bk, op_dtype, wblock, packing)
+            xt = _x_tile(x_ref, tok, k0, bk, phases)
+            w1t = _weight_tile(fmt, fp4_words, w1_ref, s1_ref, e, rows, row0, bi, k0, bk, op_dtype, wblock, packing,
+                               phases)
+            w3t = _weight_tile(fmt, fp4_words, w3_ref, s3_ref, e, rows, row0, bi, k0, bk, op_dtype, wblock, packing,
+                               phases)
             return g + tile_dot(fmt, xt, w1t, op_dtype, swap), u + tile_dot(fmt, xt, w3t, op_dtype, swap)
 
         z = jnp.zeros((bi, bt) if swap else (bt, bi), jnp.float32)
@@ -308,7 +335,7 @@ def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_r
 
 
 def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd, bk, steps, op_dtype, wblock=32,
-                 fp4_words=False, swap=False, rows_first=True, packing="nibbles"):
+                 fp4_words=False, swap=False, rows_first=True, packing="nibbles", phases=False):
     b, j = _block_and_tile(rows_first)
     e = be_ref[b]
     row0 = pl.multiple_of(j * bd, bd)
@@ -319,8 +346,9 @@ def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd,
     def _():
         def body(i, acc):
             k0 = pl.multiple_of(i * bk, bk)
-            ht = h_ref[hrows, pl.ds(k0, bk)]
-            wt = _weight_tile(fmt, fp4_words, w2_ref, s2_ref, e, rows, row0, bd, k0, bk, op_dtype, wblock, packing)
+            ht = _x_tile(h_ref, hrows, k0, bk, phases)
+            wt = _weight_tile(fmt, fp4_words, w2_ref, s2_ref, e, rows, row0, bd, k0, bk, op_dtype, wblock, packing,
+                              phases)
             return acc + tile_dot(fmt, ht, wt, op_dtype, swap)
 
         acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bd, bt) if swap else (bt, bd), jnp.float32))
@@ -689,7 +717,8 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     quant = is_quantized(w1)
     op = operand_dtype(x.dtype, w1)
     packing = getattr(w1, "packing", "nibbles") if fmt == "fp4" else "nibbles"  # w2, w3 alike (unsupported_reason)
-    cfg = tuple(config or _config(p, n_exp, i_dim, d, words_only=packing == "f16pairs"))
+    cfg = tuple(config or _config(p, n_exp, i_dim, d,
+                                  words_only=packing == "f16pairs" and MMA_FP4["route"] != "phases"))
     bt, bi, bk_a, bd, bk_b, warps = cfg[:6]
     stages = cfg[6] if len(cfg) > 6 else 3  # optional 7th entry: software-pipelining stages
     # optional 8th: 1 = weight tile as the dots' first operand (tile_dot's swap; measured 10-40 % slower
@@ -707,13 +736,14 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     d3, s3 = weight_operands(w3)
     # "f16pairs" experts are read as words whatever the route (the bytes route reads nibbles)
     words = fmt == "fp4" and (packing == "f16pairs" or mma_fp4_words(x.dtype, bk_a, bk_b))
+    phases = words and mma_fp4_phases(bk_a, bk_b)
     if words:  # packed codes as uint32 words; the activation in the words' K order (fused into act_quant)
         if bk_a % 32 or bk_b % 32:
             raise ValueError(f"moe_experts (pallas): the word decode (DSV41_MMA_FP4=f16w, or experts packed as "
                              f"f16pairs) needs K tiles that are multiples of 32, got bk_a={bk_a}, bk_b={bk_b} "
                              f"(config {cfg})")
         d1, d2, d3 = (fma._words(t) for t in (d1, d2, d3))
-        xq = fp4_word_k_order(xq)
+        xq = fp4_phase_k_order(xq, bk_a) if phases else fp4_word_k_order(xq)
     if s1 is None:
         s1 = s2 = s3 = jnp.zeros((1, 1, 1), jnp.uint8)
     params = pltriton.CompilerParams(num_warps=warps, num_stages=stages)
@@ -725,7 +755,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     h = pl.pallas_call(
         functools.partial(_gate_up_kernel, fmt=fmt, bt=bt, bi=bi, bk=bk_a, steps=d // bk_a, op_dtype=op,
                           x_dtype=x.dtype, limit=limit, quant=in_kernel, wblock=fp8_block(w1), act_block=act_block,
-                          fp4_words=words, swap=swap, rows_first=rows_first, packing=packing),
+                          fp4_words=words, swap=swap, rows_first=rows_first, packing=packing, phases=phases),
         # h leaves kernel A in x.dtype (the reference act-quantizes h.astype(x.dtype)); only the
         # in-kernel act-quant may store bf16 (its e4m3 values are exact there). Storing f32 h as bf16
         # before the XLA act_quant double-rounded and broke f32 parity.
@@ -740,11 +770,12 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     if DEBUG["return_h"]:
         return h, block_pair
     if words:  # the down GEMM's K is I: h in the words' K order (an XLA permutation after act_quant)
-        h = fp4_word_k_order(h)
+        h = fp4_phase_k_order(h, bk_b) if phases else fp4_word_k_order(h)
 
     y = pl.pallas_call(
         functools.partial(_down_kernel, fmt=fmt, bt=bt, bd=bd, bk=bk_b, steps=i_dim // bk_b, op_dtype=op,
-                          wblock=fp8_block(w1), fp4_words=words, swap=swap, rows_first=rows_first, packing=packing),
+                          wblock=fp8_block(w1), fp4_words=words, swap=swap, rows_first=rows_first, packing=packing,
+                          phases=phases),
         out_shape=jax.ShapeDtypeStruct((p + 1, d), x.dtype),
         grid=_grid(nb, d // bd, rows_first),
         compiler_params=params,

@@ -282,6 +282,27 @@ def load_fp4_word_tile(w_ref, s_ref, lead, rows, bn, k0, bk, op_dtype, packing="
     return (jnp.stack([a, b], axis=-1).reshape(bn, bk),)  # column 8q + 4h + 2(j % 2) + j // 2
 
 
+def fp4_phase_k_order(x, bk: int):
+    """x [..., K] -> the same values with each K tile of ``bk`` elements laid out by phase: the tile's
+    elements 8q + j (j = 0..7) for every q, phase j after phase j - 1 (an XLA transpose inside each
+    tile). :func:`load_fp4_phase_tiles` decodes a weight tile into these 8 phases."""
+    *lead, k = x.shape
+    return jnp.swapaxes(x.reshape(*lead, k // bk, bk // 8, 8), -1, -2).reshape(*lead, k)
+
+
+def load_fp4_phase_tiles(w_ref, s_ref, lead, rows, bn, k0, bk, op_dtype, packing="nibbles"):
+    """One MXFP4 weight tile as 8 phase tiles [bn, bk/8] (phase j: the tile's elements 8q + j), the
+    tensor-core kernels' "phases" route: the word decode of :func:`load_fp4_word_tile` (pairs (j,
+    j + 4) per word, e2m1 * 2**-14, then f32, times the scale, then ``op_dtype``) without its joins
+    into one [bn, bk] tile; the caller runs one dot per phase against the activation's phase tiles
+    (:func:`fp4_phase_k_order`). ``bk / 8`` must be at least 16 (Triton's smallest dot K)."""
+    wds = w_ref[(*lead, rows, pl.ds(k0 // 8, bk // 8))]
+    s = s_ref[(*lead, rows, pl.ds(k0 // 32, bk // 32))]
+    sf = _expand_cols(fma.e8m0_f32(s, 14), 4)  # [bn, bk/8]
+    pairs = fma.fp4_word_pairs_f32(wds, packing)
+    return tuple((t * sf).astype(op_dtype) for t in [lo for lo, _ in pairs] + [hi for _, hi in pairs])
+
+
 def split_even_odd(x):
     """[M, K] -> (x[:, 0::2], x[:, 1::2]) inside a kernel (reshape + 2-way unstack)."""
     m, k = x.shape
@@ -295,7 +316,9 @@ def tile_dot(fmt, xt, wts, op_dtype, swap=False):
     the weight tile as the dots' first operand and the result [N, M] (on Hopper the wgmma then takes
     the decoded weights from registers; BENCHMARKS.md, issue 6, session 12)."""
     prec = jax.lax.Precision.HIGHEST if op_dtype == jnp.float32 else None
-    if fmt == "fp4" and len(wts) == 2:  # (even, odd) tiles; the word route returns one tile
+    if isinstance(xt, tuple):  # phase tiles of x and of the weights (the "phases" route)
+        pairs = zip(xt, wts)
+    elif fmt == "fp4" and len(wts) == 2:  # (even, odd) tiles; the word route returns one tile
         pairs = zip(split_even_odd(xt), wts)
     else:
         pairs = ((xt, wts[0]),)

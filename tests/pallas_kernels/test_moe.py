@@ -150,6 +150,52 @@ def test_mma_fp4_word_route_interpret(n, dtype, act_block, config, monkeypatch):
         pallas_triton.moe_experts(x, wts, idx, w1, w2, w3, **{**kw, "config": (16, 16, 64, 16, 16, 2)})
 
 
+@pytest.mark.parametrize("packing,dtype", [("nibbles", jnp.bfloat16), ("f16pairs", jnp.float32)])
+def test_mma_fp4_phase_route_interpret(packing, dtype, monkeypatch):
+    """DSV41_MMA_FP4=phases (opt-in): each 256-wide K tile decoded into 8 phase tiles, one dot per phase
+    against x / h laid out by phase (no joins): the word route's result within the parity tolerance
+    (the same products, fp32 sums in another order), f16pairs bit-identical to nibbles, 8 dots per
+    weight tile; with K tiles below 128 (phase dots of K < 16) the kernels take the word route."""
+    rng = np.random.default_rng()
+    e, i, d, n = 4, 256, 256, 40
+    x, wts, idx = routed(rng, n, e, dtype, d)
+    w1, w3 = (_q4(jnp.asarray(rng.standard_normal((e, i, d), np.float32) * np.float32(0.2))) for _ in range(2))
+    w2 = _q4(jnp.asarray(rng.standard_normal((e, d, i), np.float32) * np.float32(0.2)))
+    ws = [w.with_packing(packing) for w in (w1, w2, w3)]
+    kw = dict(swiglu_limit=1.0, interpret=True, config=(16, 32, 256, 32, 256, 4))
+    monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "f16w")
+    yw = np.asarray(run(pallas_triton.moe_experts, x, wts, idx, *ws, **kw))
+    assert str(jax.make_jaxpr(lambda *a: pallas_triton.moe_experts(*a, **kw))(x, wts, idx, *ws)).count("dot_general") == 3
+    monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "phases")
+    assert str(jax.make_jaxpr(lambda *a: pallas_triton.moe_experts(*a, **kw))(x, wts, idx, *ws)).count("dot_general") == 24
+    yp = np.asarray(run(pallas_triton.moe_experts, x, wts, idx, *ws, **kw))
+    yn = np.asarray(run(pallas_triton.moe_experts, x, wts, idx, w1, w2, w3, **kw))
+    np.testing.assert_array_equal(yp, yn)
+    yr = np.asarray(_reference(x, wts, idx, w1, w2, w3, swiglu_limit=1.0))
+    tol = 2.0**-7 if dtype == jnp.bfloat16 else 1e-5
+    for y in (yw, yr):
+        np.testing.assert_allclose(yp, y, rtol=tol, atol=tol * float(np.max(np.abs(yr))))
+    narrow = {**kw, "config": (16, 32, 64, 32, 64, 4)}
+    assert str(jax.make_jaxpr(lambda *a: pallas_triton.moe_experts(*a, **narrow))(x, wts, idx, *ws)).count("dot_general") == 3
+    assert not pallas_triton.mma_fp4_phases(64, 256) and pallas_triton.mma_fp4_phases(128, 256)
+
+
+@pytest.mark.parametrize("target", ["cuda", "rocm"])
+def test_mma_fp4_phase_route_lowers(target, monkeypatch):
+    """The phase route at V4.1's shapes (300 tokens over 384 experts: the tensor-core decode tiling,
+    256-wide K tiles) lowers for both GPU targets, with either packing."""
+    from jax import ShapeDtypeStruct as S
+
+    monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "phases")
+    e, i, d, n = 384, 2304, 5120, 300
+    for packing in ("nibbles", "f16pairs"):
+        w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32, packing)
+        w2 = Fp4Tensor(S((e, d, i // 2), jnp.uint8), S((e, d, i // 32), jnp.float8_e8m0fnu), 32, packing)
+        txt = lower_for(target, lambda x, w, idx, a, b, c: pallas_triton.moe_experts(x, w, idx, a, b, c, swiglu_limit=10.0),
+                        S((n, d), jnp.bfloat16), S((n, 6), jnp.float32), S((n, 6), jnp.int32), w1, w2, w1).as_text()
+        assert _moe_launches(txt) == 2 and "moe_gate_up_fp4" in txt
+
+
 @pytest.mark.parametrize("fmt,dtype,route", [("fp4", jnp.bfloat16, "f16w"), ("fp4", jnp.float32, "bytes"),
                                               ("fp8", jnp.bfloat16, "auto"), ("plain", jnp.float32, "auto")])
 def test_swapped_operands_interpret(fmt, dtype, route, monkeypatch):
