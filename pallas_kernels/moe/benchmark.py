@@ -267,10 +267,12 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
                     same.add(c)
         for pk in packings:
             ws = packed[pk]
-            mma = pallas_triton._config(n * TOPK, experts, I, D, words_only=pk == "f16pairs")
             results = []
-            tcs = [mma] + ([c for c in TC_DECODE_CONFIGS if c != mma] if wide else [])
-            tc = [(c, vias[0], r) for r in (mma_routes or [None]) for c in tcs]
+            tc = []
+            for r in mma_routes or [None]:  # the dispatch's tiling for this packing and route
+                words_only = pk == "f16pairs" and (r or pallas_triton.MMA_FP4["route"]) != "phases"
+                mma = pallas_triton._config(n * TOPK, experts, I, D, words_only=words_only)
+                tc += [(c, vias[0], r) for c in [mma] + ([c for c in TC_DECODE_CONFIGS if c != mma] if wide else [])]
             for cfg, via, mroute in tc + [(c, v, None) for v in vias for c in fmas]:
                 try:
                     f = lambda x, w, idx, a, b, c, cfg=cfg: pallas_triton.moe_experts(  # noqa: E731
@@ -280,7 +282,8 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
                         t = device_time_op(f, args, ws, reps=5)
                     err, frac = max_rel_err(y, yr), frac_off(y, yr)
                     ok = frac <= TUNE_MAX_FRAC and err <= 8e-3
-                    label = (f"mma {'f16pairs words' if pk == 'f16pairs' else mroute or pallas_triton.MMA_FP4['route']}"
+                    route = mroute or pallas_triton.MMA_FP4["route"]
+                    label = (f"mma {pk + ' ' + ('phases' if route == 'phases' else 'words') if pk == 'f16pairs' else route}"
                              if cfg[0] != "fma" else f"decode {'f16pairs' if pk == 'f16pairs' else via or 'current'}")
                     log(f"  n={n} cfg={cfg} {label}: {fmt_us(t)} us ({100 * floor / t:5.1f}% of HBM), rel err "
                         f"{err:.2e}, {frac:.4f} of elements > 1%{'' if ok else '  WRONG'}")

@@ -376,3 +376,25 @@ def test_qmm_prefill_sweep_runs_in_interpret_mode(monkeypatch):
         ((128, 128), "expand"), ((128, 128), "expand")]
     assert all(r["ok"] for r in rows), [(r["block"], r["mode"], r.get("rel_err"), r.get("error")) for r in rows]
     assert bq.pallas_triton.SCALE_MODE["fp8"] == "expand"
+
+
+def test_moe_fma_sweep_phase_route(monkeypatch):
+    """``moe.benchmark --fma --mma-fp4 bytes,phases --packings nibbles,f16pairs``: the tensor-core default
+    tiling per route and packing (f16pairs on the word route takes 64-wide K tiles, on the phase
+    route the 256-wide ones), each checked."""
+    import functools
+
+    import pallas_kernels.moe.benchmark as bm
+
+    for name, v in (("E", 8), ("I", 256), ("D", 256), ("TOPK", 2)):
+        monkeypatch.setattr(bm, name, v)
+    monkeypatch.setattr(bm, "device_time_op", lambda *a, **k: 1e-6)
+    monkeypatch.setattr(bm.pallas_triton, "moe_experts", functools.partial(bm.pallas_triton.moe_experts, interpret=True))
+    monkeypatch.setattr(bm, "log", lambda *a: None)
+    monkeypatch.setattr(bm, "fma_configs", lambda w1, n, wide: [])
+    monkeypatch.setattr(bm.pallas_triton, "default_fma_config", lambda *a, **k: ("fma", 1, 16, 8, 64, 8, 4, 3))
+    rows = bm.fma_sweep((1,), default_only=True, packings=("nibbles", "f16pairs"), mma_routes=["bytes", "phases"])
+    tc = [(r["packing"], r["mma_fp4"], r["config"][2]) for r in rows if r["config"][0] != "fma"]
+    assert tc == [("nibbles", "bytes", 256), ("nibbles", "phases", 256), ("f16pairs", "bytes", 64),
+                  ("f16pairs", "phases", 256)], tc
+    assert all(r["ok"] for r in rows), [(r["packing"], r["config"], r["rel_err"]) for r in rows if not r["ok"]]
