@@ -614,7 +614,10 @@ class Engine:
                 return node
             return new
 
-        self.model.params = jax.tree_util.tree_map_with_path(adopt, self.model.params, is_leaf=is_fp4)
+        try:
+            self.model.params = jax.tree_util.tree_map_with_path(adopt, self.model.params, is_leaf=is_fp4)
+        except AttributeError:  # a model object whose params cannot be set: only the engine's tree is repacked
+            pass
 
     def _commit(self, tree):
         """Single-device arrays committed to the default device (sharded ones left as they are)."""
