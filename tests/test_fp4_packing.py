@@ -168,9 +168,12 @@ def test_engine_repacks_the_routed_experts_in_place():
     assert old.data.is_deleted()  # donated: no second copy of the experts
     np.testing.assert_array_equal(np.asarray(experts["w1"].nibble_data()), np.asarray(experts["w1"].with_packing("nibbles").data))
     assert [r.output_ids for r in eng.generate(reqs, SamplingParams(temperature=0.0))] == want
-    eng = Engine(model, batch_size=2, max_seq_len=32, prefill_chunk=8, expert_packing="nibbles")
-    assert {w.packing for w in model.params["layers"]["0"]["ffn"]["experts"].values()} == {"nibbles"}
-    assert [r.output_ids for r in eng.generate(reqs, SamplingParams(temperature=0.0))] == want
+    # back to nibbles for an engine that asks for them (construction only: the codes, not a decode)
+    codes = np.asarray(experts["w1"].nibble_data())
+    Engine(model, batch_size=2, max_seq_len=32, prefill_chunk=8, expert_packing="nibbles")
+    back = model.params["layers"]["0"]["ffn"]["experts"]
+    assert {w.packing for w in back.values()} == {"nibbles"} and experts["w1"].data.is_deleted()
+    np.testing.assert_array_equal(np.asarray(back["w1"].data), codes)
     with pytest.raises(ValueError, match="expert packing 'f16' .*DSV41_EXPERT_PACKING.*auto, nibbles, f16pairs"):
         Engine(model, batch_size=2, max_seq_len=32, expert_packing="f16")
 

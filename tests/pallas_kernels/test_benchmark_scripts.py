@@ -71,8 +71,8 @@ def test_moe_fma_sweep_runs_in_interpret_mode(monkeypatch):
     monkeypatch.setattr(bm, "device_time_op", lambda *a, **k: 1e-6)
     monkeypatch.setattr(bm.pallas_triton, "moe_experts", functools.partial(bm.pallas_triton.moe_experts, interpret=True))
     monkeypatch.setattr(bm, "log", lambda *a: None)
-    rows = bm.fma_sweep((1, 4))
-    assert {r["tokens"] for r in rows} == {1, 4}
+    rows = bm.fma_sweep((4,))  # every config at 4 tokens (one token: the default_only sweeps below)
+    assert {r["tokens"] for r in rows} == {4}
     fma_rows = [r for r in rows if r["config"][0] == "fma"]
     assert any(r["config"][1] == 4 for r in fma_rows)  # 4-row blocks tried at 4 tokens
     assert len(fma_rows) >= 8 and all(r["ok"] for r in rows), [(r["config"], r["rel_err"]) for r in rows if not r["ok"]]
@@ -240,25 +240,6 @@ def test_moe_prefill_sweep_runs_in_interpret_mode(monkeypatch):
         bm.main(["--prefill", "--packings", "nibbles,f16"])
 
 
-def test_moe_fma_sweep_packings_in_interpret_mode(monkeypatch):
-    """``moe.benchmark --fma --packings nibbles,f16pairs``: the tensor-core default (for f16pairs its
-    word-route tiling, 64-wide K tiles) and the fma configs once per packing, each checked."""
-    import functools
-
-    import pallas_kernels.moe.benchmark as bm
-
-    for name, v in (("E", 8), ("I", 64), ("D", 256), ("TOPK", 2)):
-        monkeypatch.setattr(bm, name, v)
-    monkeypatch.setattr(bm, "device_time_op", lambda *a, **k: 1e-6)
-    monkeypatch.setattr(bm.pallas_triton, "moe_experts", functools.partial(bm.pallas_triton.moe_experts, interpret=True))
-    monkeypatch.setattr(bm, "log", lambda *a: None)
-    rows = bm.fma_sweep((1,), default_only=True, packings=("nibbles", "f16pairs"))
-    by = {pk: [r["config"] for r in rows if r["packing"] == pk] for pk in ("nibbles", "f16pairs")}
-    assert by["nibbles"][1:] == by["f16pairs"][1:] and len(by["nibbles"]) >= 2
-    assert by["nibbles"][0][2] == 256 and by["f16pairs"][0][2] == 64  # gate/up K tile of the tensor-core default
-    assert all(r["ok"] for r in rows), [(r["packing"], r["config"], r["rel_err"]) for r in rows if not r["ok"]]
-
-
 def test_indexer_prefill_and_decode_topk_run_in_interpret_mode(monkeypatch, tmp_path):
     """``lightning_indexer.benchmark --prefill-model --decode-topk`` at small shapes (tile kernel in
     interpret mode, timing stubbed): every case of both tables runs, and the kernel's and the grouped
@@ -378,10 +359,10 @@ def test_qmm_prefill_sweep_runs_in_interpret_mode(monkeypatch):
     assert bq.pallas_triton.SCALE_MODE["fp8"] == "expand"
 
 
-def test_moe_fma_sweep_phase_route(monkeypatch):
+def test_moe_fma_sweep_packings_and_phase_route(monkeypatch):
     """``moe.benchmark --fma --mma-fp4 bytes,phases --packings nibbles,f16pairs``: the tensor-core default
     tiling per route and packing (f16pairs on the word route takes 64-wide K tiles, on the phase
-    route the 256-wide ones), each checked."""
+    route the 256-wide ones) and the fma configs once per packing, each checked."""
     import functools
 
     import pallas_kernels.moe.benchmark as bm
@@ -397,4 +378,6 @@ def test_moe_fma_sweep_phase_route(monkeypatch):
     tc = [(r["packing"], r["mma_fp4"], r["config"][2]) for r in rows if r["config"][0] != "fma"]
     assert tc == [("nibbles", "bytes", 256), ("nibbles", "phases", 256), ("f16pairs", "bytes", 64),
                   ("f16pairs", "phases", 256)], tc
+    fma = {pk: [r["config"] for r in rows if r["config"][0] == "fma" and r["packing"] == pk] for pk in ("nibbles", "f16pairs")}
+    assert fma["nibbles"] == fma["f16pairs"] and fma["nibbles"]
     assert all(r["ok"] for r in rows), [(r["packing"], r["config"], r["rel_err"]) for r in rows if not r["ok"]]
