@@ -596,17 +596,9 @@ class Engine:
         ``model.params`` stays usable and no second copy of the experts is kept. (Any other reference
         to the old arrays is then unusable.)"""
         is_fp4 = lambda x: isinstance(x, Fp4Tensor)  # noqa: E731
-        if all(n.packing == packing for n in jax.tree.leaves(self.params, is_leaf=is_fp4) if is_fp4(n)):
-            return
         self.params = with_fp4_packing(self.params, packing, only=_routed_expert, donate=True)
-        placed = {}
-
-        def collect(path, node):
-            if isinstance(node, Fp4Tensor):
-                placed[jax.tree_util.keystr(path)] = node
-            return node
-
-        jax.tree_util.tree_map_with_path(collect, self.params, is_leaf=is_fp4)
+        placed = {jax.tree_util.keystr(path): node
+                  for path, node in jax.tree_util.tree_flatten_with_path(self.params, is_leaf=is_fp4)[0] if is_fp4(node)}
 
         def adopt(path, node):
             new = placed.get(jax.tree_util.keystr(path)) if is_fp4(node) else None

@@ -188,14 +188,17 @@ def unpack_nibbles(packed: jax.Array) -> jax.Array:
 # loop of the fused MoE's gate/up kernel goes from 602 to 538 instructions per K step.
 F16PAIRS_SIGN = (15, 7, 0, 8)
 F16PAIRS_MAG = (9, 1, 4, 12)
-FP4_PACKINGS = ("nibbles", "f16pairs")
+# per packing, pair p's (sign bits, lowest magnitude bits) in a word, +16 for code p + 4: the one
+# table the repack and the kernels' word decode (pallas_triton_fma.fp4_word_pairs_f32) read
+FP4_WORD_BITS = {"nibbles": ((3, 7, 11, 15), (0, 4, 8, 12)), "f16pairs": (F16PAIRS_SIGN, F16PAIRS_MAG)}
+FP4_PACKINGS = tuple(FP4_WORD_BITS)
 
 
-def _fp4_words(packed: jax.Array) -> jax.Array:
-    """[..., 4n] uint8 -> [..., n] uint32 little-endian words."""
+def le_words(packed: jax.Array) -> jax.Array:
+    """[..., 4n] uint8 -> [..., n] uint32 little-endian words (an XLA bitcast)."""
     if packed.shape[-1] % 4:
-        raise ValueError(f"the f16pairs FP4 packing works on 32-bit words: the packed last dimension must be a "
-                         f"multiple of 4 bytes (8 codes), got shape {tuple(packed.shape)}")
+        raise ValueError(f"32-bit words need a last dimension that is a multiple of 4 bytes (8 codes), "
+                         f"got shape {tuple(packed.shape)}")
     *lead, nb = packed.shape
     return jax.lax.bitcast_convert_type(packed.reshape(*lead, nb // 4, 4), jnp.uint32)
 
@@ -205,7 +208,9 @@ def _fp4_bytes(words: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(*lead, nw * 4)
 
 
-def _move_codes(words: jax.Array, src_sign, src_mag, dst_sign, dst_mag) -> jax.Array:
+def _move_codes(words: jax.Array, src: str, dst: str) -> jax.Array:
+    """Every code of ``words`` from its bits in packing ``src`` to those in ``dst``."""
+    (src_sign, src_mag), (dst_sign, dst_mag) = FP4_WORD_BITS[src], FP4_WORD_BITS[dst]
     out = jnp.zeros_like(words)
     for j in range(8):
         p, h = j % 4, 16 * (j // 4)
@@ -215,18 +220,13 @@ def _move_codes(words: jax.Array, src_sign, src_mag, dst_sign, dst_mag) -> jax.A
     return out
 
 
-# code j's sign / magnitude bits in the nibbles layout, by pair p = j % 4 (+16 for j >= 4)
-_NIBBLE_SIGN = (3, 7, 11, 15)
-_NIBBLE_MAG = (0, 4, 8, 12)
-
-
 def repack_f16pairs(packed: jax.Array) -> jax.Array:
     """Nibble-packed FP4 bytes [..., 4n] uint8 -> the same codes in the "f16pairs" layout (uint8,
     same shape; each 4-byte group re-laid as one word)."""
     packed = jax.lax.bitcast_convert_type(packed, jnp.uint8) if packed.dtype == jnp.int8 else packed
-    return _fp4_bytes(_move_codes(_fp4_words(packed), _NIBBLE_SIGN, _NIBBLE_MAG, F16PAIRS_SIGN, F16PAIRS_MAG))
+    return _fp4_bytes(_move_codes(le_words(packed), "nibbles", "f16pairs"))
 
 
 def unpack_f16pairs(packed: jax.Array) -> jax.Array:
     """The inverse of :func:`repack_f16pairs`: "f16pairs" bytes -> nibble-packed bytes."""
-    return _fp4_bytes(_move_codes(_fp4_words(packed), F16PAIRS_SIGN, F16PAIRS_MAG, _NIBBLE_SIGN, _NIBBLE_MAG))
+    return _fp4_bytes(_move_codes(le_words(packed), "f16pairs", "nibbles"))

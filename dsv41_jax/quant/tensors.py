@@ -70,7 +70,7 @@ class Fp4Tensor:
 
     def nibble_data(self) -> jax.Array:
         """``data`` in the checkpoint's nibble layout (un-repacked where ``packing`` is "f16pairs")."""
-        return unpack_f16pairs(self.data) if self.packing == "f16pairs" else self.data
+        return _relaid(self.data, self.packing, "nibbles")
 
     def with_packing(self, packing: str) -> "Fp4Tensor":
         """The same codes in ``packing`` (self where it already is)."""
@@ -78,8 +78,8 @@ class Fp4Tensor:
             raise ValueError(f"Fp4Tensor packing must be one of {', '.join(FP4_PACKINGS)}, got {packing!r}")
         if packing == self.packing:
             return self
-        data = repack_f16pairs(self.data) if packing == "f16pairs" else self.nibble_data()
-        return Fp4Tensor(data=data, scale=self.scale, block=self.block, packing=packing)
+        return Fp4Tensor(data=_relaid(self.data, self.packing, packing), scale=self.scale, block=self.block,
+                         packing=packing)
 
     def scale_f32(self) -> jax.Array:
         if self.scale.dtype == jnp.float8_e4m3fn:
@@ -192,10 +192,13 @@ def with_fp4_packing(tree, packing: str, *, only=None, donate: bool = False):
     return jax.tree_util.tree_map_with_path(conv, tree, is_leaf=_is_fp4)
 
 
+def _relaid(data, src: str, dst: str):
+    """Packed FP4 ``data`` in packing ``src`` -> the same codes in packing ``dst``."""
+    if src == dst:
+        return data
+    return repack_f16pairs(data) if dst == "f16pairs" else unpack_f16pairs(data)
+
+
 @functools.cache
 def _repack_data_jit(src: str, dst: str, donate: bool):
-    def f(data):
-        nib = unpack_f16pairs(data) if src == "f16pairs" else data
-        return repack_f16pairs(nib) if dst == "f16pairs" else nib
-
-    return jax.jit(f, donate_argnums=(0,) if donate else ())
+    return jax.jit(functools.partial(_relaid, src=src, dst=dst), donate_argnums=(0,) if donate else ())

@@ -272,14 +272,21 @@ def load_fp4_word_tile(w_ref, s_ref, lead, rows, bn, k0, bk, op_dtype, packing="
     :func:`fp4_word_k_order`'s. Returns a 1-tuple: one dot per tile, against the permuted activation.
     ``bk`` must be a multiple of 32 (one scale per 32 elements = 4 words). ``packing``: how the codes
     sit in the words ("nibbles" or "f16pairs", :func:`pallas_triton_fma.fp4_word_pairs_f32`)."""
-    wds = w_ref[(*lead, rows, pl.ds(k0 // 8, bk // 8))]
-    s = s_ref[(*lead, rows, pl.ds(k0 // 32, bk // 32))]
-    sf = _expand_cols(fma.e8m0_f32(s, 14), 4)  # [bn, bk/8]
-    pairs = [jnp.stack([(lo * sf).astype(op_dtype), (hi * sf).astype(op_dtype)], axis=-1)  # [bn, bk/8, 2 (h)]
-             for lo, hi in fma.fp4_word_pairs_f32(wds, packing)]
+    pairs = [jnp.stack([lo, hi], axis=-1)  # [bn, bk/8, 2 (h)]
+             for lo, hi in _scaled_word_pairs(w_ref, s_ref, lead, rows, k0, bk, op_dtype, packing)]
     a = jnp.stack([pairs[0], pairs[1]], axis=-1)  # [bn, bk/8, h, j in {0, 1}]
     b = jnp.stack([pairs[2], pairs[3]], axis=-1)  # j in {2, 3}
     return (jnp.stack([a, b], axis=-1).reshape(bn, bk),)  # column 8q + 4h + 2(j % 2) + j // 2
+
+
+def _scaled_word_pairs(w_ref, s_ref, lead, rows, k0, bk, op_dtype, packing):
+    """The words of a [bn, bk] MXFP4 tile decoded into four (element j, element j + 4) pairs of
+    [bn, bk/8] tiles: e2m1 * 2**-14 (:func:`pallas_triton_fma.fp4_word_pairs_f32`), times the e8m0
+    scale with the 2**14, in ``op_dtype`` (exact in bf16)."""
+    wds = w_ref[(*lead, rows, pl.ds(k0 // 8, bk // 8))]
+    s = s_ref[(*lead, rows, pl.ds(k0 // 32, bk // 32))]
+    sf = _expand_cols(fma.e8m0_f32(s, 14), 4)  # [bn, bk/8]
+    return [((lo * sf).astype(op_dtype), (hi * sf).astype(op_dtype)) for lo, hi in fma.fp4_word_pairs_f32(wds, packing)]
 
 
 def fp4_phase_k_order(x, bk: int):
@@ -296,11 +303,8 @@ def load_fp4_phase_tiles(w_ref, s_ref, lead, rows, bn, k0, bk, op_dtype, packing
     j + 4) per word, e2m1 * 2**-14, then f32, times the scale, then ``op_dtype``) without its joins
     into one [bn, bk] tile; the caller runs one dot per phase against the activation's phase tiles
     (:func:`fp4_phase_k_order`). ``bk / 8`` must be at least 16 (Triton's smallest dot K)."""
-    wds = w_ref[(*lead, rows, pl.ds(k0 // 8, bk // 8))]
-    s = s_ref[(*lead, rows, pl.ds(k0 // 32, bk // 32))]
-    sf = _expand_cols(fma.e8m0_f32(s, 14), 4)  # [bn, bk/8]
-    pairs = fma.fp4_word_pairs_f32(wds, packing)
-    return tuple((t * sf).astype(op_dtype) for t in [lo for lo, _ in pairs] + [hi for _, hi in pairs])
+    pairs = _scaled_word_pairs(w_ref, s_ref, lead, rows, k0, bk, op_dtype, packing)
+    return tuple(lo for lo, _ in pairs) + tuple(hi for _, hi in pairs)
 
 
 def split_even_odd(x):

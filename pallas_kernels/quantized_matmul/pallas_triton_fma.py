@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, act_quant, exact_f32
-from dsv41_jax.quant.codecs import E4M3_MAX, F16PAIRS_MAG, F16PAIRS_SIGN, pow2
+from dsv41_jax.quant.codecs import E4M3_MAX, FP4_WORD_BITS, le_words, pow2
 from dsv41_jax.quant.fake_quant import fp8_block_scale
 
 from pallas_kernels.deferred_sum import gemv_parts
@@ -249,10 +249,7 @@ def fp4_words(w) -> bool:
 # views (XLA, outside the kernels)
 
 
-def _words(data_u8):
-    """[..., B] uint8 (B a multiple of 4) -> [..., B/4] uint32 little-endian words (an XLA bitcast)."""
-    *lead, nb = data_u8.shape
-    return jax.lax.bitcast_convert_type(data_u8.reshape(*lead, nb // 4, 4), jnp.uint32)
+_words = le_words  # [..., B] uint8 -> [..., B/4] uint32 little-endian words
 
 
 def weight_view(w):
@@ -376,7 +373,7 @@ def fp4_word_pairs_f32(w, packing: str = "nibbles"):
     into the f16 halves of a word (sign to bit 15 / 31, magnitude to bits 11..9 / 27..25).
     ``packing`` "nibbles": code j in nibble j (15 integer ops per word); "f16pairs"
     (:func:`~dsv41_jax.quant.codecs.repack_f16pairs`): 11 per word."""
-    at = zip(F16PAIRS_SIGN, F16PAIRS_MAG) if packing == "f16pairs" else ((4 * j + 3, 4 * j) for j in range(4))
+    at = zip(*FP4_WORD_BITS[packing])
     return [(_f16_bits_to_f32(t), _f16_bits_to_f32(t >> 16)) for t in (_f16_pair_bits(w, s, m) for s, m in at)]
 
 
