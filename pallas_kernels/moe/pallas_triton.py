@@ -259,19 +259,21 @@ def mma_fp4_phases(bk_a: int, bk_b: int) -> bool:
     return MMA_FP4["route"] == "phases" and min(bk_a, bk_b) >= 128
 
 
-def _x_tile(x_ref, rows, k0, bk, phases: bool):
-    """The activation tile of ``rows`` x [k0, k0+bk): one [rows, bk] tile, or with ``phases`` the 8
-    phase tiles [rows, bk/8] of a tile laid out by :func:`fp4_phase_k_order` (one load each)."""
-    if not phases:
+def _x_tile(x_ref, rows, k0, bk, fp4_read: str):
+    """The activation tile of ``rows`` x [k0, k0+bk): one [rows, bk] tile, or for ``fp4_read``
+    "phases" the 8 phase tiles [rows, bk/8] of a tile laid out by :func:`fp4_phase_k_order` (one load
+    each)."""
+    if fp4_read != "phases":
         return x_ref[rows, pl.ds(k0, bk)]
     return tuple(x_ref[rows, pl.ds(k0 + j * (bk // 8), bk // 8)] for j in range(8))
 
 
-def _weight_tile(fmt, fp4_words, w_ref, s_ref, e, rows, row0, bn, k0, bk, op_dtype, wblock, packing="nibbles",
-                 phases=False):
-    if fmt == "fp4" and phases:
+def _weight_tile(fmt, fp4_read, w_ref, s_ref, e, rows, row0, bn, k0, bk, op_dtype, wblock, packing="nibbles"):
+    """A weight tile as the dots take it; MXFP4 by ``fp4_read``: "bytes" (nibble pairs of bytes),
+    "words" (one tile from 32-bit words) or "phases" (8 phase tiles from words)."""
+    if fmt == "fp4" and fp4_read == "phases":
         return load_fp4_phase_tiles(w_ref, s_ref, (e,), rows, bn, k0, bk, op_dtype, packing)
-    if fmt == "fp4" and fp4_words:
+    if fmt == "fp4" and fp4_read == "words":
         return load_fp4_word_tile(w_ref, s_ref, (e,), rows, bn, k0, bk, op_dtype, packing)
     return load_weight_tiles(fmt, w_ref, s_ref, (e,), rows, row0, bn, k0, bk, op_dtype, wblock)
 
@@ -297,7 +299,7 @@ def _grid(nb: int, tiles: int, rows_first: bool) -> tuple[int, int]:
 
 def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
                     fmt, bt, bi, bk, steps, op_dtype, x_dtype, limit, quant, wblock=32, act_block=32,
-                    fp4_words=False, swap=False, rows_first=True, packing="nibbles", phases=False):
+                    fp4_read="bytes", swap=False, rows_first=True, packing="nibbles"):
     b, j = _block_and_tile(rows_first)
     e = be_ref[b]
     row0 = pl.multiple_of(j * bi, bi)
@@ -311,11 +313,9 @@ def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_r
         def body(i, carry):
             g, u = carry
             k0 = pl.multiple_of(i * bk, bk)
-            xt = _x_tile(x_ref, tok, k0, bk, phases)
-            w1t = _weight_tile(fmt, fp4_words, w1_ref, s1_ref, e, rows, row0, bi, k0, bk, op_dtype, wblock, packing,
-                               phases)
-            w3t = _weight_tile(fmt, fp4_words, w3_ref, s3_ref, e, rows, row0, bi, k0, bk, op_dtype, wblock, packing,
-                               phases)
+            xt = _x_tile(x_ref, tok, k0, bk, fp4_read)
+            w1t = _weight_tile(fmt, fp4_read, w1_ref, s1_ref, e, rows, row0, bi, k0, bk, op_dtype, wblock, packing)
+            w3t = _weight_tile(fmt, fp4_read, w3_ref, s3_ref, e, rows, row0, bi, k0, bk, op_dtype, wblock, packing)
             return g + tile_dot(fmt, xt, w1t, op_dtype, swap), u + tile_dot(fmt, xt, w3t, op_dtype, swap)
 
         z = jnp.zeros((bi, bt) if swap else (bt, bi), jnp.float32)
@@ -335,7 +335,7 @@ def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_r
 
 
 def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd, bk, steps, op_dtype, wblock=32,
-                 fp4_words=False, swap=False, rows_first=True, packing="nibbles", phases=False):
+                 fp4_read="bytes", swap=False, rows_first=True, packing="nibbles"):
     b, j = _block_and_tile(rows_first)
     e = be_ref[b]
     row0 = pl.multiple_of(j * bd, bd)
@@ -346,9 +346,8 @@ def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd,
     def _():
         def body(i, acc):
             k0 = pl.multiple_of(i * bk, bk)
-            ht = _x_tile(h_ref, hrows, k0, bk, phases)
-            wt = _weight_tile(fmt, fp4_words, w2_ref, s2_ref, e, rows, row0, bd, k0, bk, op_dtype, wblock, packing,
-                              phases)
+            ht = _x_tile(h_ref, hrows, k0, bk, fp4_read)
+            wt = _weight_tile(fmt, fp4_read, w2_ref, s2_ref, e, rows, row0, bd, k0, bk, op_dtype, wblock, packing)
             return acc + tile_dot(fmt, ht, wt, op_dtype, swap)
 
         acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bd, bt) if swap else (bt, bd), jnp.float32))
@@ -736,14 +735,14 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     d3, s3 = weight_operands(w3)
     # "f16pairs" experts are read as words whatever the route (the bytes route reads nibbles)
     words = fmt == "fp4" and (packing == "f16pairs" or mma_fp4_words(x.dtype, bk_a, bk_b))
-    phases = words and mma_fp4_phases(bk_a, bk_b)
+    fp4_read = ("phases" if mma_fp4_phases(bk_a, bk_b) else "words") if words else "bytes"
     if words:  # packed codes as uint32 words; the activation in the words' K order (fused into act_quant)
         if bk_a % 32 or bk_b % 32:
             raise ValueError(f"moe_experts (pallas): the word decode (DSV41_MMA_FP4=f16w, or experts packed as "
                              f"f16pairs) needs K tiles that are multiples of 32, got bk_a={bk_a}, bk_b={bk_b} "
                              f"(config {cfg})")
         d1, d2, d3 = (fma._words(t) for t in (d1, d2, d3))
-        xq = fp4_phase_k_order(xq, bk_a) if phases else fp4_word_k_order(xq)
+        xq = fp4_phase_k_order(xq, bk_a) if fp4_read == "phases" else fp4_word_k_order(xq)
     if s1 is None:
         s1 = s2 = s3 = jnp.zeros((1, 1, 1), jnp.uint8)
     params = pltriton.CompilerParams(num_warps=warps, num_stages=stages)
@@ -755,7 +754,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     h = pl.pallas_call(
         functools.partial(_gate_up_kernel, fmt=fmt, bt=bt, bi=bi, bk=bk_a, steps=d // bk_a, op_dtype=op,
                           x_dtype=x.dtype, limit=limit, quant=in_kernel, wblock=fp8_block(w1), act_block=act_block,
-                          fp4_words=words, swap=swap, rows_first=rows_first, packing=packing, phases=phases),
+                          fp4_read=fp4_read, swap=swap, rows_first=rows_first, packing=packing),
         # h leaves kernel A in x.dtype (the reference act-quantizes h.astype(x.dtype)); only the
         # in-kernel act-quant may store bf16 (its e4m3 values are exact there). Storing f32 h as bf16
         # before the XLA act_quant double-rounded and broke f32 parity.
@@ -770,12 +769,11 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     if DEBUG["return_h"]:
         return h, block_pair
     if words:  # the down GEMM's K is I: h in the words' K order (an XLA permutation after act_quant)
-        h = fp4_phase_k_order(h, bk_b) if phases else fp4_word_k_order(h)
+        h = fp4_phase_k_order(h, bk_b) if fp4_read == "phases" else fp4_word_k_order(h)
 
     y = pl.pallas_call(
         functools.partial(_down_kernel, fmt=fmt, bt=bt, bd=bd, bk=bk_b, steps=i_dim // bk_b, op_dtype=op,
-                          wblock=fp8_block(w1), fp4_words=words, swap=swap, rows_first=rows_first, packing=packing,
-                          phases=phases),
+                          wblock=fp8_block(w1), fp4_read=fp4_read, swap=swap, rows_first=rows_first, packing=packing),
         out_shape=jax.ShapeDtypeStruct((p + 1, d), x.dtype),
         grid=_grid(nb, d // bd, rows_first),
         compiler_params=params,
