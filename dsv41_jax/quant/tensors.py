@@ -171,6 +171,12 @@ def _is_fp4(x) -> bool:
     return isinstance(x, Fp4Tensor)
 
 
+def fp4_packing(w) -> str:
+    """``w``'s FP4 packing: its ``packing`` for an :class:`Fp4Tensor`, "nibbles" (the checkpoint
+    layout) for anything else."""
+    return w.packing if isinstance(w, Fp4Tensor) else "nibbles"
+
+
 def with_fp4_packing(tree, packing: str, *, only=None, donate: bool = False):
     """``tree`` with every :class:`Fp4Tensor` node (for which ``only(path, node)`` holds, where given;
     ``path`` the dotted key path) in ``packing``; other nodes as they are. One jitted program per

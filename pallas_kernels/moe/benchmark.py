@@ -270,7 +270,8 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
             results = []
             tc = []
             for r in mma_routes or [None]:  # the dispatch's tiling for this packing and route
-                words_only = pk == "f16pairs" and (r or pallas_triton.MMA_FP4["route"]) != "phases"
+                with pallas_triton.use_mma_fp4(r):
+                    words_only = pk == "f16pairs" and pallas_triton.words_need_narrow_tiles()
                 mma = pallas_triton._config(n * TOPK, experts, I, D, words_only=words_only)
                 tc += [(c, vias[0], r) for c in [mma] + ([c for c in TC_DECODE_CONFIGS if c != mma] if wide else [])]
             for cfg, via, mroute in tc + [(c, v, None) for v in vias for c in fmas]:
@@ -280,11 +281,11 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
                     with pallas_triton_fma.use_decode_route(via), pallas_triton.use_mma_fp4(mroute):  # traced here
                         y = jax.jit(f)(*args[0], *ws)
                         t = device_time_op(f, args, ws, reps=5)
+                        read = None if cfg[0] == "fma" else pallas_triton.fp4_read_for(jnp.bfloat16, pk, cfg[2], cfg[4])
                     err, frac = max_rel_err(y, yr), frac_off(y, yr)
                     ok = frac <= TUNE_MAX_FRAC and err <= 8e-3
-                    route = mroute or pallas_triton.MMA_FP4["route"]
-                    label = (f"mma {pk + ' ' + ('phases' if route == 'phases' else 'words') if pk == 'f16pairs' else route}"
-                             if cfg[0] != "fma" else f"decode {'f16pairs' if pk == 'f16pairs' else via or 'current'}")
+                    label = (f"mma {pk} {read} (route {mroute or pallas_triton.MMA_FP4['route']})" if cfg[0] != "fma"
+                             else f"decode {'f16pairs' if pk == 'f16pairs' else via or 'current'}")
                     log(f"  n={n} cfg={cfg} {label}: {fmt_us(t)} us ({100 * floor / t:5.1f}% of HBM), rel err "
                         f"{err:.2e}, {frac:.4f} of elements > 1%{'' if ok else '  WRONG'}")
                     rec = dict(op="fma_moe", tokens=n, experts=experts, config=cfg, via=via, mma_fp4=mroute,

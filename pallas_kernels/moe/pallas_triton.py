@@ -40,7 +40,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsv41_jax.quant import FP4_PACKINGS, act_quant, is_quantized
+from dsv41_jax.quant import FP4_PACKINGS, act_quant, fp4_packing, is_quantized
 from pallas_kernels.deferred_sum import expert_slots
 from pallas_kernels.moe.gate_up_finish import finish_act_quant_view, finish_reference, swiglu_h
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
@@ -96,21 +96,24 @@ def _parse_mma_fp4(text: str) -> str:
 # * "f16w": the codes read as uint32 words, two codes per shift-mask-or into f16 halves (the fma
 #   kernels' route), one [bt, bk] tile in a permuted K order and one dot per K step, the activation
 #   and h permuted to match by XLA (:func:`load_fp4_word_tile`); half the SASS per K step;
-# * "auto" (default): "f16w" for bf16 activations with K tiles of at most 64, else "bytes"
-#   (:func:`mma_fp4_words`). On the H200 (session 9, BENCHMARKS.md): the prefill tilings (64-wide K
-#   tiles) 13.50 -> 10.87 ms and 14.56 -> 11.94 ms at 4096 tokens over 96 experts; the decode tiling
-#   (256-wide K tiles) 2.05x slower with words (1046 -> 2145 us at 8 tokens). With float32
-#   activations "auto" keeps bytes (not timed there). Session 9 found the word route 2.96e-3 from the
-#   GPU reference in float32 and refused it there; session 12 measured both routes on the same inputs:
-#   bytes 2.98e-3, words 2.96e-3 from the GPU reference, 4.0e-4 from each other -- the FP8 act-quant of
-#   h turns ulp differences (sums in another order, Triton's exp vs XLA's) into FP8 steps, the same
-#   for both routes (BENCHMARKS.md, issue 6, session 12), so forcing f16w is allowed for every dtype.
-# * "phases" (opt-in, session 33, not yet timed on a GPU): the word decode without the joins -- each
-#   K tile decoded into 8 phase tiles [bn, bk/8] (element 8q + j in phase j) and one dot per phase
-#   against the activation's phase tiles (x and h laid out per tile by phase by XLA,
-#   :func:`fp4_phase_k_order`). Needs K tiles of at least 128 (16 per phase dot); where a tiling has
-#   smaller ones the kernels take "f16w" instead. Meant for the decode tilings (256-wide K tiles),
-#   where the word route's joins made it 2x slower than the bytes route.
+# * "phases": the word decode without the joins -- each K tile decoded into 8 phase tiles [bn, bk/8]
+#   (element 8q + j in phase j) and one dot per phase against the activation's phase tiles (x and h
+#   laid out per tile by phase by XLA, :func:`fp4_phase_k_order`). Needs K tiles of at least 128 (16
+#   per phase dot); where a tiling has smaller ones the kernels take "f16w" instead. On the H200
+#   (session 34, BENCHMARKS.md) at the decode tiling (256-wide K tiles, 384 experts): 64 tokens
+#   5,514 (bytes) -> 3,354 us (3,181 on f16pairs experts, whose word route took 6,860), 256 tokens
+#   8,375 -> 5,073 us (4,824 on f16pairs, words 10,411); at the prefill tiling (64-wide K tiles, 4096
+#   tokens over 96 experts) 128-wide tiles with phases (13.3-19.2 ms) lose to 64-wide words (10.0).
+# * "auto" (default): "f16w" for bf16 activations with K tiles of at most 64, "phases" for K tiles of
+#   at least 128, else "bytes" (:func:`mma_fp4_words`, :func:`mma_fp4_phases`); with float32
+#   activations "bytes" (not timed there), and experts packed as f16pairs take "phases" where the
+#   tiles allow it, else "f16w". On the H200 (session 9): the prefill tilings (64-wide K tiles) 13.50
+#   -> 10.87 ms and 14.56 -> 11.94 ms at 4096 tokens over 96 experts with words. Session 9 found the
+#   word route 2.96e-3 from the GPU reference in float32 and refused it there; session 12 measured
+#   both routes on the same inputs: bytes 2.98e-3, words 2.96e-3 from the GPU reference, 4.0e-4 from
+#   each other -- the FP8 act-quant of h turns ulp differences (sums in another order, Triton's exp
+#   vs XLA's) into FP8 steps, the same for both routes (BENCHMARKS.md, issue 6, session 12), so
+#   forcing f16w or phases is allowed for every dtype.
 MMA_FP4 = {"route": _parse_mma_fp4(os.environ.get("DSV41_MMA_FP4", ""))}
 
 
@@ -249,14 +252,31 @@ def mma_fp4_words(x_dtype, bk_a: int, bk_b: int) -> bool:
     activations of ``x_dtype`` and K tiles ``bk_a`` (gate/up) / ``bk_b`` (down)."""
     route = MMA_FP4["route"]
     if route == "auto":
-        return x_dtype == jnp.bfloat16 and max(bk_a, bk_b) <= 64 and bk_a % 32 == 0 and bk_b % 32 == 0
+        return x_dtype == jnp.bfloat16 and bk_a % 32 == 0 and bk_b % 32 == 0 and (
+            max(bk_a, bk_b) <= 64 or mma_fp4_phases(bk_a, bk_b))
     return route in ("f16w", "phases")
 
 
 def mma_fp4_phases(bk_a: int, bk_b: int) -> bool:
-    """Whether the word-reading tensor-core kernels take the "phases" route: chosen by ``MMA_FP4`` and
-    both K tiles at least 128 wide (one dot of K >= 16 per phase)."""
-    return MMA_FP4["route"] == "phases" and min(bk_a, bk_b) >= 128
+    """Whether the word-reading tensor-core kernels take the "phases" route: ``MMA_FP4`` "phases" or
+    "auto", and both K tiles at least 128 wide (one dot of K >= 16 per phase)."""
+    return MMA_FP4["route"] in ("auto", "phases") and min(bk_a, bk_b) >= 128
+
+
+def fp4_read_for(x_dtype, packing: str, bk_a: int, bk_b: int) -> str:
+    """How the tensor-core kernels read MXFP4 experts of ``packing`` with K tiles ``bk_a`` / ``bk_b``
+    under ``MMA_FP4``: "bytes", "words" or "phases". Experts packed as "f16pairs" are read as words
+    whatever the route (the bytes route reads nibbles)."""
+    if packing != "f16pairs" and not mma_fp4_words(x_dtype, bk_a, bk_b):
+        return "bytes"
+    return "phases" if mma_fp4_phases(bk_a, bk_b) else "words"
+
+
+def words_need_narrow_tiles() -> bool:
+    """Whether experts read as words (f16pairs) need the word route's 64-wide K tiles: when
+    ``MMA_FP4`` rules the phase route out (a forced "bytes" or "f16w"), 256-wide word tiles would
+    take the joins that made them 2x slower (session 10)."""
+    return MMA_FP4["route"] not in ("auto", "phases")
 
 
 def _x_tile(x_ref, rows, k0, bk, fp4_read: str):
@@ -672,26 +692,37 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
     return _slots_out(y, indices, defer, rows_dtype=x.dtype if dsplits > 1 else None)
 
 
-# Beyond FMA_MOE_MAX_PAIRS pairs the MXFP4 experts still take the fma kernels while the expected rows
-# per expert (pairs / min(experts, pairs)) stay at most this, per packing. H200, session 33
-# (BENCHMARKS.md, issue 6), 384 experts, fma (the dispatch's config) against the tensor-core default:
-# 64 tokens (1 row per expert) 2.63 / 2.32 ms (nibbles / f16pairs) against 5.45 (bytes route) and
-# 6.80 (word route, the only one for f16pairs); 128 tokens (2 rows) 5.14 / 4.51 against 7.30 / 9.11;
-# 256 tokens (4 rows) 10.16 / 8.88 against 8.28 / 10.32. Session 9, 96 experts, 384 pairs (4 rows):
-# fma 2.75 against 2.40 (bytes). FP8 experts keep the pair limit alone (not measured).
-FMA_MOE_MAX_ROWS_PER_EXPERT = {"nibbles": 2.0, "f16pairs": 4.0}
+# MXFP4 experts take the fma kernels while the expected rows per expert (pairs / min(experts, pairs))
+# stay at most this, keyed by how the tensor-core kernels would read them at their default tiling
+# (:func:`fp4_read_for`); for "bytes" and "words" also at any size up to FMA_MOE_MAX_PAIRS pairs.
+# H200, fma (the dispatch's config) against the tensor-core default, µs, nibbles / f16pairs:
+# * "phases" (session 34, BENCHMARKS.md issue 6), 384 experts: 64 tokens (1 row per expert) fma 2,634
+#   / 2,328 against 3,354 / 3,181; 96 tokens (1.5 rows) 3,894 / 3,426 against 4,084 / 3,878; 128
+#   tokens (2 rows) 5,148 / 4,521 against 4,472 / 4,248; 192 (3 rows) 7,669 / 6,712 against 4,860
+#   / 4,618; 96 experts: 32 tokens (2 rows, 192 pairs) 1,339 / 1,179 against 1,079 / 1,037. So the
+#   pair limit does not apply: the tensor cores win from 2 rows per expert at any size.
+# * "bytes" (nibbles) and "words" (f16pairs under a forced DSV41_MMA_FP4), session 33, 384 experts:
+#   128 tokens (2 rows) 5.14 / 4.51 ms against 7.30 / 9.11; 256 tokens (4 rows) 10.16 / 8.88
+#   against 8.28 / 10.32. Session 9, 96 experts, 384 pairs (4 rows): fma 2.75 against 2.40 (bytes).
+# FP8 experts keep the pair limit alone (not measured).
+FMA_MOE_MAX_ROWS_PER_EXPERT = {"phases": 1.5, "bytes": 2.0, "words": 4.0}
 
 
-def takes_fma(w1, pairs: int) -> bool:
-    """Whether the default dispatch runs ``pairs`` (token, slot) pairs over experts ``w1`` on the fma
-    kernels (else the tensor-core ones): up to ``fma.FMA_MOE_MAX_PAIRS`` pairs, and for MXFP4
-    experts while the rows per expert stay within :data:`FMA_MOE_MAX_ROWS_PER_EXPERT`."""
-    if pairs <= fma.FMA_MOE_MAX_PAIRS:
-        return True
+def takes_fma(w1, pairs: int, x_dtype=jnp.bfloat16) -> bool:
+    """Whether the default dispatch runs ``pairs`` (token, slot) pairs of ``x_dtype`` activations
+    over experts ``w1`` on the fma kernels (else the tensor-core ones): FP8 and plain experts up to
+    ``fma.FMA_MOE_MAX_PAIRS`` pairs; MXFP4 experts while the rows per expert stay within
+    :data:`FMA_MOE_MAX_ROWS_PER_EXPERT` for the tensor-core kernels' read, and (unless that read is
+    "phases") up to the pair limit."""
     if weight_format(w1) != "fp4":
-        return False
-    n_exp = weight_logical_shape(w1)[0]
-    return pairs / max(1, min(n_exp, pairs)) <= FMA_MOE_MAX_ROWS_PER_EXPERT[getattr(w1, "packing", "nibbles")]
+        return pairs <= fma.FMA_MOE_MAX_PAIRS
+    n_exp, i_dim, d = weight_logical_shape(w1)
+    packing = fp4_packing(w1)
+    cfg = _config(pairs, n_exp, i_dim, d, words_only=packing == "f16pairs" and words_need_narrow_tiles())
+    read = fp4_read_for(x_dtype, packing, cfg[2], cfg[4])
+    if read != "phases" and pairs <= fma.FMA_MOE_MAX_PAIRS:
+        return True
+    return pairs / max(1, min(n_exp, pairs)) <= FMA_MOE_MAX_ROWS_PER_EXPERT[read]
 
 
 def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, interpret=False, config=None,
@@ -706,7 +737,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     fmt = weight_format(w1)
     p = n * k
     limit = float(swiglu_limit or 0.0)
-    if config is None and fmt != "plain" and fma.DECODE_GEMV["moe"] == "fma" and takes_fma(w1, p):
+    if config is None and fmt != "plain" and fma.DECODE_GEMV["moe"] == "fma" and takes_fma(w1, p, x.dtype):
         cand = default_fma_config(w1, p / max(1, min(n_exp, p)), routing_shape=(n, k), act_block=act_block)
         if fma_reason(w1, cand) is None:  # else the tensor-core kernels below
             config = cand
@@ -715,9 +746,9 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
                         cfg=tuple(config), defer=defer)
     quant = is_quantized(w1)
     op = operand_dtype(x.dtype, w1)
-    packing = getattr(w1, "packing", "nibbles") if fmt == "fp4" else "nibbles"  # w2, w3 alike (unsupported_reason)
+    packing = fp4_packing(w1)  # w2, w3 alike (unsupported_reason)
     cfg = tuple(config or _config(p, n_exp, i_dim, d,
-                                  words_only=packing == "f16pairs" and MMA_FP4["route"] != "phases"))
+                                  words_only=packing == "f16pairs" and words_need_narrow_tiles()))
     bt, bi, bk_a, bd, bk_b, warps = cfg[:6]
     stages = cfg[6] if len(cfg) > 6 else 3  # optional 7th entry: software-pipelining stages
     # optional 8th: 1 = weight tile as the dots' first operand (tile_dot's swap; measured 10-40 % slower
@@ -733,9 +764,8 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     d1, s1 = weight_operands(w1)
     d2, s2 = weight_operands(w2)
     d3, s3 = weight_operands(w3)
-    # "f16pairs" experts are read as words whatever the route (the bytes route reads nibbles)
-    words = fmt == "fp4" and (packing == "f16pairs" or mma_fp4_words(x.dtype, bk_a, bk_b))
-    fp4_read = ("phases" if mma_fp4_phases(bk_a, bk_b) else "words") if words else "bytes"
+    fp4_read = fp4_read_for(x.dtype, packing, bk_a, bk_b) if fmt == "fp4" else "bytes"
+    words = fp4_read != "bytes"
     if words:  # packed codes as uint32 words; the activation in the words' K order (fused into act_quant)
         if bk_a % 32 or bk_b % 32:
             raise ValueError(f"moe_experts (pallas): the word decode (DSV41_MMA_FP4=f16w, or experts packed as "

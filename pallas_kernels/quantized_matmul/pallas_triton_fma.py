@@ -43,7 +43,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, act_quant, exact_f32
+from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, act_quant, exact_f32, fp4_packing
 from dsv41_jax.quant.codecs import E4M3_MAX, FP4_WORD_BITS, le_words, pow2
 from dsv41_jax.quant.fake_quant import fp8_block_scale
 
@@ -236,7 +236,7 @@ def group_size(w) -> int:
 def fp4_route(w) -> str:
     """How the fma kernels decode MXFP4 weight ``w``: "f16pairs" where its codes are stored in that
     packing (the layout dictates the decode), else :data:`FMA_DECODE`'s route ("f16w" or "e4m3")."""
-    return "f16pairs" if getattr(w, "packing", "nibbles") == "f16pairs" else FMA_DECODE["fp4"]
+    return "f16pairs" if fp4_packing(w) == "f16pairs" else FMA_DECODE["fp4"]
 
 
 def fp4_words(w) -> bool:

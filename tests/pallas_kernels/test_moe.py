@@ -260,21 +260,29 @@ def test_mma_fp4_switch_refuses_unknown_routes():
 
 def test_mma_fp4_auto_route(monkeypatch):
     """DSV41_MMA_FP4=auto (the default): words for bf16 activations with K tiles <= 64 (the prefill
-    tilings, faster on the H200), bytes for 256-wide K tiles (the decode tiling, 2x slower with words)
-    and for float32 activations (not timed there); a forced f16w applies to every dtype (in float32
-    both routes were ~3e-3 from the GPU reference and 4e-4 from each other, session 12)."""
+    tilings), phases with K tiles >= 128 (the decode tiling: 1.6x faster than bytes on the H200,
+    session 34), bytes for mixed widths and for float32 activations (not timed there) unless the
+    experts are packed as f16pairs; a forced f16w applies to every dtype (in float32 both routes were
+    ~3e-3 from the GPU reference and 4e-4 from each other, session 12)."""
     monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "auto")
-    words = pallas_triton.mma_fp4_words
-    assert words(jnp.bfloat16, 64, 64) and words(jnp.bfloat16, 32, 64)
-    assert not words(jnp.bfloat16, 256, 256) and not words(jnp.bfloat16, 64, 128) and not words(jnp.float32, 64, 64)
+    words, read = pallas_triton.mma_fp4_words, pallas_triton.fp4_read_for
+    assert words(jnp.bfloat16, 64, 64) and words(jnp.bfloat16, 32, 64) and words(jnp.bfloat16, 256, 256)
+    assert not words(jnp.bfloat16, 64, 128) and not words(jnp.float32, 64, 64) and not words(jnp.float32, 256, 256)
+    assert read(jnp.bfloat16, "nibbles", 64, 64) == "words" and read(jnp.bfloat16, "nibbles", 256, 128) == "phases"
+    assert read(jnp.bfloat16, "nibbles", 64, 128) == "bytes" and read(jnp.float32, "nibbles", 256, 256) == "bytes"
+    assert read(jnp.float32, "f16pairs", 256, 256) == "phases" and read(jnp.float32, "f16pairs", 64, 128) == "words"
     cfg = pallas_triton._config(4096 * 6, 96, 2304, 5120)
-    assert words(jnp.bfloat16, cfg[2], cfg[4])  # the prefill chunk over 96 experts reads words
-    cfg = pallas_triton._config(300 * 6, 384, 2304, 5120)
-    assert not words(jnp.bfloat16, cfg[2], cfg[4])
+    assert read(jnp.bfloat16, "nibbles", cfg[2], cfg[4]) == "words"  # the prefill chunk over 96 experts
+    for packing in ("nibbles", "f16pairs"):  # the decode tiling: 256-wide K tiles, phases, either packing
+        cfg = pallas_triton._config(300 * 6, 384, 2304, 5120,
+                                    words_only=packing == "f16pairs" and pallas_triton.words_need_narrow_tiles())
+        assert cfg[2::2] == (256, 256) and read(jnp.bfloat16, packing, cfg[2], cfg[4]) == "phases"
     monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "f16w")
     assert words(jnp.float32, 256, 256) and words(jnp.float32, 64, 64)
+    assert read(jnp.bfloat16, "nibbles", 256, 256) == "words" and pallas_triton.words_need_narrow_tiles()
     monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "bytes")
-    assert not words(jnp.bfloat16, 64, 64)
+    assert not words(jnp.bfloat16, 64, 64) and read(jnp.bfloat16, "f16pairs", 256, 256) == "words"
+    assert pallas_triton.words_need_narrow_tiles()
 
 
 S = jax.ShapeDtypeStruct
@@ -553,32 +561,42 @@ def test_fma_cross_lowering_real_shapes(target, via, monkeypatch):
 
 
 def test_decode_gemv_switch_moe(monkeypatch):
-    """With DECODE_GEMV moe=fma the fused MoE takes the fma kernels up to FMA_MOE_MAX_PAIRS pairs
-    (one-row blocks up to 4 expected rows per expert, 4-row blocks above), and beyond while the rows
-    per expert stay within FMA_MOE_MAX_ROWS_PER_EXPERT (MXFP4 nibbles 2, f16pairs 4), else the
-    tensor-core kernels: over 384 experts 128 tokens x 6 = 768 pairs (2 rows) fma, 200 tokens
-    (3.1 rows) fma for f16pairs only, 300 (4.7 rows) tensor cores; over 96 experts 43 tokens (258
-    pairs, 2.7 rows) tensor cores for nibbles."""
+    """With DECODE_GEMV moe=fma the fused MoE takes the fma kernels while the rows per expert stay
+    within FMA_MOE_MAX_ROWS_PER_EXPERT for the tensor-core read of the default tiling: "phases" (the
+    default for bf16 at decode tilings) 1.5, so over 384 experts 96 tokens (1.5 rows) fma, 128 (2 rows)
+    tensor cores, and over 96 experts 32 tokens (192 pairs, 2 rows) tensor cores although within
+    FMA_MOE_MAX_PAIRS; with the phase route ruled out (DSV41_MMA_FP4=bytes) the old rule: fma up to
+    FMA_MOE_MAX_PAIRS pairs, beyond while rows <= 2 (bytes, nibbles) or 4 (words, f16pairs); float32
+    activations read bytes (nibbles). FP8 experts: the pair limit alone."""
     from jax import ShapeDtypeStruct as S
 
     from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
 
     monkeypatch.setitem(fma.DECODE_GEMV, "moe", "fma")
+    monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "auto")
     e, i, d = 384, 2304, 5120
     w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)
     w2 = Fp4Tensor(S((e, d, i // 2), jnp.uint8), S((e, d, i // 32), jnp.float8_e8m0fnu), 32)
     assert fma.FMA_MOE_MAX_PAIRS == 256
-    assert pallas_triton.FMA_MOE_MAX_ROWS_PER_EXPERT == {"nibbles": 2.0, "f16pairs": 4.0}
+    assert pallas_triton.FMA_MOE_MAX_ROWS_PER_EXPERT == {"phases": 1.5, "bytes": 2.0, "words": 4.0}
     wp = w1.replace(packing="f16pairs")
     w96 = Fp4Tensor(S((96, i, d // 2), jnp.uint8), S((96, i, d // 32), jnp.float8_e8m0fnu), 32)
-    for n, a, b, want in ((1, w1, w2, True), (42, w1, w2, True), (43, w1, w2, True), (128, w1, w2, True),
-                          (200, w1, w2, False), (200, wp, w2.replace(packing="f16pairs"), True),
-                          (300, wp, w2.replace(packing="f16pairs"), False), (42, w96, w96, True), (43, w96, w96, False)):
+    auto = ((1, w1, True), (43, w1, True), (96, w1, True), (96, wp, True), (128, w1, False), (128, wp, False),
+            (16, w96, True), (31, w96, False), (32, w96, False), (32, w96.replace(packing="f16pairs"), False))
+    for n, a, want in auto:
         assert pallas_triton.takes_fma(a, n * 6) == want, (n, a.packing, a.shape)
-    for n, want in ((1, True), (43, True), (300, False)):  # the dispatch follows it
+    assert pallas_triton.takes_fma(w96, 32 * 6, jnp.float32)  # float32 reads bytes: the pair limit
+    f8 = Fp8Tensor(S((e, i, d), jnp.float8_e4m3fn), S((e, i // 32, d // 32), jnp.float8_e8m0fnu), (32, 32))
+    assert pallas_triton.takes_fma(f8, 256) and not pallas_triton.takes_fma(f8, 257)
+    for n, want in ((1, True), (96, True), (128, False)):  # the dispatch follows it
         txt = lower_for("cuda", lambda x, w, idx, a, b, c: pallas_triton.moe_experts(x, w, idx, a, b, c, swiglu_limit=10.0),
                         S((n, d), jnp.bfloat16), S((n, 6), jnp.float32), S((n, 6), jnp.int32), w1, w2, w1).as_text()
         assert ("moe_gate_up_fma_fp4" in txt) == want, n
+    monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "bytes")
+    forced = ((42, w1, True), (43, w1, True), (128, w1, True), (200, w1, False), (200, wp, True), (300, wp, False),
+              (42, w96, True), (43, w96, False))
+    for n, a, want in forced:
+        assert pallas_triton.takes_fma(a, n * 6) == want, (n, a.packing, a.shape)
     assert pallas_triton.default_fma_config(w1, 1.0)[1] == 1
     assert pallas_triton.default_fma_config(w1, 2.5)[1] == 1  # one-row blocks measured faster at 2 and 4
     assert pallas_triton.default_fma_config(w1, 4.0)[1] == 1
