@@ -88,8 +88,8 @@ def _parse_mma_fp4(text: str) -> str:
     return via
 
 
-# How the tensor-core MoE kernels (prefill sizes, and decode above FMA_MOE_MAX_PAIRS token-expert
-# pairs) decode MXFP4 experts into dot operands (read at trace time; DSV41_MMA_FP4):
+# How the tensor-core MoE kernels (prefill sizes, and decode sizes where :func:`takes_fma` says no)
+# decode MXFP4 experts into dot operands (read at trace time; DSV41_MMA_FP4):
 # * "bytes": each packed byte's two nibbles -> e4m3 bit patterns -> f32 -> x scale -> bf16, as
 #   (even, odd) tiles with two dots per K step; sm_90 SASS of the gate/up loop: 17.5 instructions
 #   per code (session 7);

@@ -52,8 +52,11 @@ from pallas_kernels.deferred_sum import gemv_parts
 from .pallas_triton_finish import split_finish
 
 FMA_MAX_ROWS = 4  # activation rows one program handles (a static loop sharing each decoded tile)
-# The fused MoE takes the fma kernels by default up to this many (token, slot) pairs. H200, 96 MXFP4
-# experts (session 9): 192 pairs (batch 32) fma 1.41 ms vs tensor cores 2.11; 384 pairs fma 2.75 vs 2.40.
+# The fused MoE takes the fma kernels by default up to this many (token, slot) pairs where the
+# tensor-core kernels would read FP8 or MXFP4 bytes / words. H200, 96 MXFP4 experts (session 9): 192
+# pairs (batch 32) fma 1.41 ms vs tensor cores (bytes) 2.11; 384 pairs fma 2.75 vs 2.40. MXFP4 experts
+# that the tensor cores read by phases follow a rows-per-expert rule alone
+# (pallas_kernels.moe.pallas_triton.takes_fma; session 34).
 FMA_MOE_MAX_PAIRS = 256
 
 
@@ -74,7 +77,7 @@ def _parse_decode_gemv(text: str) -> dict:
 # kernels of this module (default since session 4: on the H200 the 40-layer decode step went from
 # 16.7 to 11.2 ms of device time, the fused MoE from 192 to 92 us per layer at batch 1, the FP8
 # GEMVs from 3.3 to 2.2 ms per step; BENCHMARKS.md), "mma" = the tensor-core kernels. Per op:
-# "qmm" (quantized_matmul, <= 4 rows) and "moe" (fused MoE, <= FMA_MOE_MAX_PAIRS pairs).
+# "qmm" (quantized_matmul, <= 4 rows) and "moe" (fused MoE, where pallas_kernels.moe.pallas_triton.takes_fma).
 DECODE_GEMV = _parse_decode_gemv(os.environ.get("DSV41_DECODE_GEMV", "fma"))
 # Projections that read one input share one launch at decode sizes (quantized_matmul_fma_multi);
 # DSV41_FUSED_GEMV=off makes one launch per weight again (for A/B measurements of the launch count).
