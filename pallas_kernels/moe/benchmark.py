@@ -180,6 +180,11 @@ TUNE_CONFIGS_PREFILL = [(64, 128, 64, 128, 64, 4), (64, 128, 64, 128, 64, 8), (1
 # decode default's 256-wide ones (session 9), so these are the candidates for batch 32 / 64.
 TC_DECODE_CONFIGS = [(16, 64, 64, 64, 64, 4), (16, 128, 64, 128, 64, 4), (32, 64, 64, 64, 64, 4),
                      (16, 64, 64, 64, 64, 2)]
+# --wide: neighbours of the phase route's decode tiling (16, 64, 256, 64, 256, 4) (K tiles >= 128,
+# which the phase route needs): warps, row tiles, K tile, block height, pipelining depth
+TC_PHASE_CONFIGS = [(16, 64, 256, 64, 256, 8), (16, 64, 256, 64, 256, 2), (16, 32, 256, 32, 256, 4),
+                    (16, 128, 256, 128, 256, 4), (16, 64, 128, 64, 128, 4), (32, 64, 256, 64, 256, 4),
+                    (16, 64, 256, 64, 256, 4, 2), (16, 64, 512, 64, 256, 4)]
 
 
 def fma_configs(w1, n, wide: bool = False):
@@ -273,7 +278,8 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
                 with pallas_triton.use_mma_fp4(r):
                     words_only = pk == "f16pairs" and pallas_triton.words_need_narrow_tiles()
                 mma = pallas_triton._config(n * TOPK, experts, I, D, words_only=words_only)
-                tc += [(c, vias[0], r) for c in [mma] + ([c for c in TC_DECODE_CONFIGS if c != mma] if wide else [])]
+                more = [c for c in TC_DECODE_CONFIGS + TC_PHASE_CONFIGS if c != mma] if wide else []
+                tc += [(c, vias[0], r) for c in [mma] + more]
             for cfg, via, mroute in tc + [(c, v, None) for v in vias for c in fmas]:
                 try:
                     f = lambda x, w, idx, a, b, c, cfg=cfg: pallas_triton.moe_experts(  # noqa: E731

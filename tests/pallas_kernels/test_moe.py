@@ -150,19 +150,21 @@ def test_mma_fp4_word_route_interpret(n, dtype, act_block, config, monkeypatch):
         pallas_triton.moe_experts(x, wts, idx, w1, w2, w3, **{**kw, "config": (16, 16, 64, 16, 16, 2)})
 
 
-@pytest.mark.parametrize("packing,dtype", [("nibbles", jnp.bfloat16), ("f16pairs", jnp.float32)])
-def test_mma_fp4_phase_route_interpret(packing, dtype, monkeypatch):
-    """DSV41_MMA_FP4=phases (opt-in): each 256-wide K tile decoded into 8 phase tiles, one dot per phase
-    against x / h laid out by phase (no joins): the word route's result within the parity tolerance
-    (the same products, fp32 sums in another order), f16pairs bit-identical to nibbles, 8 dots per
-    weight tile; with K tiles below 128 (phase dots of K < 16) the kernels take the word route."""
+@pytest.mark.parametrize("packing,dtype,act_block", [("nibbles", jnp.bfloat16, 32), ("f16pairs", jnp.float32, 32),
+                                                     ("f16pairs", jnp.bfloat16, 128)])  # 128: V4's activation blocks
+def test_mma_fp4_phase_route_interpret(packing, dtype, act_block, monkeypatch):
+    """DSV41_MMA_FP4=phases (under auto the default at K tiles >= 128): each 256-wide K tile decoded
+    into 8 phase tiles, one dot per phase against x / h laid out by phase (no joins): the word route's
+    result within the parity tolerance (the same products, fp32 sums in another order), f16pairs
+    bit-identical to nibbles, 8 dots per weight tile, also with V4's 128-wide activation blocks; with
+    K tiles below 128 (phase dots of K < 16) the kernels take the word route."""
     rng = np.random.default_rng()
     e, i, d, n = 4, 256, 256, 40
     x, wts, idx = routed(rng, n, e, dtype, d)
     w1, w3 = (_q4(jnp.asarray(rng.standard_normal((e, i, d), np.float32) * np.float32(0.2))) for _ in range(2))
     w2 = _q4(jnp.asarray(rng.standard_normal((e, d, i), np.float32) * np.float32(0.2)))
     ws = [w.with_packing(packing) for w in (w1, w2, w3)]
-    kw = dict(swiglu_limit=1.0, interpret=True, config=(16, 32, 256, 32, 256, 4))
+    kw = dict(swiglu_limit=1.0, interpret=True, config=(16, 32, 256, 32, 256, 4), act_block=act_block)
     monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "f16w")
     yw = np.asarray(run(pallas_triton.moe_experts, x, wts, idx, *ws, **kw))
     assert str(jax.make_jaxpr(lambda *a: pallas_triton.moe_experts(*a, **kw))(x, wts, idx, *ws)).count("dot_general") == 3
@@ -171,7 +173,7 @@ def test_mma_fp4_phase_route_interpret(packing, dtype, monkeypatch):
     yp = np.asarray(run(pallas_triton.moe_experts, x, wts, idx, *ws, **kw))
     yn = np.asarray(run(pallas_triton.moe_experts, x, wts, idx, w1, w2, w3, **kw))
     np.testing.assert_array_equal(yp, yn)
-    yr = np.asarray(_reference(x, wts, idx, w1, w2, w3, swiglu_limit=1.0))
+    yr = np.asarray(_reference(x, wts, idx, w1, w2, w3, swiglu_limit=1.0, act_block=act_block))
     tol = 2.0**-7 if dtype == jnp.bfloat16 else 1e-5
     for y in (yw, yr):
         np.testing.assert_allclose(yp, y, rtol=tol, atol=tol * float(np.max(np.abs(yr))))
