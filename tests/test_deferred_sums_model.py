@@ -2,11 +2,10 @@
 parts, to the fused mHC expansion kernel unsummed (``pallas_kernels.deferred_sum``,
 ``transformer.DEFER_SUMS``), and its logits equal those of the step that sums them with XLA first.
 
-The tiny V4.1 model with 64-wide experts (so that the fused MoE and the shared expert's w2 GEMV take
+The tiny V4.1 model (its first 6 layers, ``tiny_short``) with 64-wide experts (so that the fused MoE and the shared expert's w2 GEMV take
 it; the preset's 32 are below their K tile); the weight GEMVs, the MoE and the mHC ops on their
 Pallas kernels in interpret mode, every other op on its reference."""
 
-import dataclasses
 import functools
 
 import jax
@@ -16,12 +15,12 @@ import pytest
 
 from dsv41_jax import Model, transformer
 from dsv41_jax.cache import init_cache
-from dsv41_jax.config import get_preset
 from dsv41_jax.options import RunOptions
 from dsv41_jax.params import init_params
 from pallas_kernels import dispatch
 from pallas_kernels.deferred_sum import DeferredSum
 from pallas_kernels.mhc import pallas_triton as mhc_kernel
+from tiny_short import tiny_short
 
 KERNEL_OPS = ("quantized_matmul", "moe_experts")
 
@@ -44,7 +43,7 @@ def test_deferred_sums_give_the_logits_of_the_summed_step(inter, row_splits, mon
         return real(f, *a, **k)
 
     monkeypatch.setattr(mhc_kernel, "hc_expand_collapse_mixes", spy)
-    cfg = dataclasses.replace(get_preset("tiny"), moe_inter_dim=inter)
+    cfg = tiny_short(moe_inter_dim=inter)
     params = init_params(cfg, np.random.randint(1 << 30))
     opts = RunOptions(dtype="bfloat16")
     rng = np.random.default_rng()
@@ -61,7 +60,7 @@ def test_deferred_sums_give_the_logits_of_the_summed_step(inter, row_splits, mon
 
     deferred_pieces, deferred = run(True)
     # every layer's attention expansion gets wo_b's parts; the FFN expansions that fuse the next
-    # layer's mixes (layers 1, 2, 4..7: not before an Engram layer, not the last) the MoE's pieces
+    # layer's mixes (layers 1, 2, 4: not before an Engram layer, not the last) the MoE's pieces
     n = cfg.n_layers
     assert deferred_pieces.count((True, False)) == n and deferred_pieces.count((True, True)) == n - 3
     assert sorted(set(splits)) == sorted({0, row_splits}), splits  # wo_b's parts: 0; the MoE's rows

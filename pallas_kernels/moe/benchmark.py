@@ -82,6 +82,9 @@ def routing(key, n, experts=None):
     return _routing(key, n, experts or E, TOPK)
 
 
+TUNE_PREFILL_TOKENS = 2048  # the --tune sweep's prefill size (TUNE_CONFIGS_PREFILL)
+
+
 def run(quick=False, out_dir=None, tune=False):
     rows = []
     key = jax.random.PRNGKey(1)
@@ -126,7 +129,7 @@ def run(quick=False, out_dir=None, tune=False):
         rows.append(rec)
     if tune:
         log("\n# MoE config sweep (bt, bi, bk_a, bd, bk_b, warps[, stages]); Pallas only")
-        for n, cfgs in ((1, TUNE_CONFIGS), (8, TUNE_CONFIGS), (2048, TUNE_CONFIGS_PREFILL)):
+        for n, cfgs in ((1, TUNE_CONFIGS), (8, TUNE_CONFIGS), (TUNE_PREFILL_TOKENS, TUNE_CONFIGS_PREFILL)):
             args = []
             for r in range(5):
                 kr = jax.random.fold_in(key, 777 * n + r)

@@ -47,12 +47,13 @@ def test_moe_tune_sweep_runs_in_interpret_mode(monkeypatch):
     monkeypatch.setattr(bm, "TOPK", 2)
     monkeypatch.setattr(bm, "TUNE_CONFIGS", [(16, 16, 64, 16, 32, 2), (16, 32, 64, 32, 64, 4, 2)])
     monkeypatch.setattr(bm, "TUNE_CONFIGS_PREFILL", [(64, 32, 64, 32, 32, 4)])
+    monkeypatch.setattr(bm, "TUNE_PREFILL_TOKENS", 256)  # 64 rows per expert: the prefill tiling's regime
     monkeypatch.setattr(bm, "time_op", lambda *a, **k: (1e-6, 1e-6))
     monkeypatch.setattr(bm.pallas_triton, "moe_experts", functools.partial(bm.pallas_triton.moe_experts, interpret=True))
     monkeypatch.setattr(bm, "log", lambda *a: None)
     rows = bm.run(quick=True, tune=True)
     tune = [r for r in rows if r["op"] == "tune_moe"]
-    assert [(r["tokens"], len(r["config"])) for r in tune] == [(1, 6), (1, 7), (8, 6), (8, 7), (2048, 6)]
+    assert [(r["tokens"], len(r["config"])) for r in tune] == [(1, 6), (1, 7), (8, 6), (8, 7), (256, 6)]
     assert all(r["ok"] and r["frac_gt_1pct"] <= bm.TUNE_MAX_FRAC for r in tune), \
         [(r["tokens"], r["config"], r["rel_err"], r["frac_gt_1pct"]) for r in tune]
 

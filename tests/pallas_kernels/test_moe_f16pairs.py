@@ -129,15 +129,14 @@ def test_f16pairs_lowering_real_shapes(target):
 
 
 def test_model_step_on_f16pairs_experts_gives_the_same_logits(monkeypatch):
-    """One decode step of the tiny model (64-wide experts, so the fused MoE takes them) with its
-    routed experts repacked: the MoE kernels (interpret mode) receive f16pairs experts and the logits
-    equal those of the nibble experts bit for bit."""
-    import dataclasses
+    """One decode step of the tiny model (its first 6 layers; 64-wide experts, so the fused MoE takes
+    them) with its routed experts repacked: the MoE kernels (interpret mode) receive f16pairs experts
+    and the logits equal those of the nibble experts bit for bit."""
     import functools
 
     from dsv41_jax import Model, transformer
     from dsv41_jax.cache import init_cache
-    from dsv41_jax.config import get_preset
+    from tiny_short import tiny_short
     from dsv41_jax.options import RunOptions
     from dsv41_jax.params import init_params
     from dsv41_jax.quant import with_fp4_packing
@@ -149,7 +148,7 @@ def test_model_step_on_f16pairs_experts_gives_the_same_logits(monkeypatch):
     seen = []
     real = pallas_triton._moe_fma
     monkeypatch.setattr(pallas_triton, "_moe_fma", lambda *a, **k: seen.append(a[3].packing) or real(*a, **k))
-    cfg = dataclasses.replace(get_preset("tiny"), moe_inter_dim=64)
+    cfg = tiny_short(moe_inter_dim=64)
     params = init_params(cfg, np.random.randint(1 << 30))
     opts = RunOptions(dtype="bfloat16")
     toks = jnp.asarray(np.random.default_rng().integers(3, 5000, (1, 1)), jnp.int32)
@@ -179,16 +178,15 @@ def test_sass_case_takes_the_packing():
 
 
 def test_model_step_takes_the_phase_route(monkeypatch):
-    """A batch-8 decode step of a tiny model with 128-wide experts (16 pairs over 8 experts: 2 rows
-    per expert, so the dispatch picks the tensor-core kernels, and their 128-wide K tiles the phase
-    route under DSV41_MMA_FP4=auto), experts packed as f16pairs (the GPU default): its logits agree
+    """A batch-8 decode step of the tiny model (its first 6 layers) with 128-wide experts (16 pairs
+    over 8 experts: 2 rows per expert, so the dispatch picks the tensor-core kernels, and their
+    128-wide K tiles the phase route under DSV41_MMA_FP4=auto), experts packed as f16pairs (the GPU default): its logits agree
     with the same step on the reference MoE."""
-    import dataclasses
     import functools
 
     from dsv41_jax import Model, transformer
     from dsv41_jax.cache import init_cache
-    from dsv41_jax.config import get_preset
+    from tiny_short import tiny_short
     from dsv41_jax.options import RunOptions
     from dsv41_jax.params import init_params
     from dsv41_jax.quant import with_fp4_packing
@@ -202,7 +200,7 @@ def test_model_step_takes_the_phase_route(monkeypatch):
     reads = []
     real = pallas_triton.fp4_read_for
     monkeypatch.setattr(pallas_triton, "fp4_read_for", lambda *a: reads.append(real(*a)) or reads[-1])
-    cfg = dataclasses.replace(get_preset("tiny"), dim=128, moe_inter_dim=128)
+    cfg = tiny_short(dim=128, moe_inter_dim=128)
     params = with_fp4_packing(init_params(cfg, np.random.randint(1 << 30)), "f16pairs",
                               only=lambda name, node: ".experts." in f".{name}.")
     opts = RunOptions(dtype="bfloat16")
