@@ -121,7 +121,8 @@ def expert_parallel_moe(x, weights, indices, w1, w2, w3, *, mesh, swiglu_limit, 
                 ok = (li >= 0) & (li < e_loc)
                 ws = jnp.where(ok, ws, 0.0)
                 ids = jnp.where(ok, li, -1)  # no local expert: the kernels skip the pair
-            y = _local_experts(xs, ws, ids, a, b, c, i_split, kw)
+            # the other shards' pairs come as -1: the rows per local expert are pairs / n_exp
+            y = _local_experts(xs, ws, ids, a, b, c, i_split, {**kw, "routed_experts": n_exp} if e_split else kw)
             return jax.lax.psum(y, red) if red else y
 
         f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, *specs), out_specs=tok, axis_names=names,

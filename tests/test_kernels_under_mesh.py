@@ -98,3 +98,49 @@ print("OK")
 
 def test_kernels_run_on_whole_operands_under_a_mesh():
     run_script(SCRIPT, devices=4, timeout=600)
+
+
+EP_ROWS_SCRIPT = r'''
+import dsv41_jax, jax, jax.numpy as jnp, numpy as np
+import pallas_kernels.moe as moe_pkg
+from dsv41_jax.quant import quantize_mxfp4
+from pallas_kernels.moe import pallas_triton
+from sharding.expert_parallel import expert_parallel_moe
+from sharding.mesh import make_mesh
+
+assert jax.device_count() == 2
+seen = []
+real = moe_pkg.moe_experts
+def spy(*a, **k):
+    seen.append((jax.tree.leaves(a[3])[0].shape[0], k.get("routed_experts")))
+    return real(*a, **k)
+moe_pkg.moe_experts = spy
+E, I, D, N, K = 8, 64, 128, 4, 2
+rng = np.random.default_rng()
+x = jnp.asarray(rng.normal(size=(N, D)), jnp.bfloat16)
+w = jnp.asarray(rng.uniform(0.1, 1.0, size=(N, K)), jnp.float32)
+idx = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(N)]), jnp.int32)
+w1, w3 = (quantize_mxfp4(jnp.asarray(rng.normal(size=(E, I, D)) * 0.2, jnp.float32)) for _ in range(2))
+w2 = quantize_mxfp4(jnp.asarray(rng.normal(size=(E, D, I)) * 0.2, jnp.float32))
+want = real(x, w, idx, w1, w2, w3, swiglu_limit=10.0, implementation="reference")
+got = jax.jit(lambda *a: expert_parallel_moe(*a, mesh=make_mesh("ep=2"), swiglu_limit=10.0, path="psum",
+                                             implementation="interpret"))(x, w, idx, w1, w2, w3)
+assert seen and set(seen) == {(E // 2, E)}, seen  # 4 local experts; the pairs spread over all 8
+tol = 2.0**-7  # the kernels (interpret mode) against the reference in bf16
+np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol * float(np.max(np.abs(want))))
+# the estimate: 64 tokens x 6 over 384 experts on 2 shards (192 local) is 1 row per expert (fma), not 2
+from jax import ShapeDtypeStruct as S
+from dsv41_jax.quant import Fp4Tensor
+loc = Fp4Tensor(S((192, 2304, 2560), jnp.uint8), S((192, 2304, 160), jnp.float8_e8m0fnu), 32, "f16pairs")
+assert not pallas_triton.takes_fma(loc, 64 * 6) and pallas_triton.takes_fma(loc, 64 * 6, routed_experts=384)
+print("OK")
+'''
+
+
+def test_expert_parallel_psum_path_tells_the_kernels_how_many_experts_the_pairs_spread_over():
+    """Under expert parallelism's psum path each shard's kernels see every pair, the other shards'
+    as -1: they are told the experts over all shards (``routed_experts``), so that the rows per local
+    expert, which pick fma or tensor-core kernels and the tiling, are estimated as pairs / all
+    experts (batch 64 over 384 experts on ep=2: 1 row, the fma kernels), and the kernels' result
+    (interpret mode) equals one device's reference within the kernel tolerance."""
+    run_script(EP_ROWS_SCRIPT, devices=2, timeout=600)

@@ -708,37 +708,43 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
 FMA_MOE_MAX_ROWS_PER_EXPERT = {"phases": 1.5, "bytes": 2.0, "words": 4.0}
 
 
-def takes_fma(w1, pairs: int, x_dtype=jnp.bfloat16) -> bool:
+def takes_fma(w1, pairs: int, x_dtype=jnp.bfloat16, routed_experts: int | None = None) -> bool:
     """Whether the default dispatch runs ``pairs`` (token, slot) pairs of ``x_dtype`` activations
     over experts ``w1`` on the fma kernels (else the tensor-core ones): FP8 and plain experts up to
     ``fma.FMA_MOE_MAX_PAIRS`` pairs; MXFP4 experts while the rows per expert stay within
     :data:`FMA_MOE_MAX_ROWS_PER_EXPERT` for the tensor-core kernels' read, and (unless that read is
-    "phases") up to the pair limit."""
+    "phases") up to the pair limit. ``routed_experts``: see :func:`moe_experts`."""
     if weight_format(w1) != "fp4":
         return pairs <= fma.FMA_MOE_MAX_PAIRS
     n_exp, i_dim, d = weight_logical_shape(w1)
+    n_route = max(n_exp, routed_experts or 0)
     packing = fp4_packing(w1)
-    cfg = _config(pairs, n_exp, i_dim, d, words_only=packing == "f16pairs" and words_need_narrow_tiles())
+    cfg = _config(pairs, n_route, i_dim, d, words_only=packing == "f16pairs" and words_need_narrow_tiles())
     read = fp4_read_for(x_dtype, packing, cfg[2], cfg[4])
     if read != "phases" and pairs <= fma.FMA_MOE_MAX_PAIRS:
         return True
-    return pairs / max(1, min(n_exp, pairs)) <= FMA_MOE_MAX_ROWS_PER_EXPERT[read]
+    return pairs / max(1, min(n_route, pairs)) <= FMA_MOE_MAX_ROWS_PER_EXPERT[read]
 
 
 def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, interpret=False, config=None,
-                defer=False):
+                defer=False, routed_experts=None):
     """The routed experts' output [N, D] float32; ``defer``: as the kernels' unsummed slot rows
-    (a :class:`~pallas_kernels.deferred_sum.DeferredSum`)."""
+    (a :class:`~pallas_kernels.deferred_sum.DeferredSum`). ``routed_experts``: how many experts the
+    pairs are spread over where ``w1`` holds a shard of them and the other shards' pairs come as -1
+    (expert parallelism's psum path): the expected rows per local expert, which pick the kernels and
+    the tiling, are then pairs / routed_experts, not pairs / local experts. The result does not
+    depend on it."""
     reason = unsupported_reason(x, weights, indices, w1, w2, w3, act_block)
     if reason is not None:
         raise ValueError(f"moe_experts (pallas): {reason}")
     n, k = indices.shape
     n_exp, i_dim, d = weight_logical_shape(w1)
+    n_route = max(n_exp, routed_experts or 0)  # the experts the pairs spread over (the rows-per-expert estimate)
     fmt = weight_format(w1)
     p = n * k
     limit = float(swiglu_limit or 0.0)
-    if config is None and fmt != "plain" and fma.DECODE_GEMV["moe"] == "fma" and takes_fma(w1, p, x.dtype):
-        cand = default_fma_config(w1, p / max(1, min(n_exp, p)), routing_shape=(n, k), act_block=act_block)
+    if config is None and fmt != "plain" and fma.DECODE_GEMV["moe"] == "fma" and takes_fma(w1, p, x.dtype, n_route):
+        cand = default_fma_config(w1, p / max(1, min(n_route, p)), routing_shape=(n, k), act_block=act_block)
         if fma_reason(w1, cand) is None:  # else the tensor-core kernels below
             config = cand
     if config is not None and config[0] == "fma":  # vector-unit decode kernels (no tensor cores)
@@ -747,7 +753,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     quant = is_quantized(w1)
     op = operand_dtype(x.dtype, w1)
     packing = fp4_packing(w1)  # w2, w3 alike (unsupported_reason)
-    cfg = tuple(config or _config(p, n_exp, i_dim, d,
+    cfg = tuple(config or _config(p, n_route, i_dim, d,
                                   words_only=packing == "f16pairs" and words_need_narrow_tiles()))
     bt, bi, bk_a, bd, bk_b, warps = cfg[:6]
     stages = cfg[6] if len(cfg) > 6 else 3  # optional 7th entry: software-pipelining stages
