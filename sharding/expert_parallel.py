@@ -145,12 +145,16 @@ def expert_parallel_moe(x, weights, indices, w1, w2, w3, *, mesh, swiglu_limit, 
         slot = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=1)  # [nk]
         send_x = jnp.zeros((ep, cap, xs.shape[-1]), xs.dtype).at[flat_dest, slot].set(xs[flat_tok])
         send_w = jnp.zeros((ep, cap), jnp.float32).at[flat_dest, slot].set(ws.reshape(-1))
-        send_e = jnp.zeros((ep, cap), jnp.int32).at[flat_dest, slot].set((ids % e_loc).reshape(-1))
+        # empty slots as expert -1: the kernels skip them (expert 0 with weight 0 gave the same sum,
+        # but its weights were read for every empty slot)
+        send_e = jnp.full((ep, cap), -1, jnp.int32).at[flat_dest, slot].set((ids % e_loc).reshape(-1))
         recv_x = jax.lax.all_to_all(send_x, "ep", 0, 0, tiled=True)
         recv_w = jax.lax.all_to_all(send_w, "ep", 0, 0, tiled=True)
         recv_e = jax.lax.all_to_all(send_e, "ep", 0, 0, tiled=True)
+        # the ep * cap slots hold about n * k real pairs per shard on average: rows per local expert
+        # are slots / n_exp (routed_experts), not slots / e_loc
         y = _local_experts(recv_x.reshape(ep * cap, -1), recv_w.reshape(-1, 1), recv_e.reshape(-1, 1), a, b, c,
-                           i_split, kw)  # empty slots have weight 0 -> 0
+                           i_split, {**kw, "routed_experts": n_exp})  # empty slots: expert -1, weight 0 -> 0
         if i_split:
             y = jax.lax.psum(y, "tp")
         back = jax.lax.all_to_all(y.reshape(ep, cap, -1), "ep", 0, 0, tiled=True)

@@ -123,11 +123,13 @@ idx = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(N)]),
 w1, w3 = (quantize_mxfp4(jnp.asarray(rng.normal(size=(E, I, D)) * 0.2, jnp.float32)) for _ in range(2))
 w2 = quantize_mxfp4(jnp.asarray(rng.normal(size=(E, D, I)) * 0.2, jnp.float32))
 want = real(x, w, idx, w1, w2, w3, swiglu_limit=10.0, implementation="reference")
-got = jax.jit(lambda *a: expert_parallel_moe(*a, mesh=make_mesh("ep=2"), swiglu_limit=10.0, path="psum",
-                                             implementation="interpret"))(x, w, idx, w1, w2, w3)
-assert seen and set(seen) == {(E // 2, E)}, seen  # 4 local experts; the pairs spread over all 8
-tol = 2.0**-7  # the kernels (interpret mode) against the reference in bf16
-np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol * float(np.max(np.abs(want))))
+for path in ("psum", "all_to_all"):
+    seen.clear()
+    got = jax.jit(lambda *a: expert_parallel_moe(*a, mesh=make_mesh("ep=2"), swiglu_limit=10.0, path=path,
+                                                 implementation="interpret"))(x, w, idx, w1, w2, w3)
+    assert seen and set(seen) == {(E // 2, E)}, (path, seen)  # 4 local experts; the pairs spread over all 8
+    tol = 2.0**-7  # the kernels (interpret mode) against the reference in bf16
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol * float(np.max(np.abs(want))))
 # the estimate: 64 tokens x 6 over 384 experts on 2 shards (192 local) is 1 row per expert (fma), not 2
 from jax import ShapeDtypeStruct as S
 from dsv41_jax.quant import Fp4Tensor
@@ -137,10 +139,11 @@ print("OK")
 '''
 
 
-def test_expert_parallel_psum_path_tells_the_kernels_how_many_experts_the_pairs_spread_over():
-    """Under expert parallelism's psum path each shard's kernels see every pair, the other shards'
-    as -1: they are told the experts over all shards (``routed_experts``), so that the rows per local
-    expert, which pick fma or tensor-core kernels and the tiling, are estimated as pairs / all
-    experts (batch 64 over 384 experts on ep=2: 1 row, the fma kernels), and the kernels' result
-    (interpret mode) equals one device's reference within the kernel tolerance."""
+def test_expert_parallel_tells_the_kernels_how_many_experts_the_pairs_spread_over():
+    """Under expert parallelism each shard's kernels see every pair with the other shards' as -1
+    (psum path), or a worst-case buffer of ep x (tokens x k) slots, the empty ones as -1
+    (all-to-all path): they are told the experts over all shards (``routed_experts``), so that the
+    rows per local expert, which pick fma or tensor-core kernels and the tiling, are estimated as
+    pairs / all experts (batch 64 over 384 experts on ep=2: 1 row, the fma kernels), and the
+    kernels' result (interpret mode) equals one device's reference within the kernel tolerance."""
     run_script(EP_ROWS_SCRIPT, devices=2, timeout=600)

@@ -28,7 +28,8 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
         lambda k: k.unsupported_reason(x, weights, indices, w1, w2, w3, act_block),
         lambda k: k.auto_reason(w1, act_block))
     if kernel is not None:
+        hint = {} if routed_experts is None else {"routed_experts": routed_experts}  # only where set: a kernel
+        # that replaces this one need not know the hint
         return dispatch.call_kernel(kernel.moe_experts, x, weights, indices, w1, w2, w3, swiglu_limit=swiglu_limit,
-                                    act_block=act_block, interpret=interpret, defer=defer,
-                                    routed_experts=routed_experts)
+                                    act_block=act_block, interpret=interpret, defer=defer, **hint)
     return reference.moe_experts(x, weights, indices, w1, w2, w3, swiglu_limit=swiglu_limit, act_block=act_block)
