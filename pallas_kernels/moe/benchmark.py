@@ -260,7 +260,7 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
                                                                         act_block=act_block))(*args[0], w1, w2, w3)
         fmas = fma_configs(w1, n, wide)[:1 if default_only else None]
         # the config the dispatch picks at this size (block height; the gate/up K split at one token)
-        auto = pallas_triton.default_fma_config(w1, n * TOPK / min(experts, n * TOPK), routing_shape=(n, TOPK),
+        auto = pallas_triton.default_fma_config(w1, pallas_triton.rows_per_expert(n * TOPK, experts), routing_shape=(n, TOPK),
                                                 act_block=act_block)
         fmas += [auto] if auto not in fmas else []
         # the down kernel's K splits around the dispatch's choice (session 31: 3 at one and two tokens):

@@ -168,6 +168,12 @@ def auto_reason(w1=None, act_block=32):
     return None
 
 
+def rows_per_expert(n_pairs: int, n_exp: int) -> float:
+    """The expected rows per expert of ``n_pairs`` (token, slot) pairs spread over ``n_exp`` experts
+    (at most one expert per pair): what picks the kernels and their tiling."""
+    return n_pairs / max(1, min(n_exp, n_pairs))
+
+
 def _config(n_pairs: int, n_exp: int, i: int, d: int, words_only: bool = False):
     """(bt, bi, bk_a, bd, bk_b, warps). From 256 rows per expert on (prefill chunks over few experts:
     the benchmark's 96 experts at 4096 tokens), 128-row blocks with 64-wide tiles: 13.45 ms against
@@ -178,14 +184,15 @@ def _config(n_pairs: int, n_exp: int, i: int, d: int, words_only: bool = False):
     8 warps rather than 4 (session 12): 10.16 vs 10.52 ms at 96 experts, 16.67 vs 16.95 ms at 384 (the
     gate/up kernel gains 0.5 ms, the down kernel loses 0.1-0.2). ``words_only``: the tiling for the
     word route, the only one that reads experts packed as "f16pairs"."""
-    rows_per_expert = n_pairs / max(1, min(n_exp, n_pairs))
-    if rows_per_expert >= 64:
+    rows = rows_per_expert(n_pairs, n_exp)
+    if rows >= 64:
         return 128, pick_block(i, 64), pick_block(d, 64), pick_block(d, 64), pick_block(i, 64), 8
-    bt = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64
+    bt = 16 if rows <= 16 else 32 if rows <= 32 else 64
     bi = pick_block(i, 64 if bt <= 32 else 128)
     bd = pick_block(d, 64 if bt <= 32 else 128)
-    # 256-wide K tiles for the bytes route; the word route takes 64 (session 10, 32 tokens over 96
-    # experts: 2,315-2,630 us against 4,451 at 256), and is the only route for f16pairs experts
+    # 256-wide K tiles for the bytes and phase routes; the word route takes 64 (session 10, 32 tokens
+    # over 96 experts: 2,315-2,630 us against 4,451 for bytes at 256), so f16pairs experts take 64
+    # where a forced route rules the phases out (``words_only``)
     wide = 256 if bt <= 32 and not words_only else 64
     bk_a = pick_block(d, wide)
     bk_b = pick_block(i, wide)
@@ -723,7 +730,7 @@ def takes_fma(w1, pairs: int, x_dtype=jnp.bfloat16, routed_experts: int | None =
     read = fp4_read_for(x_dtype, packing, cfg[2], cfg[4])
     if read != "phases" and pairs <= fma.FMA_MOE_MAX_PAIRS:
         return True
-    return pairs / max(1, min(n_route, pairs)) <= FMA_MOE_MAX_ROWS_PER_EXPERT[read]
+    return rows_per_expert(pairs, n_route) <= FMA_MOE_MAX_ROWS_PER_EXPERT[read]
 
 
 def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, interpret=False, config=None,
@@ -744,7 +751,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     p = n * k
     limit = float(swiglu_limit or 0.0)
     if config is None and fmt != "plain" and fma.DECODE_GEMV["moe"] == "fma" and takes_fma(w1, p, x.dtype, n_route):
-        cand = default_fma_config(w1, p / max(1, min(n_route, p)), routing_shape=(n, k), act_block=act_block)
+        cand = default_fma_config(w1, rows_per_expert(p, n_route), routing_shape=(n, k), act_block=act_block)
         if fma_reason(w1, cand) is None:  # else the tensor-core kernels below
             config = cand
     if config is not None and config[0] == "fma":  # vector-unit decode kernels (no tensor cores)
