@@ -510,8 +510,16 @@ class ModelConfig:
                     raise ConfigError(f"config {name!r}: YaRN attention_factor != 1 is not supported")
             else:
                 kw["original_seq_len"] = 0
-        prf = d.get("partial_rotary_factor", (main or comp or {}).get("partial_rotary_factor"))
-        if prf is not None and "qk_rope_head_dim" not in d:
+        # transformers' model sizes each layer type's RoPE by rope_parameters[type]["partial_rotary_factor"]
+        # (its rotary embedding), not by the top-level partial_rotary_factor / qk_rope_head_dim, which its
+        # config fills from a default of 64 / 512 when only the nested factors are given: the nested ones win
+        nested = {t: p["partial_rotary_factor"] for t, p in (("main", main), ("compress", comp))
+                  if "partial_rotary_factor" in p and p is rp.get(t)}
+        if len(set(nested.values())) > 1:
+            raise ConfigError(f"config {name!r}: rope_parameters give the sliding and compressed layers different "
+                              f"partial_rotary_factor {nested}; one RoPE width for every layer is supported")
+        prf = next(iter(nested.values()), d.get("partial_rotary_factor"))
+        if prf is not None and (nested or "qk_rope_head_dim" not in d):
             kw["rope_head_dim"] = int(kw["head_dim"] * prf)
         kw.update(_weight_format(d.get("quantization_config"), d, 128, name))
         return cls._build(kw, name)

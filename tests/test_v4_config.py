@@ -103,6 +103,26 @@ def test_transformers_form_and_roundtrip():
         ModelConfig.from_dict(d)
 
 
+def test_transformers_form_rope_width_follows_the_nested_factors():
+    """transformers' model sizes RoPE by ``rope_parameters[type]["partial_rotary_factor"]``; a config it
+    built from nested factors alone carries a stale top-level ``partial_rotary_factor`` 0.125 and
+    ``qk_rope_head_dim`` 8 (its 64 / 512 default), which we read before session 35: RoPE on 8 of the
+    64 dims where transformers rotates 16, logits off by ~5 from the second position (caught by the
+    live comparison, tests/test_v4_hf_live.py, on weights from make_v4_fixture.py)."""
+    d = json.load(open(os.path.join(FIX, "config.json")))
+    assert ModelConfig.from_dict(d).rope_head_dim == 16
+    stale = {**d, "partial_rotary_factor": 0.125, "qk_rope_head_dim": 8}
+    assert ModelConfig.from_dict(stale).rope_head_dim == 16
+    # no nested factors: the top level counts, qk_rope_head_dim before partial_rotary_factor
+    flat = {k: v for k, v in d.items() if k not in ("rope_parameters", "qk_rope_head_dim")}
+    assert ModelConfig.from_dict({**flat, "qk_rope_head_dim": 8}).rope_head_dim == 8
+    assert ModelConfig.from_dict({**flat, "partial_rotary_factor": 0.125}).rope_head_dim == 8
+    rp = json.loads(json.dumps(d["rope_parameters"]))
+    rp["compress"]["partial_rotary_factor"] = 0.5
+    with pytest.raises(ConfigError, match="different partial_rotary_factor"):
+        ModelConfig.from_dict({**d, "rope_parameters": rp})
+
+
 def test_v4_validation():
     cfg = get_preset("v4-flash")
     with pytest.raises(ConfigError):
