@@ -213,7 +213,7 @@ def test_runs_split_over_two_calls_merge(tmp_path, capsys):
     bench.save_json = lambda path, out, partial=None: (saved.append(partial), real_save(path, out, partial))[1]
     try:
         a, b = tmp_path / "a.json", tmp_path / "b.json"
-        common = ["--preset", "tiny", "--batch-sizes", "1", "--prefill-lens", "0", "--new-tokens", "4"]
+        common = ["--preset", "tiny", "--batch-sizes", "1", "--prefill-lens", "0", "--new-tokens", "4", "--prompt-len", "32"]
         assert main(common + ["--warmup", "1", "--runs", "2", "--json", str(a)]) == 0
         assert main(common + ["--warmup", "1", "--warmup-tokens", "2", "--runs", "1", "--json", str(b)]) == 0
     finally:

@@ -279,8 +279,7 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
             tc = []
             for r in mma_routes or [None]:  # the dispatch's tiling for this packing and route
                 with pallas_triton.use_mma_fp4(r):
-                    words_only = pk == "f16pairs" and pallas_triton.words_need_narrow_tiles()
-                mma = pallas_triton._config(n * TOPK, experts, I, D, words_only=words_only)
+                    mma = pallas_triton.default_tiling(n * TOPK, experts, ws[0])
                 more = [c for c in TC_DECODE_CONFIGS + TC_PHASE_CONFIGS if c != mma] if wide else []
                 tc += [(c, vias[0], r) for c in [mma] + more]
             for cfg, via, mroute in tc + [(c, v, None) for v in vias for c in fmas]:
@@ -370,8 +369,7 @@ def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int
                     kernels = []
                     t = device_time_op(f, args, ws, reps=reps, kernels=kernels)
                     ok = frac <= TUNE_MAX_FRAC and err <= 8e-3
-                    label = cfg or ("default", pallas_triton._config(tokens * TOPK, experts, I, D,
-                                                                     words_only=name == "f16pairs"))
+                    label = cfg or ("default", pallas_triton.default_tiling(tokens * TOPK, experts, ws[0]))
                     log(f"  route={'plain bf16 weights' if name == 'plain' else name} cfg={label}: {t * 1e3:8.3f} ms, "
                         f"{flops / t / 1e12:6.1f} TFLOP/s ({100 * flops / t / ceiling:5.1f}% of "
                         f"the ceiling), rel err {err:.2e}, {frac:.4f} of elements > 1%{'' if ok else '  WRONG'}")

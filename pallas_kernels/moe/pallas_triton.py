@@ -286,6 +286,14 @@ def words_need_narrow_tiles() -> bool:
     return MMA_FP4["route"] not in ("auto", "phases")
 
 
+def default_tiling(n_pairs: int, n_route: int, w1) -> tuple:
+    """The tensor-core kernels' default (bt, bi, bk_a, bd, bk_b, warps) for ``n_pairs`` (token, slot)
+    pairs spread over ``n_route`` experts of ``w1``'s shapes and packing (f16pairs experts take the
+    word route's 64-wide K tiles where :func:`words_need_narrow_tiles`)."""
+    _, i_dim, d = weight_logical_shape(w1)
+    return _config(n_pairs, n_route, i_dim, d, words_only=fp4_packing(w1) == "f16pairs" and words_need_narrow_tiles())
+
+
 def _x_tile(x_ref, rows, k0, bk, fp4_read: str):
     """The activation tile of ``rows`` x [k0, k0+bk): one [rows, bk] tile, or for ``fp4_read``
     "phases" the 8 phase tiles [rows, bk/8] of a tile laid out by :func:`fp4_phase_k_order` (one load
@@ -723,11 +731,9 @@ def takes_fma(w1, pairs: int, x_dtype=jnp.bfloat16, routed_experts: int | None =
     "phases") up to the pair limit. ``routed_experts``: see :func:`moe_experts`."""
     if weight_format(w1) != "fp4":
         return pairs <= fma.FMA_MOE_MAX_PAIRS
-    n_exp, i_dim, d = weight_logical_shape(w1)
-    n_route = max(n_exp, routed_experts or 0)
-    packing = fp4_packing(w1)
-    cfg = _config(pairs, n_route, i_dim, d, words_only=packing == "f16pairs" and words_need_narrow_tiles())
-    read = fp4_read_for(x_dtype, packing, cfg[2], cfg[4])
+    n_route = max(weight_logical_shape(w1)[0], routed_experts or 0)
+    cfg = default_tiling(pairs, n_route, w1)
+    read = fp4_read_for(x_dtype, fp4_packing(w1), cfg[2], cfg[4])
     if read != "phases" and pairs <= fma.FMA_MOE_MAX_PAIRS:
         return True
     return rows_per_expert(pairs, n_route) <= FMA_MOE_MAX_ROWS_PER_EXPERT[read]
@@ -760,8 +766,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     quant = is_quantized(w1)
     op = operand_dtype(x.dtype, w1)
     packing = fp4_packing(w1)  # w2, w3 alike (unsupported_reason)
-    cfg = tuple(config or _config(p, n_route, i_dim, d,
-                                  words_only=packing == "f16pairs" and words_need_narrow_tiles()))
+    cfg = tuple(config or default_tiling(p, n_route, w1))
     bt, bi, bk_a, bd, bk_b, warps = cfg[:6]
     stages = cfg[6] if len(cfg) > 6 else 3  # optional 7th entry: software-pipelining stages
     # optional 8th: 1 = weight tile as the dots' first operand (tile_dot's swap; measured 10-40 % slower

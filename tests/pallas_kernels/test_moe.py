@@ -276,8 +276,7 @@ def test_mma_fp4_auto_route(monkeypatch):
     cfg = pallas_triton._config(4096 * 6, 96, 2304, 5120)
     assert read(jnp.bfloat16, "nibbles", cfg[2], cfg[4]) == "words"  # the prefill chunk over 96 experts
     for packing in ("nibbles", "f16pairs"):  # the decode tiling: 256-wide K tiles, phases, either packing
-        cfg = pallas_triton._config(300 * 6, 384, 2304, 5120,
-                                    words_only=packing == "f16pairs" and pallas_triton.words_need_narrow_tiles())
+        cfg = pallas_triton.default_tiling(300 * 6, 384, fp4(384, 2304, 5120).replace(packing=packing))
         assert cfg[2::2] == (256, 256) and read(jnp.bfloat16, packing, cfg[2], cfg[4]) == "phases"
     monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "f16w")
     assert words(jnp.float32, 256, 256) and words(jnp.float32, 64, 64)
@@ -285,6 +284,9 @@ def test_mma_fp4_auto_route(monkeypatch):
     monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "bytes")
     assert not words(jnp.bfloat16, 64, 64) and read(jnp.bfloat16, "f16pairs", 256, 256) == "words"
     assert pallas_triton.words_need_narrow_tiles()
+    # with the phases ruled out, f16pairs experts take the word route's 64-wide K tiles; nibbles keep 256
+    assert pallas_triton.default_tiling(300 * 6, 384, fp4(384, 2304, 5120).replace(packing="f16pairs"))[2::2] == (64, 64)
+    assert pallas_triton.default_tiling(300 * 6, 384, fp4(384, 2304, 5120))[2::2] == (256, 256)
 
 
 S = jax.ShapeDtypeStruct
