@@ -18,8 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .codecs import (E2M1_MAX, E4M3_MAX, ceil_pow2_exponent, e2m1_decode, e2m1_encode, e4m3_round, exact_f32,
-                     pow2)
+from .codecs import (E2M1_MAX, E4M3_MAX, ceil_pow2_exponent, e2m1_decode, e2m1_encode, e2m1_encode_scaled,
+                     e4m3_round, e4m3_round_quotient, exact_f32, pow2)
 
 
 def _blocks(x: jax.Array, block: int) -> jax.Array:
@@ -41,7 +41,7 @@ def mxfp4_block_scale(amax: jax.Array) -> jax.Array:
 
 def fp4_e4m3_block_scale(amax: jax.Array) -> jax.Array:
     """float32 e4m3-valued scale for FP4 blocks with an e4m3 scale (round to nearest)."""
-    return e4m3_round(jnp.maximum(amax, E2M1_MAX * 2.0**-9) / E2M1_MAX)
+    return e4m3_round_quotient(jnp.maximum(amax, E2M1_MAX * 2.0**-9), E2M1_MAX)
 
 
 def fake_quant_fp8(x: jax.Array, block: int = 32) -> jax.Array:
@@ -64,7 +64,7 @@ def fake_quant_fp4_e4m3(x: jax.Array, block: int = 16) -> jax.Array:
     """Q4e4: FP4 e2m1 with an e4m3 scale per ``block`` elements."""
     xb = _blocks(x, block)
     s = fp4_e4m3_block_scale(jnp.max(jnp.abs(xb), axis=-1, keepdims=True))
-    y = e2m1_decode(e2m1_encode(jnp.clip(xb / s, -E2M1_MAX, E2M1_MAX)))
+    y = e2m1_decode(e2m1_encode_scaled(xb, s))  # RNE of clip(x / s, ±6), without dividing
     return (y * s).reshape(x.shape).astype(x.dtype)
 
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from .codecs import E2M1_MAX, E4M3_MAX, e2m1_decode, e2m1_encode, e4m3_round, e8m0_decode, e8m0_encode_exponent, pow2
+from .codecs import E2M1_MAX, E4M3_MAX, e2m1_decode, e2m1_encode, e2m1_encode_scaled, e4m3_round, e8m0_decode, e8m0_encode_exponent, pow2
 from .codecs import FP4_PACKINGS, exact_f32, pack_nibbles, repack_f16pairs, unpack_f16pairs, unpack_nibbles
 from .fake_quant import fp4_e4m3_block_scale, fp8_block_scale, mxfp4_block_scale
 
@@ -159,7 +159,7 @@ def quantize_fp4_e4m3(x: jax.Array, block: int = 16) -> Fp4Tensor:
         raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the FP4 block {block}")
     xb = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
     s = fp4_e4m3_block_scale(jnp.max(jnp.abs(xb), axis=-1))
-    codes = e2m1_encode(jnp.clip(xb / s[..., None], -E2M1_MAX, E2M1_MAX))
+    codes = e2m1_encode_scaled(xb, s[..., None])  # RNE of clip(x / s, ±6), without dividing
     return Fp4Tensor(data=pack_nibbles(codes.reshape(x.shape)), scale=s.astype(jnp.float8_e4m3fn), block=block)
 
 
