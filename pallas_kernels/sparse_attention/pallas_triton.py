@@ -27,9 +27,10 @@ Dequantization (all exact in bf16, attention.md §2.3):
 
 Numerics: logits fp32 (bf16 × bf16 products are exact in fp32; f32 inputs use an IEEE f32 dot),
 online softmax in fp32, the probabilities cast to ``q.dtype`` before P·V, fp32 accumulation, the
-sink added to the denominator at the end (not to the max). The reference normalises before the
-cast (``P = exp(l - m)/den``); the kernel casts ``exp(l - m_running)`` and divides at the end, so
-bf16 results agree to bf16 rounding, f32 results to ~1e-6.
+sink added to the denominator at the end (not to the max). Like DeepSeek's kernel it casts
+``exp(l - m_running)`` and divides at the end; the reference casts ``exp(l - m)`` with the row's
+final maximum, so bf16 results agree exactly where the running maximum is the final one and to bf16
+rounding elsewhere, f32 results to ~1e-6.
 """
 
 from __future__ import annotations

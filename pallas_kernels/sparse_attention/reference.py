@@ -2,9 +2,12 @@
 
 One shared K=V vector per slot (MQA). Keys come from two stores: the window (``kv``) and the
 compressed cache (``comp_kv``), each addressed by an index list with -1 padding. Logits are fp32;
-the sink is one extra logit with a zero value vector (in the denominator, not in the max); the
-probabilities are cast to ``q.dtype`` before P·V (bf16 in the real model, as the reference kernel
-does), which accumulates in fp32.
+the sink is one extra logit with a zero value vector (in the denominator, not in the max); as in
+DeepSeek's kernel, the unnormalised weights ``exp(l - m)`` are cast to ``q.dtype`` (bf16 in the real
+model) before P·V, which accumulates in fp32, and the sum is divided by the fp32 denominator at the
+end. The kernel takes ``m`` as a running maximum over blocks of 64 indices; here ``m`` is the row's
+maximum, the same for every index list of up to 64 entries and for the blocks from the one holding
+the maximum on (earlier blocks round their weights relative to a smaller maximum there).
 """
 
 from __future__ import annotations
@@ -58,11 +61,16 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     e = jnp.exp(logits - m)
     den = jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink.astype(jnp.float32)[None, None, :, None] - m)
-    p = (e / den).astype(dtype)
+    # DeepSeek's kernel casts the unnormalised exp(l - m) to bf16 for P.V and divides the fp32 sum at
+    # the end; casting the normalised probability instead (before session 35) rounded every weight
+    # differently: at one key per query, bf16(1 / den) against 1.0, a 2**-9 error on every attention
+    # output, which the next FP8 activation fake-quants turned into differences in most elements of
+    # the first layer's output (cross-checked against DeepSeek's V4.1 model code on the CPU)
+    w = e.astype(dtype)
     out, k0 = 0.0, 0
     for rows, i in sets:
         k = i.shape[-1]
-        out = out + jnp.einsum("bshk,bskd->bshd", p[..., k0:k0 + k], rows.astype(dtype),
+        out = out + jnp.einsum("bshk,bskd->bshd", w[..., k0:k0 + k], rows.astype(dtype),
                                preferred_element_type=jnp.float32, precision=_HI)
         k0 += k
-    return out.astype(dtype)
+    return (out / den).astype(dtype)
