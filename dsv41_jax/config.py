@@ -513,8 +513,8 @@ class ModelConfig:
         # transformers' model sizes each layer type's RoPE by rope_parameters[type]["partial_rotary_factor"]
         # (its rotary embedding), not by the top-level partial_rotary_factor / qk_rope_head_dim, which its
         # config fills from a default of 64 / 512 when only the nested factors are given: the nested ones win
-        nested = {t: p["partial_rotary_factor"] for t, p in (("main", main), ("compress", comp))
-                  if "partial_rotary_factor" in p and p is rp.get(t)}
+        nested = {t: rp[t]["partial_rotary_factor"] for t in ("main", "compress")
+                  if "partial_rotary_factor" in (rp.get(t) or {})}
         if len(set(nested.values())) > 1:
             raise ConfigError(f"config {name!r}: rope_parameters give the sliding and compressed layers different "
                               f"partial_rotary_factor {nested}; one RoPE width for every layer is supported")

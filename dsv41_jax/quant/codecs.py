@@ -139,15 +139,7 @@ def exact_f32(x: jax.Array) -> jax.Array:
 
 def e2m1_encode(x: jax.Array) -> jax.Array:
     """float32 values (already divided by the scale) -> e2m1 codes (uint8 0..15), RNE, saturating."""
-    x = x.astype(jnp.float32)
-    a = jnp.abs(x)
-    code = jnp.zeros(x.shape, jnp.uint8)
-    for k, bound in enumerate(_E2M1_BOUNDS):
-        # between code k and k+1: round up above the bound, and on the bound when k+1 is even
-        up = (a > bound) | ((a == bound) & ((k + 1) % 2 == 0))
-        code = code + up.astype(jnp.uint8)
-    sign = (jnp.signbit(x) & (code > 0)).astype(jnp.uint8)
-    return code | (sign << 3)
+    return e2m1_encode_scaled(x, 1.0)
 
 
 def e2m1_encode_scaled(x: jax.Array, s: jax.Array) -> jax.Array:
@@ -163,6 +155,7 @@ def e2m1_encode_scaled(x: jax.Array, s: jax.Array) -> jax.Array:
     a = jnp.abs(x)
     code = jnp.zeros(jnp.broadcast_shapes(x.shape, s.shape), jnp.uint8)
     for k, bound in enumerate(_E2M1_BOUNDS):
+        # between code k and k+1: round up above the bound, and on the bound when k+1 is even
         t = s * bound
         up = (a > t) | ((a == t) & ((k + 1) % 2 == 0))
         code = code + up.astype(jnp.uint8)

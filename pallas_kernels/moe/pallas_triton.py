@@ -723,16 +723,17 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
 FMA_MOE_MAX_ROWS_PER_EXPERT = {"phases": 1.5, "bytes": 2.0, "words": 4.0}
 
 
-def takes_fma(w1, pairs: int, x_dtype=jnp.bfloat16, routed_experts: int | None = None) -> bool:
+def takes_fma(w1, pairs: int, x_dtype=jnp.bfloat16, routed_experts: int | None = None, tiling=None) -> bool:
     """Whether the default dispatch runs ``pairs`` (token, slot) pairs of ``x_dtype`` activations
     over experts ``w1`` on the fma kernels (else the tensor-core ones): FP8 and plain experts up to
     ``fma.FMA_MOE_MAX_PAIRS`` pairs; MXFP4 experts while the rows per expert stay within
     :data:`FMA_MOE_MAX_ROWS_PER_EXPERT` for the tensor-core kernels' read, and (unless that read is
-    "phases") up to the pair limit. ``routed_experts``: see :func:`moe_experts`."""
+    "phases") up to the pair limit. ``routed_experts``: see :func:`moe_experts`; ``tiling``: the
+    tensor-core kernels' :func:`default_tiling` where the caller has it."""
     if weight_format(w1) != "fp4":
         return pairs <= fma.FMA_MOE_MAX_PAIRS
     n_route = max(weight_logical_shape(w1)[0], routed_experts or 0)
-    cfg = default_tiling(pairs, n_route, w1)
+    cfg = tiling or default_tiling(pairs, n_route, w1)
     read = fp4_read_for(x_dtype, fp4_packing(w1), cfg[2], cfg[4])
     if read != "phases" and pairs <= fma.FMA_MOE_MAX_PAIRS:
         return True
@@ -756,7 +757,10 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     fmt = weight_format(w1)
     p = n * k
     limit = float(swiglu_limit or 0.0)
-    if config is None and fmt != "plain" and fma.DECODE_GEMV["moe"] == "fma" and takes_fma(w1, p, x.dtype, n_route):
+    # the tensor-core kernels' default tiling, which also decides fma against them
+    tiling = default_tiling(p, n_route, w1) if config is None else None
+    if config is None and fmt != "plain" and fma.DECODE_GEMV["moe"] == "fma" and takes_fma(w1, p, x.dtype, n_route,
+                                                                                           tiling):
         cand = default_fma_config(w1, rows_per_expert(p, n_route), routing_shape=(n, k), act_block=act_block)
         if fma_reason(w1, cand) is None:  # else the tensor-core kernels below
             config = cand
@@ -766,7 +770,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     quant = is_quantized(w1)
     op = operand_dtype(x.dtype, w1)
     packing = fp4_packing(w1)  # w2, w3 alike (unsupported_reason)
-    cfg = tuple(config or default_tiling(p, n_route, w1))
+    cfg = tuple(config or tiling)
     bt, bi, bk_a, bd, bk_b, warps = cfg[:6]
     stages = cfg[6] if len(cfg) > 6 else 3  # optional 7th entry: software-pipelining stages
     # optional 8th: 1 = weight tile as the dots' first operand (tile_dot's swap; measured 10-40 % slower
