@@ -131,22 +131,31 @@ def scatter_rows(store, idx, rows):
     return jax.tree.map(put, store, rows)
 
 
-def _window_positions(positions, window: int):
-    """[..., W] positions t-W+1..t of the window keys of each query position t."""
-    return positions[..., None] - window + 1 + jnp.arange(window, dtype=jnp.int32)
+def _window_positions(positions, window: int, valid_first: bool):
+    """[..., W] positions of the window keys of each query position t, -1 where there is none (t < W-1).
+    The order is DeepSeek's ``get_window_topk_idxs``: ``valid_first`` lists 0..t first and pads at
+    the end (prefill; V4's decode), else t-W+1..t with the -1 slots first (V4.1's decode: the ring
+    oldest slot first). Its sparse attention kernel rounds P.V by blocks of 64 keys of this list, so
+    the order decides bf16 bits (pallas_kernels/sparse_attention/reference.py)."""
+    k = jnp.arange(window, dtype=jnp.int32)
+    if valid_first:
+        a = jnp.maximum(positions[..., None] - window + 1, 0) + k
+        return jnp.where(a <= positions[..., None], a, -1)
+    a = positions[..., None] - window + 1 + k
+    return jnp.where(a >= 0, a, -1)
 
 
-def window_indices(positions, pos0, window: int):
+def window_indices(positions, pos0, window: int, valid_first: bool = True):
     """[B,S,W] indices into concat(ring[W], chunk[S]) of the window keys of each query."""
-    a = _window_positions(positions, window)
+    a = _window_positions(positions, window, valid_first)
     slot = jnp.where(a >= pos0[:, None, None], window + a - pos0[:, None, None], jnp.mod(a, window))
     return jnp.where(a >= 0, slot, -1).astype(jnp.int32)
 
 
-def ring_window_indices(positions, window: int):
+def ring_window_indices(positions, window: int, valid_first: bool = False):
     """[B,1,W] indices into the ring itself of the window keys of one query per row, once its own
-    token is in the ring (:func:`write_ring_token`): positions t-W+1..t in slots position % W."""
-    a = _window_positions(positions, window)
+    token is in the ring (:func:`write_ring_token`): positions in slots position % W."""
+    a = _window_positions(positions, window, valid_first)
     return jnp.where(a >= 0, jnp.mod(a, window), -1).astype(jnp.int32)
 
 
@@ -278,7 +287,7 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
             # backend still copies: it widens the FP8 update to f16 and back.
             lc["window"] = write_ring_token(ring, kv_chunk, pos0, lengths, W)
             window_kv = lc["window"]
-            win_idx = ring_window_indices(positions, W)
+            win_idx = ring_window_indices(positions, W, valid_first=cfg.is_v4)
         else:
             window_kv = concat_rows(ring, kv_chunk)
             win_idx = window_indices(positions, pos0, W)

@@ -122,7 +122,14 @@ SITE_VARIANTS = (("xla", None), ("pallas default", dict(combine="xla")), ("palla
                  ("pallas 8 splits in-kernel", dict(num_splits=8, combine="kernel")))
 
 
-def site(log, contexts=(2560, 5121), batches=(1,), variants=SITE_VARIANTS, reps=5):
+# The --rounding variants: the XLA reference with the row's maximum against the emulation of the
+# kernel's running maximum (P.V with the rescaled weights in 2 or 3 bf16 parts)
+ROUNDING_VARIANTS = (("xla, running max, 3 parts", None),
+                     ("xla, row max", dict(reference=dict(running_max_block=None))),
+                     ("xla, running max, 2 parts", dict(reference=dict(pv_parts=2))))
+
+
+def site(log, contexts=(2560, 5121), batches=(1,), variants=SITE_VARIANTS, reps=5, seq=1):
     """The model's attention site at decode (sparse attention -> inverse RoPE -> wo_a, the grouped FP8
     GEMV of 8 groups x 1024 rows), by device time (:func:`device_time_op`: the sum of the site's
     kernels, 5 distinct input sets, L2 flushed), for the XLA reference and Pallas variants. Each
@@ -144,8 +151,10 @@ def site(log, contexts=(2560, 5121), batches=(1,), variants=SITE_VARIANTS, reps=
     def site_fn(cfg):
         def f(q, win, widx, sink, ck, cidx, ang, w):
             kw = dict(scale=scale, comp_kv=ck, comp_idx=cidx)
-            o = ref.sparse_attention(q, win, widx, sink, **kw) if cfg is None else pt.sparse_attention(
-                q, win, widx, sink, **kw, **cfg)
+            if cfg is None or "reference" in cfg:
+                o = ref.sparse_attention(q, win, widx, sink, **kw, **(cfg or {}).get("reference", {}))
+            else:
+                o = pt.sparse_attention(q, win, widx, sink, **kw, **cfg)
             o = apply_rope(o, ang, inverse=True)
             return grouped_matmul(o.reshape(*o.shape[:2], 8, -1).astype(jnp.bfloat16), w, groups=8)
         return f
@@ -153,8 +162,8 @@ def site(log, contexts=(2560, 5121), batches=(1,), variants=SITE_VARIANTS, reps=
     rows = []
     for nc in contexts:
         for b in batches:
-            args = [(*make_inputs(jax.random.PRNGKey(100 * nc + 10 * b + r), b, 1, nc),
-                     jax.random.uniform(jax.random.PRNGKey(r), (b, 1, 32), jnp.float32, 0, 6.28)) for r in range(reps)]
+            args = [(*make_inputs(jax.random.PRNGKey(100 * nc + 10 * b + r), b, seq, nc),
+                     jax.random.uniform(jax.random.PRNGKey(r), (b, seq, 32), jnp.float32, 0, 6.28)) for r in range(reps)]
             y0 = np.asarray(jax.jit(site_fn(None))(*args[0], w).astype(jnp.float32))
             t_x = None
             for label, cfg in variants:
@@ -164,10 +173,10 @@ def site(log, contexts=(2560, 5121), batches=(1,), variants=SITE_VARIANTS, reps=
                     kernels = []
                     t = device_time_op(site_fn(cfg), args, (w,), reps=reps, kernels=kernels)
                     t_x = t if cfg is None else t_x
-                    rows.append(dict(context=nc, batch=b, variant=label, site_us=t * 1e6, kernels=len(kernels),
+                    rows.append(dict(context=nc, batch=b, seq=seq, variant=label, site_us=t * 1e6, kernels=len(kernels),
                                      rel_err=rel, ok=rel < 2e-2))
                     top = ", ".join(f"{n[:28]} {k * 1e6:.2f}" for n, k in kernels[:4])
-                    log(f"site ctx={nc} B={b} {label:26s} {t * 1e6:7.2f} us  {len(kernels):2d} kernels  rel {rel:.1e}"
+                    log(f"site ctx={nc} B={b} S={seq} {label:26s} {t * 1e6:7.2f} us  {len(kernels):2d} kernels  rel {rel:.1e}"
                         f"{'' if rel < 2e-2 else '  WRONG'}  xla/this {t_x / t if t_x else float('nan'):.2f}  [{top}]")
                 except Exception as e:  # noqa: BLE001
                     log(f"site ctx={nc} B={b} {label}: FAILED {type(e).__name__}: {str(e)[:200]}")
@@ -178,6 +187,8 @@ def main(argv=None):
     ap = chained_args(argparse.ArgumentParser(), n=20, reps=7, skip_xla_help="time the Pallas kernel only")
     ap.add_argument("--site", action="store_true",
                     help="the model's decode site (attention -> inverse RoPE -> wo_a) by device time, then exit")
+    ap.add_argument("--rounding", action="store_true",
+                    help="the decode site and a 4096-row prefill chunk with the XLA reference's P.V roundings, then exit")
     args = ap.parse_args(argv)
 
     import jax
@@ -198,6 +209,12 @@ def main(argv=None):
             f"jax {jax.__version__}")
         rows = site(log, batches=(1,) if args.quick else (1, 8))
         write_rows(args.out, "sparse_attention_site.json", rows)
+        return 0 if rows and all(r["ok"] for r in rows) else 1
+    if args.rounding:
+        log(f"# sparse attention site, XLA reference roundings, device time | {dev.device_kind} | jax {jax.__version__}")
+        rows = site(log, contexts=(5121,), batches=(1, 8, 32), variants=ROUNDING_VARIANTS)
+        rows += site(log, contexts=(1024,), batches=(1,), variants=ROUNDING_VARIANTS, reps=2, seq=4096)
+        write_rows(args.out, "sparse_attention_rounding.json", rows)
         return 0 if rows and all(r["ok"] for r in rows) else 1
     log(f"# sparse attention decode | device {dev.device_kind} | jax {jax.__version__} | n={args.n} reps={args.reps}")
     ok = check(log, ({},) + (D_SPLIT_SWEEP if args.sweep else ()))

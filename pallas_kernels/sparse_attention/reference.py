@@ -5,9 +5,10 @@ compressed cache (``comp_kv``), each addressed by an index list with -1 padding.
 the sink is one extra logit with a zero value vector (in the denominator, not in the max); as in
 DeepSeek's kernel, the unnormalised weights ``exp(l - m)`` are cast to ``q.dtype`` (bf16 in the real
 model) before P·V, which accumulates in fp32, and the sum is divided by the fp32 denominator at the
-end. The kernel takes ``m`` as a running maximum over blocks of 64 indices; here ``m`` is the row's
-maximum, the same for every index list of up to 64 entries and for the blocks from the one holding
-the maximum on (earlier blocks round their weights relative to a smaller maximum there).
+end. The kernel takes ``m`` as a running maximum over blocks of 64 indices of the
+concatenated list (window, then compressed); this reference emulates that (``running_max_block``),
+so a key in a block before the one holding the row's maximum is rounded relative to the smaller
+running maximum, as there. The fp32 sums differ from the kernel's in order only.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import jax.numpy as jnp
 from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, exact_in_bf16
 
 _HI = jax.lax.Precision.HIGHEST
+# DeepSeek's sparse_attn kernel takes 64 keys per step of its online softmax (inference/kernel.py)
+RUNNING_MAX_BLOCK = 64
+PV_PARTS = 3
 
 
 def gather_rows(store, idx: jax.Array, dtype) -> jax.Array:
@@ -34,7 +38,39 @@ def gather_rows(store, idx: jax.Array, dtype) -> jax.Array:
     return take(store).astype(dtype)
 
 
-def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None):
+def running_max_factors(logits, m, block):
+    """DeepSeek's kernel walks the index list in blocks of ``block`` keys with a running maximum. For
+    logits [.., K] (-inf = no key) and the row maximum ``m`` [.., 1] (finite): each key's running
+    maximum (that of the blocks up to its own) ``mk`` [.., K] and the factor ``exp(mk - m)`` [.., K]
+    that the kernel's rescaling of its fp32 accumulator applies to that key's term (0 where ``mk`` is
+    -inf: no valid key up to there, so the key's weight is 0 anyway)."""
+    k = logits.shape[-1]
+    nb = -(-k // block)
+    lp = jnp.pad(logits, [(0, 0)] * (logits.ndim - 1) + [(0, nb * block - k)], constant_values=-jnp.inf)
+    run = jax.lax.cummax(jnp.max(lp.reshape(*logits.shape[:-1], nb, block), axis=-1), axis=logits.ndim - 1)
+    mk = jnp.repeat(run, block, axis=-1, total_repeat_length=nb * block)[..., :k]
+    finite = jnp.isfinite(mk)
+    return jnp.where(finite, mk, 0.0), jnp.where(finite, jnp.exp(mk - m), 0.0)
+
+
+def split_bf16(p, parts: int):
+    """fp32 ``p`` as ``parts`` bf16 terms whose fp32 sum is ``p`` (3 parts: exactly, bar subnormal
+    remainders; 2 parts: to 2**-16 relative), stacked on a new axis -3 (before the head axis)."""
+    terms = []
+    for _ in range(parts - 1):
+        t = p.astype(jnp.bfloat16)
+        terms.append(t)
+        p = p - t.astype(jnp.float32)
+    terms.append(p.astype(jnp.bfloat16))
+    return jnp.stack(terms, axis=-3)
+
+
+def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None, running_max_block=RUNNING_MAX_BLOCK,
+                     pv_parts=PV_PARTS):
+    """``running_max_block``: emulate the kernel's running maximum over blocks of that many keys of
+    the concatenated index list (window, then compressed) when the weights are rounded (bf16 q) and
+    the list is longer than one block; None rounds every weight relative to the row's maximum.
+    ``pv_parts``: bf16 terms per rescaled weight in P·V under the emulation (see :func:`split_bf16`)."""
     dtype = q.dtype
     has_comp = comp_kv is not None and comp_idx is not None and comp_idx.shape[-1] > 0
     # bf16 q and keys that are exact in bf16: the rows are gathered in bf16 and the logits are one
@@ -59,18 +95,36 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None)
     logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.exp(logits - m)
-    den = jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink.astype(jnp.float32)[None, None, :, None] - m)
-    # DeepSeek's kernel casts the unnormalised exp(l - m) to bf16 for P.V and divides the fp32 sum at
-    # the end; casting the normalised probability instead (before session 35) rounded every weight
-    # differently: at one key per query, bf16(1 / den) against 1.0, a 2**-9 error on every attention
-    # output, which the next FP8 activation fake-quants turned into differences in most elements of
-    # the first layer's output (cross-checked against DeepSeek's V4.1 model code on the CPU)
-    w = e.astype(dtype)
+    k_all = logits.shape[-1]
+    emulate = running_max_block is not None and dtype != jnp.float32 and k_all > running_max_block
+    if emulate:
+        # the kernel rounds exp(l - m_b) to bf16, m_b the running maximum after the key's block, and
+        # rescales its fp32 accumulator by exp(m_b - m_b') from block to block: a key's term is
+        # bf16(exp(l - m_b)) * exp(m_b - m) * v. The rescaled weight is fp32; P.V takes it as
+        # pv_parts bf16 terms stacked beside the heads (one GEMM with pv_parts x H rows: the gathered
+        # rows are read once)
+        mk, f = running_max_factors(logits, m, running_max_block)
+        e = jnp.exp(logits - mk)
+        w = split_bf16(e.astype(dtype).astype(jnp.float32) * f, pv_parts)  # [B,S,P,H,K]
+        w = w.reshape(*w.shape[:2], -1, k_all)
+        den = jnp.sum(e * f, axis=-1, keepdims=True)
+    else:
+        e = jnp.exp(logits - m)
+        # DeepSeek's kernel casts the unnormalised exp(l - m) to bf16 for P.V and divides the fp32 sum
+        # at the end; casting the normalised probability instead (before session 35) rounded every
+        # weight differently: at one key per query, bf16(1 / den) against 1.0, a 2**-9 error on every
+        # attention output, which the next FP8 activation fake-quants turned into differences in most
+        # elements of the first layer's output (cross-checked against DeepSeek's V4.1 model code)
+        w = e.astype(dtype)
+        den = jnp.sum(e, axis=-1, keepdims=True)
+    den = den + jnp.exp(sink.astype(jnp.float32)[None, None, :, None] - m)
     out, k0 = 0.0, 0
     for rows, i in sets:
         k = i.shape[-1]
         out = out + jnp.einsum("bshk,bskd->bshd", w[..., k0:k0 + k], rows.astype(dtype),
                                preferred_element_type=jnp.float32, precision=_HI)
         k0 += k
+    if emulate:
+        out = out.reshape(*out.shape[:2], pv_parts, -1, out.shape[-1])
+        out = sum(out[:, :, j] for j in reversed(range(pv_parts)))  # smallest terms first
     return (out / den).astype(dtype)
