@@ -14,9 +14,9 @@ from pallas_kernels.testing import lower_for
 
 # Tolerances. Dequantized keys are exact in bf16 and bf16 x bf16 products are exact in fp32, so the
 # logits agree to fp32 summation order. Both cast the unnormalised exp(l - m) to q.dtype and divide
-# at the end; the kernel's m is a running maximum over its key blocks, the reference's the row's, so
-# in bf16 the weights of blocks before the maximum round differently (2^-8 relative each) -> output
-# error up to ~1 bf16 ulp of the output scale. f32: P is not rounded, only summation order differs.
+# at the end; both take m as a running maximum, the kernel over its own key blocks (block_k, split
+# across programs), the reference over DeepSeek's 64, so in bf16 the weights of blocks before the
+# maximum may round differently (2^-8 relative each) -> output error up to ~1 bf16 ulp of the scale. f32: P is not rounded, only summation order differs.
 TOL = {jnp.bfloat16: (2.0**-6, 2.0**-7), jnp.float32: (2e-5, 2e-6)}
 
 # jit the helpers (eager quantizers / reference dispatch hundreds of tiny ops)
