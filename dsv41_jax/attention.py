@@ -341,7 +341,7 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
 
     with jax.named_scope("sparse_attn"):
         o = sparse_attention(q, window_kv, win_idx, p["attn_sink"], scale=Dh ** -0.5, comp_kv=comp_kv,
-                             comp_idx=comp_idx)
+                             comp_idx=comp_idx, running_max_block=opts.running_max_block)
     o = apply_rope(o, ang, inverse=True)
     G, Lo = cfg.o_groups, cfg.o_lora_rank
     with jax.named_scope("wo_a"):

@@ -302,7 +302,7 @@ def run(args) -> dict:
     jax.block_until_ready(params)
     print(f"random weights in the real formats: {time.perf_counter() - t:.1f} s on {n_dev} x {kind}", flush=True)
     model = Model(cfg, params)
-    opts = RunOptions(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+    opts = RunOptions(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, attention_rounding=args.attention_rounding)
     out = {"device": kind if n_dev == 1 else f"{n_dev} x {kind} ({args.mesh})", "jax": jax.__version__,
            "config": cfg.name, "notes": notes, "decode": [], "prefill": []}
 
@@ -551,6 +551,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--kv-cache-dtype", default="reference", choices=["reference", "bfloat16", "float32"])
+    from .options import ATTENTION_ROUNDINGS
+
+    ap.add_argument("--attention-rounding", default="row_max", choices=ATTENTION_ROUNDINGS,
+                    help="the sparse attention's bf16 P.V weights (RunOptions.attention_rounding)")
     ap.add_argument("--hbm-bw", type=float, default=None, help="bytes/s for the floor (default: by device kind)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--profile-tokens", type=int, default=0,

@@ -117,7 +117,7 @@ def _stage_attention(pa, x, ring, P, layer: int, cfg: ModelConfig, opts: RunOpti
     ring_idx = jnp.where(r[None, :] < jnp.minimum(P, W)[:, None], r[None, :], -1)  # [B, W]
     blk_idx = jnp.broadcast_to(W + jnp.arange(G, dtype=jnp.int32), (B, G))
     idx = jnp.broadcast_to(jnp.concatenate([ring_idx, blk_idx], 1)[:, None, :], (B, G, W + G))
-    o = sparse_attention(q, kv, idx, pa["attn_sink"], scale=Dh ** -0.5)
+    o = sparse_attention(q, kv, idx, pa["attn_sink"], scale=Dh ** -0.5, running_max_block=opts.running_max_block)
     o = apply_rope(o, ang, inverse=True)
     Gr, Lo = cfg.o_groups, cfg.o_lora_rank
     o = grouped_linear(o.reshape(B, G, Gr, -1).astype(x.dtype), pa["wo_a"], groups=Gr)

@@ -8,6 +8,9 @@ import jax.numpy as jnp
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 KV_CACHE_DTYPES = ("reference", "bfloat16", "float32")
+ATTENTION_ROUNDINGS = ("row_max", "kernel_blocks")
+# DeepSeek's sparse_attn kernel takes 64 keys per step of its online softmax (inference/kernel.py)
+KERNEL_BLOCK_KEYS = 64
 
 
 @dataclass(frozen=True)
@@ -17,7 +20,16 @@ class RunOptions:
     ``kv_cache_dtype``: ``reference`` stores the window KV as FP8 e4m3 (ue8m0 scale per 32, RoPE dims
     included), the compressed KV as FP4 with an e4m3 scale per 16 and the index keys as MXFP4, and
     fake-quantizes the indexer queries to MXFP4 — exactly the rounding DeepSeek's code applies;
-    ``bfloat16`` / ``float32`` store them unquantized (no KV / indexer rounding at all)."""
+    ``bfloat16`` / ``float32`` store them unquantized (no KV / indexer rounding at all).
+
+    ``attention_rounding`` (bf16 only): how the sparse attention rounds its unnormalised P.V weights
+    ``exp(l - m)`` to bf16. ``row_max`` (the default) takes m as the row's maximum. ``kernel_blocks``
+    emulates DeepSeek's kernel bit for bit up to fp32 summation order: m is the running maximum over
+    blocks of 64 keys of the index list. The two differ only for keys in blocks before the one
+    holding the row's maximum, by one or two bf16 ulps in 14-19 % of the outputs of a 640-key list
+    (tests/pallas_kernels/test_sparse_attention.py). ``kernel_blocks`` costs time on an H200
+    (BENCHMARKS.md, issue 5, session 36): batch-1 decode 143.5 -> 138.8 tok/s, the 4096-token
+    prefill 5,591 -> 4,790 tok/s, so it is for numerics comparisons, not the default."""
 
     dtype: str = "bfloat16"
     kv_cache_dtype: str = "reference"
@@ -25,6 +37,7 @@ class RunOptions:
     # ``False`` is the HF comparison mode: transformers' ``deepseek_v4`` leaves the rotation out
     # (with unquantized index keys the rotation changes only float rounding: H is orthonormal).
     hadamard: bool = True
+    attention_rounding: str = "row_max"
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -34,6 +47,9 @@ class RunOptions:
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r} "
                 "(flag --kv-cache-dtype)"
             )
+        if self.attention_rounding not in ATTENTION_ROUNDINGS:
+            raise ValueError(f"attention_rounding must be one of {', '.join(ATTENTION_ROUNDINGS)}, got "
+                             f"{self.attention_rounding!r} (flag --attention-rounding)")
 
     @property
     def compute_dtype(self):
@@ -42,6 +58,11 @@ class RunOptions:
     @property
     def quantized_kv(self) -> bool:
         return self.kv_cache_dtype == "reference"
+
+    @property
+    def running_max_block(self) -> int | None:
+        """The sparse attention's ``running_max_block`` argument for this rounding."""
+        return KERNEL_BLOCK_KEYS if self.attention_rounding == "kernel_blocks" else None
 
     @property
     def kv_dtype(self):

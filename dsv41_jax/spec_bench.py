@@ -72,6 +72,9 @@ def main(argv=None):
     ap.add_argument("--engram-vocab", type=int, default=None, help="with --preset: Engram prime-bucket start")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kv-cache-dtype", default="reference")
+    from .options import ATTENTION_ROUNDINGS
+
+    ap.add_argument("--attention-rounding", default="row_max", choices=ATTENTION_ROUNDINGS)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=1)
@@ -129,7 +132,7 @@ def main(argv=None):
         drafter = choose_drafter(cfg, model.params, a.drafter)
     except ValueError as e:
         ap.error(f"--drafter {a.drafter}: {e}")
-    opts = RunOptions(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype)
+    opts = RunOptions(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, attention_rounding=a.attention_rounding)
     rng = np.random.default_rng(a.seed)
     B = a.batch_size
     n = a.num_prompts or B

@@ -124,9 +124,9 @@ SITE_VARIANTS = (("xla", None), ("pallas default", dict(combine="xla")), ("palla
 
 # The --rounding variants: the XLA reference with the row's maximum against the emulation of the
 # kernel's running maximum (P.V with the rescaled weights in 2 or 3 bf16 parts)
-ROUNDING_VARIANTS = (("xla, running max, 3 parts", None),
-                     ("xla, row max", dict(reference=dict(running_max_block=None))),
-                     ("xla, running max, 2 parts", dict(reference=dict(pv_parts=2))))
+ROUNDING_VARIANTS = (("xla, row max", None),
+                     ("xla, running max, 3 parts", dict(reference=dict(running_max_block=64))),
+                     ("xla, running max, 2 parts", dict(reference=dict(running_max_block=64, pv_parts=2))))
 
 
 def site(log, contexts=(2560, 5121), batches=(1,), variants=SITE_VARIANTS, reps=5, seq=1):

@@ -6,9 +6,11 @@ the sink is one extra logit with a zero value vector (in the denominator, not in
 DeepSeek's kernel, the unnormalised weights ``exp(l - m)`` are cast to ``q.dtype`` (bf16 in the real
 model) before P·V, which accumulates in fp32, and the sum is divided by the fp32 denominator at the
 end. The kernel takes ``m`` as a running maximum over blocks of 64 indices of the
-concatenated list (window, then compressed); this reference emulates that (``running_max_block``),
-so a key in a block before the one holding the row's maximum is rounded relative to the smaller
-running maximum, as there. The fp32 sums differ from the kernel's in order only.
+concatenated list (window, then compressed). By default ``m`` here is the row's maximum: the same
+for lists of up to 64 entries and for the blocks from the one holding the maximum on. On request
+(``running_max_block``) the reference emulates the running maximum, so that a key in an earlier
+block is rounded relative to the smaller running maximum, as there; then the fp32 sums differ from
+the kernel's in order only.
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ import jax.numpy as jnp
 from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, exact_in_bf16
 
 _HI = jax.lax.Precision.HIGHEST
-# DeepSeek's sparse_attn kernel takes 64 keys per step of its online softmax (inference/kernel.py)
-RUNNING_MAX_BLOCK = 64
 PV_PARTS = 3
 
 
@@ -65,11 +65,13 @@ def split_bf16(p, parts: int):
     return jnp.stack(terms, axis=-3)
 
 
-def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None, running_max_block=RUNNING_MAX_BLOCK,
+def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None, running_max_block=None,
                      pv_parts=PV_PARTS):
     """``running_max_block``: emulate the kernel's running maximum over blocks of that many keys of
-    the concatenated index list (window, then compressed) when the weights are rounded (bf16 q) and
-    the list is longer than one block; None rounds every weight relative to the row's maximum.
+    the concatenated index list (window, then compressed; DeepSeek's: 64) when the weights are
+    rounded (bf16 q) and the list is longer than one block; None (the default) rounds every weight
+    relative to the row's maximum. The emulation costs 20-40 % of the op's time on an H200
+    (BENCHMARKS.md, issue 5, session 36), hence opt-in (``RunOptions.attention_rounding``).
     ``pv_parts``: bf16 terms per rescaled weight in P·V under the emulation (see :func:`split_bf16`)."""
     dtype = q.dtype
     has_comp = comp_kv is not None and comp_idx is not None and comp_idx.shape[-1] > 0

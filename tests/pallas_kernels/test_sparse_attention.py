@@ -474,9 +474,9 @@ def test_reference_emulates_the_kernels_running_maximum(pv_parts):
     """bf16 over V4.1's decode list (a 128-slot window ring, -1 slots first, then 512 sorted
     compressed picks with -1 padding at the end: ten blocks of 64): the kernel rounds each block's
     weights relative to the running maximum, and the reference emulates that. Measured on the CPU:
-    with the row's maximum instead, 10-17 % of the outputs differed from the kernel by up to 2 bf16
-    ulps; with the emulation, 0-2 in 10,000 by one ulp (3 parts; fp32 summation order) or about 1 in 1,000
-    (2 parts)."""
+    with the row's maximum instead, 14-19 % of the outputs differed from the kernel by up to 2 bf16
+    ulps (40 draws); with the emulation, at most 0.3 % by one ulp (median 0.02 % with 3
+    parts, 0.07 % with 2: fp32 summation order, and the 2 parts' 2**-17 weight error)."""
     rng = np.random.default_rng()
     b, s, h, d, nw, nc, kc = 2, 2, 16, 64, 128, 1024, 512
     q = jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16)
@@ -491,7 +491,8 @@ def test_reference_emulates_the_kernels_running_maximum(pv_parts):
     cidx[1, 1, -100:] = -1  # fewer visible entries than top-k: -1 at the end
     sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
     kw = dict(scale=d ** -0.5, comp_kv=comp, comp_idx=jnp.asarray(cidx))
-    got = np.asarray(reference.sparse_attention(q, win, jnp.asarray(widx), sink, pv_parts=pv_parts, **kw), np.float32)
+    got = np.asarray(reference.sparse_attention(q, win, jnp.asarray(widx), sink, running_max_block=64,
+                                                pv_parts=pv_parts, **kw), np.float32)
     row_max = np.asarray(reference.sparse_attention(q, win, jnp.asarray(widx), sink, running_max_block=None, **kw),
                          np.float32)
     want = _deepseek_sparse_attn(q, np.concatenate([np.asarray(win, np.float32), np.asarray(comp, np.float32)], 1),
@@ -501,8 +502,8 @@ def test_reference_emulates_the_kernels_running_maximum(pv_parts):
     mag = np.abs(want) if pv_parts == 3 else np.abs(want).max(-1, keepdims=True)
     ulp = 2.0 ** (np.floor(np.log2(np.maximum(mag, 1e-30))) - 7)
     assert np.max(np.abs(got - want) / ulp) <= 1.0
-    assert np.mean(got != want) <= (1e-3 if pv_parts == 3 else 5e-3), np.mean(got != want)
-    assert np.mean(row_max != want) > 0.02  # the emulation is what makes the difference
+    assert np.mean(got != want) <= 1e-2, np.mean(got != want)
+    assert np.mean(row_max != want) > 5e-2  # the emulation is what makes the difference
 
 
 def test_running_max_factors_edge_cases():

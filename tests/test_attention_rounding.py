@@ -1,0 +1,93 @@
+"""``RunOptions.attention_rounding`` through the model: ``kernel_blocks`` reaches the sparse
+attention as DeepSeek's 64-key blocks, changes bf16 results only where an index list is longer than
+one block, and stays within rounding of the default ``row_max``."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax import transformer
+from dsv41_jax.cache import init_cache
+from dsv41_jax.model import Model
+from dsv41_jax.options import RunOptions
+from dsv41_jax.params import init_params
+from pallas_kernels.sparse_attention import api, reference
+from tests.tiny_short import tiny_short
+
+
+_REAL = reference.sparse_attention
+
+
+def _logits(cfg, params, toks, opts, monkeypatch):
+    seen = []
+    real = _REAL
+
+    def spy(*a, **k):
+        seen.append((k["running_max_block"], a[2].shape[-1] + (0 if k["comp_idx"] is None else k["comp_idx"].shape[-1])))
+        return real(*a, **k)
+
+    monkeypatch.setattr(reference, "sparse_attention", spy)
+    ids = Model(cfg, params).engram_ids(np.asarray(toks), np.zeros(toks.shape, np.int32))
+    step = jax.jit(functools.partial(transformer.forward_step, cfg=cfg, opts=opts, return_aux=True))
+    B, S = toks.shape
+    logits, _, aux = step(params, init_cache(cfg, B, S + 8, opts), toks, jnp.full((B,), S, jnp.int32), ids)
+    return np.asarray(logits, np.float32), np.asarray(aux["resid"][0], np.float32), seen
+
+
+@pytest.mark.slow
+def test_kernel_blocks_rounding_in_the_model(monkeypatch):
+    # window 96: every layer's list (window + compressed picks) is longer than one block of 64
+    cfg = tiny_short(window_size=96)
+    params = init_params(cfg, np.random.randint(1 << 30))
+    toks = jnp.asarray(np.random.default_rng().integers(3, 5000, (1, 100)), jnp.int32)
+    row, row0, seen_row = _logits(cfg, params, toks, RunOptions(dtype="bfloat16"), monkeypatch)
+    blk, blk0, seen_blk = _logits(cfg, params, toks, RunOptions(dtype="bfloat16", attention_rounding="kernel_blocks"),
+                                  monkeypatch)
+    assert {b for b, _ in seen_row} == {None} and {b for b, _ in seen_blk} == {64}
+    assert min(k for _, k in seen_blk) > 64, seen_blk
+    assert np.all(np.isfinite(blk)) and not np.array_equal(row0, blk0)  # the emulation changes bits
+    # ... by rounding, not semantics: after the first layer, whose FP8 activation fake-quants already
+    # turn the attention's single-ulp differences into FP8 steps (measured: 16 % of the elements
+    # differ, 1.5 % in norm; random weights: by the logits it is chaos, so they are no measure)
+    assert np.linalg.norm(blk0 - row0) <= 5e-2 * np.linalg.norm(row0)
+
+
+def test_kernel_blocks_rounding_is_the_row_max_for_short_lists(monkeypatch):
+    """The default tiny window (16) and few compressed picks: every list fits one block, so the two
+    roundings are the same computation and the logits are bit-identical."""
+    cfg = tiny_short()
+    params = init_params(cfg, np.random.randint(1 << 30))
+    toks = jnp.asarray(np.random.default_rng().integers(3, 5000, (1, 12)), jnp.int32)
+    row, _, _ = _logits(cfg, params, toks, RunOptions(dtype="bfloat16"), monkeypatch)
+    blk, _, seen = _logits(cfg, params, toks, RunOptions(dtype="bfloat16", attention_rounding="kernel_blocks"),
+                        monkeypatch)
+    assert max(k for _, k in seen) <= 64
+    np.testing.assert_array_equal(row, blk)
+
+
+def test_attention_rounding_errors_name_the_flag():
+    with pytest.raises(ValueError, match="attention_rounding.*row_max, kernel_blocks.*--attention-rounding"):
+        RunOptions(attention_rounding="running")
+    assert RunOptions().running_max_block is None
+    assert RunOptions(attention_rounding="kernel_blocks").running_max_block == 64
+
+
+def test_the_kernel_declines_the_block_emulation():
+    """Asked explicitly, the Pallas kernel refuses the emulation with the reason; under a context
+    choice the call falls back to the reference, which emulates."""
+    from pallas_kernels import dispatch
+
+    rng = np.random.default_rng()
+    q = jnp.asarray(rng.standard_normal((1, 1, 8, 64)), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((1, 100, 64)), jnp.bfloat16)
+    idx = jnp.asarray(rng.permutation(100)[None, None, :90], jnp.int32)
+    sink = jnp.zeros((8,), jnp.float32)
+    with pytest.raises(ValueError, match="reference only"):
+        api.sparse_attention(q, kv, idx, sink, scale=0.125, running_max_block=64, implementation="interpret")
+    with dispatch.use_implementation("interpret"):
+        got = api.sparse_attention(q, kv, idx, sink, scale=0.125, running_max_block=64)
+    want = reference.sparse_attention(q, kv, idx, sink, scale=0.125, running_max_block=64)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
