@@ -29,7 +29,9 @@ class RunOptions:
     holding the row's maximum, by one or two bf16 ulps in 14-19 % of the outputs of a 640-key list
     (tests/pallas_kernels/test_sparse_attention.py). ``kernel_blocks`` costs time on an H200
     (BENCHMARKS.md, issue 5, session 36): batch-1 decode 143.5 -> 138.8 tok/s, the 4096-token
-    prefill 5,591 -> 4,790 tok/s, so it is for numerics comparisons, not the default."""
+    prefill 5,591 -> 4,790 tok/s, so it is for numerics comparisons, not the default. With the
+    Pallas sparse attention chosen (``DSV41_KERNELS=auto,sparse_attention=pallas``) it runs the kernel
+    in 64-key blocks with one split instead, which is DeepSeek's loop; not yet timed."""
 
     dtype: str = "bfloat16"
     kv_cache_dtype: str = "reference"

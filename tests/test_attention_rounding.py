@@ -75,19 +75,28 @@ def test_attention_rounding_errors_name_the_flag():
     assert RunOptions(attention_rounding="kernel_blocks").running_max_block == 64
 
 
-def test_the_kernel_declines_the_block_emulation():
-    """Asked explicitly, the Pallas kernel refuses the emulation with the reason; under a context
-    choice the call falls back to the reference, which emulates."""
+def test_the_kernel_runs_deepseeks_blocks_where_they_line_up():
+    """With 64-key rounding the Pallas kernel runs with 64-key blocks and one split (interpret mode
+    here), and equals the reference's emulation to fp32 summation order. A window list that is not a
+    multiple of 64 keys, followed by compressed picks, would put the block boundaries elsewhere:
+    asked explicitly the kernel refuses with the reason, under a context choice the call falls back
+    to the reference."""
     from pallas_kernels import dispatch
 
     rng = np.random.default_rng()
-    q = jnp.asarray(rng.standard_normal((1, 1, 8, 64)), jnp.bfloat16)
-    kv = jnp.asarray(rng.standard_normal((1, 100, 64)), jnp.bfloat16)
-    idx = jnp.asarray(rng.permutation(100)[None, None, :90], jnp.int32)
-    sink = jnp.zeros((8,), jnp.float32)
-    with pytest.raises(ValueError, match="reference only"):
-        api.sparse_attention(q, kv, idx, sink, scale=0.125, running_max_block=64, implementation="interpret")
+    q = jnp.asarray(rng.standard_normal((1, 2, 16, 64)), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((1, 128, 64)) * 1.5, jnp.bfloat16)
+    comp = jnp.asarray(rng.standard_normal((1, 400, 64)) * np.linspace(0.5, 3, 400)[None, :, None], jnp.bfloat16)
+    sink = jnp.asarray(rng.standard_normal(16), jnp.float32)
+    widx = jnp.asarray(np.broadcast_to(np.arange(128, dtype=np.int32), (1, 2, 128)))
+    cidx = jnp.asarray(np.sort(rng.permutation(400)[:256]).astype(np.int32)[None, None].repeat(2, 1))
+    kw = dict(scale=0.125, comp_kv=comp, comp_idx=cidx, running_max_block=64)
+    got = np.asarray(api.sparse_attention(q, kv, widx, sink, implementation="interpret", **kw), np.float32)
+    want = np.asarray(reference.sparse_attention(q, kv, widx, sink, **kw), np.float32)
+    assert np.mean(got != want) <= 1e-2 and np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max()
+    with pytest.raises(ValueError, match="100-key window list.*multiple of 64"):
+        api.sparse_attention(q, kv, widx[..., :100], sink, implementation="interpret", **kw)
     with dispatch.use_implementation("interpret"):
-        got = api.sparse_attention(q, kv, idx, sink, scale=0.125, running_max_block=64)
-    want = reference.sparse_attention(q, kv, idx, sink, scale=0.125, running_max_block=64)
+        got = api.sparse_attention(q, kv, widx[..., :100], sink, **kw)
+    want = reference.sparse_attention(q, kv, widx[..., :100], sink, **kw)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

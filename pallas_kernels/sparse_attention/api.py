@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from pallas_kernels import dispatch
 
 from . import reference
@@ -13,10 +15,21 @@ def _kernel():
     return pallas_triton
 
 
+def _blocks(q, running_max_block):
+    """The kernel configuration that walks the lists in DeepSeek's blocks (``running_max_block`` keys,
+    one split: the kernel's loop is then DeepSeek's), or {} where rounding does not depend on it."""
+    if running_max_block is None or q.dtype == jnp.float32:
+        return {}
+    return dict(block_k=running_max_block, num_splits=1)
+
+
 def _unsupported(k, q, kv, kv_idx, comp_kv, comp_idx, running_max_block):
-    if running_max_block is not None:
-        return (f"running_max_block={running_max_block} (DeepSeek's kernel-block rounding) is emulated by the "
-                "reference only; the Pallas kernel's running maximum follows its own key blocks and splits")
+    kw = kv_idx.shape[-1]
+    has_comp = comp_idx is not None and comp_idx.shape[-1] > 0
+    if _blocks(q, running_max_block) and has_comp and kw % running_max_block:
+        return (f"running_max_block={running_max_block} with a {kw}-key window list: the kernel starts the "
+                "compressed list on a block of its own, which is DeepSeek's block of the concatenated list "
+                f"only when the window list is a multiple of {running_max_block} keys")
     return k.unsupported_reason(q, kv, kv_idx, comp_kv, comp_idx)
 
 
@@ -27,15 +40,18 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     comp_kv: compressed cache [B,Nc,D] plain or Fp4Tensor (packed [B,Nc,D//2], e4m3 scale per 16);
     comp_idx [B,S,Kc] int32 into comp_kv, -1 = empty; sink [H] f32. Returns [B,S,H,D] in q.dtype.
     A query with no valid key returns 0. ``running_max_block``: see ``reference.sparse_attention``
-    (``RunOptions.running_max_block``)."""
+    (``RunOptions.running_max_block``); the Pallas kernel then runs with blocks of that many keys and
+    one split, its own online softmax being DeepSeek's loop (checked in interpret mode against a
+    transcription of that loop, tests/pallas_kernels/test_sparse_attention.py)."""
     kernel, interpret = dispatch.choose(
         "sparse_attention", implementation, _kernel,
         lambda k: _unsupported(k, q, kv, kv_idx, comp_kv, comp_idx, running_max_block),
         lambda k: k.auto_reason(q, kv, comp_kv))
     if kernel is not None:
+        blocks = _blocks(q, running_max_block)
         return dispatch.call_kernel(
             lambda q, kv, kv_idx, sink, comp_kv, comp_idx: kernel.sparse_attention(
-                q, kv, kv_idx, sink, scale=scale, comp_kv=comp_kv, comp_idx=comp_idx, interpret=interpret),
+                q, kv, kv_idx, sink, scale=scale, comp_kv=comp_kv, comp_idx=comp_idx, interpret=interpret, **blocks),
             q, kv, kv_idx, sink, comp_kv, comp_idx)
     return reference.sparse_attention(q, kv, kv_idx, sink, scale=scale, comp_kv=comp_kv, comp_idx=comp_idx,
                                       running_max_block=running_max_block)

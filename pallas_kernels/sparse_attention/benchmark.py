@@ -122,11 +122,13 @@ SITE_VARIANTS = (("xla", None), ("pallas default", dict(combine="xla")), ("palla
                  ("pallas 8 splits in-kernel", dict(num_splits=8, combine="kernel")))
 
 
-# The --rounding variants: the XLA reference with the row's maximum against the emulation of the
-# kernel's running maximum (P.V with the rescaled weights in 2 or 3 bf16 parts)
+# The --rounding variants: the XLA reference with the row's maximum against the emulation of
+# DeepSeek's running maximum (P.V with the rescaled weights in 2 or 3 bf16 parts) and against the
+# Pallas kernel in DeepSeek's blocks (64 keys, one split: its loop is DeepSeek's)
 ROUNDING_VARIANTS = (("xla, row max", None),
                      ("xla, running max, 3 parts", dict(reference=dict(running_max_block=64))),
-                     ("xla, running max, 2 parts", dict(reference=dict(running_max_block=64, pv_parts=2))))
+                     ("xla, running max, 2 parts", dict(reference=dict(running_max_block=64, pv_parts=2))),
+                     ("pallas, 64-key blocks", dict(block_k=64, num_splits=1)))
 
 
 def site(log, contexts=(2560, 5121), batches=(1,), variants=SITE_VARIANTS, reps=5, seq=1):

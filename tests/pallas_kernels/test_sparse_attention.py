@@ -521,3 +521,28 @@ def test_running_max_factors_edge_cases():
     p = jnp.asarray(np.random.default_rng().standard_normal((10, 10, 10)) * 1e3, jnp.float32)
     parts = reference.split_bf16(p, 3).astype(jnp.float32)  # [10, 3, 10, 10]
     np.testing.assert_array_equal(np.asarray(parts[:, 2] + parts[:, 1] + parts[:, 0]), np.asarray(p))
+
+
+def test_kernel_with_64_key_blocks_is_deepseeks_loop():
+    """The Pallas kernel (interpret mode) with 64-key blocks and one split over V4.1's decode list
+    (a 128-slot window, -1 slots first, then sorted compressed picks): its online softmax is
+    DeepSeek's block loop, so bf16 outputs equal the transcription's but for fp32 summation order
+    (measured 0-0.05 % of the elements); the default tiling (32-key blocks, flash-decoding splits)
+    rounds differently (18-24 %)."""
+    rng = np.random.default_rng()
+    b, s, h, d, nw, nc, kc = 1, 2, 16, 64, 128, 1024, 512
+    q = jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16)
+    win = jnp.asarray(rng.standard_normal((b, nw, d)) * 1.5, jnp.bfloat16)
+    comp = jnp.asarray(rng.standard_normal((b, nc, d)) * np.linspace(0.5, 3, nc)[None, :, None], jnp.bfloat16)
+    widx = np.broadcast_to(np.arange(nw, dtype=np.int32), (b, s, nw)).copy()
+    widx[0, :, :37] = -1
+    cidx = np.sort(np.stack([rng.permutation(nc)[:kc] for _ in range(s)]), -1).astype(np.int32)[None]
+    cidx[0, 1, -100:] = -1
+    sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    want = _deepseek_sparse_attn(q, np.concatenate([np.asarray(win, np.float32), np.asarray(comp, np.float32)], 1),
+                                 np.concatenate([widx, np.where(cidx >= 0, cidx + nw, -1)], -1), sink, d ** -0.5)
+    got = np.asarray(_kernel(q, win, jnp.asarray(widx), sink, comp, jnp.asarray(cidx), d ** -0.5, block_k=64,
+                             num_splits=1), np.float32)
+    assert np.mean(got != want) <= 1e-2, np.mean(got != want)
+    default = np.asarray(_kernel(q, win, jnp.asarray(widx), sink, comp, jnp.asarray(cidx), d ** -0.5), np.float32)
+    assert np.mean(default != want) > 5e-2
