@@ -419,6 +419,23 @@ def test_site_benchmark_runs_and_checks_each_variant(monkeypatch):
     assert rows[0]["rel_err"] == 0.0 and all(0.0 < r["rel_err"] < 2e-2 for r in rows[1:]) and all(r["ok"] for r in rows)
 
 
+def test_rounding_benchmark_runs_each_variant(monkeypatch):
+    """benchmark.site with the --rounding variants (the XLA reference's two roundings, the Pallas
+    kernel in 64-key blocks) on the CPU, timing stubbed: each runs and is checked against the first."""
+    import functools
+
+    import pallas_kernels.benchmarking as bm
+    from pallas_kernels.sparse_attention import benchmark
+
+    monkeypatch.setattr(bm, "device_time_op", lambda fn, args, shared=(), reps=5, kernels=None: 1e-5)
+    monkeypatch.setattr(pallas_triton, "sparse_attention",
+                        functools.partial(pallas_triton.sparse_attention, interpret=True))
+    lines = []
+    rows = benchmark.site(lines.append, contexts=(700,), batches=(1,), variants=benchmark.ROUNDING_VARIANTS, reps=1)
+    assert [r["variant"] for r in rows] == [v for v, _ in benchmark.ROUNDING_VARIANTS], lines
+    assert all(r["ok"] for r in rows), lines
+
+
 def _deepseek_sparse_attn(q, kv, idx, sink, scale, block=64):
     """DeepSeek's sparse_attn_kernel in numpy: the index list in blocks of ``block`` keys, fp32
     logits, a running maximum m, the unnormalised exp(l - m) cast to bf16 for each block's P.V, the
