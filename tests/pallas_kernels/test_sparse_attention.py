@@ -486,37 +486,42 @@ def test_reference_casts_the_unnormalised_weights_as_deepseeks_kernel(keys):
         assert np.max(np.abs(got - want) / ulp) <= 1.0 and np.mean(got == want) > 0.9
 
 
+def _decode_list_case(b, s=2, h=16, d=64, nw=128, nc=1024, kc=512):
+    """V4.1's decode lists at a small width: a 128-slot window ring (row 0's still filling: -1 slots
+    first), then 512 sorted compressed picks (row b-1's last query sees fewer: -1 at the end): ten
+    blocks of 64. Key scales grow along the compressed cache, so later blocks hold larger logits and
+    the running maximum rises block by block, as over a real context. Returns the inputs and
+    DeepSeek's loop's output on them."""
+    rng = np.random.default_rng()
+    q = jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16)
+    win = jnp.asarray(rng.standard_normal((b, nw, d)) * 1.5, jnp.bfloat16)
+    comp = jnp.asarray(rng.standard_normal((b, nc, d)) * np.linspace(0.5, 3, nc)[None, :, None], jnp.bfloat16)
+    widx = np.broadcast_to(np.arange(nw, dtype=np.int32), (b, s, nw)).copy()
+    widx[0, :, :37] = -1
+    cidx = np.sort(np.stack([np.stack([rng.permutation(nc)[:kc] for _ in range(s)]) for _ in range(b)]), -1)
+    cidx = cidx.astype(np.int32)
+    cidx[b - 1, s - 1, -100:] = -1
+    sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    want = _deepseek_sparse_attn(q, np.concatenate([np.asarray(win, np.float32), np.asarray(comp, np.float32)], 1),
+                                 np.concatenate([widx, np.where(cidx >= 0, cidx + nw, -1)], -1), sink, d ** -0.5)
+    return q, win, jnp.asarray(widx), sink, comp, jnp.asarray(cidx), want
+
+
 @pytest.mark.parametrize("pv_parts", [3, 2])
 def test_reference_emulates_the_kernels_running_maximum(pv_parts):
-    """bf16 over V4.1's decode list (a 128-slot window ring, -1 slots first, then 512 sorted
-    compressed picks with -1 padding at the end: ten blocks of 64): the kernel rounds each block's
+    """bf16 over V4.1's decode lists (:func:`_decode_list_case`): the kernel rounds each block's
     weights relative to the running maximum, and the reference emulates that. Measured on the CPU:
     with the row's maximum instead, 14-19 % of the outputs differed from the kernel by up to 2 bf16
     ulps (40 draws); with the emulation, at most 0.3 % by one ulp (median 0.02 % with 3
     parts, 0.07 % with 2: fp32 summation order, and the 2 parts' 2**-17 weight error)."""
-    rng = np.random.default_rng()
-    b, s, h, d, nw, nc, kc = 2, 2, 16, 64, 128, 1024, 512
-    q = jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16)
-    # a growing key scale along the list, so that later blocks hold larger logits (the running
-    # maximum rises block by block, as over a real context)
-    win = jnp.asarray(rng.standard_normal((b, nw, d)) * 1.5, jnp.bfloat16)
-    comp = jnp.asarray(rng.standard_normal((b, nc, d)) * np.linspace(0.5, 3, nc)[None, :, None], jnp.bfloat16)
-    widx = np.broadcast_to(np.arange(nw, dtype=np.int32), (b, s, nw)).copy()
-    widx[0, :, :37] = -1  # the ring still filling: -1 slots first
-    cidx = np.sort(np.stack([np.stack([rng.permutation(nc)[:kc] for _ in range(s)]) for _ in range(b)]), -1)
-    cidx = cidx.astype(np.int32)
-    cidx[1, 1, -100:] = -1  # fewer visible entries than top-k: -1 at the end
-    sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
-    kw = dict(scale=d ** -0.5, comp_kv=comp, comp_idx=jnp.asarray(cidx))
-    got = np.asarray(reference.sparse_attention(q, win, jnp.asarray(widx), sink, running_max_block=64,
-                                                pv_parts=pv_parts, **kw), np.float32)
-    row_max = np.asarray(reference.sparse_attention(q, win, jnp.asarray(widx), sink, running_max_block=None, **kw),
-                         np.float32)
-    want = _deepseek_sparse_attn(q, np.concatenate([np.asarray(win, np.float32), np.asarray(comp, np.float32)], 1),
-                                 np.concatenate([widx, np.where(cidx >= 0, cidx + nw, -1)], -1), sink, d ** -0.5)
-    # one bf16 ulp of each element (3 parts), of each row's largest element (2 parts: the 2**-17
-    # relative error of the weights shows most in outputs that cancel)
-    mag = np.abs(want) if pv_parts == 3 else np.abs(want).max(-1, keepdims=True)
+    q, win, widx, sink, comp, cidx, want = _decode_list_case(2)
+    kw = dict(scale=64 ** -0.5, comp_kv=comp, comp_idx=cidx)
+    got = np.asarray(reference.sparse_attention(q, win, widx, sink, running_max_block=64, pv_parts=pv_parts, **kw),
+                     np.float32)
+    row_max = np.asarray(reference.sparse_attention(q, win, widx, sink, running_max_block=None, **kw), np.float32)
+    # one bf16 ulp of each row's largest element: fp32 summation order (and the 2 parts' 2**-17
+    # weight error) show most in outputs that cancel, so not of each element
+    mag = np.abs(want).max(-1, keepdims=True)
     ulp = 2.0 ** (np.floor(np.log2(np.maximum(mag, 1e-30))) - 7)
     assert np.max(np.abs(got - want) / ulp) <= 1.0
     assert np.mean(got != want) <= 1e-2, np.mean(got != want)
@@ -541,25 +546,12 @@ def test_running_max_factors_edge_cases():
 
 
 def test_kernel_with_64_key_blocks_is_deepseeks_loop():
-    """The Pallas kernel (interpret mode) with 64-key blocks and one split over V4.1's decode list
-    (a 128-slot window, -1 slots first, then sorted compressed picks): its online softmax is
-    DeepSeek's block loop, so bf16 outputs equal the transcription's but for fp32 summation order
-    (measured 0-0.05 % of the elements); the default tiling (32-key blocks, flash-decoding splits)
-    rounds differently (18-24 %)."""
-    rng = np.random.default_rng()
-    b, s, h, d, nw, nc, kc = 1, 2, 16, 64, 128, 1024, 512
-    q = jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16)
-    win = jnp.asarray(rng.standard_normal((b, nw, d)) * 1.5, jnp.bfloat16)
-    comp = jnp.asarray(rng.standard_normal((b, nc, d)) * np.linspace(0.5, 3, nc)[None, :, None], jnp.bfloat16)
-    widx = np.broadcast_to(np.arange(nw, dtype=np.int32), (b, s, nw)).copy()
-    widx[0, :, :37] = -1
-    cidx = np.sort(np.stack([rng.permutation(nc)[:kc] for _ in range(s)]), -1).astype(np.int32)[None]
-    cidx[0, 1, -100:] = -1
-    sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
-    want = _deepseek_sparse_attn(q, np.concatenate([np.asarray(win, np.float32), np.asarray(comp, np.float32)], 1),
-                                 np.concatenate([widx, np.where(cidx >= 0, cidx + nw, -1)], -1), sink, d ** -0.5)
-    got = np.asarray(_kernel(q, win, jnp.asarray(widx), sink, comp, jnp.asarray(cidx), d ** -0.5, block_k=64,
-                             num_splits=1), np.float32)
+    """The Pallas kernel (interpret mode) with 64-key blocks and one split over V4.1's decode lists
+    (:func:`_decode_list_case`): its online softmax is DeepSeek's block loop, so bf16 outputs equal
+    the transcription's but for fp32 summation order (measured 0-0.05 % of the elements); the
+    default tiling (32-key blocks, flash-decoding splits) rounds differently (18-24 %)."""
+    q, win, widx, sink, comp, cidx, want = _decode_list_case(1)
+    got = np.asarray(_kernel(q, win, widx, sink, comp, cidx, 64 ** -0.5, block_k=64, num_splits=1), np.float32)
     assert np.mean(got != want) <= 1e-2, np.mean(got != want)
-    default = np.asarray(_kernel(q, win, jnp.asarray(widx), sink, comp, jnp.asarray(cidx), d ** -0.5), np.float32)
+    default = np.asarray(_kernel(q, win, widx, sink, comp, cidx, 64 ** -0.5), np.float32)
     assert np.mean(default != want) > 5e-2
