@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from .codecs import E2M1_MAX, E4M3_MAX, e2m1_decode, e2m1_encode, e2m1_encode_scaled, e4m3_round, e8m0_decode, e8m0_encode_exponent, pow2
+from .codecs import (E2M1_MAX, E4M3_MAX, e2m1_decode, e2m1_encode, e2m1_encode_scaled, e4m3_round, e8m0_decode,
+                     e8m0_encode_exponent, pow2)
 from .codecs import FP4_PACKINGS, exact_f32, pack_nibbles, repack_f16pairs, unpack_f16pairs, unpack_nibbles
 from .fake_quant import fp4_e4m3_block_scale, fp8_block_scale, mxfp4_block_scale
 

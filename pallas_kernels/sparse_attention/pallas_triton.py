@@ -28,9 +28,10 @@ Dequantization (all exact in bf16, attention.md §2.3):
 Numerics: logits fp32 (bf16 × bf16 products are exact in fp32; f32 inputs use an IEEE f32 dot),
 online softmax in fp32, the probabilities cast to ``q.dtype`` before P·V, fp32 accumulation, the
 sink added to the denominator at the end (not to the max). Like DeepSeek's kernel it casts
-``exp(l - m_running)`` and divides at the end; the reference casts ``exp(l - m)`` with the row's
-final maximum, so bf16 results agree exactly where the running maximum is the final one and to bf16
-rounding elsewhere, f32 results to ~1e-6.
+``exp(l - m_running)`` and divides at the end. With ``block_k=64`` and one split its loop is
+DeepSeek's (the ``kernel_blocks`` rounding, ``api.sparse_attention(running_max_block=64)``); with
+other tilings, and against the reference's default row maximum, bf16 results agree exactly where the
+running maximum is the final one and to bf16 rounding elsewhere; f32 results to ~1e-6.
 """
 
 from __future__ import annotations

@@ -48,9 +48,11 @@ def running_max_factors(logits, m, block):
     nb = -(-k // block)
     lp = jnp.pad(logits, [(0, 0)] * (logits.ndim - 1) + [(0, nb * block - k)], constant_values=-jnp.inf)
     run = jax.lax.cummax(jnp.max(lp.reshape(*logits.shape[:-1], nb, block), axis=-1), axis=logits.ndim - 1)
-    mk = jnp.repeat(run, block, axis=-1, total_repeat_length=nb * block)[..., :k]
-    finite = jnp.isfinite(mk)
-    return jnp.where(finite, mk, 0.0), jnp.where(finite, jnp.exp(mk - m), 0.0)
+    finite = jnp.isfinite(run)  # per block [.., nb], then spread to the block's keys
+
+    def per_key(a):
+        return jnp.repeat(a, block, axis=-1, total_repeat_length=nb * block)[..., :k]
+    return per_key(jnp.where(finite, run, 0.0)), per_key(jnp.where(finite, jnp.exp(run - m), 0.0))
 
 
 def split_bf16(p, parts: int):
