@@ -28,10 +28,11 @@ class RunOptions:
     blocks of 64 keys of the index list. The two differ only for keys in blocks before the one
     holding the row's maximum, by one or two bf16 ulps in 14-19 % of the outputs of a 640-key list
     (tests/pallas_kernels/test_sparse_attention.py). ``kernel_blocks`` costs time on an H200
-    (BENCHMARKS.md, issue 5, session 36): batch-1 decode 143.5 -> 138.8 tok/s, the 4096-token
-    prefill 5,591 -> 4,790 tok/s, so it is for numerics comparisons, not the default. With the
-    Pallas sparse attention chosen (``DSV41_KERNELS=auto,sparse_attention=pallas``) it runs the kernel
-    in 64-key blocks with one split instead, which is DeepSeek's loop; not yet timed."""
+    (BENCHMARKS.md, issue 5, sessions 36-37), so it is for numerics comparisons, not the default.
+    Wherever the Pallas sparse attention runs it, the kernel walks the lists in 64-key blocks with one
+    split, which is DeepSeek's loop. Under ``auto`` on a GPU that is from 256 query rows on (prefill
+    steps): the 4096-token prefill 5,604 (row max) -> 5,388 tok/s, against 4,790 with the XLA
+    emulation. Decode steps of fewer rows keep the XLA emulation: batch-1 decode 143.5 -> 138.8 tok/s."""
 
     dtype: str = "bfloat16"
     kv_cache_dtype: str = "reference"

@@ -100,3 +100,43 @@ def test_the_kernel_runs_deepseeks_blocks_where_they_line_up():
         got = api.sparse_attention(q, kv, widx[..., :100], sink, **kw)
     want = reference.sparse_attention(q, kv, widx[..., :100], sink, **kw)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_auto_runs_kernel_blocks_at_prefill_rows_in_the_kernel(monkeypatch):
+    """Under plain 'auto' on a GPU, the running-maximum rounding runs in the Pallas kernel (DeepSeek's own
+    loop: 64-key blocks, one split) from KERNEL_BLOCKS_MIN_ROWS query rows on -- there it measured
+    cheaper than the XLA emulation (session 37) -- and in the XLA emulation below it; the row maximum
+    stays on the XLA reference at every row count."""
+    from pallas_kernels import dispatch
+    from pallas_kernels.sparse_attention import pallas_triton
+
+    sds = jax.ShapeDtypeStruct
+    rows_min = pallas_triton.KERNEL_BLOCKS_MIN_ROWS
+    assert pallas_triton.auto_reason(sds((1, rows_min, 64, 512), jnp.bfloat16), running_max_block=64) is None
+    assert pallas_triton.auto_reason(sds((8, rows_min // 8, 64, 512), jnp.bfloat16), running_max_block=64) is None
+    assert "below 256 rows" in pallas_triton.auto_reason(sds((32, 1, 64, 512), jnp.bfloat16), running_max_block=64)
+    assert "prefill" in pallas_triton.auto_reason(sds((1, 4096, 64, 512), jnp.bfloat16))
+
+    monkeypatch.setattr(dispatch, "resolve", lambda implementation=None, op=None: "interpret")
+    monkeypatch.setattr(pallas_triton, "KERNEL_BLOCKS_MIN_ROWS", 4)
+    calls = []
+    kernel = pallas_triton.sparse_attention
+    monkeypatch.setattr(pallas_triton, "sparse_attention",
+                        lambda *a, **k: calls.append((a[0].shape, k.get("block_k"), k.get("num_splits"))) or kernel(*a, **k))
+    rng = np.random.default_rng()
+    kv = jnp.asarray(rng.standard_normal((1, 64, 64)), jnp.bfloat16)
+    comp = jnp.asarray(rng.standard_normal((1, 300, 64)) * 2, jnp.bfloat16)
+    sink = jnp.asarray(rng.standard_normal(16), jnp.float32)
+    for s, rmb, picked in ((4, 64, True), (3, 64, False), (4, None, False)):
+        q = jnp.asarray(rng.standard_normal((1, s, 16, 64)), jnp.bfloat16)
+        widx = jnp.asarray(np.broadcast_to(np.arange(64, dtype=np.int32), (1, s, 64)))
+        cidx = jnp.asarray(np.sort(rng.permutation(300)[:128]).astype(np.int32)[None, None].repeat(s, 1))
+        kw = dict(scale=0.125, comp_kv=comp, comp_idx=cidx, running_max_block=rmb)
+        del calls[:]
+        got = np.asarray(api.sparse_attention(q, kv, widx, sink, **kw), np.float32)
+        assert calls == ([(q.shape, 64, 1)] if picked else [])
+        want = np.asarray(reference.sparse_attention(q, kv, widx, sink, **kw), np.float32)
+        if picked:  # the kernel's loop against the emulation: fp32 summation order
+            assert np.mean(got != want) <= 1e-2 and np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max()
+        else:
+            np.testing.assert_array_equal(got, want)

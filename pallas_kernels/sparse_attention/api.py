@@ -46,7 +46,7 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     kernel, interpret = dispatch.choose(
         "sparse_attention", implementation, _kernel,
         lambda k: _unsupported(k, q, kv, kv_idx, comp_kv, comp_idx, running_max_block),
-        lambda k: k.auto_reason(q, kv, comp_kv))
+        lambda k: k.auto_reason(q, kv, comp_kv, running_max_block))
     if kernel is not None:
         blocks = _blocks(q, running_max_block)
         return dispatch.call_kernel(

@@ -131,6 +131,14 @@ ROUNDING_VARIANTS = (("xla, row max", None),
                      ("pallas, 64-key blocks", dict(block_k=64, num_splits=1)))
 
 
+# The --prefill variants: prefill-sized row counts (one query row per prompt token), where the
+# kernel's grid is rows x head blocks without flash-decoding splits.
+PREFILL_VARIANTS = (("xla, row max", None),
+                    ("pallas default", {}),
+                    ("pallas, 64-key blocks", dict(block_k=64, num_splits=1)),
+                    ("pallas, 64-key blocks, 32 heads", dict(block_k=64, num_splits=1, block_h=32)))
+
+
 def site(log, contexts=(2560, 5121), batches=(1,), variants=SITE_VARIANTS, reps=5, seq=1):
     """The model's attention site at decode (sparse attention -> inverse RoPE -> wo_a, the grouped FP8
     GEMV of 8 groups x 1024 rows), by device time (:func:`device_time_op`: the sum of the site's
@@ -191,6 +199,8 @@ def main(argv=None):
                     help="the model's decode site (attention -> inverse RoPE -> wo_a) by device time, then exit")
     ap.add_argument("--rounding", action="store_true",
                     help="the decode site and a 4096-row prefill chunk with the XLA reference's P.V roundings, then exit")
+    ap.add_argument("--prefill", action="store_true",
+                    help="the site at prefill row counts (256 to 4096 rows), XLA against Pallas tilings, then exit")
     args = ap.parse_args(argv)
 
     import jax
@@ -217,6 +227,14 @@ def main(argv=None):
         rows = site(log, contexts=(5121,), batches=(1, 8, 32), variants=ROUNDING_VARIANTS)
         rows += site(log, contexts=(1024,), batches=(1,), variants=ROUNDING_VARIANTS, reps=2, seq=4096)
         write_rows(args.out, "sparse_attention_rounding.json", rows)
+        return 0 if rows and all(r["ok"] for r in rows) else 1
+    if args.prefill:
+        log(f"# sparse attention site at prefill row counts, device time | {dev.device_kind} | jax {jax.__version__}")
+        rows = []
+        for seq in (256, 1024, 4096):
+            rows += site(log, contexts=(1024,), batches=(1,), variants=PREFILL_VARIANTS, reps=2 if seq > 1024 else 3,
+                         seq=seq)
+        write_rows(args.out, "sparse_attention_prefill.json", rows)
         return 0 if rows and all(r["ok"] for r in rows) else 1
     log(f"# sparse attention decode | device {dev.device_kind} | jax {jax.__version__} | n={args.n} reps={args.reps}")
     ok = check(log, ({},) + (D_SPLIT_SWEEP if args.sweep else ()))

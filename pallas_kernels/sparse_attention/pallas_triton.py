@@ -594,18 +594,40 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     return (out, parts) if return_partials else out
 
 
-def auto_reason(q, kv=None, comp_kv=None):
-    """Why plain 'auto' dispatch does not pick this kernel on a GPU (None: pick it). It never does
-    today: measured on the H200 (BENCHMARKS.md, issue 5, session 15), by device time (profiler):
-    * one query row (batch-1 decode) over V4.1's stores: the op 18.8-19.0 us against the XLA
-      reference's 22.1 us, but the model's whole site (attention, inverse RoPE, wo_a) a tie, 32.4-32.6
-      against 32.9 us, and in the 40-layer model decode went 112.85 -> 110.76 tok/s with it (the
-      flash-decoding combine lands in wo_a's input fusion, 2 more launches per layer);
-    * batch 8: 46.5-46.9 us against the reference's 33.9-34.1 us.
+# Fewest query rows (B*S) at which 'auto' runs DeepSeek's running-maximum rounding (kernel_blocks) in
+# this kernel rather than in the XLA reference's emulation; see :func:`auto_reason`.
+KERNEL_BLOCKS_MIN_ROWS = 256
+
+
+def auto_reason(q, kv=None, comp_kv=None, running_max_block=None):
+    """Why plain 'auto' dispatch does not pick this kernel on a GPU (None: pick it). Measured on the
+    H200 by device time (profiler; BENCHMARKS.md, issue 5):
+    * row-maximum rounding (the default), one query row (batch-1 decode) over V4.1's stores: the op
+      18.8-19.0 us against the XLA reference's 22.1 us, but the model's whole site (attention, inverse
+      RoPE, wo_a) a tie, 32.4-32.6 against 32.9 us, and in the 40-layer model decode went 112.85 ->
+      110.76 tok/s with it (the flash-decoding combine lands in wo_a's input fusion; session 15);
+      batch 8: 46.5-46.9 us against 33.9-34.1 us;
+    * row maximum, prefill rows (session 37): the site 1.29-1.32x faster than XLA at 256, 1,024 and
+      4,096 rows with the default tiling (1.46-1.49x with 64-key blocks), yet the model's 4,096-token
+      prefill went 5,604 -> 5,388 tok/s with the kernel;
+    * ``running_max_block`` (``attention_rounding="kernel_blocks"``), where the kernel runs DeepSeek's
+      own loop: at >= :data:`KERNEL_BLOCKS_MIN_ROWS` rows it is picked. The model's 4,096-token prefill
+      ran 5,388 tok/s with it against 4,790 with the XLA emulation (session 36) and the site 362.6 /
+      1,279 / 4,891 us at 256 / 1,024 / 4,096 rows against 530 / 1,872 / 7,263 us for XLA's row maximum
+      (the emulation costs 1.41x that). At decode the one-split kernel is slow: 169 us at batch 1
+      against the emulation's 38 us for the whole site (session 37).
     implementation='pallas' (argument, context or DSV41_KERNELS) still runs it for any supported
-    shape. ``kv`` / ``comp_kv`` let a later rule depend on the stores."""
+    shape. ``kv`` / ``comp_kv`` let a rule depend on the stores."""
     rows = q.shape[0] * q.shape[1]
+    if running_max_block is not None and q.dtype == jnp.bfloat16:
+        if rows >= KERNEL_BLOCKS_MIN_ROWS:
+            return None
+        return (f"running-maximum rounding over {rows} query row(s): the one-split kernel is slower than the "
+                f"XLA emulation below {KERNEL_BLOCKS_MIN_ROWS} rows on the H200 (BENCHMARKS.md, issue 5, session 37)")
     if rows == 1 and isinstance(kv, Fp8Tensor) and isinstance(comp_kv, Fp4Tensor):
         return ("batch-1 decode: faster as an op but slower in the model than the XLA reference on the H200 "
                 "(BENCHMARKS.md, issue 5, session 15)")
+    if rows >= KERNEL_BLOCKS_MIN_ROWS:
+        return (f"{rows} query rows (prefill): faster as a site but slower in the model's prefill than the XLA "
+                "reference on the H200 (BENCHMARKS.md, issue 5, session 37)")
     return f"{rows} query row(s): measured slower than the XLA reference on the H200 (BENCHMARKS.md, issue 5)"
