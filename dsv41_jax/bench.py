@@ -228,11 +228,17 @@ def with_hlo_dump(xla_flags: str, dump_dir: str) -> str:
     return f"{xla_flags} {extra}".strip()
 
 
-def profile_generate(eng, reqs, new_tokens: int, outdir: str) -> dict:
+def profile_generate(eng, reqs, new_tokens: int, outdir: str, max_prompt_tokens: int | None = None) -> dict:
     """Device time of one ``generate`` of ``reqs`` with ``new_tokens`` outputs, per compiled program
     (prefill and decode come apart), model part and kernel (:mod:`dsv41_jax.profiling`). The HLO
     names map to model parts through the runtime's name stacks or, when ``XLA_FLAGS`` holds
-    ``--xla_dump_to``, through the dump."""
+    ``--xla_dump_to``, through the dump.
+
+    ``max_prompt_tokens``: when the prompts hold more tokens than this in all, each is cut to its
+    first ``max_prompt_tokens // len(reqs)`` tokens for the profile (the report says so under
+    ``prompt_cut``). A real-width prefill step launches ~48,000 kernels, and the profiler keeps
+    only ~150,000 events: at batch 32 with 4,096-token prompts the trace kept 3 of the 32 prefill
+    steps and a fraction of each decode step's kernels (BENCHMARKS.md, issue 8, session 37)."""
     import dataclasses
     import os
     import re
@@ -241,12 +247,23 @@ def profile_generate(eng, reqs, new_tokens: int, outdir: str) -> dict:
     from .sampling import SamplingParams
 
     short = [dataclasses.replace(r, max_new_tokens=new_tokens) for r in reqs]
+    total = sum(len(r.prompt_ids) for r in short)
+    cut = None
+    if max_prompt_tokens and total > max_prompt_tokens:
+        keep = max(1, max_prompt_tokens // len(short))
+        cut = {"prompt_tokens": total, "kept_per_prompt": keep,
+               "why": f"{total} prompt tokens > {max_prompt_tokens} (--profile-prompt-tokens): the profiler's "
+                      "event buffer would not hold the prefill and the decode steps"}
+        short = [dataclasses.replace(r, prompt_ids=list(r.prompt_ids[:keep])) for r in short]
+        print(f"note: profile: prompts cut to their first {keep} tokens ({cut['why']})", flush=True)
     t = time.perf_counter()
     _, path = trace(lambda: eng.generate(short, SamplingParams()), outdir)
     wall = time.perf_counter() - t
     m = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
     rep = summarize(path, m.group(1) if m else None, top=400)  # the JSON keeps every kernel; the log the top 25
     rep["wall_s"] = wall
+    if cut:
+        rep["prompt_cut"] = cut
     # the runtime may not record executions per program: the decode program (most launches) ran
     # new_tokens - 1 times, the prefill program ceil(prompt / chunk) times (one step per chunk, the
     # rows' chunks together); with new_tokens == 1 only the prefill program ran
@@ -352,7 +369,8 @@ def run(args) -> dict:
                                                    "output_sha256": sorted(set(digests)), "partial": True})
         prof = None
         if args.profile_tokens:
-            prof = profile_generate(eng, reqs, args.profile_tokens, args.profile_dir or f"/tmp/dsv41_prof_b{B}")
+            prof = profile_generate(eng, reqs, args.profile_tokens, args.profile_dir or f"/tmp/dsv41_prof_b{B}",
+                                    max_prompt_tokens=args.profile_prompt_tokens)
         if len(set(digests)) > 1:
             out["notes"].append(f"batch {B}: the timed runs generated different tokens ({len(set(digests))} "
                                 f"distinct outputs over {len(digests)} greedy runs)")
@@ -563,6 +581,11 @@ def main(argv=None) -> int:
     ap.add_argument("--probe-layers", action="store_true",
                     help="diagnostics: 7 real-width layers, one of each kind (not the protocol; compiles in a fraction "
                          "of the time)")
+    ap.add_argument("--profile-prompt-tokens", type=int, default=4096,
+                    help="with --profile-tokens: cut the profiled generate's prompts to this many tokens in all "
+                         "(0: never), so that the profiler's event buffer holds the decode steps (a real-width "
+                         "prefill step is ~48,000 kernels; default: one prefill step at the default "
+                         "--prefill-tokens)")
     ap.add_argument("--profile-prefill", action="store_true",
                     help="after each prefill row, profile one more prefill of its prompt and print device time per "
                          "program, model part and kernel")

@@ -196,6 +196,16 @@ def test_profile_without_execution_ids_counts_prefill_and_decode_steps(monkeypat
     rep = profile_generate(eng, reqs, 1, "/tmp/unused")
     assert [(p["executions"], p["busy_ms"]) for p in rep["programs"]] == [(3, 20.0)]
     assert "prefill program" in rep["programs"][0]["note"]
+    # prompts over max_prompt_tokens in all are cut for the profile: 2 x 12 tokens = one 16-token chunk
+    seen = []
+    eng.generate = lambda rs, sp: seen.append([len(r.prompt_ids) for r in rs])
+    monkeypatch.setattr(prof, "trace", lambda f, d: (f(), "trace"))
+    monkeypatch.setattr(prof, "summarize", lambda *a, **k: {"programs": [prog(900.0), prog(300.0)]})
+    rep = profile_generate(eng, reqs, 7, "/tmp/unused", max_prompt_tokens=25)
+    assert seen[-1] == [12, 12] and rep["prompt_cut"]["prompt_tokens"] == 60
+    assert [(p["executions"], p["busy_ms"]) for p in rep["programs"]] == [(6, 10.0), (1, 60.0)]  # one prefill step
+    rep = profile_generate(eng, reqs, 7, "/tmp/unused", max_prompt_tokens=60)  # 60 tokens: not cut
+    assert seen[-1] == [40, 20] and "prompt_cut" not in rep
 
 
 def test_runs_split_over_two_calls_merge(tmp_path, capsys):
