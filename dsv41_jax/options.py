@@ -71,3 +71,21 @@ class RunOptions:
     def kv_dtype(self):
         """Storage dtype of unquantized caches."""
         return DTYPES.get(self.kv_cache_dtype, jnp.float32)
+
+
+def add_numerics_args(parser) -> None:
+    """The numerics flags every CLI takes (``generate``, ``bench``, ``spec_bench``): ``--dtype``,
+    ``--kv-cache-dtype`` and ``--attention-rounding``, on an argparse parser or argument group;
+    :func:`run_options_from_args` turns them into :class:`RunOptions`."""
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16", help="compute dtype")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="reference",
+                        help="reference = DeepSeek's FP8/FP4 cache rounding; bfloat16 / float32 store unrounded values")
+    parser.add_argument("--attention-rounding", choices=ATTENTION_ROUNDINGS, default="row_max",
+                        help="bf16 P.V weights of the sparse attention: row_max (fast) or kernel_blocks (as DeepSeek's "
+                             "kernel: running maximum over blocks of 64 keys; slower at decode)")
+
+
+def run_options_from_args(args, **extra) -> RunOptions:
+    """:class:`RunOptions` from the flags :func:`add_numerics_args` declared (plus ``extra`` fields)."""
+    return RunOptions(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                      attention_rounding=args.attention_rounding, **extra)

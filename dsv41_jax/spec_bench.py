@@ -70,11 +70,9 @@ def main(argv=None):
     ap.add_argument("--routed-experts", type=int, default=None,
                     help="with --preset: routed experts per layer (DSpark stages included), to fit the device")
     ap.add_argument("--engram-vocab", type=int, default=None, help="with --preset: Engram prime-bucket start")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--kv-cache-dtype", default="reference")
-    from .options import ATTENTION_ROUNDINGS
+    from .options import add_numerics_args
 
-    ap.add_argument("--attention-rounding", default="row_max", choices=ATTENTION_ROUNDINGS)
+    add_numerics_args(ap)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=1)
@@ -101,7 +99,7 @@ def main(argv=None):
     from .compile_cache import enable_compilation_cache
     from .engine import Engine, Request
     from .model import Model
-    from .options import RunOptions
+    from .options import run_options_from_args
     from .sampling import SamplingParams
     from .speculative import SpeculativeGenerator, choose_drafter, get_drafter
 
@@ -132,7 +130,7 @@ def main(argv=None):
         drafter = choose_drafter(cfg, model.params, a.drafter)
     except ValueError as e:
         ap.error(f"--drafter {a.drafter}: {e}")
-    opts = RunOptions(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, attention_rounding=a.attention_rounding)
+    opts = run_options_from_args(a)
     rng = np.random.default_rng(a.seed)
     B = a.batch_size
     n = a.num_prompts or B

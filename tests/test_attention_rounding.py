@@ -140,3 +140,25 @@ def test_auto_runs_kernel_blocks_at_prefill_rows_in_the_kernel(monkeypatch):
             assert np.mean(got != want) <= 1e-2 and np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max()
         else:
             np.testing.assert_array_equal(got, want)
+
+
+def test_clis_share_the_numerics_flags(capsys):
+    """generate, bench and spec_bench declare --dtype / --kv-cache-dtype / --attention-rounding in one
+    place (options.add_numerics_args): the same choices in each, and the flags become RunOptions."""
+    import argparse
+
+    from dsv41_jax import bench, generate, spec_bench
+    from dsv41_jax.options import add_numerics_args, run_options_from_args
+
+    for main in (generate.main, bench.main, spec_bench.main):
+        with pytest.raises(SystemExit):
+            main(["--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "--attention-rounding {row_max,kernel_blocks}" in text
+        assert "--kv-cache-dtype {reference,bfloat16,float32}" in text and "--dtype {bfloat16,float32}" in text
+    ap = argparse.ArgumentParser()
+    add_numerics_args(ap)
+    opts = run_options_from_args(ap.parse_args(["--attention-rounding", "kernel_blocks", "--dtype", "float32"]))
+    assert opts == RunOptions(dtype="float32", attention_rounding="kernel_blocks")
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--kv-cache-dtype", "int8"])
