@@ -236,9 +236,10 @@ def profile_generate(eng, reqs, new_tokens: int, outdir: str, max_prompt_tokens:
 
     ``max_prompt_tokens``: when the prompts hold more tokens than this in all, each is cut to its
     first ``max_prompt_tokens // len(reqs)`` tokens for the profile (the report says so under
-    ``prompt_cut``). A real-width prefill step launches ~48,000 kernels, and the profiler keeps
-    only ~150,000 events: at batch 32 with 4,096-token prompts the trace kept 3 of the 32 prefill
-    steps and a fraction of each decode step's kernels (BENCHMARKS.md, issue 8, session 37)."""
+    ``prompt_cut``). A real-width prefill step launches ~48,000 kernels, and session 37's batch-32
+    trace (4,096-token prompts) kept only about 150,000 kernel events: 3 of the 32 prefill steps,
+    and 251 kernels per decode execution where a step launches ~1,400 (BENCHMARKS.md, issue 8,
+    session 37)."""
     import dataclasses
     import os
     import re
@@ -522,14 +523,18 @@ def _ints_or_off(s: str) -> list[int]:
     return [] if s.strip().lower() in ("0", "none", "") else _ints(s)
 
 
-def _positive_int(s: str) -> int:
+def _positive_int(s: str, least: int = 1) -> int:
     try:
         v = int(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    if v < least:
+        raise argparse.ArgumentTypeError(f"must be >= {least}, got {v}")
     return v
+
+
+def _nonnegative_int(s: str) -> int:
+    return _positive_int(s, least=0)
 
 
 def _ints(s: str) -> list[int]:
@@ -578,7 +583,7 @@ def main(argv=None) -> int:
     ap.add_argument("--probe-layers", action="store_true",
                     help="diagnostics: 7 real-width layers, one of each kind (not the protocol; compiles in a fraction "
                          "of the time)")
-    ap.add_argument("--profile-prompt-tokens", type=int, default=4096,
+    ap.add_argument("--profile-prompt-tokens", type=_nonnegative_int, default=4096,
                     help="with --profile-tokens: cut the profiled generate's prompts to this many tokens in all "
                          "(0: never), so that the profiler's event buffer holds the decode steps (a real-width "
                          "prefill step is ~48,000 kernels; default: one prefill step at the default "
