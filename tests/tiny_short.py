@@ -11,7 +11,16 @@ import dataclasses
 from dsv41_jax.config import ModelConfig, get_preset
 
 
+N_LAYERS = 6
+
+
 def tiny_short(**overrides) -> ModelConfig:
+    """The preset cut to its first :data:`N_LAYERS` layers: their compress ratios and index sources
+    as in the preset, the DSpark stages' ratios after them, and the stages' target layers moved to
+    the last three kept layers."""
     cfg = get_preset("tiny")
-    return dataclasses.replace(cfg, n_layers=6, compress_ratios=(0, 0, 2, 2, 2, 1, 0, 0, 0),
-                               index_source_layers=(2, 4, 5), dspark_target_layer_ids=(3, 4, 5), **overrides)
+    n = N_LAYERS
+    return dataclasses.replace(
+        cfg, n_layers=n, compress_ratios=cfg.compress_ratios[:n] + cfg.compress_ratios[cfg.n_layers:],
+        index_source_layers=tuple(layer for layer in cfg.index_source_layers if layer < n),
+        dspark_target_layer_ids=tuple(range(n - len(cfg.dspark_target_layer_ids), n)), **overrides)
