@@ -69,6 +69,49 @@ def _make_inputs(key, b, s, nc, kw, kc, h, d, dtype, pad_frac):
     return q, win, widx, sink, ck, cidx
 
 
+def make_prefill_inputs(key, s, ratio, *, window=128, kc=512, h=64, d=512):
+    """The inputs of a model's first prefill chunk of ``s`` tokens (B = 1, pos0 = 0), laid out as the
+    model lays them out: the window store is the (empty) ring followed by the chunk, FP8 [1, window +
+    s, d], indexed by the model's own window lists (``dsv41_jax.attention.window_indices``); the
+    compressed cache holds s // ratio FP4 entries, and query p picks the top ``kc`` of random scores
+    over its (p + 1) // ratio visible entries in the indexer's layout (ascending, -1 padded:
+    ``lightning_indexer.reference.topk_ascending``), so the first kc * ratio queries' lists are
+    partly -1. (``make_inputs`` gives every query the same 128 valid window rows and kc valid picks.)"""
+    return _make_prefill_inputs_jit()(key, s, ratio, window, kc, h, d)
+
+
+@functools.cache
+def _make_prefill_inputs_jit():
+    import jax
+
+    return jax.jit(_make_prefill_inputs, static_argnums=tuple(range(1, 7)))
+
+
+def _make_prefill_inputs(key, s, ratio, window, kc, h, d):
+    import jax
+    import jax.numpy as jnp
+
+    import dsv41_jax.quant as quant
+    from dsv41_jax.attention import window_indices
+    from pallas_kernels.lightning_indexer.reference import topk_ascending
+
+    ks = jax.random.split(key, 6)
+    nc = s // ratio
+    q = jax.random.normal(ks[0], (1, s, h, d), jnp.float32).astype(jnp.bfloat16)
+    win = quant.quantize_fp8(jax.random.normal(ks[1], (1, window + s, d), jnp.float32), (1, 32))
+    positions = jnp.arange(s, dtype=jnp.int32)[None]
+    widx = window_indices(positions, jnp.zeros((1,), jnp.int32), window)
+    data = jax.random.bits(ks[2], (1, nc, d // 2), jnp.uint8)
+    sc = jax.random.uniform(ks[3], (1, nc, d // 16), jnp.float32, 0.05, 0.5).astype(jnp.float8_e4m3fn)
+    ck = quant.Fp4Tensor(data=data, scale=sc, block=16)
+    visible = (positions[..., None] + 1) // ratio  # [1, s, 1]
+    scores = jax.random.uniform(ks[4], (1, s, nc))
+    scores = jnp.where(jnp.arange(nc)[None, None] < visible, scores, -jnp.inf)
+    cidx = topk_ascending(scores, kc)
+    sink = jax.random.normal(ks[5], (h,), jnp.float32)
+    return q, win, widx, sink, ck, cidx
+
+
 def floor_bytes(b, s, *, h=64, d=512, kw=128, kc=512, qbytes=2):
     per_row = h * d * qbytes * 2 + kw * (d + d // 32) + kc * (d // 2 + d // 16) + (kw + kc) * 4
     return b * s * per_row
@@ -139,12 +182,14 @@ PREFILL_VARIANTS = (("xla, row max", None),
                     ("pallas, 64-key blocks, 32 heads", dict(block_k=64, num_splits=1, block_h=32)))
 
 
-def site(log, contexts=(2560, 5121), batches=(1,), variants=SITE_VARIANTS, reps=5, seq=1):
+def site(log, contexts=(2560, 5121), batches=(1,), variants=SITE_VARIANTS, reps=5, seq=1, inputs=None, label=""):
     """The model's attention site at decode (sparse attention -> inverse RoPE -> wo_a, the grouped FP8
     GEMV of 8 groups x 1024 rows), by device time (:func:`device_time_op`: the sum of the site's
     kernels, 5 distinct input sets, L2 flushed), for the XLA reference and Pallas variants. Each
     variant is first compared with the XLA site (rel err of the wo_a output). The kernel alone can win
-    while the site does not: XLA fuses its combine into wo_a's input (BENCHMARKS.md, issue 5, session 15)."""
+    while the site does not: XLA fuses its combine into wo_a's input (BENCHMARKS.md, issue 5, session 15).
+    ``inputs(key, b, seq, nc)``: the op's inputs (default :func:`make_inputs`); ``label`` names them
+    in the log and the rows."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -172,24 +217,24 @@ def site(log, contexts=(2560, 5121), batches=(1,), variants=SITE_VARIANTS, reps=
     rows = []
     for nc in contexts:
         for b in batches:
-            args = [(*make_inputs(jax.random.PRNGKey(100 * nc + 10 * b + r), b, seq, nc),
+            args = [(*(inputs or make_inputs)(jax.random.PRNGKey(100 * nc + 10 * b + r), b, seq, nc),
                      jax.random.uniform(jax.random.PRNGKey(r), (b, seq, 32), jnp.float32, 0, 6.28)) for r in range(reps)]
             y0 = np.asarray(jax.jit(site_fn(None))(*args[0], w).astype(jnp.float32))
             t_x = None
-            for label, cfg in variants:
+            for name, cfg in variants:
                 try:
                     y = np.asarray(jax.jit(site_fn(cfg))(*args[0], w).astype(jnp.float32))
                     rel = float(np.linalg.norm(y - y0) / np.linalg.norm(y0))
                     kernels = []
                     t = device_time_op(site_fn(cfg), args, (w,), reps=reps, kernels=kernels)
                     t_x = t if cfg is None else t_x
-                    rows.append(dict(context=nc, batch=b, seq=seq, variant=label, site_us=t * 1e6, kernels=len(kernels),
-                                     rel_err=rel, ok=rel < 2e-2))
+                    rows.append(dict(context=nc, batch=b, seq=seq, variant=name, inputs=label or "uniform",
+                                     site_us=t * 1e6, kernels=len(kernels), rel_err=rel, ok=rel < 2e-2))
                     top = ", ".join(f"{n[:28]} {k * 1e6:.2f}" for n, k in kernels[:4])
-                    log(f"site ctx={nc} B={b} S={seq} {label:26s} {t * 1e6:7.2f} us  {len(kernels):2d} kernels  rel {rel:.1e}"
+                    log(f"site{label and ' ' + label} ctx={nc} B={b} S={seq} {name:26s} {t * 1e6:7.2f} us  {len(kernels):2d} kernels  rel {rel:.1e}"
                         f"{'' if rel < 2e-2 else '  WRONG'}  xla/this {t_x / t if t_x else float('nan'):.2f}  [{top}]")
                 except Exception as e:  # noqa: BLE001
-                    log(f"site ctx={nc} B={b} {label}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                    log(f"site{label and ' ' + label} ctx={nc} B={b} {name}: FAILED {type(e).__name__}: {str(e)[:200]}")
     return rows
 
 
@@ -200,7 +245,7 @@ def main(argv=None):
     ap.add_argument("--rounding", action="store_true",
                     help="the decode site and a 4096-row prefill chunk with the XLA reference's P.V roundings, then exit")
     ap.add_argument("--prefill", action="store_true",
-                    help="the site at prefill row counts (256 to 4096 rows), XLA against Pallas tilings, then exit")
+                    help="the site at prefill row counts (256 to 4096 rows; then a first 4096-token chunk laid out as the model lays it out, compressed ratios 2 and 1), XLA against Pallas tilings, then exit")
     args = ap.parse_args(argv)
 
     import jax
@@ -234,6 +279,11 @@ def main(argv=None):
         for seq in (256, 1024, 4096):
             rows += site(log, contexts=(1024,), batches=(1,), variants=PREFILL_VARIANTS, reps=2 if seq > 1024 else 3,
                          seq=seq)
+        # the model's first 4,096-token chunk: its window store and lists, causal compressed picks
+        for ratio in (2, 1):
+            rows += site(log, contexts=(4096 // ratio,), batches=(1,), variants=PREFILL_VARIANTS[:3], reps=2, seq=4096,
+                         inputs=lambda k, b, seq, nc, ratio=ratio: make_prefill_inputs(k, seq, ratio),
+                         label=f"model-like ratio {ratio}")
         write_rows(args.out, "sparse_attention_prefill.json", rows)
         return 0 if rows and all(r["ok"] for r in rows) else 1
     log(f"# sparse attention decode | device {dev.device_kind} | jax {jax.__version__} | n={args.n} reps={args.reps}")

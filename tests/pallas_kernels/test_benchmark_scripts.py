@@ -382,3 +382,33 @@ def test_moe_fma_sweep_packings_and_phase_route(monkeypatch):
     fma = {pk: [r["config"] for r in rows if r["config"][0] == "fma" and r["packing"] == pk] for pk in ("nibbles", "f16pairs")}
     assert fma["nibbles"] == fma["f16pairs"] and fma["nibbles"]
     assert all(r["ok"] for r in rows), [(r["packing"], r["config"], r["rel_err"]) for r in rows if not r["ok"]]
+
+
+def test_sparse_attention_model_like_prefill_inputs():
+    """``sparse_attention.benchmark.make_prefill_inputs`` lays out a first prefill chunk as the model
+    does: window rows in concat(ring, chunk) named by the model's own lists (valid first), and per
+    query the min(kc, (p + 1) // ratio) visible compressed picks, ascending, then -1; the reference op
+    and the Pallas kernel (interpret mode) take them and agree."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.sparse_attention import pallas_triton, reference
+    from pallas_kernels.sparse_attention.benchmark import make_prefill_inputs
+
+    s, ratio, window, kc = 48, 2, 16, 8
+    q, win, widx, sink, ck, cidx = make_prefill_inputs(jax.random.PRNGKey(np.random.randint(1 << 30)), s, ratio,
+                                                       window=window, kc=kc, h=16, d=64)
+    assert q.shape == (1, s, 16, 64) and win.data.shape == (1, window + s, 64) and ck.data.shape == (1, s // ratio, 32)
+    widx, cidx = np.asarray(widx[0]), np.asarray(cidx[0])
+    for p in range(s):
+        want = np.arange(max(p - window + 1, 0), p + 1) + window  # chunk rows after the empty ring
+        assert list(widx[p][:len(want)]) == list(want) and (widx[p][len(want):] == -1).all()
+        n = min(kc, (p + 1) // ratio)
+        picks = cidx[p][:n]
+        assert (np.diff(picks) > 0).all() and (picks < (p + 1) // ratio).all() and (cidx[p][n:] == -1).all()
+    args = (q, win, jnp.asarray(widx)[None], sink)
+    kw = dict(scale=0.125, comp_kv=ck, comp_idx=jnp.asarray(cidx)[None])
+    want = np.asarray(reference.sparse_attention(*args, **kw), np.float32)
+    got = np.asarray(pallas_triton.sparse_attention(*args, **kw, interpret=True), np.float32)
+    assert np.isfinite(want).all() and np.abs(got - want).max() <= 2 ** -6 * np.abs(want).max()
