@@ -231,7 +231,8 @@ def site(log, contexts=(2560, 5121), batches=(1,), variants=SITE_VARIANTS, reps=
                     rows.append(dict(context=nc, batch=b, seq=seq, variant=name, inputs=label or "uniform",
                                      site_us=t * 1e6, kernels=len(kernels), rel_err=rel, ok=rel < 2e-2))
                     top = ", ".join(f"{n[:28]} {k * 1e6:.2f}" for n, k in kernels[:4])
-                    log(f"site{label and ' ' + label} ctx={nc} B={b} S={seq} {name:26s} {t * 1e6:7.2f} us  {len(kernels):2d} kernels  rel {rel:.1e}"
+                    log(f"site{label and ' ' + label} ctx={nc} B={b} S={seq} {name:26s} {t * 1e6:7.2f} us  "
+                        f"{len(kernels):2d} kernels  rel {rel:.1e}"
                         f"{'' if rel < 2e-2 else '  WRONG'}  xla/this {t_x / t if t_x else float('nan'):.2f}  [{top}]")
                 except Exception as e:  # noqa: BLE001
                     log(f"site{label and ' ' + label} ctx={nc} B={b} {name}: FAILED {type(e).__name__}: {str(e)[:200]}")
@@ -245,7 +246,8 @@ def main(argv=None):
     ap.add_argument("--rounding", action="store_true",
                     help="the decode site and a 4096-row prefill chunk with the XLA reference's P.V roundings, then exit")
     ap.add_argument("--prefill", action="store_true",
-                    help="the site at prefill row counts (256 to 4096 rows; then a first 4096-token chunk laid out as the model lays it out, compressed ratios 2 and 1), XLA against Pallas tilings, then exit")
+                    help="the site at prefill row counts (256 to 4096 rows; then a first 4096-token chunk laid out "
+                         "as the model lays it out, compressed ratios 2 and 1), XLA against Pallas tilings, then exit")
     args = ap.parse_args(argv)
 
     import jax
