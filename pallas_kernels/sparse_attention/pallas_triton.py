@@ -614,8 +614,9 @@ def auto_reason(q, kv=None, comp_kv=None, running_max_block=None):
       own loop: at >= :data:`KERNEL_BLOCKS_MIN_ROWS` rows it is picked. The model's 4,096-token prefill
       ran 5,388 tok/s with it against 4,790 with the XLA emulation (session 36) and the site 362.6 /
       1,279 / 4,891 us at 256 / 1,024 / 4,096 rows against 530 / 1,872 / 7,263 us for XLA's row maximum
-      (the emulation costs 1.41x that). At decode the one-split kernel is slow: 169 us at batch 1
-      against the emulation's 38 us for the whole site (session 37).
+      (the emulation costs 1.41x that). At decode the one-split kernel is slow: the whole site took
+      181.5 / 176.2 / 164.0 us at batch 1 / 8 / 32 against the emulation's 37.8 / 82.7 / 144.9 us
+      (session 37).
     implementation='pallas' (argument, context or DSV41_KERNELS) still runs it for any supported
     shape. ``kv`` / ``comp_kv`` let a rule depend on the stores."""
     rows = q.shape[0] * q.shape[1]
