@@ -28,18 +28,26 @@ def decode_program(profile: dict) -> dict:
     return max(progs, key=lambda p: (p.get("executions", 0), p.get("busy_ms", 0.0)))
 
 
+def _profiled_row(report: dict, section: str, key: str, value, path: str, want: str, have: str, pick: str,
+                  name, profile_flag: str) -> dict:
+    """The one row of ``report[section]`` whose ``key`` is ``value`` (the only row when None), which
+    must carry a profile; the errors name the file, what was found and the flag that fixes it."""
+    rows = report.get(section) or []
+    if value is not None:
+        rows = [r for r in rows if r.get(key) == value]
+    if len(rows) != 1:
+        found = [r.get(key) for r in report.get(section) or []]
+        raise ValueError(f"{path}: expected one {section} row{want if value is not None else ''}, "
+                         f"found {have} {found} (pick one with {pick})")
+    if not rows[0].get("profile"):
+        raise ValueError(f"{path}: the {name(rows[0].get(key))} row has no profile (run bench with {profile_flag})")
+    return rows[0]
+
+
 def decode_row(report: dict, batch: int | None, path: str = "") -> dict:
     """The decode row of ``batch`` (the only one when None) from a ``bench --json`` report."""
-    rows = report.get("decode") or []
-    if batch is not None:
-        rows = [r for r in rows if r.get("batch") == batch]
-    if len(rows) != 1:
-        have = [r.get("batch") for r in report.get("decode") or []]
-        raise ValueError(f"{path}: expected one decode row{f' for batch {batch}' if batch is not None else ''}, "
-                         f"found batches {have} (pick one with --batch)")
-    if not rows[0].get("profile"):
-        raise ValueError(f"{path}: the batch {rows[0].get('batch')} row has no profile (run bench with --profile-tokens)")
-    return rows[0]
+    return _profiled_row(report, "decode", "batch", batch, path, f" for batch {batch}", "batches", "--batch",
+                         lambda b: f"batch {b}", "--profile-tokens")
 
 
 def prefill_program(profile: dict) -> dict:
@@ -58,17 +66,8 @@ def prefill_program(profile: dict) -> dict:
 
 def prefill_row(report: dict, prompt_len: int | None, path: str = "") -> dict:
     """The prefill row of ``prompt_len`` (the only one when None) from a ``bench --json`` report."""
-    rows = report.get("prefill") or []
-    if prompt_len is not None:
-        rows = [r for r in rows if r.get("prompt_len") == prompt_len]
-    if len(rows) != 1:
-        have = [r.get("prompt_len") for r in report.get("prefill") or []]
-        raise ValueError(f"{path}: expected one prefill row{f' for a {prompt_len}-token prompt' if prompt_len else ''}, "
-                         f"found prompt lengths {have} (pick one with --prefill LEN)")
-    if not rows[0].get("profile"):
-        raise ValueError(f"{path}: the {rows[0].get('prompt_len')}-token prefill row has no profile (run bench with "
-                         "--profile-prefill)")
-    return rows[0]
+    return _profiled_row(report, "prefill", "prompt_len", prompt_len, path, f" for a {prompt_len}-token prompt",
+                         "prompt lengths", "--prefill LEN", lambda n: f"{n}-token prefill", "--profile-prefill")
 
 
 def compare(reports: list[dict], labels: list[str], batch: int | None = None, paths=None,
