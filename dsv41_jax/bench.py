@@ -523,7 +523,7 @@ def _ints_or_off(s: str) -> list[int]:
     return [] if s.strip().lower() in ("0", "none", "") else _ints(s)
 
 
-def _positive_int(s: str, least: int = 1) -> int:
+def _int_at_least(s: str, least: int) -> int:
     try:
         v = int(s)
     except ValueError:
@@ -533,8 +533,12 @@ def _positive_int(s: str, least: int = 1) -> int:
     return v
 
 
+def _positive_int(s: str) -> int:
+    return _int_at_least(s, 1)
+
+
 def _nonnegative_int(s: str) -> int:
-    return _positive_int(s, least=0)
+    return _int_at_least(s, 0)
 
 
 def _ints(s: str) -> list[int]:

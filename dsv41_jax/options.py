@@ -77,10 +77,11 @@ def add_numerics_args(parser) -> None:
     """The numerics flags every CLI takes (``generate``, ``bench``, ``spec_bench``): ``--dtype``,
     ``--kv-cache-dtype`` and ``--attention-rounding``, on an argparse parser or argument group;
     :func:`run_options_from_args` turns them into :class:`RunOptions`."""
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16", help="compute dtype")
-    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="reference",
+    defaults = RunOptions()
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default=defaults.dtype, help="compute dtype")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=defaults.kv_cache_dtype,
                         help="reference = DeepSeek's FP8/FP4 cache rounding; bfloat16 / float32 store unrounded values")
-    parser.add_argument("--attention-rounding", choices=ATTENTION_ROUNDINGS, default="row_max",
+    parser.add_argument("--attention-rounding", choices=ATTENTION_ROUNDINGS, default=defaults.attention_rounding,
                         help="bf16 P.V weights of the sparse attention: row_max (fast) or kernel_blocks (as DeepSeek's "
                              "kernel: running maximum over blocks of 64 keys; slower at decode)")
 

@@ -15,21 +15,25 @@ def _kernel():
     return pallas_triton
 
 
-def _blocks(q, running_max_block):
-    """The kernel configuration that walks the lists in DeepSeek's blocks (``running_max_block`` keys,
-    one split: the kernel's loop is then DeepSeek's), or {} where rounding does not depend on it."""
-    if running_max_block is None or q.dtype == jnp.float32:
-        return {}
-    return dict(block_k=running_max_block, num_splits=1)
+def _rounding_block(q, running_max_block):
+    """``running_max_block`` where the P.V weights are rounded (bf16 q), else None: f32 results do
+    not depend on the blocks."""
+    return None if q.dtype == jnp.float32 else running_max_block
 
 
-def _unsupported(k, q, kv, kv_idx, comp_kv, comp_idx, running_max_block):
+def _blocks(block):
+    """The kernel configuration that walks the lists in DeepSeek's blocks (``block`` keys, one split:
+    the kernel's loop is then DeepSeek's), or {} without a rounding block."""
+    return {} if block is None else dict(block_k=block, num_splits=1)
+
+
+def _unsupported(k, q, kv, kv_idx, comp_kv, comp_idx, block):
     kw = kv_idx.shape[-1]
     has_comp = comp_idx is not None and comp_idx.shape[-1] > 0
-    if _blocks(q, running_max_block) and has_comp and kw % running_max_block:
-        return (f"running_max_block={running_max_block} with a {kw}-key window list: the kernel starts the "
+    if block is not None and has_comp and kw % block:
+        return (f"running_max_block={block} with a {kw}-key window list: the kernel starts the "
                 "compressed list on a block of its own, which is DeepSeek's block of the concatenated list "
-                f"only when the window list is a multiple of {running_max_block} keys")
+                f"only when the window list is a multiple of {block} keys")
     return k.unsupported_reason(q, kv, kv_idx, comp_kv, comp_idx)
 
 
@@ -43,12 +47,13 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     (``RunOptions.running_max_block``); the Pallas kernel then runs with blocks of that many keys and
     one split, its own online softmax being DeepSeek's loop (checked in interpret mode against a
     transcription of that loop, tests/pallas_kernels/test_sparse_attention.py)."""
+    block = _rounding_block(q, running_max_block)
     kernel, interpret = dispatch.choose(
         "sparse_attention", implementation, _kernel,
-        lambda k: _unsupported(k, q, kv, kv_idx, comp_kv, comp_idx, running_max_block),
-        lambda k: k.auto_reason(q, kv, comp_kv, running_max_block))
+        lambda k: _unsupported(k, q, kv, kv_idx, comp_kv, comp_idx, block),
+        lambda k: k.auto_reason(q, kv, comp_kv, block))
     if kernel is not None:
-        blocks = _blocks(q, running_max_block)
+        blocks = _blocks(block)
         return dispatch.call_kernel(
             lambda q, kv, kv_idx, sink, comp_kv, comp_idx: kernel.sparse_attention(
                 q, kv, kv_idx, sink, scale=scale, comp_kv=comp_kv, comp_idx=comp_idx, interpret=interpret, **blocks),

@@ -620,7 +620,7 @@ def auto_reason(q, kv=None, comp_kv=None, running_max_block=None):
     implementation='pallas' (argument, context or DSV41_KERNELS) still runs it for any supported
     shape. ``kv`` / ``comp_kv`` let a rule depend on the stores."""
     rows = q.shape[0] * q.shape[1]
-    if running_max_block is not None and q.dtype == jnp.bfloat16:
+    if running_max_block is not None:  # (the dispatch passes it only for bf16 q, where it rounds)
         if rows >= KERNEL_BLOCKS_MIN_ROWS:
             return None
         return (f"running-maximum rounding over {rows} query row(s): the one-split kernel is slower than the "
