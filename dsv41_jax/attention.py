@@ -145,6 +145,20 @@ def _window_positions(positions, window: int, valid_first: bool):
     return jnp.where(a >= 0, a, -1)
 
 
+def deepseek_window_width(pos0, lengths, window: int, S: int, opts: RunOptions):
+    """[B] width of DeepSeek's window index list for a chunk of ``S`` tokens, where its 64-key blocks
+    decide bf16 bits (``opts.running_max_block``; else None, as at decode, where DeepSeek's ring list
+    is ``window`` wide like ours). DeepSeek prefills an L-token prompt in one call with a window list
+    ``min(L, window)`` wide (``get_window_topk_idxs``) and starts the compressed list after it, where
+    ours always has ``window`` slots. So a chunk from position 0 gets ``min(lengths, window)``: exact
+    when the prompt is prefilled in one chunk (any prompt shorter than the window with the engine's
+    chunks of >= 128 tokens). Chunks from later positions (a longer prompt's, verification) keep the
+    full width: DeepSeek's code has no such calls."""
+    if opts.running_max_block is None or S == 1:
+        return None
+    return jnp.where(pos0 == 0, jnp.minimum(lengths, window), window).astype(jnp.int32)
+
+
 def window_indices(positions, pos0, window: int, valid_first: bool = True):
     """[B,S,W] indices into concat(ring[W], chunk[S]) of the window keys of each query."""
     a = _window_positions(positions, window, valid_first)
@@ -341,7 +355,8 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
 
     with jax.named_scope("sparse_attn"):
         o = sparse_attention(q, window_kv, win_idx, p["attn_sink"], scale=Dh ** -0.5, comp_kv=comp_kv,
-                             comp_idx=comp_idx, running_max_block=opts.running_max_block)
+                             comp_idx=comp_idx, running_max_block=opts.running_max_block,
+                             window_width=deepseek_window_width(pos0, lengths, W, S, opts))
     o = apply_rope(o, ang, inverse=True)
     G, Lo = cfg.o_groups, cfg.o_lora_rank
     with jax.named_scope("wo_a"):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax import transformer
+from dsv41_jax.attention import deepseek_window_width
 from dsv41_jax.cache import init_cache
 from dsv41_jax.model import Model
 from dsv41_jax.options import RunOptions
@@ -73,6 +74,45 @@ def test_kernel_blocks_rounding_is_the_row_max_for_short_lists(monkeypatch):
     np.testing.assert_array_equal(row, blk)
 
 
+def test_prefill_passes_deepseeks_window_width(monkeypatch):
+    """Under kernel_blocks a prefill from position 0 gives the sparse attention DeepSeek's window-list
+    width, min(prompt length, window) per row (rows with fewer tokens in the chunk get their own), a
+    later chunk the full window, decode none; under row_max none at all."""
+    cfg = tiny_short(window_size=96)
+    params = init_params(cfg, np.random.randint(1 << 30))
+    seen = []
+    real = _REAL
+
+    def spy(*a, **k):
+        ww = k.get("window_width")
+        if ww is None:
+            seen.append(None)
+        else:  # a traced value: recorded when the step runs
+            jax.debug.callback(lambda v: seen.append(tuple(np.asarray(v).tolist())), ww)
+        return real(*a, **k)
+
+    monkeypatch.setattr(reference, "sparse_attention", spy)
+    model = Model(cfg, params)
+    toks = np.random.default_rng().integers(3, 5000, (2, 24))
+    B, S = toks.shape
+    history = np.concatenate([toks] * 3, 1)
+
+    def run(cache, n, lengths, opts):  # one jitted step of n tokens per row
+        pos = np.asarray(cache["pos"])[:, None] + np.arange(n)[None, :]
+        del seen[:]
+        step = jax.jit(functools.partial(transformer.forward_step, cfg=cfg, opts=opts))
+        _, cache = step(params, cache, jnp.asarray(toks[:, :n], jnp.int32), jnp.asarray(lengths, jnp.int32),
+                        model.engram_ids(history, pos))
+        return cache, set(seen)
+
+    opts = RunOptions(attention_rounding="kernel_blocks")
+    assert run(init_cache(cfg, B, 128, opts), S, (24, 13), opts)[1] == {(24, 13)}
+    # the rule itself: a later chunk (or a verification) the full window; decode and row_max none
+    width = functools.partial(deepseek_window_width, jnp.asarray([0, 0, 40]), jnp.asarray([24, 200, 6]), 96)
+    np.testing.assert_array_equal(np.asarray(width(S, opts)), [24, 96, 96])
+    assert width(1, opts) is None and width(S, RunOptions()) is None
+
+
 def test_attention_rounding_errors_name_the_flag():
     with pytest.raises(ValueError, match="attention_rounding.*row_max, kernel_blocks.*--attention-rounding"):
         RunOptions(attention_rounding="running")
@@ -80,14 +120,12 @@ def test_attention_rounding_errors_name_the_flag():
     assert RunOptions(attention_rounding="kernel_blocks").running_max_block == 64
 
 
-def test_the_kernel_runs_deepseeks_blocks_where_they_line_up():
+def test_the_kernel_runs_deepseeks_blocks_for_any_window_width():
     """With 64-key rounding the Pallas kernel runs with 64-key blocks and one split (interpret mode
-    here), and equals the reference's emulation to fp32 summation order. A window list that is not a
-    multiple of 64 keys, followed by compressed picks, would put the block boundaries elsewhere:
-    asked explicitly the kernel refuses with the reason, under a context choice the call falls back
-    to the reference."""
-    from pallas_kernels import dispatch
-
+    here), and equals the reference's emulation to fp32 summation order: with a 128-key window list,
+    with a 100-key one (the kernel pads it to 128 and shifts the compressed list's blocks back to
+    DeepSeek's, which start at key 100; before session 38 it refused) and with a per-row
+    ``window_width`` (a prompt shorter than the window)."""
     rng = np.random.default_rng()
     q = jnp.asarray(rng.standard_normal((1, 2, 16, 64)), jnp.bfloat16)
     kv = jnp.asarray(rng.standard_normal((1, 128, 64)) * 1.5, jnp.bfloat16)
@@ -99,12 +137,15 @@ def test_the_kernel_runs_deepseeks_blocks_where_they_line_up():
     got = np.asarray(api.sparse_attention(q, kv, widx, sink, implementation="interpret", **kw), np.float32)
     want = np.asarray(reference.sparse_attention(q, kv, widx, sink, **kw), np.float32)
     assert np.mean(got != want) <= 1e-2 and np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max()
-    with pytest.raises(ValueError, match="100-key window list.*multiple of 64"):
-        api.sparse_attention(q, kv, widx[..., :100], sink, implementation="interpret", **kw)
-    with dispatch.use_implementation("interpret"):
-        got = api.sparse_attention(q, kv, widx[..., :100], sink, **kw)
-    want = reference.sparse_attention(q, kv, widx[..., :100], sink, **kw)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    for idx, width, n in ((widx[..., :100], None, 100), (widx, jnp.asarray([77]), 77)):
+        got = np.asarray(api.sparse_attention(q, kv, idx, sink, implementation="interpret", window_width=width, **kw),
+                         np.float32)
+        want = np.asarray(reference.sparse_attention(q, kv, idx, sink, window_width=width, **kw), np.float32)
+        assert np.mean(got != want) <= 1e-2 and np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max()
+        # the blocks are the shifted ones: the same keys in a 128-key window list round otherwise
+        padded = jnp.where(jnp.arange(128) < n, widx, -1)
+        other = np.asarray(reference.sparse_attention(q, kv, padded, sink, **kw), np.float32)
+        assert np.mean(other != want) > 2e-2
 
 
 def test_auto_runs_kernel_blocks_at_prefill_rows_in_the_kernel(monkeypatch):

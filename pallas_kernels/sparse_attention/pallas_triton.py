@@ -187,10 +187,11 @@ def _grid2(ids, cols):
 
 
 def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d, nw_blocks, nc_blocks, split_out, cdt, prec, d_split=1,
-            in_kernel_combine=False, num_splits=1, interpret=False):
+            in_kernel_combine=False, num_splits=1, interpret=False, shift=False):
     it = iter(refs)
     q_ref = next(it)
     widx_ref = next(it)
+    ww_ref = next(it) if shift else None
     if w_fp8:
         wdata_ref, wscale_ref = next(it), next(it)
     else:
@@ -216,16 +217,23 @@ def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d, nw_blocks, nc_bloc
     q = q_ref[...].astype(cdt)  # [BH, D], contiguous
     bh = q.shape[0]
 
-    def softmax_step(carry, k, v, valid):
+    def softmax_step(carry, *parts):
+        """One block of keys, given as one or two (k, v, valid) parts (two: a block of DeepSeek's list
+        that holds the end of the window list and the start of the compressed one)."""
         m, l, acc = carry
-        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=prec)
-        s = jnp.where(valid[None, :], s * scale, _NEG_INF)  # [BH, BK]
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        ss = []
+        for k, _, valid in parts:
+            s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=prec)
+            ss.append(jnp.where(valid[None, :], s * scale, _NEG_INF))  # [BH, BK]
+        m_new = functools.reduce(jnp.maximum, [jnp.max(s, axis=1) for s in ss], m)
         m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
         alpha = jnp.exp(m - m_safe)
-        p = jnp.exp(s - m_safe[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(cdt), v, preferred_element_type=jnp.float32, precision=prec)
+        acc = acc * alpha[:, None]
+        l = l * alpha
+        for s, (_, v, _) in zip(ss, parts):
+            p = jnp.exp(s - m_safe[:, None])
+            l = l + jnp.sum(p, axis=1)
+            acc = acc + jnp.dot(p.astype(cdt), v, preferred_element_type=jnp.float32, precision=prec)
         return m_new, l, acc
 
     def window_rows(ids, first, width):
@@ -247,26 +255,58 @@ def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d, nw_blocks, nc_bloc
             return (_e2m1_to_f32(codes) * _expand_cols(sc, 16)).astype(cdt)
         return ckv_ref[_grid2(ids, first + jnp.arange(width, dtype=jnp.int32))].astype(cdt)
 
+    lanes = jnp.arange(block_k, dtype=jnp.int32)
+
+    def part(rows_of, ids, valid):
+        ids = jnp.where(valid, ids, 0)
+        k = rows_of(ids, 0, d)  # the logits need every column
+        v = k if d_split == 1 else rows_of(ids, c0, dv)  # P.V only this program's columns
+        return k, v, valid
+
     def body(rows_of, idx_ref, blocks):
         def step(i, carry):
             start = (split * blocks + i) * block_k
             ids = idx_ref[pl.ds(start, block_k)]
-            valid = ids >= 0
-            ids = jnp.where(valid, ids, 0)
-            k = rows_of(ids, 0, d)  # the logits need every column
-            v = k if d_split == 1 else rows_of(ids, c0, dv)  # P.V only this program's columns
-            return softmax_step(carry, k, v, valid)
+            return softmax_step(carry, part(rows_of, ids, ids >= 0))
         return step
+
+    def comp_at(first):
+        """(ids, valid) of the ``block_k`` compressed-list entries from position ``first`` (>= -nw*bk:
+        under ``shift`` the wrapper pads the list with nw*bk -1 entries at both ends)."""
+        ids = cidx_ref[pl.ds(first + nw_blocks * block_k, block_k)]
+        return ids, ids >= 0
+
+    def shifted_window_step(i, carry):
+        """Block i of DeepSeek's list, whose window list is ``ww`` entries wide: window entries
+        [i*bk, min((i+1)*bk, ww)), and where the block reaches past ``ww``, compressed entries from
+        position i*bk - ww on."""
+        ids = widx_ref[pl.ds(i * block_k, block_k)]
+        win = part(window_rows, ids, (ids >= 0) & (i * block_k + lanes < ww))
+        if not has_comp:
+            return softmax_step(carry, win)
+        return jax.lax.cond((i + 1) * block_k > ww,
+                            lambda c: softmax_step(c, win, part(comp_rows, *comp_at(i * block_k - ww))),
+                            lambda c: softmax_step(c, win), carry)
+
+    def shifted_comp_step(j, carry):
+        """The compressed entries after those in the window's blocks: from position nw*bk - ww on."""
+        return softmax_step(carry, part(comp_rows, *comp_at(nw_blocks * block_k - ww + j * block_k)))
 
     carry = (
         jnp.full((bh,), _NEG_INF, jnp.float32),
         jnp.zeros((bh,), jnp.float32),
         jnp.zeros((bh, dv), jnp.float32),
     )
-    if nw_blocks:
-        carry = jax.lax.fori_loop(0, nw_blocks, body(window_rows, widx_ref, nw_blocks), carry)
-    if has_comp and nc_blocks:
-        carry = jax.lax.fori_loop(0, nc_blocks, body(comp_rows, cidx_ref, nc_blocks), carry)
+    if shift:  # one split (checked by the wrapper): the blocks of DeepSeek's list
+        ww = ww_ref[0]
+        carry = jax.lax.fori_loop(0, nw_blocks, shifted_window_step, carry)
+        if has_comp and nc_blocks:
+            carry = jax.lax.fori_loop(0, nc_blocks, shifted_comp_step, carry)
+    else:
+        if nw_blocks:
+            carry = jax.lax.fori_loop(0, nw_blocks, body(window_rows, widx_ref, nw_blocks), carry)
+        if has_comp and nc_blocks:
+            carry = jax.lax.fori_loop(0, nc_blocks, body(comp_rows, cidx_ref, nc_blocks), carry)
     m, l, acc = carry
 
     if in_kernel_combine:
@@ -437,8 +477,13 @@ if COMBINE not in COMBINES:
 
 def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None, interpret=False,
                      block_h=None, block_k=None, num_splits=None, num_warps=None, num_stages=None, d_split=None,
-                     combine=None, counters=None, return_partials=False):
-    """``combine``: how the flash-decoding splits are merged (default :data:`COMBINE`): ``"xla"``,
+                     combine=None, counters=None, return_partials=False, window_width=None):
+    """``window_width`` (int or int32 [B]; one split only): DeepSeek's window list is that many leading
+    entries of each row's window list (later ones are ignored), and the kernel walks its blocks over
+    DeepSeek's concatenated list, whose compressed entries start there
+    (``reference.deepseek_columns``); a block that holds both the end of the window list and the
+    start of the compressed one is one step with two parts.
+    ``combine``: how the flash-decoding splits are merged (default :data:`COMBINE`): ``"xla"``,
     ``"pallas"`` (:func:`combine_splits`; falls back to XLA where :func:`combine_reason` says it
     cannot run) or ``"kernel"`` (inside the attention kernel, by the last split program of each
     block; with one split there is nothing to merge and the kernel writes the output directly; a
@@ -472,6 +517,9 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     block_h = block_h or cfg["block_h"]
     block_k = block_k or cfg["block_k"]
     num_splits = num_splits or cfg["num_splits"]
+    if window_width is not None and num_splits != 1:
+        raise ValueError(f"sparse_attention (pallas): window_width walks DeepSeek's list in one pass; "
+                         f"num_splits={num_splits} must be 1")
     num_warps = num_warps or cfg["num_warps"]
     num_stages = num_stages or cfg["num_stages"]
 
@@ -503,6 +551,10 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
         pl.BlockSpec((None, block_h, d), lambda r, j, p: (r, j // ds, 0)),
         row_spec(widx.shape[-1]),
     ]
+    if window_width is not None:
+        ww = jnp.clip(jnp.broadcast_to(jnp.asarray(window_width, jnp.int32), (b,)), 0, kw)
+        args.append(jnp.repeat(ww, s))  # one per query row
+        specs.append(pl.BlockSpec((1,), lambda r, j, p: (r,)))
     w_fp8 = isinstance(kv, Fp8Tensor)
     if w_fp8:
         wscale = jax.lax.bitcast_convert_type(kv.scale, jnp.uint8) if kv.scale.dtype != jnp.uint8 else kv.scale
@@ -519,6 +571,8 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     if has_comp:
         cidx = _pad_idx(comp_idx.astype(jnp.int32).reshape(rows, kc), gran)
         nc_blocks = cidx.shape[-1] // gran
+        if window_width is not None:  # the shifted blocks read it from position -nw*bk to nw*bk past its end
+            cidx = jnp.pad(cidx, ((0, 0), (nw_blocks * gran,) * 2), constant_values=-1)
         args.append(cidx)
         specs.append(row_spec(cidx.shape[-1]))
         c_fp4 = isinstance(comp_kv, Fp4Tensor)
@@ -569,7 +623,7 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
         _kernel, has_comp=has_comp, w_fp8=w_fp8, c_fp4=c_fp4, scale=float(scale), block_k=block_k, d=d,
         nw_blocks=nw_blocks, nc_blocks=nc_blocks, split_out=split_out, cdt=cdt,
         prec=jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None, d_split=ds,
-        in_kernel_combine=in_kernel, num_splits=num_splits, interpret=interpret,
+        in_kernel_combine=in_kernel, num_splits=num_splits, interpret=interpret, shift=window_width is not None,
     )
     out = pl.pallas_call(
         kernel,

@@ -55,6 +55,29 @@ def running_max_factors(logits, m, block):
     return per_key(jnp.where(finite, run, 0.0)), per_key(jnp.where(finite, jnp.exp(run - m), 0.0))
 
 
+def deepseek_columns(kw: int, k: int, window_width):
+    """Where DeepSeek's concatenated index list and ours differ. Ours is the window list (``kw``
+    entries) then the compressed list; DeepSeek's prefill window list is ``min(L, window)`` wide for an
+    L-token prompt (``get_window_topk_idxs``), so its compressed entries start at ``window_width`` [B]
+    and its 64-key blocks hold other keys than ours. The window entries at and beyond
+    ``window_width`` are -1 in both (valid entries first). Returns, per batch row, the column of our
+    list that each of DeepSeek's columns holds (``to_ds`` [B, K]; >= K: none, a -inf logit) and the
+    column of DeepSeek's list that each of ours is (``from_ds`` [B, K]; the unused window columns map
+    onto themselves)."""
+    c = jnp.arange(k, dtype=jnp.int32)[None, :]
+    ww = jnp.asarray(window_width, jnp.int32).reshape(-1, 1)
+    shift = kw - ww
+    return jnp.where(c < ww, c, c + shift), jnp.where(c < kw, c, c - shift)
+
+
+def _take_columns(x, cols, fill):
+    """x [B, S, H, K] -> x[b, s, h, cols[b, c]] (cols [B, K']; a column >= K reads ``fill``)."""
+    k = x.shape[-1]
+    safe = jnp.minimum(cols, k - 1)[:, None, None, :]
+    got = jnp.take_along_axis(x, jnp.broadcast_to(safe, (*x.shape[:3], cols.shape[-1])), axis=-1)
+    return jnp.where((cols < k)[:, None, None, :], got, fill)
+
+
 def split_bf16(p, parts: int):
     """fp32 ``p`` as ``parts`` bf16 terms whose fp32 sum is ``p`` (3 parts: exactly, bar subnormal
     remainders; 2 parts: to 2**-16 relative), stacked on a new axis -3 (before the head axis)."""
@@ -68,12 +91,16 @@ def split_bf16(p, parts: int):
 
 
 def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None, running_max_block=None,
-                     pv_parts=PV_PARTS):
+                     window_width=None, pv_parts=PV_PARTS):
     """``running_max_block``: emulate the kernel's running maximum over blocks of that many keys of
     the concatenated index list (window, then compressed; DeepSeek's: 64) when the weights are
     rounded (bf16 q) and the list is longer than one block; None (the default) rounds every weight
     relative to the row's maximum. The emulation costs 20-40 % of the op's time on an H200
     (BENCHMARKS.md, issue 5, session 36), hence opt-in (``RunOptions.attention_rounding``).
+    ``window_width`` (int or int32 [B]; None = the whole window list): how many leading entries of
+    each batch row's window list DeepSeek's list holds; later window entries are ignored, and under
+    the emulation the blocks run over DeepSeek's list, whose compressed entries start there
+    (:func:`deepseek_columns`: a prompt shorter than the window).
     ``pv_parts``: bf16 terms per rescaled weight in P·V under the emulation (see :func:`split_bf16`)."""
     dtype = q.dtype
     has_comp = comp_kv is not None and comp_idx is not None and comp_idx.shape[-1] > 0
@@ -96,6 +123,11 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
 
     logits = jnp.concatenate([qk(r) for r, _ in sets], axis=-1) * scale
     valid = jnp.concatenate([i for _, i in sets], axis=-1) >= 0  # [B,S,K]
+    kw = kv_idx.shape[-1]
+    if window_width is not None:
+        ww = jnp.broadcast_to(jnp.asarray(window_width, jnp.int32), (q.shape[0],))
+        col = jnp.arange(valid.shape[-1], dtype=jnp.int32)
+        valid = valid & ~((col >= ww[:, None]) & (col < kw))[:, None, :]
     logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -107,7 +139,12 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
         # bf16(exp(l - m_b)) * exp(m_b - m) * v. The rescaled weight is fp32; P.V takes it as
         # pv_parts bf16 terms stacked beside the heads (one GEMM with pv_parts x H rows: the gathered
         # rows are read once)
-        mk, f = running_max_factors(logits, m, running_max_block)
+        if window_width is not None and has_comp:
+            to_ds, from_ds = deepseek_columns(kw, k_all, ww)
+            mk, f = running_max_factors(_take_columns(logits, to_ds, -jnp.inf), m, running_max_block)
+            mk, f = _take_columns(mk, from_ds, 0.0), _take_columns(f, from_ds, 0.0)
+        else:
+            mk, f = running_max_factors(logits, m, running_max_block)
         e = jnp.exp(logits - mk)
         w = split_bf16(e.astype(dtype).astype(jnp.float32) * f, pv_parts)  # [B,S,P,H,K]
         w = w.reshape(*w.shape[:2], -1, k_all)

@@ -360,6 +360,11 @@ def test_cross_lowering(target, shape):
 
     text = lower_for(target, f, *_real_specs(*shape)).as_text()
     assert "triton" in text
+    if shape[1] > 1:  # prefill / verify: DeepSeek's 64-key blocks shifted by a per-row window width
+        text = lower_for(target, lambda *a: pallas_triton.sparse_attention(
+            *a[:4], scale=512 ** -0.5, comp_kv=a[4], comp_idx=a[5], block_k=64, num_splits=1, window_width=a[6]),
+            *_real_specs(*shape), SD((shape[0],), jnp.int32)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 1
     if shape[1] == 1:  # decode: the column-split variant lowers too
         lower_for(target, lambda *a: pallas_triton.sparse_attention(*a[:4], scale=512 ** -0.5, comp_kv=a[4],
                                                                     comp_idx=a[5], d_split=4), *_real_specs(*shape))
@@ -528,6 +533,73 @@ def test_reference_emulates_the_kernels_running_maximum(pv_parts):
     assert np.mean(row_max != want) > 5e-2  # the emulation is what makes the difference
 
 
+def _prefill_list_case(widths, s=3, h=16, d=64, nw=128, nc=256, kc=160):
+    """Prefill lists of prompts shorter than the window: row b's window list holds ``widths[b]``
+    entries (positions 0..t of query t, then -1) and -1 up to our fixed ``nw`` slots, then ``kc``
+    sorted compressed picks (-1 at the end of some). DeepSeek's list is ``widths[b]`` window entries
+    wide (``get_window_topk_idxs``: ``min(L, window)``), so its 64-key blocks hold other keys than
+    ours. Returns the inputs and DeepSeek's loop's output on its own lists."""
+    rng = np.random.default_rng()
+    b = len(widths)
+    q = jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16)
+    win = jnp.asarray(rng.standard_normal((b, nw, d)) * 1.5, jnp.bfloat16)
+    comp = jnp.asarray(rng.standard_normal((b, nc, d)) * np.linspace(0.5, 3, nc)[None, :, None], jnp.bfloat16)
+    widx = np.full((b, s, nw), -1, np.int32)
+    for i, w in enumerate(widths):
+        for t in range(s):
+            n = max(1, w - (s - 1 - t))  # query t of the last s positions of a w-token prompt
+            widx[i, t, :n] = np.arange(n)
+    cidx = np.sort(np.stack([np.stack([rng.permutation(nc)[:kc] for _ in range(s)]) for _ in range(b)]), -1)
+    cidx = cidx.astype(np.int32)
+    cidx[:, 0, -37:] = -1
+    sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    store = np.concatenate([np.asarray(win, np.float32), np.asarray(comp, np.float32)], 1)
+    want = np.concatenate([
+        _deepseek_sparse_attn(q[i:i + 1], store[i:i + 1],
+                              np.concatenate([widx[i:i + 1, :, :w], np.where(cidx[i:i + 1] >= 0, cidx[i:i + 1] + nw, -1)],
+                                             -1), sink, d ** -0.5)
+        for i, w in enumerate(widths)])
+    return q, win, jnp.asarray(widx), sink, comp, jnp.asarray(cidx), want
+
+
+# DeepSeek's window widths for prompts of 1, 37, 64, 100 and 128 tokens (128: the whole window list)
+_PREFILL_WIDTHS = (1, 37, 64, 100, 128)
+
+
+def test_reference_emulates_deepseeks_blocks_for_prompts_shorter_than_the_window():
+    """A prompt shorter than the 128-token window: DeepSeek's prefill window list is as wide as the
+    prompt, so its compressed entries, and its 64-key blocks, start earlier than in our fixed
+    128-slot list. With ``window_width`` the emulation runs its blocks over DeepSeek's list: the bf16
+    outputs equal the transcription's but for fp32 summation order (as over decode lists); without it
+    they round other blocks and differ more often."""
+    q, win, widx, sink, comp, cidx, want = _prefill_list_case(_PREFILL_WIDTHS)
+    kw = dict(scale=64 ** -0.5, comp_kv=comp, comp_idx=cidx, running_max_block=64)
+    got = np.asarray(reference.sparse_attention(q, win, widx, sink, window_width=jnp.asarray(_PREFILL_WIDTHS), **kw),
+                     np.float32)
+    mag = np.abs(want).max(-1, keepdims=True)
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(mag, 1e-30))) - 7)
+    assert np.max(np.abs(got - want) / ulp) <= 1.0
+    assert np.mean(got != want) <= 1e-2, np.mean(got != want)
+    fixed = np.asarray(reference.sparse_attention(q, win, widx, sink, **kw), np.float32)
+    short = np.asarray(_PREFILL_WIDTHS) < 128
+    assert np.mean(fixed[short] != want[short]) > 5e-2  # the width is what makes the difference
+    np.testing.assert_array_equal(fixed[~short], got[~short])  # the full width changes nothing
+
+
+def test_window_width_ignores_the_window_entries_beyond_it():
+    """Window entries at or beyond ``window_width`` are not DeepSeek's keys: they are ignored even
+    where the list holds a valid index there (row max and emulation alike)."""
+    q, win, widx, sink, comp, cidx, _ = _prefill_list_case((40, 90))
+    filled = jnp.asarray(np.broadcast_to(np.arange(128, dtype=np.int32), widx.shape))  # every slot valid
+    for block in (None, 64):
+        kw = dict(scale=64 ** -0.5, comp_kv=comp, comp_idx=cidx, running_max_block=block,
+                  window_width=jnp.asarray([40, 90]))
+        a = reference.sparse_attention(q, win, filled, sink, **kw)
+        cut = jnp.where(jnp.arange(128)[None, None, :] < jnp.asarray([40, 90])[:, None, None], filled, -1)
+        b_ = reference.sparse_attention(q, win, cut, sink, **kw)
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b_, np.float32))
+
+
 def test_running_max_factors_edge_cases():
     """Blocks before the first valid key (running maximum -inf) get factor 0 and a finite key max;
     a row with no valid key at all gets all-zero factors; blocks from the row maximum's on get 1."""
@@ -555,3 +627,19 @@ def test_kernel_with_64_key_blocks_is_deepseeks_loop():
     assert np.mean(got != want) <= 1e-2, np.mean(got != want)
     default = np.asarray(_kernel(q, win, widx, sink, comp, cidx, 64 ** -0.5), np.float32)
     assert np.mean(default != want) > 5e-2
+
+
+def test_kernel_walks_deepseeks_blocks_for_prompts_shorter_than_the_window():
+    """The Pallas kernel (interpret mode, 64-key blocks, one split) with ``window_width``: its blocks
+    are DeepSeek's over a prompt shorter than the window (:func:`_prefill_list_case`), one block holding
+    the end of the window list and the start of the compressed one; bf16 outputs equal the
+    transcription's but for fp32 summation order. Without the width it rounds other blocks."""
+    q, win, widx, sink, comp, cidx, want = _prefill_list_case(_PREFILL_WIDTHS)
+    got = np.asarray(_kernel(q, win, widx, sink, comp, cidx, 64 ** -0.5, block_k=64, num_splits=1,
+                             window_width=jnp.asarray(_PREFILL_WIDTHS)), np.float32)
+    assert np.mean(got != want) <= 1e-2, np.mean(got != want)
+    fixed = np.asarray(_kernel(q, win, widx, sink, comp, cidx, 64 ** -0.5, block_k=64, num_splits=1), np.float32)
+    short = np.asarray(_PREFILL_WIDTHS) < 128
+    assert np.mean(fixed[short] != want[short]) > 5e-2
+    with pytest.raises(ValueError, match="window_width.*num_splits=2 must be 1"):
+        _kernel(q, win, widx, sink, comp, cidx, 64 ** -0.5, block_k=64, num_splits=2, window_width=5)
