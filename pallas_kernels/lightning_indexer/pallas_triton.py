@@ -43,7 +43,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.quant import Fp4Tensor
 
-from pallas_kernels.quantized_matmul.pallas_triton_fma import e8m0_f32, fp4_byte_decode_f32
+from dsv41_jax.quant.codecs import le_words
+from pallas_kernels.quantized_matmul.pallas_triton_fma import e8m0_f32, fp4_byte_decode_f32, fp4_word_pairs_f32
 
 from .reference import IndexerResult
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
@@ -62,7 +63,9 @@ DEFAULTS = dict(
     select_warps=8,
     num_stages=2,
     maxima_budget_bytes=64 << 20,  # store g0 = block_size maxima while R * Nc/bs * 4 <= this
+    fp4_read="phases",  # MXFP4 q and keys both: "phases" (32-bit words, 8 phase dots) or "bytes" (see _load_rows)
 )
+FP4_READS = ("phases", "bytes")
 
 
 def _is_pow2(n: int) -> bool:
@@ -120,29 +123,47 @@ def _grid2(rows, cols):
     return jnp.broadcast_to(rows[:, None], shape), jnp.broadcast_to(cols[None, :], shape)
 
 
-def _load_rows(data_ref, scale_ref, rows, d2, fp4, cdt):
+def _load_rows(data_ref, scale_ref, rows, d2, fp4, cdt, phases=False):
     """Rows ``rows`` ([N] int32, in range) of an MXFP4 ([N, d2] bytes + [N, d2/16] e8m0) or plain
-    ([N, 2*d2]) store -> (even columns, odd columns), each [N, d2] in ``cdt``.
+    ([N, 2*d2]) store -> a list of ``cdt`` tiles that :func:`_scores` pairs up with q's, in one of
+    two column bases:
 
-    MXFP4: each nibble goes to an e4m3 bit pattern that reads ``e2m1 * 2**-6`` and the hardware
-    e4m3 conversion (``fp4_byte_decode_f32``, the fused MoE's "e4m3" route); the 2**6 rides on the
-    scale's exponent. The values are exactly those of the former arithmetic decode, with fewer
-    instructions per code (BENCHMARKS.md, issue 5, session 13)."""
+    * (even columns, odd columns), each [N, d2]. MXFP4 bytes: each nibble goes to an e4m3 bit
+      pattern that reads ``e2m1 * 2**-6`` and the hardware e4m3 conversion (``fp4_byte_decode_f32``,
+      the fused MoE's "e4m3" route); the 2**6 rides on the scale's exponent (BENCHMARKS.md, issue 5,
+      session 13: 3,697 -> 902 instructions per 128-key step of the score kernel).
+    * ``phases`` (MXFP4 stored as 32-bit words [N, d2/4], 8 codes each, element 8w + j in nibble j):
+      8 phase tiles [N, d2/4], phase j holding elements 8w + j. One shift-mask-or puts codes j and
+      j + 4 of a word into the two float16 halves of a word (``fp4_word_pairs_f32``: e2m1 * 2**-14,
+      exact), then f32 times the e8m0 scale (with the 2**14), then ``cdt`` (exact in bf16): the fused
+      MoE's word decode, without joining the phases back (one dot per phase instead). Offline sm_90
+      SASS: see BENCHMARKS.md, issue 5, session 38.
+
+    The values are exact in both: the dots differ only in fp32 summation order."""
+    if fp4 and phases:
+        nw = d2 // 4
+        w = data_ref[_grid2(rows, jnp.arange(nw, dtype=jnp.int32))]  # [N, d2/4] uint32, whole rows
+        sc = e8m0_f32(scale_ref[_grid2(rows, jnp.arange(d2 // 16, dtype=jnp.int32))], 14)  # [N, d2/16]
+        sc = jnp.broadcast_to(sc[:, :, None], (sc.shape[0], d2 // 16, 4)).reshape(sc.shape[0], nw)
+        pairs = fp4_word_pairs_f32(w)
+        return [(lo * sc).astype(cdt) for lo, _ in pairs] + [(hi * sc).astype(cdt) for _, hi in pairs]
     half = jnp.arange(d2, dtype=jnp.int32)
     if fp4:
         b = data_ref[_grid2(rows, half)].astype(jnp.int32)  # whole rows: contiguous along the row
         lo, hi, shift = fp4_byte_decode_f32(b)
         sc = e8m0_f32(scale_ref[_grid2(rows, jnp.arange(d2 // 16, dtype=jnp.int32))], shift)  # [N, d2/16]
         sc = jnp.broadcast_to(sc[:, :, None], (sc.shape[0], d2 // 16, 16)).reshape(sc.shape[0], d2)
-        return (lo * sc).astype(cdt), (hi * sc).astype(cdt)
-    return data_ref[_grid2(rows, 2 * half)].astype(cdt), data_ref[_grid2(rows, 2 * half + 1)].astype(cdt)
+        return [(lo * sc).astype(cdt), (hi * sc).astype(cdt)]
+    return [data_ref[_grid2(rows, 2 * half)].astype(cdt), data_ref[_grid2(rows, 2 * half + 1)].astype(cdt)]
 
 
-def _scores(q_e, q_o, k_e, k_o, w):
-    """sum_h w_h relu(q_h . k_j) for a [HI, d2] x [N, d2] pair -> [N] f32."""
-    prec = jax.lax.Precision.HIGHEST if q_e.dtype == jnp.float32 else None
-    l = jnp.dot(q_e, k_e.T, preferred_element_type=jnp.float32, precision=prec)
-    l = l + jnp.dot(q_o, k_o.T, preferred_element_type=jnp.float32, precision=prec)
+def _scores(q_tiles, k_tiles, w):
+    """sum_h w_h relu(q_h . k_j) for matching lists of [HI, c] and [N, c] tiles -> [N] f32."""
+    prec = jax.lax.Precision.HIGHEST if q_tiles[0].dtype == jnp.float32 else None
+    l = None
+    for qt, kt in zip(q_tiles, k_tiles, strict=True):
+        d = jnp.dot(qt, kt.T, preferred_element_type=jnp.float32, precision=prec)
+        l = d if l is None else l + d
     return jnp.sum(jnp.maximum(l, 0.0) * w[:, None], axis=0)
 
 
@@ -150,7 +171,7 @@ def _scores(q_e, q_o, k_e, k_o, w):
 # 1. score kernel -> group maxima
 
 
-def _score_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, s_rows, tile_n, chunk, g0, bs, cdt):
+def _score_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, s_rows, tile_n, chunk, g0, bs, cdt, phases):
     it = iter(refs)
     qd_ref = next(it)
     qs_ref = next(it) if q_fp4 else None
@@ -165,17 +186,17 @@ def _score_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, s_rows, tile_n, chunk
     local = jnp.arange(chunk, dtype=jnp.int32)
 
     # decode (one query row per program): q decoded once, not again for every key chunk
-    q_once = _load_rows(qd_ref, qs_ref, heads, d2, q_fp4, cdt) if s_rows == 1 else None
+    q_once = _load_rows(qd_ref, qs_ref, heads, d2, q_fp4, cdt, phases) if s_rows == 1 else None
 
     def chunk_body(c, _):
         pos = t * tile_n + c * chunk + local
         inb = pos < nc
-        k_e, k_o = _load_rows(kd_ref, ks_ref, jnp.where(inb, pos, 0), d2, k_fp4, cdt)
+        k_t = _load_rows(kd_ref, ks_ref, jnp.where(inb, pos, 0), d2, k_fp4, cdt, phases)
 
         def row_body(r, _):
-            q_e, q_o = q_once if q_once is not None else _load_rows(qd_ref, qs_ref, r * hi + heads, d2, q_fp4, cdt)
+            q_t = q_once if q_once is not None else _load_rows(qd_ref, qs_ref, r * hi + heads, d2, q_fp4, cdt, phases)
             w = w_ref[pl.ds(r * hi, hi)]
-            sc = _scores(q_e, q_o, k_e, k_o, w)
+            sc = _scores(q_t, k_t, w)
             ok = inb & (pos < vis_ref[pl.ds(r, 1)])
             if has_cb:
                 ok = ok & (cb_ref[jnp.full((chunk,), r, jnp.int32), pos // bs] != 0)
@@ -190,7 +211,11 @@ def _score_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, s_rows, tile_n, chunk
     jax.lax.fori_loop(0, tile_n // chunk, chunk_body, 0)
 
 
-def _prep(q, keys, weights, visible, candidate_blocks, block_size):
+def _prep(q, keys, weights, visible, candidate_blocks, block_size, fp4_read="phases"):
+    """The kernels' operands. With MXFP4 q and keys and ``fp4_read`` "phases" their codes are passed
+    as little-endian 32-bit words (an XLA bitcast) for :func:`_load_rows`' word decode."""
+    if fp4_read not in FP4_READS:
+        raise ValueError(f"lightning_indexer (pallas): fp4_read={fp4_read!r}; expected one of {', '.join(FP4_READS)}")
     b, s, hi, di = _logical_shape(q)
     nc = _logical_shape(keys)[1]
     q_fp4, k_fp4 = isinstance(q, Fp4Tensor), isinstance(keys, Fp4Tensor)
@@ -203,17 +228,23 @@ def _prep(q, keys, weights, visible, candidate_blocks, block_size):
     def bytes_(x):
         return jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype != jnp.uint8 else x
 
+    phases = q_fp4 and k_fp4 and fp4_read == "phases" and di % 128 == 0  # phase dots of K >= 16
+
+    def codes(x):
+        return le_words(bytes_(x)) if phases else x
+
     if q_fp4:
-        qa = (q.data.reshape(b * s * hi, di // 2), bytes_(q.scale).reshape(b * s * hi, di // 32))
+        qa = (codes(q.data.reshape(b * s * hi, di // 2)), bytes_(q.scale).reshape(b * s * hi, di // 32))
     else:
         qa = (q.reshape(b * s * hi, di),)
-    ka = (keys.data, bytes_(keys.scale)) if k_fp4 else (keys,)
+    ka = (codes(keys.data), bytes_(keys.scale)) if k_fp4 else (keys,)
     w = weights.astype(jnp.float32).reshape(b * s * hi)
     vis = visible.astype(jnp.int32).reshape(b * s)
     cb = None
     if candidate_blocks is not None:
         cb = candidate_blocks.astype(jnp.int8).reshape(b * s, -1)
-    return dict(b=b, s=s, hi=hi, di=di, nc=nc, q_fp4=q_fp4, k_fp4=k_fp4, cdt=cdt, qa=qa, ka=ka, w=w, vis=vis, cb=cb)
+    return dict(b=b, s=s, hi=hi, di=di, nc=nc, q_fp4=q_fp4, k_fp4=k_fp4, cdt=cdt, qa=qa, ka=ka, w=w, vis=vis, cb=cb,
+                phases=phases)
 
 
 def index_block_maxima(p, *, g0, interpret, cfg):
@@ -251,7 +282,7 @@ def index_block_maxima(p, *, g0, interpret, cfg):
     out_w = tile_n // g0
     kernel = functools.partial(
         _score_kernel, q_fp4=p["q_fp4"], k_fp4=p["k_fp4"], has_cb=has_cb, hi=hi, d2=d2, nc=nc, s_rows=sq,
-        tile_n=tile_n, chunk=chunk, g0=g0, bs=cfg["block_size"], cdt=p["cdt"],
+        tile_n=tile_n, chunk=chunk, g0=g0, bs=cfg["block_size"], cdt=p["cdt"], phases=p["phases"],
     )
     return pl.pallas_call(
         kernel,
@@ -269,7 +300,7 @@ def index_block_maxima(p, *, g0, interpret, cfg):
 # 3. candidate score kernel
 
 
-def _cand_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, tile, bs, cdt):
+def _cand_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, tile, bs, cdt, phases):
     it = iter(refs)
     qd_ref = next(it)
     qs_ref = next(it) if q_fp4 else None
@@ -284,9 +315,9 @@ def _cand_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, tile, bs, cdt):
     pos = pos_ref[pl.ds(c * tile, tile)]
     ok = (pos >= 0) & (pos < nc) & (pos < vis_ref[...])
     safe = jnp.where(ok, pos, 0)
-    k_e, k_o = _load_rows(kd_ref, ks_ref, safe, d2, k_fp4, cdt)
-    q_e, q_o = _load_rows(qd_ref, qs_ref, heads, d2, q_fp4, cdt)
-    sc = _scores(q_e, q_o, k_e, k_o, w_ref[...])
+    k_t = _load_rows(kd_ref, ks_ref, safe, d2, k_fp4, cdt, phases)
+    q_t = _load_rows(qd_ref, qs_ref, heads, d2, q_fp4, cdt, phases)
+    sc = _scores(q_t, k_t, w_ref[...])
     if has_cb:
         ok = ok & (cb_ref[safe // bs] != 0)
     o_ref[pl.ds(c * tile, tile)] = jnp.where(ok, sc, _NEG_INF)
@@ -312,7 +343,7 @@ def candidate_scores(p, pos, *, interpret, cfg):
         args.append(p["cb"])
         specs.append(pl.BlockSpec((None, p["cb"].shape[1]), lambda r, c: (r, 0)))
     kernel = functools.partial(_cand_kernel, q_fp4=p["q_fp4"], k_fp4=p["k_fp4"], has_cb=has_cb, hi=hi, d2=di // 2,
-                               nc=nc, tile=tile, bs=cfg["block_size"], cdt=p["cdt"])
+                               nc=nc, tile=tile, bs=cfg["block_size"], cdt=p["cdt"], phases=p["phases"])
     return pl.pallas_call(
         kernel,
         grid=(rows, cn // tile),
@@ -421,7 +452,7 @@ def lightning_indexer(q, weights, keys, visible, *, top_k, candidate_blocks=None
     cfg = dict(DEFAULTS)
     cfg.update(config or {})
     cfg["block_size"] = block_size
-    p = _prep(q, keys, weights, visible, candidate_blocks, block_size)
+    p = _prep(q, keys, weights, visible, candidate_blocks, block_size, cfg["fp4_read"])
     b, s, nc = p["b"], p["s"], p["nc"]
     rows = b * s
     nb = -(-nc // block_size)

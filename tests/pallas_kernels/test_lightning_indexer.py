@@ -134,13 +134,19 @@ def test_random_mxfp4_and_top_k_not_pow2():
     check_result(o, r, scores, 24)
 
 
-@pytest.mark.parametrize("s", [1, 2], ids=["decode_q_once", "rows"])
-def test_every_fp4_code_block_maxima(s):
+@pytest.mark.parametrize("s,di,fp4_read", [(1, 64, "phases"), (2, 64, "phases"), (1, 128, "phases"), (2, 128, "phases"),
+                                            (1, 128, "bytes")],
+                         ids=["decode_q_once", "rows", "words_decode", "words_rows", "bytes_128"])
+def test_every_fp4_code_block_maxima(s, di, fp4_read, monkeypatch):
     """q and keys from random bytes (all 16 e2m1 codes in both nibbles, -0 included) and random e8m0
-    scales: the kernels' e4m3-placement decode (q decoded once per program at S = 1) gives the
-    reference's block maxima element by element and its top-k sets."""
+    scales: the kernels' decode (q decoded once per program at S = 1) gives the reference's block
+    maxima element by element and its top-k sets -- the e4m3-placement byte decode (64-wide heads, and
+    ``fp4_read="bytes"``) and the word decode into 8 phase dots (128-wide heads: phase dots of K >= 16)."""
+    calls = []
+    real = pallas_triton._load_rows
+    monkeypatch.setattr(pallas_triton, "_load_rows", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
     rng = np.random.default_rng()
-    b, hi, di, nc = 1, 16, 64, 256
+    b, hi, nc = 1, 16, 256
 
     def fp4(shape):
         data = rng.integers(0, 256, (*shape, di // 2), dtype=np.uint8)
@@ -152,7 +158,8 @@ def test_every_fp4_code_block_maxima(s):
     w = jnp.asarray(rng.uniform(0.1, 1.0, (b, s, hi)), jnp.float32)
     vis = jnp.asarray(np.full((b, s), nc, np.int32))
     r, scores = _ref_and_scores(q, w, k, vis, None, 32, True)
-    o = _pal(q, w, k, vis, None, 32, True, cfg=dict(tile_n=128, chunk=64))
+    o = _pal(q, w, k, vis, None, 32, True, cfg=dict(tile_n=128, chunk=64, fp4_read=fp4_read))
+    assert set(calls) == {fp4_read == "phases" and di == 128}  # the route taken (phases need K >= 16)
     rb, ob = np.asarray(r.block_scores), np.asarray(o.block_scores)
     np.testing.assert_allclose(ob, rb, rtol=1e-5, atol=1e-5 * np.abs(rb[np.isfinite(rb)]).max())
     check_result(o, r, scores, 32)
@@ -217,6 +224,10 @@ def test_cross_lowering(target, shape, wbs):
 
     text = lower_for(target, f, *_real_specs(*shape)).as_text()
     assert "triton" in text
+    if shape[1] == 1 and not wbs:  # the byte decode (fp4_read="bytes") lowers too
+        lower_for(target, lambda q, w, k, v: pallas_triton.lightning_indexer(q, w, k, v, top_k=512,
+                                                                            config=dict(fp4_read="bytes")).topk,
+                  *_real_specs(*shape))
 
 
 @pytest.mark.parametrize("budget", [1 << 25, 3 * 200 * 2, 200])
