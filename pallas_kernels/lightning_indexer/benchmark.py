@@ -58,7 +58,12 @@ def floor_bytes(b, s, nc, *, hi=32, di=128, k=512):
     return b * nc * (di // 2 + di // 32) + b * s * (hi * (di // 2 + di // 32) + hi * 4 + k * 4)
 
 
-def check(log):
+CHECK_CASES = [(2, 1, 65536, True, False), (1, 6, 262144, False, True), (2, 3, 4000, False, False)]
+
+
+def check(log, cases=None):
+    """The Pallas pipeline against the reference on the GPU, per (B, S, Nc, block scores, candidate
+    mask) of ``cases`` (default :data:`CHECK_CASES`) and per MXFP4 decode route."""
     import jax
     import numpy as np
 
@@ -66,7 +71,7 @@ def check(log):
     from pallas_kernels.lightning_indexer import reference as ref
 
     ok = True
-    for (b, s, nc, wbs, cb) in [(2, 1, 65536, True, False), (1, 6, 262144, False, True), (2, 3, 4000, False, False)]:
+    for (b, s, nc, wbs, cb) in cases or CHECK_CASES:
         q, w, k, vis = make_inputs(jax.random.PRNGKey(nc + s), b, s, nc)
         vis = vis.at[0, 0].set(nc // 3)
         if s > 1:
@@ -76,36 +81,47 @@ def check(log):
             cbm = jax.random.bernoulli(jax.random.PRNGKey(3), 0.3, (b, s, -(-nc // 8)))
         rfun = jax.jit(lambda q, w, k, v, c: ref.lightning_indexer(q, w, k, v, top_k=512, candidate_blocks=c,
                                                                    want_block_scores=wbs))
-        pfun = jax.jit(lambda q, w, k, v, c: pt.lightning_indexer(q, w, k, v, top_k=512, candidate_blocks=c,
-                                                                  want_block_scores=wbs))
         r = rfun(q, w, k, vis, cbm)
-        o = pfun(q, w, k, vis, cbm)
-        rt, ot = np.asarray(r.topk), np.asarray(o.topk)
+        rt = np.asarray(r.topk)
         scores = np.asarray(jax.jit(lambda q, w, k, v, c: ref.index_scores(q, w, k, v, candidate_blocks=c))(
             q, w, k, vis, cbm))
-        n_mis, n_near = 0, 0
-        for i in range(b):
-            for j in range(s):
-                a, c2 = set(rt[i, j][rt[i, j] >= 0]), set(ot[i, j][ot[i, j] >= 0])
-                if a != c2:
-                    n_mis += 1
-                    kth = np.sort(scores[i, j][list(a)])[0] if a else -np.inf
-                    diff = [scores[i, j][x] for x in a ^ c2]
-                    if all(abs(x - kth) <= 1e-5 * max(abs(kth), 1e-30) for x in diff):
-                        n_near += 1
-        asc = all(np.all(np.diff(ot[i, j][ot[i, j] >= 0]) > 0) for i in range(b) for j in range(s))
-        pad = all(np.all(ot[i, j][len(ot[i, j][ot[i, j] >= 0]):] == -1) for i in range(b) for j in range(s))
-        bs_ok = True
-        if wbs:
-            br, bo = np.asarray(r.block_scores), np.asarray(o.block_scores)
-            fin = np.isfinite(br)
-            bs_ok = bool(np.array_equal(fin, np.isfinite(bo)) and np.allclose(br[fin], bo[fin], rtol=1e-5, atol=1e-6))
-        good = (n_mis == n_near) and asc and pad and bs_ok
-        ok &= good
-        log(f"check B={b} S={s} Nc={nc} block_scores={wbs} cand_mask={cb}: rows with a different set {n_mis} "
-            f"(all at exact/near ties: {n_mis == n_near}), ascending {asc}, -1 padded {pad}, block maxima {bs_ok} "
-            f"-> {'OK' if good else 'FAIL'}")
+        for fp4_read in pt.FP4_READS:  # every MXFP4 decode route
+            ok &= _check_one(log, pt, r, rt, scores, (q, w, k, vis, cbm), b, s, nc, wbs, cb, fp4_read)
     return ok
+
+
+def _check_one(log, pt, r, rt, scores, args, b, s, nc, wbs, cb, fp4_read):
+    """One MXFP4 decode route against the reference's result ``r`` (top-k ``rt``, ``scores``)."""
+    import jax
+    import numpy as np
+
+    pfun = jax.jit(lambda q, w, k, v, c: pt.lightning_indexer(q, w, k, v, top_k=512, candidate_blocks=c,
+                                                              want_block_scores=wbs,
+                                                              config=dict(fp4_read=fp4_read)))
+    o = pfun(*args)
+    ot = np.asarray(o.topk)
+    n_mis, n_near = 0, 0
+    for i in range(b):
+        for j in range(s):
+            a, c2 = set(rt[i, j][rt[i, j] >= 0]), set(ot[i, j][ot[i, j] >= 0])
+            if a != c2:
+                n_mis += 1
+                kth = np.sort(scores[i, j][list(a)])[0] if a else -np.inf
+                diff = [scores[i, j][x] for x in a ^ c2]
+                if all(abs(x - kth) <= 1e-5 * max(abs(kth), 1e-30) for x in diff):
+                    n_near += 1
+    asc = all(np.all(np.diff(ot[i, j][ot[i, j] >= 0]) > 0) for i in range(b) for j in range(s))
+    pad = all(np.all(ot[i, j][len(ot[i, j][ot[i, j] >= 0]):] == -1) for i in range(b) for j in range(s))
+    bs_ok = True
+    if wbs:
+        br, bo = np.asarray(r.block_scores), np.asarray(o.block_scores)
+        fin = np.isfinite(br)
+        bs_ok = bool(np.array_equal(fin, np.isfinite(bo)) and np.allclose(br[fin], bo[fin], rtol=1e-5, atol=1e-6))
+    good = (n_mis == n_near) and asc and pad and bs_ok
+    log(f"check B={b} S={s} Nc={nc} block_scores={wbs} cand_mask={cb} fp4_read={fp4_read}: rows with a different "
+        f"set {n_mis} (all at exact/near ties: {n_mis == n_near}), ascending {asc}, -1 padded {pad}, block maxima "
+        f"{bs_ok} -> {'OK' if good else 'FAIL'}")
+    return good
 
 
 # tilings of the tile score kernel; None = its defaults (PREFILL_DEFAULTS), the one every case runs
@@ -335,6 +351,7 @@ def main(argv=None):
             fb = floor_bytes(b, 1, nc)
             t_floor = fb / HBM_BYTES_PER_S
             t_p, _, _ = timed(run_pallas({}), a, n=args.n, reps=args.reps)
+            t_b, _, _ = timed(run_pallas(dict(fp4_read="bytes")), a, n=args.n, reps=args.reps)  # the byte decode
             try:
                 if args.skip_xla:
                     raise RuntimeError("skipped (--skip-xla)")
@@ -345,10 +362,10 @@ def main(argv=None):
             scores = jax.random.normal(jax.random.PRNGKey(1), (b, nc), jnp.float32)
             t_k = float("nan") if args.skip_xla else timed(run_topk, (scores,), n=args.n, reps=args.reps)[0]
             del scores
-            row = dict(entries=nc, batch=b, pallas_us=t_p * 1e6, xla_us=t_r * 1e6, topk_us=t_k * 1e6,
-                       floor_us=t_floor * 1e6, bytes=fb)
+            row = dict(entries=nc, batch=b, pallas_us=t_p * 1e6, pallas_bytes_us=t_b * 1e6, xla_us=t_r * 1e6,
+                       topk_us=t_k * 1e6, floor_us=t_floor * 1e6, bytes=fb)
             rows.append(row)
-            log(f"Nc={nc:>8} B={b}: pallas {t_p*1e6:8.1f} us  xla ref {t_r*1e6:9.1f} us  lax.top_k(scores) "
+            log(f"Nc={nc:>8} B={b}: pallas {t_p*1e6:8.1f} us (byte decode {t_b*1e6:8.1f})  xla ref {t_r*1e6:9.1f} us  lax.top_k(scores) "
                 f"{t_k*1e6:8.1f} us  floor {t_floor*1e6:6.2f} us  pallas/floor {t_p/t_floor:.2f}x  "
                 f"top_k/pallas {t_k/t_p:.2f}x")
             if args.sweep and b == 1 and nc == (1 << 20):
@@ -364,25 +381,28 @@ def main(argv=None):
     # stage breakdown at batch 1 (where the pipeline is latency-bound)
     for nc in [65536, 1 << 20]:
         a = make_inputs(jax.random.PRNGKey(nc), 1, 1, nc)
-        cfg = dict(pt.DEFAULTS, block_size=8)
+        times = {}
+        for route in pt.FP4_READS:  # each MXFP4 decode route, with programs of its own
+            cfg = dict(pt.DEFAULTS, block_size=8, fp4_read=route)
 
-        def stage_k1(a, c, nc=nc):
-            q, w, kk, vis = a
-            pp = pt._prep(q, kk, w + c, vis, None, 8)
-            o = pt.index_block_maxima(pp, g0=8, interpret=False, cfg=cfg)
-            return o, zero_of(o)
+            def stage_k1(a, c, cfg=cfg):
+                q, w, kk, vis = a
+                pp = pt._prep(q, kk, w + c, vis, None, 8, cfg["fp4_read"])
+                o = pt.index_block_maxima(pp, g0=8, interpret=False, cfg=cfg)
+                return o, zero_of(o)
 
-        def stage_cand(a, c, nc=nc):
-            q, w, kk, vis = a
-            pp = pt._prep(q, kk, w + c, vis, None, 8)
-            pos = (jnp.arange(4096, dtype=jnp.int32) * (nc // 4096))[None]
-            o = pt.candidate_scores(pp, pos, interpret=False, cfg=cfg)
-            return o, zero_of(o)
+            def stage_cand(a, c, nc=nc, cfg=cfg):
+                q, w, kk, vis = a
+                pp = pt._prep(q, kk, w + c, vis, None, 8, cfg["fp4_read"])
+                pos = (jnp.arange(4096, dtype=jnp.int32) * (nc // 4096))[None]
+                o = pt.candidate_scores(pp, pos, interpret=False, cfg=cfg)
+                return o, zero_of(o)
 
-        t1, _, _ = timed(stage_k1, a, n=args.n, reps=args.reps)
-        t2, _, _ = timed(stage_cand, a, n=args.n, reps=args.reps)
-        log(f"breakdown Nc={nc} B=1: score kernel (block maxima) {t1*1e6:.1f} us; candidate rescoring 4096 keys "
-            f"{t2*1e6:.1f} us")
+            times[route] = (timed(stage_k1, a, n=args.n, reps=args.reps)[0],
+                            timed(stage_cand, a, n=args.n, reps=args.reps)[0])
+        log(f"breakdown Nc={nc} B=1: score kernel (block maxima) "
+            + ", ".join(f"{r} {t[0]*1e6:.1f} us" for r, t in times.items())
+            + "; candidate rescoring 4096 keys " + ", ".join(f"{r} {t[1]*1e6:.1f} us" for r, t in times.items()))
         del a
     for n_sel in (4096, 16384):
         v = jax.random.normal(jax.random.PRNGKey(n_sel), (1, n_sel), jnp.float32)
@@ -402,11 +422,12 @@ def main(argv=None):
         del a
 
     log("")
-    log("| entries | batch | Pallas (us) | XLA ref (us) | lax.top_k on scores (us) | byte floor (us) | Pallas/floor | "
-        "top_k/Pallas | XLA/Pallas |")
-    log("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    log("| entries | batch | Pallas (us) | Pallas, byte decode (us) | XLA ref (us) | lax.top_k on scores (us) | "
+        "byte floor (us) | Pallas/floor | top_k/Pallas | XLA/Pallas |")
+    log("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        log(f"| {r['entries']} | {r['batch']} | {r['pallas_us']:.1f} | {r['xla_us']:.1f} | {r['topk_us']:.1f} | "
+        log(f"| {r['entries']} | {r['batch']} | {r['pallas_us']:.1f} | {r['pallas_bytes_us']:.1f} | {r['xla_us']:.1f} | "
+            f"{r['topk_us']:.1f} | "
             f"{r['floor_us']:.2f} | {r['pallas_us']/r['floor_us']:.2f}x | {r['topk_us']/r['pallas_us']:.2f}x | "
             f"{r['xla_us']/r['pallas_us']:.2f}x |")
     log(f"lax.top_k anchor 64 x 262144 k=2048: {t_anchor*1e6:.1f} us")

@@ -241,6 +241,23 @@ def test_moe_prefill_sweep_runs_in_interpret_mode(monkeypatch):
         bm.main(["--prefill", "--packings", "nibbles,f16"])
 
 
+def test_indexer_check_covers_both_decode_routes(monkeypatch):
+    """``lightning_indexer.benchmark``'s GPU check (small cases, interpret mode): every case passes
+    with both MXFP4 decode routes (words into phase dots, bytes), and a wrong route would fail it."""
+    import functools
+
+    import pallas_kernels.lightning_indexer.benchmark as bm
+    from pallas_kernels.lightning_indexer import pallas_triton as pt
+
+    monkeypatch.setattr(pt, "lightning_indexer", functools.partial(pt.lightning_indexer, interpret=True))
+    lines = []
+    assert bm.check(lines.append, cases=[(2, 1, 3000, True, False), (1, 2, 2500, False, True)])
+    assert [ln.split("fp4_read=")[1].split(":")[0] for ln in lines] == ["phases", "bytes"] * 2, lines
+    real = pt.fp4_word_pairs_f32
+    monkeypatch.setattr(pt, "fp4_word_pairs_f32", lambda w: [(lo, lo) for lo, _ in real(w)])  # codes j + 4 lost
+    assert not bm.check(lambda *_: None, cases=[(1, 1, 3000, True, False)])
+
+
 def test_indexer_prefill_and_decode_topk_run_in_interpret_mode(monkeypatch, tmp_path):
     """``lightning_indexer.benchmark --prefill-model --decode-topk`` at small shapes (tile kernel in
     interpret mode, timing stubbed): every case of both tables runs, and the kernel's and the grouped
