@@ -102,6 +102,19 @@ def _mixes(p, site, h, cfg):
                     hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
 
 
+def stage_key_indices(P, window: int, block: int):
+    """[B, window + block] indices into concat(ring [window], block rows [block]) of the keys every
+    query of a stage's block sees, in the order of DeepSeek's ``get_dspark_topk_idxs``: the ring's
+    filled slots 0 .. min(P, window) - 1 (slot order; P = the block's first position, so the ring
+    holds positions < P), then the block's rows, then -1. The order decides bf16 bits where the
+    sparse attention rounds by blocks of 64 keys (``--attention-rounding kernel_blocks``): the block's
+    rows start right after the filled slots there, not at slot ``window`` (before session 38 they
+    did, with -1 between, which put other keys in the 64-key blocks while P < window)."""
+    n = jnp.minimum(P, window)[:, None]  # [B, 1] filled ring slots
+    c = jnp.arange(window + block, dtype=jnp.int32)[None, :]
+    return jnp.where(c < n, c, jnp.where(c < n + block, window + c - n, -1)).astype(jnp.int32)
+
+
 def _stage_attention(pa, x, ring, P, layer: int, cfg: ModelConfig, opts: RunOptions):
     """Block queries [B,G,D] at positions P..P+G-1 over the ring (positions < P) + the block."""
     B, G, _ = x.shape
@@ -113,10 +126,7 @@ def _stage_attention(pa, x, ring, P, layer: int, cfg: ModelConfig, opts: RunOpti
     q = apply_rope(linear(qr, pa["wq_b"], act_block=act, path="attn.wq_b").reshape(B, G, H, Dh), ang)
     kv_blk = cache_store(_stage_kv(pa, x, positions, layer, cfg), "window", opts)
     kv = concat_rows(ring, kv_blk)
-    r = jnp.arange(W, dtype=jnp.int32)
-    ring_idx = jnp.where(r[None, :] < jnp.minimum(P, W)[:, None], r[None, :], -1)  # [B, W]
-    blk_idx = jnp.broadcast_to(W + jnp.arange(G, dtype=jnp.int32), (B, G))
-    idx = jnp.broadcast_to(jnp.concatenate([ring_idx, blk_idx], 1)[:, None, :], (B, G, W + G))
+    idx = jnp.broadcast_to(stage_key_indices(P, W, G)[:, None, :], (B, G, W + G))
     o = sparse_attention(q, kv, idx, pa["attn_sink"], scale=Dh ** -0.5, running_max_block=opts.running_max_block)
     o = apply_rope(o, ang, inverse=True)
     Gr, Lo = cfg.o_groups, cfg.o_lora_rank
