@@ -76,6 +76,32 @@ def test_parity_interpret(dtype, quant):
     assert np.all(np.asarray(o[0, 0], np.float32) == 0.0)  # no valid key -> 0
 
 
+def test_every_fp4_code_and_scale_of_the_compressed_cache(monkeypatch):
+    """The kernel's FP4 decode of the compressed cache (e4m3 bit placement of each nibble, since
+    session 38) over every packed byte value (all 16 codes in both nibbles, -0 included) and e4m3
+    scales from subnormal to 2**8, in float32 against the reference's dequantization: equal to the
+    f32 parity tolerance. Compressed keys only (no window), so every output comes from decoded rows."""
+    rng = np.random.default_rng()
+    b, s, h, d, nc, kc = 1, 3, 16, 64, 96, 64
+    data = rng.integers(0, 256, (b, nc, d // 2), dtype=np.uint8)
+    data.reshape(-1)[:256] = np.arange(256, dtype=np.uint8)
+    scale = rng.choice(np.r_[1:8, 8:0x70].astype(np.uint8), (b, nc, d // 16)).view(jnp.float8_e4m3fn)
+    ck = Fp4Tensor(jnp.asarray(data), jnp.asarray(scale), 16)
+    q = jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.float32)
+    kv = jnp.zeros((b, 8, d), jnp.float32)
+    widx = jnp.full((b, s, 8), -1, jnp.int32)
+    cidx = jnp.asarray(np.stack([rng.permutation(nc)[:kc] for _ in range(s)])[None].astype(np.int32))
+    sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    scale_ = d ** -0.5
+    r = _ref(q, kv, widx, sink, ck, cidx, scale_)
+    check_close(_kernel(q, kv, widx, sink, ck, cidx, scale_), r)
+    # a decode that swaps the nibbles of a byte fails the same comparison
+    real = pallas_triton.fp4_byte_decode_f32
+    monkeypatch.setattr(pallas_triton, "fp4_byte_decode_f32", lambda b: (lambda lo, hi, sh: (hi, lo, sh))(*real(b)))
+    with pytest.raises(AssertionError):
+        check_close(_kernel(q, kv, widx, sink, ck, cidx, scale_), r)
+
+
 @pytest.mark.parametrize("d_split,quant,dtype,num_splits", [
     (2, True, jnp.bfloat16, 1), (4, True, jnp.bfloat16, 2), (2, False, jnp.float32, 2)])
 def test_column_split_interpret(d_split, quant, dtype, num_splits):
