@@ -21,12 +21,13 @@ Dequantization (all exact in bf16, attention.md §2.3):
 * window FP8: ``e4m3fn`` data (rule 9: fn, not fnuz) times ``2^(s-127)`` from the ue8m0 scale byte,
   built with integer ops as the float bit pattern ``s << 23``; the [rows, D/32] scales are
   broadcast to [rows, D] with a broadcast + reshape;
-* compressed FP4: each packed byte's low (element 2i) and high (element 2i+1) nibble is placed into
-  an e4m3 bit pattern that reads ``e2m1 * 2**-6`` and converted by the hardware (the indexer's and the
-  fused MoE's "e4m3" decode; since session 38, in place of the arithmetic e2m1 decode of §3.1: the
-  sm_90 compressed-list loop 4,006 -> 2,577 instructions per 64-key prefill step offline), times the
-  ``e4m3fn`` scale of its 16-element block, and the two halves are interleaved with a 2-way ``stack``
-  on the last axis (Triton ``tt.join``) + reshape.
+* compressed FP4: the packed codes read as 32-bit words; one shift-mask-or places codes j and j + 4
+  of a word into the two f16 halves of a word (``e2m1 * 2**-14``, exact: the fused MoE's and the
+  indexer's word decode), times the ``e4m3fn`` scale of the 16-element block, and the 8 phases are
+  joined back into element order by three levels of 2-way ``stack`` on the last axis (Triton
+  ``tt.join``) + reshape. Since session 38, in place of the arithmetic e2m1 decode of §3.1: the sm_90
+  compressed-list loop 4,006 -> 2,060 instructions per 64-key prefill step offline (2,577 with a
+  byte-wise e4m3-placement decode).
 
 Numerics: logits fp32 (bf16 × bf16 products are exact in fp32; f32 inputs use an IEEE f32 dot),
 online softmax in fp32, the probabilities cast to ``q.dtype`` before P·V, fp32 accumulation, the
@@ -48,7 +49,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.quant import Fp4Tensor, Fp8Tensor
-from pallas_kernels.quantized_matmul.pallas_triton_fma import fp4_byte_decode_f32
+from dsv41_jax.quant.codecs import le_words
+from pallas_kernels.quantized_matmul.pallas_triton_fma import fp4_word_pairs_f32
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fixes)
 
 __all__ = ["sparse_attention", "unsupported_reason", "default_config", "combine_splits", "combine_reason"]
@@ -193,7 +195,7 @@ def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d, nw_blocks, nc_bloc
     if has_comp:
         cidx_ref = next(it)
         if c_fp4:
-            cdata_ref, cscale_ref = next(it), next(it)
+            cwords_ref, cscale_ref = next(it), next(it)
         else:
             ckv_ref = next(it)
     sink_ref = next(it)
@@ -242,15 +244,21 @@ def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d, nw_blocks, nc_bloc
     def comp_rows(ids, first, width):
         """Compressed rows ``ids``, columns [first, first + width), dequantized to ``cdt``."""
         if c_fp4:
-            b = cdata_ref[_grid2(ids, first // 2 + jnp.arange(width // 2, dtype=jnp.int32))].astype(jnp.int32)
-            # each byte's two nibbles by e4m3 bit placement and the hardware conversion (e2m1 * 2**-6,
-            # exact; the indexer's and the fused MoE's "e4m3" decode), times the e4m3 scale of their
-            # 16-element block (both nibbles of a byte share it), then element 2i = low nibble and
-            # 2i+1 = high nibble interleaved by a 2-way join (tt.join) of the decoded values
-            lo, hi, shift = fp4_byte_decode_f32(b)
+            # the codes as 32-bit words (element 8w + j in nibble j): one shift-mask-or places codes j
+            # and j + 4 into the f16 halves of a word (e2m1 * 2**-14, exact; the fused MoE's and the
+            # indexer's word decode), times the e4m3 scale of their 16-element block (2 words), and
+            # three levels of 2-way joins (tt.join) put the 8 phases back in element order
+            wds = cwords_ref[_grid2(ids, first // 8 + jnp.arange(width // 8, dtype=jnp.int32))]  # [N, width / 8]
             sc = cscale_ref[_grid2(ids, first // 16 + jnp.arange(width // 16, dtype=jnp.int32))].astype(jnp.float32)
-            sc = _expand_cols(sc * (2.0 ** shift), 8)  # [N, width / 2]: one scale per 8 bytes
-            return jnp.stack([(lo * sc).astype(cdt), (hi * sc).astype(cdt)], axis=-1).reshape(b.shape[0], width)
+            sc = _expand_cols(sc * (2.0 ** 14), 2)  # [N, width / 8]: one scale per 2 words
+            e = [None] * 8  # e[j]: element 8w + j of every word w
+            for j, (lo, hi) in enumerate(fp4_word_pairs_f32(wds)):
+                e[j], e[j + 4] = (lo * sc).astype(cdt), (hi * sc).astype(cdt)
+            # [N, width / 8, x, y, z] holds element 8w + 4x + 2y + z: Triton stacks on the last axis
+            # only, so the slowest of the three (x: j and j + 4) is joined first
+            a = jnp.stack([jnp.stack([e[0], e[4]], axis=-1), jnp.stack([e[2], e[6]], axis=-1)], axis=-1)
+            c = jnp.stack([jnp.stack([e[1], e[5]], axis=-1), jnp.stack([e[3], e[7]], axis=-1)], axis=-1)
+            return jnp.stack([a, c], axis=-1).reshape(wds.shape[0], width)
         return ckv_ref[_grid2(ids, first + jnp.arange(width, dtype=jnp.int32))].astype(cdt)
 
     lanes = jnp.arange(block_k, dtype=jnp.int32)
@@ -574,7 +582,7 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
         args.append(cidx)
         specs.append(row_spec(cidx.shape[-1]))
         c_fp4 = isinstance(comp_kv, Fp4Tensor)
-        for a in ((comp_kv.data, comp_kv.scale) if c_fp4 else (comp_kv,)):
+        for a in ((le_words(comp_kv.data), comp_kv.scale) if c_fp4 else (comp_kv,)):  # words: an XLA bitcast
             x, sp = per_batch(a)
             args.append(x)
             specs.append(sp)

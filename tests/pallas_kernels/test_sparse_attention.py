@@ -77,8 +77,8 @@ def test_parity_interpret(dtype, quant):
 
 
 def test_every_fp4_code_and_scale_of_the_compressed_cache(monkeypatch):
-    """The kernel's FP4 decode of the compressed cache (e4m3 bit placement of each nibble, since
-    session 38) over every packed byte value (all 16 codes in both nibbles, -0 included) and e4m3
+    """The kernel's FP4 decode of the compressed cache (32-bit words into f16 pairs, since session
+    38) over every packed byte value (all 16 codes in both nibbles, -0 included) and e4m3
     scales from subnormal to 2**8, in float32 against the reference's dequantization: equal to the
     f32 parity tolerance. Compressed keys only (no window), so every output comes from decoded rows."""
     rng = np.random.default_rng()
@@ -95,9 +95,9 @@ def test_every_fp4_code_and_scale_of_the_compressed_cache(monkeypatch):
     scale_ = d ** -0.5
     r = _ref(q, kv, widx, sink, ck, cidx, scale_)
     check_close(_kernel(q, kv, widx, sink, ck, cidx, scale_), r)
-    # a decode that swaps the nibbles of a byte fails the same comparison
-    real = pallas_triton.fp4_byte_decode_f32
-    monkeypatch.setattr(pallas_triton, "fp4_byte_decode_f32", lambda b: (lambda lo, hi, sh: (hi, lo, sh))(*real(b)))
+    # a decode that swaps codes j and j + 4 of every word fails the same comparison
+    real = pallas_triton.fp4_word_pairs_f32
+    monkeypatch.setattr(pallas_triton, "fp4_word_pairs_f32", lambda w: [(hi, lo) for lo, hi in real(w)])
     with pytest.raises(AssertionError):
         check_close(_kernel(q, kv, widx, sink, ck, cidx, scale_), r)
 
