@@ -158,13 +158,16 @@ def _load_rows(data_ref, scale_ref, rows, d2, fp4, cdt, phases=False):
 
 
 def _scores(q_tiles, k_tiles, w):
-    """sum_h w_h relu(q_h . k_j) for matching lists of [HI, c] and [N, c] tiles -> [N] f32."""
+    """sum_h w_h relu(q_h . k_j) for matching lists of [HI, c] and [N, c] tiles -> [N] f32. The keys
+    are the dots' first operand ([N, HI] logits): on sm_90 the N = 128-key chunk makes each dot a
+    Hopper wgmma with the decoded keys taken from registers (offline SASS: 640 -> 482 instructions per
+    score step and 83 -> 80 registers, 3 programs per SM instead of 2, against q first; session 38)."""
     prec = jax.lax.Precision.HIGHEST if q_tiles[0].dtype == jnp.float32 else None
     l = None
     for qt, kt in zip(q_tiles, k_tiles, strict=True):
-        d = jnp.dot(qt, kt.T, preferred_element_type=jnp.float32, precision=prec)
+        d = jnp.dot(kt, qt.T, preferred_element_type=jnp.float32, precision=prec)
         l = d if l is None else l + d
-    return jnp.sum(jnp.maximum(l, 0.0) * w[:, None], axis=0)
+    return jnp.sum(jnp.maximum(l, 0.0) * w[None, :], axis=1)
 
 
 # ------------------------------------------------------------------------------------------------
