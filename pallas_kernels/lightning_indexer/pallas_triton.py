@@ -95,6 +95,8 @@ def unsupported_reason(q, weights, keys, visible, *, top_k, candidate_blocks=Non
         if isinstance(x, Fp4Tensor):
             if x.block != 32 or x.scale.dtype == jnp.float8_e4m3fn:
                 return f"{name} must be MXFP4 (block 32, e8m0 scales), got block {x.block}, scale {x.scale.dtype}"
+            if x.packing != "nibbles":
+                return f"{name} codes are packed as {x.packing!r}; the kernels decode the nibble layout"
         elif x.dtype not in (jnp.float32, jnp.bfloat16):
             return f"{name} dtype {x.dtype} is not f32, bf16 or MXFP4"
     if tuple(weights.shape) != (b, s, hi):

@@ -145,6 +145,8 @@ def unsupported_reason(q, kv, kv_idx, comp_kv=None, comp_idx=None) -> str | None
             if comp_kv.block != 16 or comp_kv.scale.dtype != jnp.float8_e4m3fn:
                 return (f"compressed FP4 cache must have block 16 with e4m3 scales, got block {comp_kv.block}, "
                         f"scale {comp_kv.scale.dtype}")
+            if comp_kv.packing != "nibbles":
+                return f"compressed FP4 codes are packed as {comp_kv.packing!r}; the kernel decodes the nibble layout"
             if comp_kv.data.shape[-1] * 2 != d or comp_kv.data.shape[0] != b:
                 return f"compressed FP4 data shape {tuple(comp_kv.data.shape)} does not match q (B={b}, D={d})"
         elif isinstance(comp_kv, Fp8Tensor):

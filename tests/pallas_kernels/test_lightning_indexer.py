@@ -186,6 +186,10 @@ def test_api_routes_and_reasons():
     with pytest.raises(ValueError, match="power of two"):
         api.lightning_indexer(bad_q, bad_w, k, vis, top_k=8, implementation="pallas")
     assert "block_size" in pallas_triton.unsupported_reason(q, w, k, vis, top_k=8, block_size=6)
+    qm, km = _mx(jnp.ones((1, 1, 16, 64))), _mx(jnp.ones((1, 64, 64)))
+    assert pallas_triton.unsupported_reason(qm, w, km, vis, top_k=8) is None
+    # codes in another layout than nibbles: refused (the kernels decode nibbles)
+    assert "'f16pairs'" in pallas_triton.unsupported_reason(qm, w, km.with_packing("f16pairs"), vis, top_k=8)
     assert "select program" in pallas_triton.unsupported_reason(q, w, k, vis, top_k=4096, block_size=8)
 
 

@@ -326,6 +326,8 @@ def test_api_routes_and_reasons():
     # fp8 window of the wrong block
     kv8 = jax.jit(lambda x: quantize_fp8(x, (32, 32)))(jnp.ones((1, 64, 64)))
     assert "block" in pallas_triton.unsupported_reason(q, kv8, widx)
+    # compressed codes in another layout than nibbles: refused (the kernel decodes nibbles)
+    assert "'f16pairs'" in pallas_triton.unsupported_reason(q, kv, widx, ck.with_packing("f16pairs"), cidx)
 
 
 
