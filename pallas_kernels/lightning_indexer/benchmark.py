@@ -371,7 +371,7 @@ def main(argv=None):
             if args.sweep and b == 1 and nc == (1 << 20):
                 # cand_tile: at batch 1 the candidate rescoring runs k * g0 / cand_tile = 16 programs
                 for var in (dict(tile_n=4096), dict(tile_n=256), dict(chunk=64), dict(score_warps=4),
-                            dict(select_warps=16), dict(cand_tile=128), dict(cand_tile=64)):
+                            dict(select_warps=16), dict(cand_tile=128), dict(cand_tile=64), dict(dot_order="q")):
                     try:
                         t_v, _, _ = timed(run_pallas(var), a, n=args.n, reps=args.reps)
                         log(f"    sweep {var}: {t_v*1e6:8.1f} us  ({t_v/t_floor:.2f}x floor)")

@@ -64,8 +64,10 @@ DEFAULTS = dict(
     num_stages=2,
     maxima_budget_bytes=64 << 20,  # store g0 = block_size maxima while R * Nc/bs * 4 <= this
     fp4_read="phases",  # MXFP4 q and keys both: "phases" (32-bit words, 8 phase dots) or "bytes" (see _load_rows)
+    dot_order="keys",  # the score dots' first operand: "keys" ([N, HI] logits) or "q" ([HI, N]; see _scores)
 )
 FP4_READS = ("phases", "bytes")
+DOT_ORDERS = ("keys", "q")
 
 
 def _is_pow2(n: int) -> bool:
@@ -159,24 +161,29 @@ def _load_rows(data_ref, scale_ref, rows, d2, fp4, cdt, phases=False):
     return [data_ref[_grid2(rows, 2 * half)].astype(cdt), data_ref[_grid2(rows, 2 * half + 1)].astype(cdt)]
 
 
-def _scores(q_tiles, k_tiles, w):
-    """sum_h w_h relu(q_h . k_j) for matching lists of [HI, c] and [N, c] tiles -> [N] f32. The keys
-    are the dots' first operand ([N, HI] logits): on sm_90 the N = 128-key chunk makes each dot a
-    Hopper wgmma with the decoded keys taken from registers (offline SASS: 640 -> 482 instructions per
-    score step and 83 -> 80 registers, 3 programs per SM instead of 2, against q first; session 38)."""
+def _scores(q_tiles, k_tiles, w, keys_first=True):
+    """sum_h w_h relu(q_h . k_j) for matching lists of [HI, c] and [N, c] tiles -> [N] f32. With
+    ``keys_first`` (``dot_order="keys"``, the default) the keys are the dots' first operand ([N, HI]
+    logits): on sm_90 the N = 128-key chunk makes each dot a Hopper wgmma with the decoded keys taken
+    from registers (offline SASS: 640 -> 482 instructions per score step and 83 -> 80 registers, 3
+    programs per SM instead of 2, against q first, whose [HI, N] dots are mma.sync HMMAs; session 38,
+    not timed: the register-operand wgmma of the fused MoE's prefill was slower, session 12)."""
     prec = jax.lax.Precision.HIGHEST if q_tiles[0].dtype == jnp.float32 else None
     l = None
     for qt, kt in zip(q_tiles, k_tiles, strict=True):
-        d = jnp.dot(kt, qt.T, preferred_element_type=jnp.float32, precision=prec)
+        a, b = (kt, qt) if keys_first else (qt, kt)
+        d = jnp.dot(a, b.T, preferred_element_type=jnp.float32, precision=prec)
         l = d if l is None else l + d
-    return jnp.sum(jnp.maximum(l, 0.0) * w[None, :], axis=1)
+    if keys_first:
+        return jnp.sum(jnp.maximum(l, 0.0) * w[None, :], axis=1)
+    return jnp.sum(jnp.maximum(l, 0.0) * w[:, None], axis=0)
 
 
 # ------------------------------------------------------------------------------------------------
 # 1. score kernel -> group maxima
 
 
-def _score_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, s_rows, tile_n, chunk, g0, bs, cdt, phases):
+def _score_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, s_rows, tile_n, chunk, g0, bs, cdt, phases, keys_first):
     it = iter(refs)
     qd_ref = next(it)
     qs_ref = next(it) if q_fp4 else None
@@ -201,7 +208,7 @@ def _score_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, s_rows, tile_n, chunk
         def row_body(r, _):
             q_t = q_once if q_once is not None else _load_rows(qd_ref, qs_ref, r * hi + heads, d2, q_fp4, cdt, phases)
             w = w_ref[pl.ds(r * hi, hi)]
-            sc = _scores(q_t, k_t, w)
+            sc = _scores(q_t, k_t, w, keys_first)
             ok = inb & (pos < vis_ref[pl.ds(r, 1)])
             if has_cb:
                 ok = ok & (cb_ref[jnp.full((chunk,), r, jnp.int32), pos // bs] != 0)
@@ -288,6 +295,7 @@ def index_block_maxima(p, *, g0, interpret, cfg):
     kernel = functools.partial(
         _score_kernel, q_fp4=p["q_fp4"], k_fp4=p["k_fp4"], has_cb=has_cb, hi=hi, d2=d2, nc=nc, s_rows=sq,
         tile_n=tile_n, chunk=chunk, g0=g0, bs=cfg["block_size"], cdt=p["cdt"], phases=p["phases"],
+        keys_first=cfg["dot_order"] == "keys",
     )
     return pl.pallas_call(
         kernel,
@@ -305,7 +313,7 @@ def index_block_maxima(p, *, g0, interpret, cfg):
 # 3. candidate score kernel
 
 
-def _cand_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, tile, bs, cdt, phases):
+def _cand_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, tile, bs, cdt, phases, keys_first):
     it = iter(refs)
     qd_ref = next(it)
     qs_ref = next(it) if q_fp4 else None
@@ -322,7 +330,7 @@ def _cand_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, tile, bs, cdt, phases)
     safe = jnp.where(ok, pos, 0)
     k_t = _load_rows(kd_ref, ks_ref, safe, d2, k_fp4, cdt, phases)
     q_t = _load_rows(qd_ref, qs_ref, heads, d2, q_fp4, cdt, phases)
-    sc = _scores(q_t, k_t, w_ref[...])
+    sc = _scores(q_t, k_t, w_ref[...], keys_first)
     if has_cb:
         ok = ok & (cb_ref[safe // bs] != 0)
     o_ref[pl.ds(c * tile, tile)] = jnp.where(ok, sc, _NEG_INF)
@@ -348,7 +356,8 @@ def candidate_scores(p, pos, *, interpret, cfg):
         args.append(p["cb"])
         specs.append(pl.BlockSpec((None, p["cb"].shape[1]), lambda r, c: (r, 0)))
     kernel = functools.partial(_cand_kernel, q_fp4=p["q_fp4"], k_fp4=p["k_fp4"], has_cb=has_cb, hi=hi, d2=di // 2,
-                               nc=nc, tile=tile, bs=cfg["block_size"], cdt=p["cdt"], phases=p["phases"])
+                               nc=nc, tile=tile, bs=cfg["block_size"], cdt=p["cdt"], phases=p["phases"],
+                               keys_first=cfg["dot_order"] == "keys")
     return pl.pallas_call(
         kernel,
         grid=(rows, cn // tile),
@@ -457,6 +466,9 @@ def lightning_indexer(q, weights, keys, visible, *, top_k, candidate_blocks=None
     cfg = dict(DEFAULTS)
     cfg.update(config or {})
     cfg["block_size"] = block_size
+    if cfg["dot_order"] not in DOT_ORDERS:
+        raise ValueError(f"lightning_indexer (pallas): dot_order={cfg['dot_order']!r}; expected one of "
+                         f"{', '.join(DOT_ORDERS)}")
     p = _prep(q, keys, weights, visible, candidate_blocks, block_size, cfg["fp4_read"])
     b, s, nc = p["b"], p["s"], p["nc"]
     rows = b * s

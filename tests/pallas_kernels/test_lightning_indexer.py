@@ -134,14 +134,16 @@ def test_random_mxfp4_and_top_k_not_pow2():
     check_result(o, r, scores, 24)
 
 
-@pytest.mark.parametrize("s,di,fp4_read", [(1, 64, "phases"), (2, 64, "phases"), (1, 128, "phases"), (2, 128, "phases"),
-                                            (1, 128, "bytes")],
-                         ids=["decode_q_once", "rows", "words_decode", "words_rows", "bytes_128"])
-def test_every_fp4_code_block_maxima(s, di, fp4_read, monkeypatch):
+@pytest.mark.parametrize("s,di,fp4_read,dot_order", [
+    (1, 64, "phases", "keys"), (2, 64, "phases", "keys"), (1, 128, "phases", "keys"), (2, 128, "phases", "keys"),
+    (1, 128, "bytes", "keys"), (2, 128, "phases", "q")],
+    ids=["decode_q_once", "rows", "words_decode", "words_rows", "bytes_128", "words_q_first"])
+def test_every_fp4_code_block_maxima(s, di, fp4_read, dot_order, monkeypatch):
     """q and keys from random bytes (all 16 e2m1 codes in both nibbles, -0 included) and random e8m0
     scales: the kernels' decode (q decoded once per program at S = 1) gives the reference's block
     maxima element by element and its top-k sets -- the e4m3-placement byte decode (64-wide heads, and
-    ``fp4_read="bytes"``) and the word decode into 8 phase dots (128-wide heads: phase dots of K >= 16)."""
+    ``fp4_read="bytes"``) and the word decode into 8 phase dots (128-wide heads: phase dots of K >= 16),
+    with the keys or q as the dots' first operand."""
     calls = []
     real = pallas_triton._load_rows
     monkeypatch.setattr(pallas_triton, "_load_rows", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
@@ -158,7 +160,7 @@ def test_every_fp4_code_block_maxima(s, di, fp4_read, monkeypatch):
     w = jnp.asarray(rng.uniform(0.1, 1.0, (b, s, hi)), jnp.float32)
     vis = jnp.asarray(np.full((b, s), nc, np.int32))
     r, scores = _ref_and_scores(q, w, k, vis, None, 32, True)
-    o = _pal(q, w, k, vis, None, 32, True, cfg=dict(tile_n=128, chunk=64, fp4_read=fp4_read))
+    o = _pal(q, w, k, vis, None, 32, True, cfg=dict(tile_n=128, chunk=64, fp4_read=fp4_read, dot_order=dot_order))
     assert set(calls) == {fp4_read == "phases" and di == 128}  # the route taken (phases need K >= 16)
     rb, ob = np.asarray(r.block_scores), np.asarray(o.block_scores)
     np.testing.assert_allclose(ob, rb, rtol=1e-5, atol=1e-5 * np.abs(rb[np.isfinite(rb)]).max())
