@@ -29,6 +29,9 @@ class RunOptions:
     holding the row's maximum, by one or two bf16 ulps in 14-19 % of the outputs of a 640-key list
     (tests/pallas_kernels/test_sparse_attention.py). ``kernel_blocks`` costs time on an H200
     (BENCHMARKS.md, issue 5, sessions 36-37), so it is for numerics comparisons, not the default.
+    The blocks are DeepSeek's also for a prompt shorter than the window, whose prefill window list
+    DeepSeek makes as wide as the prompt (``attention.deepseek_window_width``), and for the DSpark
+    stages' lists (``dspark.stage_key_indices``).
     Wherever the Pallas sparse attention runs it, the kernel walks the lists in 64-key blocks with one
     split, which is DeepSeek's loop. Under ``auto`` on a GPU that is from 256 query rows on (prefill
     steps): the 4096-token prefill 5,604 (row max) -> 5,388 tok/s, against 4,790 with the XLA
