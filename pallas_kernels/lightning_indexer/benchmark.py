@@ -82,18 +82,20 @@ def check(log, cases=None):
         rfun = jax.jit(lambda q, w, k, v, c: ref.lightning_indexer(q, w, k, v, top_k=512, candidate_blocks=c,
                                                                    want_block_scores=wbs))
         r = rfun(q, w, k, vis, cbm)
-        rt = np.asarray(r.topk)
         scores = np.asarray(jax.jit(lambda q, w, k, v, c: ref.index_scores(q, w, k, v, candidate_blocks=c))(
             q, w, k, vis, cbm))
         for fp4_read in pt.FP4_READS:  # every MXFP4 decode route
-            ok &= _check_one(log, pt, r, rt, scores, (q, w, k, vis, cbm), b, s, nc, wbs, cb, fp4_read)
+            ok &= _check_one(log, pt, r, scores, (q, w, k, vis, cbm), wbs, cb, fp4_read)
     return ok
 
 
-def _check_one(log, pt, r, rt, scores, args, b, s, nc, wbs, cb, fp4_read):
-    """One MXFP4 decode route against the reference's result ``r`` (top-k ``rt``, ``scores``)."""
+def _check_one(log, pt, r, scores, args, wbs, cb, fp4_read):
+    """One MXFP4 decode route against the reference's result ``r`` and ``scores`` [B, S, Nc]."""
     import jax
     import numpy as np
+
+    b, s, nc = scores.shape
+    rt = np.asarray(r.topk)
 
     pfun = jax.jit(lambda q, w, k, v, c: pt.lightning_indexer(q, w, k, v, top_k=512, candidate_blocks=c,
                                                               want_block_scores=wbs,

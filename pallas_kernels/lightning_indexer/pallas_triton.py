@@ -226,8 +226,6 @@ def _score_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, s_rows, tile_n, chunk
 def _prep(q, keys, weights, visible, candidate_blocks, block_size, fp4_read="phases"):
     """The kernels' operands. With MXFP4 q and keys and ``fp4_read`` "phases" their codes are passed
     as little-endian 32-bit words (an XLA bitcast) for :func:`_load_rows`' word decode."""
-    if fp4_read not in FP4_READS:
-        raise ValueError(f"lightning_indexer (pallas): fp4_read={fp4_read!r}; expected one of {', '.join(FP4_READS)}")
     b, s, hi, di = _logical_shape(q)
     nc = _logical_shape(keys)[1]
     q_fp4, k_fp4 = isinstance(q, Fp4Tensor), isinstance(keys, Fp4Tensor)
@@ -466,9 +464,9 @@ def lightning_indexer(q, weights, keys, visible, *, top_k, candidate_blocks=None
     cfg = dict(DEFAULTS)
     cfg.update(config or {})
     cfg["block_size"] = block_size
-    if cfg["dot_order"] not in DOT_ORDERS:
-        raise ValueError(f"lightning_indexer (pallas): dot_order={cfg['dot_order']!r}; expected one of "
-                         f"{', '.join(DOT_ORDERS)}")
+    for key, choices in (("fp4_read", FP4_READS), ("dot_order", DOT_ORDERS)):
+        if cfg[key] not in choices:
+            raise ValueError(f"lightning_indexer (pallas): {key}={cfg[key]!r}; expected one of {', '.join(choices)}")
     p = _prep(q, keys, weights, visible, candidate_blocks, block_size, cfg["fp4_read"])
     b, s, nc = p["b"], p["s"], p["nc"]
     rows = b * s

@@ -24,14 +24,13 @@ def _rounding_block(q, running_max_block):
 def _blocks(block, kw: int, has_comp: bool, window_width):
     """The kernel configuration that walks the lists in DeepSeek's blocks (``block`` keys, one split:
     the kernel's loop is then DeepSeek's), or {} without a rounding block; and the window width the
-    kernel shifts its blocks by (None: no shift) -- where the compressed list follows a window list
-    that DeepSeek's is not a whole number of blocks of (``window_width``, or a ``kw``-key window list
-    that the kernel pads)."""
+    kernel shifts its blocks by and masks the window list at (None: neither) -- ``window_width``, or a
+    ``kw``-key window list that the kernel pads when a compressed list follows it."""
     if block is None:
         return {}, None
-    if has_comp and (window_width is not None or kw % block):
-        return dict(block_k=block, num_splits=1), (kw if window_width is None else window_width)
-    return dict(block_k=block, num_splits=1), None
+    if window_width is None and has_comp and kw % block:
+        window_width = kw
+    return dict(block_k=block, num_splits=1), window_width
 
 
 def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None, running_max_block=None,
@@ -52,8 +51,9 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     has_comp = comp_kv is not None and comp_idx is not None and comp_idx.shape[-1] > 0
     if window_width is not None:
         window_width = jnp.broadcast_to(jnp.asarray(window_width, jnp.int32), (q.shape[0],))
-        kv_idx = jnp.where(jnp.arange(kw, dtype=jnp.int32)[None, None, :] < window_width[:, None, None], kv_idx, -1)
-        if block is None:  # without blocks the width only masks
+        if block is None:  # without blocks the width only masks: here, once, for either implementation
+            kv_idx = jnp.where(jnp.arange(kw, dtype=jnp.int32)[None, None, :] < window_width[:, None, None],
+                               kv_idx, -1)
             window_width = None
     kernel, interpret = dispatch.choose(
         "sparse_attention", implementation, _kernel,
@@ -61,15 +61,11 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
         lambda k: k.auto_reason(q, kv, comp_kv, block))
     if kernel is not None:
         cfg, width = _blocks(block, kw, has_comp, window_width)
-        if width is None:
-            return dispatch.call_kernel(
-                lambda q, kv, kv_idx, sink, comp_kv, comp_idx: kernel.sparse_attention(
-                    q, kv, kv_idx, sink, scale=scale, comp_kv=comp_kv, comp_idx=comp_idx, interpret=interpret, **cfg),
-                q, kv, kv_idx, sink, comp_kv, comp_idx)
+        extra = () if width is None else (jnp.broadcast_to(jnp.asarray(width, jnp.int32), (q.shape[0],)),)
         return dispatch.call_kernel(
-            lambda q, kv, kv_idx, sink, comp_kv, comp_idx, width: kernel.sparse_attention(
+            lambda q, kv, kv_idx, sink, comp_kv, comp_idx, *width: kernel.sparse_attention(
                 q, kv, kv_idx, sink, scale=scale, comp_kv=comp_kv, comp_idx=comp_idx, interpret=interpret,
-                window_width=width, **cfg),
-            q, kv, kv_idx, sink, comp_kv, comp_idx, jnp.broadcast_to(jnp.asarray(width, jnp.int32), (q.shape[0],)))
+                window_width=width[0] if width else None, **cfg),
+            q, kv, kv_idx, sink, comp_kv, comp_idx, *extra)
     return reference.sparse_attention(q, kv, kv_idx, sink, scale=scale, comp_kv=comp_kv, comp_idx=comp_idx,
                                       running_max_block=running_max_block, window_width=window_width)
