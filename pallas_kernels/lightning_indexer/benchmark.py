@@ -373,7 +373,8 @@ def main(argv=None):
             if args.sweep and b == 1 and nc == (1 << 20):
                 # cand_tile: at batch 1 the candidate rescoring runs k * g0 / cand_tile = 16 programs
                 for var in (dict(tile_n=4096), dict(tile_n=256), dict(chunk=64), dict(score_warps=4),
-                            dict(select_warps=16), dict(cand_tile=128), dict(cand_tile=64), dict(dot_order="q")):
+                            dict(select_warps=16), dict(select_early_exit=False), dict(cand_tile=128),
+                            dict(cand_tile=64), dict(dot_order="q")):
                     try:
                         t_v, _, _ = timed(run_pallas(var), a, n=args.n, reps=args.reps)
                         log(f"    sweep {var}: {t_v*1e6:8.1f} us  ({t_v/t_floor:.2f}x floor)")
@@ -409,10 +410,10 @@ def main(argv=None):
         del a
     for n_sel in (4096, 16384):
         v = jax.random.normal(jax.random.PRNGKey(n_sel), (1, n_sel), jnp.float32)
-        for wv in (8, 16):
-            t3, _, _ = timed(lambda a, c, wv=wv: (lambda o: (o, zero_of(o)))(
-                pt.select_topk(a[0] + c, 512, num_warps=wv)), (v,), n=args.n, reps=args.reps)
-            log(f"breakdown select top-512 of 1 x {n_sel} (num_warps={wv}): {t3*1e6:.1f} us")
+        for wv, ee in ((8, True), (16, True), (8, False)):  # early_exit=False: all 32 bisection steps
+            t3, _, _ = timed(lambda a, c, wv=wv, ee=ee: (lambda o: (o, zero_of(o)))(
+                pt.select_topk(a[0] + c, 512, num_warps=wv, early_exit=ee)), (v,), n=args.n, reps=args.reps)
+            log(f"breakdown select top-512 of 1 x {n_sel} (num_warps={wv}, early_exit={ee}): {t3*1e6:.1f} us")
 
     # prefill: many query rows, no [S, Nc] matrix (pallas only; the reference would materialise it)
     pre = []

@@ -61,6 +61,7 @@ DEFAULTS = dict(
     select_max=16384,   # entries one select program holds
     score_warps=8,
     select_warps=8,
+    select_early_exit=True,  # the select's bisection stops once exactly k values are at or above it
     num_stages=2,
     maxima_budget_bytes=64 << 20,  # store g0 = block_size maxima while R * Nc/bs * 4 <= this
     fp4_read="phases",  # MXFP4 q and keys both: "phases" (32-bit words, 8 phase dots) or "bytes" (see _load_rows)
@@ -372,7 +373,7 @@ def candidate_scores(p, pos, *, interpret, cfg):
 # 4. select kernel: exact top-k by bisection, output compacted in ascending order
 
 
-def _select_kernel(v_ref, o_ref, *, n, np2, k, kp):
+def _select_kernel(v_ref, o_ref, *, n, np2, k, kp, early_exit):
     idx = jnp.arange(np2, dtype=jnp.int32)
     inr = idx < n
     v = v_ref[...]
@@ -380,16 +381,40 @@ def _select_kernel(v_ref, o_ref, *, n, np2, k, kp):
     bits = jax.lax.bitcast_convert_type(v, jnp.int32)
     skey = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed int order == float order
     ukey = jax.lax.bitcast_convert_type(skey, jnp.uint32) ^ jnp.uint32(0x80000000)
+    # Every valid value has ukey > 0x007FFFFF (-inf's image) and every candidate threshold is >= 1, so
+    # zeroing the invalid lanes once keeps them out of every count, and nothing below reads v again:
+    # only this one [np2] array stays live through the loop (keeping v and the mask as well made the
+    # compiler recompute the mask in every step: 254 registers, FSETP per element, at 16,384 entries).
+    ukey_v = jnp.where(valid, ukey, jnp.uint32(0))
+
+    def count_from(cand):
+        return jnp.sum((ukey_v >= cand).astype(jnp.int32))
 
     def bisect(i, t):
         cand = t | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
-        cnt = jnp.sum((valid & (ukey >= cand)).astype(jnp.int32))
-        return jnp.where(cnt >= k, cand, t)
+        return jnp.where(count_from(cand) >= k, cand, t)
 
-    t = jax.lax.fori_loop(0, 32, bisect, jnp.uint32(0))
-    gt = valid & (ukey > t)
+    if early_exit:
+        # stop at the first threshold with exactly k values at or above it: those k are the top-k
+        # (no tie straddles it), and the remaining low bits would only add zeros. With distinct
+        # random f32 scores this comes when the bisection reaches the first bit in which the k-th
+        # and (k+1)-th largest differ: 19 of the 32 steps on average (12-25) for top-512 of 4,096 or
+        # 16,384 normal values (numpy count, BENCHMARKS.md issue 5, session 39).
+        def step(state):
+            i, t, _ = state
+            cand = t | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
+            cnt = count_from(cand)
+            return i + 1, jnp.where(cnt >= k, cand, t), cnt == k
+
+        _, t, _ = jax.lax.while_loop(lambda st: (st[0] < 32) & ~st[2], step,
+                                     (jnp.int32(0), jnp.uint32(0), jnp.bool_(False)))
+    else:
+        t = jax.lax.fori_loop(0, 32, bisect, jnp.uint32(0))
+    # t == 0 only when fewer than k values are valid (every candidate is >= 1): then all valid ones are
+    # above it and no lane is a tie (the zeroed invalid lanes equal 0)
+    gt = ukey_v > t
     n_gt = jnp.sum(gt.astype(jnp.int32))
-    tie = valid & (ukey == t)
+    tie = (ukey_v == t) & (t > 0)
     tie_rank = jnp.cumsum(tie.astype(jnp.int32))
     sel = gt | (tie & (tie_rank <= k - n_gt))
     # A permutation: the selected entries first (in position order), then the rest. Every lane has
@@ -400,15 +425,16 @@ def _select_kernel(v_ref, o_ref, *, n, np2, k, kp):
     pltriton.store(o_ref.at[target], jnp.where(sel, idx, -1), mask=target < kp)
 
 
-def select_topk(vals, k, *, interpret=False, num_warps=8):
+def select_topk(vals, k, *, interpret=False, num_warps=8, early_exit=True):
     """Per row of ``vals`` [R, N] f32: the indices of the k largest finite values, ascending, -1 padded
-    -> [R, k] int32."""
+    -> [R, k] int32. ``early_exit``: the bisection stops at the first threshold with exactly k values
+    at or above it (False: always 32 steps; the same result)."""
     rows, n = vals.shape
     kp = _next_pow2(k)
     np2 = max(_next_pow2(n), kp)
     if np2 != n:
         vals = jnp.pad(vals, ((0, 0), (0, np2 - n)), constant_values=_NEG_INF)
-    kernel = functools.partial(_select_kernel, n=n, np2=np2, k=k, kp=kp)
+    kernel = functools.partial(_select_kernel, n=n, np2=np2, k=k, kp=kp, early_exit=early_exit)
     out = pl.pallas_call(
         kernel,
         grid=(rows,),
@@ -428,22 +454,22 @@ def _take(a, idx, fill):
     return jnp.where(idx >= 0, got, fill)
 
 
-def topk_hierarchical(vals, k, *, factor, select_max, interpret, num_warps):
+def topk_hierarchical(vals, k, *, factor, select_max, interpret, num_warps, early_exit=True):
     """Indices (into the last axis of ``vals`` [R, N]) of the top-k finite values, ascending, -1 padded.
     Rows longer than ``select_max`` go through group maxima over ``factor`` entries."""
     rows, n = vals.shape
     if n <= select_max:
-        return select_topk(vals, k, interpret=interpret, num_warps=num_warps)
+        return select_topk(vals, k, interpret=interpret, num_warps=num_warps, early_exit=early_exit)
     pad = -n % factor
     if pad:
         vals = jnp.pad(vals, ((0, 0), (0, pad)), constant_values=_NEG_INF)
     parent = jnp.max(vals.reshape(rows, -1, factor), axis=-1)
     sel_p = topk_hierarchical(parent, k, factor=factor, select_max=select_max, interpret=interpret,
-                              num_warps=num_warps)  # [R, k]
+                              num_warps=num_warps, early_exit=early_exit)  # [R, k]
     child = jnp.where(sel_p[:, :, None] >= 0, sel_p[:, :, None] * factor + jnp.arange(factor, dtype=jnp.int32), -1)
     child = child.reshape(rows, -1)  # [R, k*factor] ascending
     cv = _take(vals, child, _NEG_INF)
-    sel = select_topk(cv, k, interpret=interpret, num_warps=num_warps)
+    sel = select_topk(cv, k, interpret=interpret, num_warps=num_warps, early_exit=early_exit)
     return _take(child, sel, -1)
 
 
@@ -477,7 +503,7 @@ def lightning_indexer(q, weights, keys, visible, *, top_k, candidate_blocks=None
     ng = -(-nc // g0)
     gmax_v = gmax[:, :ng]
     sel_g = topk_hierarchical(gmax_v, top_k, factor=block_size, select_max=cfg["select_max"], interpret=interpret,
-                              num_warps=cfg["select_warps"])  # [R, k] group ids
+                              num_warps=cfg["select_warps"], early_exit=cfg["select_early_exit"])  # [R, k] group ids
     kp = _next_pow2(top_k)
     if kp != top_k:
         sel_g = jnp.pad(sel_g, ((0, 0), (0, kp - top_k)), constant_values=-1)
@@ -485,7 +511,7 @@ def lightning_indexer(q, weights, keys, visible, *, top_k, candidate_blocks=None
     cand = cand.reshape(rows, kp * g0)
     cs = candidate_scores(p, cand, interpret=interpret, cfg=cfg)
     sel = topk_hierarchical(cs, top_k, factor=block_size, select_max=cfg["select_max"], interpret=interpret,
-                            num_warps=cfg["select_warps"])
+                            num_warps=cfg["select_warps"], early_exit=cfg["select_early_exit"])
     topk = _take(cand, sel, -1).reshape(b, s, top_k)
     block_scores = None
     if want_block_scores:

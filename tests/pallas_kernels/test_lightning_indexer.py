@@ -175,6 +175,36 @@ def test_select_kernel():
     assert np.asarray(sel).tolist() == [[0, 1, 3, 4, 5, 6, 7, 9, -1, -1, -1, -1]]  # -inf, NaN never picked
 
 
+@pytest.mark.parametrize("case", ["distinct", "tied_kth", "few_valid", "exactly_k", "negative"])
+def test_select_early_exit_equals_full_bisection(case):
+    """The bisection that stops at the first threshold with exactly k values at or above it selects
+    what the full 32-step bisection selects, and both select the k largest (ties to the lowest
+    positions): fresh random rows, a tie spanning the k-th value, fewer or exactly k finite values,
+    all-negative values."""
+    rng = np.random.default_rng()
+    n, k = 300, 40
+    v = rng.normal(size=(3, n)).astype(np.float32)
+    if case == "tied_kth":  # 12 copies of the value that lands at rank ~k
+        kth = np.sort(v, axis=1)[:, ::-1][:, k - 5]
+        for r in range(3):
+            v[r, rng.choice(n, 12, replace=False)] = kth[r]
+    elif case == "few_valid":
+        v[:, rng.permutation(n)[: n - 25]] = -np.inf
+    elif case == "exactly_k":
+        v[:, rng.permutation(n)[: n - k]] = -np.inf
+    elif case == "negative":
+        v = -np.abs(v) - 1.0
+    want = []
+    for row in v:  # stable order: larger first, then lower position; finite only
+        order = [i for i in np.lexsort((np.arange(n), -row)) if np.isfinite(row[i])][:k]
+        want.append(sorted(order) + [-1] * (k - len(order)))
+    vj = jnp.asarray(v)
+    full = jax.jit(lambda a: pallas_triton.select_topk(a, k, interpret=True, early_exit=False))(vj)
+    early = jax.jit(lambda a: pallas_triton.select_topk(a, k, interpret=True, early_exit=True))(vj)
+    assert np.asarray(full).tolist() == want
+    assert np.asarray(early).tolist() == want
+
+
 def test_api_routes_and_reasons():
     q, w, k, _ = margin_case(5, b=1, s=1, nc=64)
     vis = jnp.array([[64]], jnp.int32)
