@@ -420,8 +420,10 @@ def _select_kernel(v_ref, o_ref, *, n, np2, k, kp, early_exit):
     # A permutation: the selected entries first (in position order), then the rest. Every lane has
     # its own target (no two lanes write one address; interpret mode needs that too); targets
     # beyond the k padded output slots are masked off, the others get the index or -1.
+    # (one prefix sum: lane i has i + 1 - cs[i] unselected lanes at or before it)
     n_sel = jnp.sum(sel.astype(jnp.int32))
-    target = jnp.where(sel, jnp.cumsum(sel.astype(jnp.int32)) - 1, n_sel + jnp.cumsum((~sel).astype(jnp.int32)) - 1)
+    cs = jnp.cumsum(sel.astype(jnp.int32))
+    target = jnp.where(sel, cs - 1, n_sel + idx - cs)
     pltriton.store(o_ref.at[target], jnp.where(sel, idx, -1), mask=target < kp)
 
 
