@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
 
@@ -292,7 +293,15 @@ def main(argv=None):
                     help="only decode rows: XLA scores + one lax.top_k vs the same scores + the grouped top-k")
     ap.add_argument("--prefill-model", action="store_true",
                     help="only the model's prefill shapes (4096-row chunk of a 64K prompt): XLA vs the tile score kernel")
+    ap.add_argument("--variants", default="",
+                    help='JSON list of config dicts timed beside the default in every decode row, e.g. '
+                         '\'[{"score_warps": 4}, {"select_warps": 16}]\'')
     args = ap.parse_args(argv)
+    try:
+        variants = json.loads(args.variants) if args.variants else []
+        assert isinstance(variants, list) and all(isinstance(v, dict) for v in variants)
+    except (ValueError, AssertionError):
+        ap.error(f"--variants {args.variants!r}: expected a JSON list of config dicts")
 
     import jax
     import jax.numpy as jnp
@@ -365,7 +374,11 @@ def main(argv=None):
             t_k = float("nan") if args.skip_xla else timed(run_topk, (scores,), n=args.n, reps=args.reps)[0]
             del scores
             row = dict(entries=nc, batch=b, pallas_us=t_p * 1e6, pallas_bytes_us=t_b * 1e6, xla_us=t_r * 1e6,
-                       topk_us=t_k * 1e6, floor_us=t_floor * 1e6, bytes=fb)
+                       topk_us=t_k * 1e6, floor_us=t_floor * 1e6, bytes=fb, variants_us={})
+            for var in variants:
+                t_v, _, _ = timed(run_pallas(var), a, n=args.n, reps=args.reps)
+                row["variants_us"][json.dumps(var, sort_keys=True)] = t_v * 1e6
+                log(f"    variant {var} at Nc={nc} B={b}: {t_v*1e6:8.1f} us (default {t_p*1e6:.1f}, x{t_v/t_p:.3f})")
             rows.append(row)
             log(f"Nc={nc:>8} B={b}: pallas {t_p*1e6:8.1f} us (byte decode {t_b*1e6:8.1f})  xla ref {t_r*1e6:9.1f} us  lax.top_k(scores) "
                 f"{t_k*1e6:8.1f} us  floor {t_floor*1e6:6.2f} us  pallas/floor {t_p/t_floor:.2f}x  "
