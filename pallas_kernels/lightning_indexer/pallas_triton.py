@@ -59,7 +59,10 @@ DEFAULTS = dict(
     rows_per_program=8,  # query rows sharing one pass over a key tile (prefill)
     cand_tile=256,      # candidates per candidate-score program
     select_max=16384,   # entries one select program holds
-    score_warps=8,
+    # score and candidate kernels: 4 warps (one warpgroup for the keys-first wgmmas). H100, session 39
+    # (BENCHMARKS.md, issue 5), whole decode pipeline against 8 warps: x0.82 / 0.93 at 64K entries x
+    # batch 1 / 8, x1.09 / 0.74 at 256K, x0.82 (0.89 in a second call) / 0.76 at 1M
+    score_warps=4,
     select_warps=8,
     select_early_exit=True,  # the select's bisection stops once exactly k values are at or above it
     num_stages=2,
