@@ -299,8 +299,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     try:
         variants = json.loads(args.variants) if args.variants else []
-        assert isinstance(variants, list) and all(isinstance(v, dict) for v in variants)
-    except (ValueError, AssertionError):
+    except ValueError:
+        variants = None
+    if not (isinstance(variants, list) and all(isinstance(v, dict) for v in variants)):
         ap.error(f"--variants {args.variants!r}: expected a JSON list of config dicts")
 
     import jax

@@ -390,29 +390,19 @@ def _select_kernel(v_ref, o_ref, *, n, np2, k, kp, early_exit):
     # compiler recompute the mask in every step: 254 registers, FSETP per element, at 16,384 entries).
     ukey_v = jnp.where(valid, ukey, jnp.uint32(0))
 
-    def count_from(cand):
-        return jnp.sum((ukey_v >= cand).astype(jnp.int32))
-
-    def bisect(i, t):
+    def step(state):
+        i, t, _ = state
         cand = t | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
-        return jnp.where(count_from(cand) >= k, cand, t)
+        cnt = jnp.sum((ukey_v >= cand).astype(jnp.int32))
+        return i + 1, jnp.where(cnt >= k, cand, t), (cnt == k) if early_exit else jnp.bool_(False)
 
-    if early_exit:
-        # stop at the first threshold with exactly k values at or above it: those k are the top-k
-        # (no tie straddles it), and the remaining low bits would only add zeros. With distinct
-        # random f32 scores this comes when the bisection reaches the first bit in which the k-th
-        # and (k+1)-th largest differ: 19 of the 32 steps on average (12-25) for top-512 of 4,096 or
-        # 16,384 normal values (numpy count, BENCHMARKS.md issue 5, session 39).
-        def step(state):
-            i, t, _ = state
-            cand = t | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
-            cnt = count_from(cand)
-            return i + 1, jnp.where(cnt >= k, cand, t), cnt == k
-
-        _, t, _ = jax.lax.while_loop(lambda st: (st[0] < 32) & ~st[2], step,
-                                     (jnp.int32(0), jnp.uint32(0), jnp.bool_(False)))
-    else:
-        t = jax.lax.fori_loop(0, 32, bisect, jnp.uint32(0))
+    # With ``early_exit`` the bisection stops at the first threshold with exactly k values at or above
+    # it: those k are the top-k (no tie straddles it), and the remaining low bits would only add zeros.
+    # With distinct random f32 scores this comes when the bisection reaches the first bit in which the
+    # k-th and (k+1)-th largest differ: 19 of the 32 steps on average (12-25) for top-512 of 4,096 or
+    # 16,384 normal values (numpy count, BENCHMARKS.md issue 5, session 39).
+    _, t, _ = jax.lax.while_loop(lambda st: (st[0] < 32) & ~st[2], step,
+                                 (jnp.int32(0), jnp.uint32(0), jnp.bool_(False)))
     # t == 0 only when fewer than k values are valid (every candidate is >= 1): then all valid ones are
     # above it and no lane is a tie (the zeroed invalid lanes equal 0)
     gt = ukey_v > t
