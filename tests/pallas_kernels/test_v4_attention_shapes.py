@@ -1,0 +1,191 @@
+"""The sparse-attention and lightning-indexer kernels on V4-Flash's and V4-Pro's attention shapes.
+
+V4 (issue 11) feeds these kernels other inputs than V4.1: its caches are plain arrays of rounded
+values (``attention._store_v4``: FP8 non-RoPE dims + bf16 RoPE dims for the window and compressed KV,
+MXFP4-rounded index keys and queries, all held in bf16), 64 indexer heads after a Hadamard rotation,
+top-512 (Flash) or top-1024 (Pro) index lists, 64 or 128 attention heads, and dense lists over every
+complete ratio-128 block in the HCA layers. Under ``auto`` on a GPU the indexer's prefill chunks take
+the tile score kernel on these plain keys; decode and sparse attention keep their XLA references, but
+``DSV41_KERNELS=pallas`` runs the kernels, so both must be right at these shapes.
+
+Every case goes through the op's dispatch (``api``) with an explicit implementation, so a shape the
+kernel would decline fails here with its reason instead of silently taking the reference:
+``interpret`` on the CPU (CI: real head counts and widths, small contexts), and on a GPU
+``DSV41_TEST_KERNEL_IMPL=pallas`` compiles the same cases at real contexts (a 64K-token prompt's
+16,384 CSA entries, 4,096-row prefill chunks; ``JAX_DEFAULT_MATMUL_PRECISION=highest`` for the float32
+reference).
+
+Tolerances: the inputs are exactly representable in bf16 (as V4's stores are), so the kernel and the
+reference form the same products and differ in fp32 summation order (and, for bf16 attention, in
+where the running maximum rounds the P.V weights; ``test_sparse_attention.TOL``). Index top-k sets
+are compared where the reference's scores leave a margin above that order's error at the k-th value.
+"""
+
+import os
+
+import dsv41_jax  # noqa: F401  (import order: dsv41_jax before pallas_kernels)
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax.attention import hadamard
+from dsv41_jax.quant import fake_quant_fp8, fake_quant_mxfp4
+from pallas_kernels.lightning_indexer import api as indexer_api
+from pallas_kernels.lightning_indexer import reference as indexer_reference
+from pallas_kernels.sparse_attention import api as attention_api
+
+IMPL = os.environ.get("DSV41_TEST_KERNEL_IMPL", "interpret")
+GPU = IMPL == "pallas"
+ATT_TOL = {jnp.bfloat16: (2.0**-6, 2.0**-7), jnp.float32: (2e-5, 2e-6)}  # as test_sparse_attention.TOL
+
+# name: (attention heads, indexer top-k); both presets: D = 512 (64 RoPE), 64 indexer heads of 128
+V4 = {"v4-flash": (64, 512), "v4-pro": (128, 1024)}
+D, ROPE, HI, DI, WINDOW = 512, 64, 64, 128, 128
+
+
+def _v4_kv_values(x):
+    """V4's stored KV values (``_store_v4``, reference mode): FP8 e4m3 per 64 on the 448 non-RoPE
+    dims, bf16 on the 64 RoPE dims, held in bf16."""
+    nope = x.shape[-1] - ROPE
+    return jnp.concatenate([fake_quant_fp8(x[..., :nope], 64), x[..., nope:].astype(jnp.bfloat16)
+                            .astype(jnp.float32)], axis=-1).astype(jnp.bfloat16)
+
+
+def _v4_index_values(x):
+    """V4's index keys and queries: Hadamard-rotated, rounded to MXFP4 (block 32), held in bf16."""
+    return fake_quant_mxfp4(hadamard(x), 32).astype(jnp.bfloat16)
+
+
+_kv_values = jax.jit(_v4_kv_values)
+_index_values = jax.jit(_v4_index_values)
+
+
+# ---------------------------------------------------------------------------------------------
+# sparse attention
+
+
+def _attention_case(rng, *, b, s, h, nc, kc, dense, dtype):
+    """Query rows at the end of a long context: a full 128-slot window ring (row 0's ring still
+    filling: its last slots -1), and compressed lists of ``kc`` distinct entries ascending with -1
+    padding (CSA) or, ``dense``, every entry below a per-row count and -1 after it (HCA)."""
+    q = jnp.asarray(rng.standard_normal((b, s, h, D), np.float32)).astype(dtype)
+    kv = _kv_values(jnp.asarray(rng.standard_normal((b, WINDOW, D), np.float32)))
+    ck = _kv_values(jnp.asarray(rng.standard_normal((b, nc, D), np.float32)))
+    widx = np.broadcast_to(np.arange(WINDOW, dtype=np.int32), (b, s, WINDOW)).copy()
+    widx[0, :, WINDOW - 37:] = -1
+    if dense:
+        counts = rng.integers(nc // 2, nc + 1, (b, s))
+        cidx = np.where(np.arange(nc)[None, None] < counts[..., None], np.arange(nc, dtype=np.int32), -1)
+    else:
+        cidx = np.full((b, s, kc), -1, np.int32)
+        for i in range(b):
+            for j in range(s):
+                n = int(rng.integers(kc * 3 // 4, kc + 1)) if (i, j) != (0, 0) else kc
+                cidx[i, j, :n] = np.sort(rng.choice(nc, n, replace=False))
+    sink = jnp.asarray(rng.standard_normal((h,), np.float32))
+    if dtype == jnp.float32:
+        kv, ck = kv.astype(jnp.float32), ck.astype(jnp.float32)
+    return q, kv, jnp.asarray(widx), sink, ck, jnp.asarray(cidx.astype(np.int32))
+
+
+def _attention(impl, q, kv, widx, sink, ck, cidx):
+    return jax.jit(lambda *a: attention_api.sparse_attention(
+        *a[:4], scale=D ** -0.5, comp_kv=a[4], comp_idx=a[5], implementation=impl))(q, kv, widx, sink, ck, cidx)
+
+
+# (rows per sequence, batch, compressed entries on the GPU / on the CPU)
+ATT_SHAPES = {"decode": (1, 8, 16384, 96), "mtp_verify": (2, 4, 16384, 96), "prefill": (512, 1, 4096, 64)}
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("layer", ["csa", "hca"])
+@pytest.mark.parametrize("shape", list(ATT_SHAPES))
+@pytest.mark.parametrize("preset", list(V4))
+def test_sparse_attention_v4(preset, shape, layer, dtype):
+    """The kernel against the reference on V4's plain bf16 stores: every output element within the
+    sparse-attention parity tolerance; the HCA lists are dense over every complete ratio-128 block
+    (a 64K prompt's 512 on the GPU), the CSA lists the indexer's top-k with -1 padding."""
+    h, topk = V4[preset]
+    s, b, nc_gpu, nc_cpu = ATT_SHAPES[shape]
+    if not GPU:  # interpret mode: real heads and widths, few rows and keys
+        s, b = min(s, 16), min(b, 2)
+    nc = nc_gpu if GPU else nc_cpu
+    if layer == "hca":
+        nc, kc = (512 if GPU else 40), None
+    else:
+        kc = topk if GPU else 48
+    rng = np.random.default_rng()
+    case = _attention_case(rng, b=b, s=s, h=h, nc=nc, kc=kc, dense=layer == "hca", dtype=dtype)
+    want = _attention("reference", *case)
+    got = _attention(IMPL, *case)
+    assert got.shape == (b, s, h, D) and got.dtype == dtype
+    rtol, atol_rel = ATT_TOL[dtype]
+    g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, w, rtol=rtol, atol=atol_rel * float(np.abs(w).max()))
+
+
+# ---------------------------------------------------------------------------------------------
+# lightning indexer
+
+
+def _index_case(rng, *, b, s, nc, offsets):
+    """Index queries and keys as V4 stores them, weights as the model scales them, and causal
+    visibility for rows ending at ``offsets + s`` (ratio 4: entries j < (pos + 1) // 4)."""
+    q = _index_values(jnp.asarray(rng.standard_normal((b, s, HI, DI), np.float32)))
+    k = _index_values(jnp.asarray(rng.standard_normal((b, nc, DI), np.float32)))
+    w = jnp.asarray((rng.standard_normal((b, s, HI)) * (DI ** -0.5 * HI ** -0.5)).astype(np.float32))
+    pos = np.arange(s)[None, :] + np.asarray(offsets)[:, None]
+    vis = jnp.asarray(np.minimum((pos + 1) // 4, nc).astype(np.int32))
+    return q, w, k, vis
+
+
+def _check_topk(got, want, scores, top_k):
+    """Ascending positions with -1 padding, as many as min(top_k, visible); every selected score at
+    least every unselected one less ``slack`` (summation order), and the reference's set wherever the
+    k-th score clears the next by more than ``slack``. Returns the rows whose sets were compared."""
+    got, want, sc = np.asarray(got), np.asarray(want), np.asarray(scores, np.float64)
+    assert got.shape == want.shape and got.dtype == np.int32
+    compared = 0
+    for i in range(got.shape[0]):
+        for j in range(got.shape[1]):
+            row, fin = got[i, j], np.isfinite(sc[i, j])
+            n = int(np.sum(row >= 0))
+            assert np.all(row[n:] == -1) and np.all(np.diff(row[:n]) > 0)
+            assert n == min(top_k, int(fin.sum()))
+            sel, rest = row[:n], np.setdiff1d(np.nonzero(fin)[0], row[:n])
+            slack = 1e-5 * float(np.abs(sc[i, j][fin]).max(initial=0.0))
+            if n and rest.size:
+                assert sc[i, j][sel].min() >= sc[i, j][rest].max() - slack
+                if sc[i, j][sel].min() > sc[i, j][rest].max() + slack:
+                    assert set(sel.tolist()) == set(want[i, j][want[i, j] >= 0].tolist())
+                    compared += 1
+    return compared
+
+
+# (rows per sequence, batch, entries, position of row 0 per sequence) on the GPU / on the CPU
+IDX_SHAPES = {"decode": ((1, 8, 16384, 65000), (1, 2, 300, 1100)),
+              "mtp_verify": ((2, 4, 16384, 65000), (2, 2, 300, 1100)),
+              "prefill": ((4096, 1, 4096, 12288), (64, 2, 200, 700))}
+
+
+@pytest.mark.parametrize("shape", list(IDX_SHAPES))
+@pytest.mark.parametrize("preset", list(V4))
+def test_lightning_indexer_v4(preset, shape):
+    """The indexer on V4's 64 rotated MXFP4-valued bf16 heads against the reference: top-k sets
+    (k = 512 / 1,024 on the GPU, 48 on the CPU) where margins are clear, ascending with -1 padding.
+    Prefill-sized calls (>= PREFILL_MIN_ROWS rows) run the tile score kernel -- what ``auto`` runs on
+    a GPU for V4's prefill chunks -- decode-sized calls the streaming pipeline's plain-key loads."""
+    _, topk = V4[preset]
+    (s, b, nc, pos0) = IDX_SHAPES[shape][0 if GPU else 1]
+    top_k = topk if GPU else 48
+    rng = np.random.default_rng()
+    offsets = [pos0 - s + 1 - 40 * i for i in range(b)]  # rows end near 4 * nc, some earlier
+    q, w, k, vis = _index_case(rng, b=b, s=s, nc=nc, offsets=offsets)
+    run = jax.jit(lambda impl, *a: indexer_api.lightning_indexer(*a, top_k=top_k, implementation=impl),
+                  static_argnums=0)
+    want = run("reference", q, w, k, vis)
+    got = run(IMPL, q, w, k, vis)
+    scores = jax.jit(indexer_reference.index_scores)(q, w, k, vis)
+    assert _check_topk(got.topk, want.topk, scores, top_k) >= max(1, b * s // 2)
