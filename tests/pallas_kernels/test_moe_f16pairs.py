@@ -220,3 +220,43 @@ def test_model_step_takes_the_phase_route(monkeypatch):
     want = logits("reference")
     assert np.std(want) > 0
     np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05 * float(np.std(want)))
+
+
+@pytest.mark.parametrize("cfg", [(16, 32, 64, 32, 64, 4), (16, 32, 128, 32, 128, 4), (16, 32, 256, 32, 128, 4)],
+                         ids=["words_2_scales_of_a_word", "phases_one_word", "phases_two_words"])
+def test_scale_words_bit_identical_to_scale_bytes(cfg, monkeypatch):
+    """The tensor-core kernels' e8m0 scales read as 32-bit words (``MMA_FP4["scale_words"]``,
+    :func:`~pallas_kernels.quantized_matmul.pallas_triton.load_word_scales`) give bit for bit the
+    results of the byte reads, on the word route (64-wide K tiles: 2 scale bytes taken from the middle
+    or the start of a word) and the phase route (128 / 256-wide: one or two whole words per row),
+    with every 32-block of every weight row at its own scale (magnitudes 2**-6..2**6), so a byte taken
+    from the wrong position or word changes the output; and within tolerance of the reference."""
+    rng = np.random.default_rng()
+    e, i, d, n = 4, 128, 512, 24  # I / 32 = 4 and D / 32 = 16 scale bytes per row: whole words
+    x, wts, idx = (jnp.asarray(a) for a in (rng.standard_normal((n, d), np.float32).astype(jnp.bfloat16),
+                                            rng.uniform(0.05, 1.0, (n, 3)).astype(np.float32),
+                                            np.argsort(rng.random((n, e)), axis=1)[:, :3].astype(np.int32)))
+
+    def w(shape):
+        blocks = 2.0 ** rng.integers(-6, 7, (*shape[:-1], shape[-1] // 32, 1))
+        wf = rng.standard_normal((*shape[:-1], shape[-1] // 32, 32)) * blocks * 0.05
+        return jax.jit(quantize_mxfp4)(jnp.asarray(wf.reshape(shape), jnp.float32)).with_packing("f16pairs")
+
+    ws = [w((e, i, d)), w((e, d, i)), w((e, i, d))]
+    kw = dict(swiglu_limit=1.0, interpret=True, config=cfg)
+    out = {}
+    for on in (True, False):
+        monkeypatch.setitem(pallas_triton.MMA_FP4, "scale_words", on)
+        txt = str(jax.make_jaxpr(lambda *a: pallas_triton.moe_experts(*a, **kw))(x, wts, idx, *ws))
+        assert ("u32[4,128,4]" in txt and "u32[4,512,1]" in txt) == on  # w1 / w3 and w2 scales as words
+        out[on] = np.asarray(run(pallas_triton.moe_experts, x, wts, idx, *ws, **kw))
+    np.testing.assert_array_equal(out[True], out[False])
+    _check(out[True], np.asarray(_reference(x, wts, idx, *ws, swiglu_limit=1.0)), jnp.bfloat16)
+
+
+def test_scale_words_fit():
+    from pallas_kernels.quantized_matmul.pallas_triton import scale_words_fit
+
+    assert scale_words_fit(160, 2) and scale_words_fit(72, 8) and scale_words_fit(4, 1)
+    assert not scale_words_fit(6, 2)  # a row that is not a whole number of words
+    assert not scale_words_fit(24, 3)  # a tile of 3 bytes straddles words
