@@ -282,7 +282,7 @@ def load_fp4_word_tile(w_ref, s_ref, lead, rows, bn, k0, bk, op_dtype, packing="
 
 def scale_words_fit(k_scales: int, tile_scales: int) -> bool:
     """Whether a tile of ``tile_scales`` consecutive scale bytes (K tile / 32), starting at a multiple of
-    itself, can be read from a row of ``k_scales`` bytes stored as 32-bit words (:func:`load_scale_bytes`):
+    itself, can be read from a row of ``k_scales`` bytes stored as 32-bit words (:func:`load_word_scales`):
     the row a whole number of words, and the tile within one word or a whole number of them."""
     return k_scales % 4 == 0 and (tile_scales in (1, 2) or tile_scales % 4 == 0)
 
@@ -296,19 +296,20 @@ def load_word_scales(s_ref, lead, rows, k0, bk: int):
     loads inside the software-pipelined K loop (sm_90 SASS: LDG.E.U8, the one load the loop waits
     on), whereas word tiles go through the pipeline's cp.async stages with the weight codes; each word
     column then shifts its byte out of the scale word it repeats."""
-    nq, count = bk // 8, bk // 32
+    count = bk // 32
     if s_ref.dtype != jnp.uint32:
         return _expand_cols(fma.e8m0_f32(s_ref[(*lead, rows, pl.ds(k0 // 32, count))], 14), 4)
-    byte = jnp.arange(nq, dtype=jnp.uint32) // 4  # the tile's scale index of each word column
     if count % 4 == 0:  # whole words: scale 4w + j is byte j of word w
         w = s_ref[(*lead, rows, pl.ds(k0 // 128, count // 4))]
         b = [fma.e8m0_f32((w >> np.uint32(8 * j)) & np.uint32(0xFF), 14) for j in range(4)]
         sc = jnp.stack([jnp.stack([b[0], b[2]], axis=-1), jnp.stack([b[1], b[3]], axis=-1)], axis=-1)
         return _expand_cols(sc.reshape(w.shape[0], count), 4)
-    else:  # the tile's scales lie within one word, from byte (k0 / 32) % 4 on
-        w = _expand_cols(s_ref[(*lead, rows, pl.ds(k0 // 128, 1))], nq)
-        shift = (jnp.asarray(k0, jnp.int32) // 32 % 4).astype(jnp.uint32) * 8 + byte * 8
-    return fma.e8m0_f32((w >> shift[None, :]) & np.uint32(0xFF), 14)
+    # the tile's 1 or 2 scales lie within one word, from byte (k0 / 32) % 4 on
+    w = s_ref[(*lead, rows, pl.ds(k0 // 128, 1))]  # [bn, 1]
+    shift = (jnp.asarray(k0, jnp.int32) // 32 % 4).astype(jnp.uint32) * 8
+    b = [fma.e8m0_f32((w >> (shift + np.uint32(8 * j))) & np.uint32(0xFF), 14) for j in range(count)]
+    sc = b[0] if count == 1 else jnp.stack(b, axis=-1).reshape(w.shape[0], count)
+    return _expand_cols(sc, 4)
 
 
 def _scaled_word_pairs(w_ref, s_ref, lead, rows, k0, bk, op_dtype, packing):
