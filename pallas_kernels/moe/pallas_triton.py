@@ -118,8 +118,9 @@ def _parse_mma_fp4(text: str) -> str:
 #   forcing f16w or phases is allowed for every dtype.
 #
 # ``scale_words`` (DSV41_MOE_SCALE_WORDS, default 1): the word and phase routes read the e8m0 scales
-# as 32-bit words of 4 scale bytes (:func:`pallas_kernels.quantized_matmul.pallas_triton.load_word_scales`), so that they ride the K loop's cp.async
-# pipeline; 0 reads the scale bytes as before (one synchronous LDG.E.U8 tile per weight and K step).
+# as 32-bit words of 4 scale bytes (``quantized_matmul.pallas_triton.load_word_scales``), so that
+# they ride the K loop's cp.async pipeline; 0 reads the scale bytes as before (one synchronous
+# LDG.E.U8 tile per weight and K step).
 MMA_FP4 = {"route": _parse_mma_fp4(os.environ.get("DSV41_MMA_FP4", "")),
            "scale_words": os.environ.get("DSV41_MOE_SCALE_WORDS", "1").strip() != "0"}
 
