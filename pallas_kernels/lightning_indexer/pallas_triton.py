@@ -394,7 +394,9 @@ def _select_kernel(v_ref, o_ref, *, n, np2, k, kp, early_exit):
         i, t, _ = state
         cand = t | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
         cnt = jnp.sum((ukey_v >= cand).astype(jnp.int32))
-        return i + 1, jnp.where(cnt >= k, cand, t), (cnt == k) if early_exit else jnp.bool_(False)
+        # (the flag stays a traced value without the early exit: a literal False in the loop's yield
+        # fails the Triton lowering, 'Operand 3 of operation scf.yield must be a Value')
+        return i + 1, jnp.where(cnt >= k, cand, t), (cnt == k) & jnp.bool_(early_exit)
 
     # With ``early_exit`` the bisection stops at the first threshold with exactly k values at or above
     # it: those k are the top-k (no tie straddles it), and the remaining low bits would only add zeros.

@@ -205,6 +205,18 @@ def test_select_early_exit_equals_full_bisection(case):
     assert np.asarray(early).tolist() == want
 
 
+@pytest.mark.parametrize("target", ["cuda", "rocm"])
+@pytest.mark.parametrize("early_exit", [True, False])
+def test_select_lowers_with_and_without_early_exit(target, early_exit):
+    """Both bisections lower to Triton for both vendors at the decode pipeline's select sizes. (The
+    32-step one once yielded a literal False from its loop body, which interpret mode runs but the
+    Triton lowering refuses: 'Operand 3 of operation scf.yield must be a Value', found on an H100 in
+    session 40.)"""
+    for n in (4096, 16384):
+        lower_for(target, lambda a: pallas_triton.select_topk(a, 512, early_exit=early_exit),
+                  jax.ShapeDtypeStruct((8, n), jnp.float32))
+
+
 def test_api_routes_and_reasons():
     q, w, k, _ = margin_case(5, b=1, s=1, nc=64)
     vis = jnp.array([[64]], jnp.int32)
