@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import os
 import sys
 
@@ -221,7 +220,7 @@ def fma_configs(w1, n, wide: bool = False):
 
 
 def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = False, experts: int | None = None,
-              mma_routes=None, act_block: int = 32, packings=("nibbles",), scale_words=None):
+              mma_routes=None, act_block: int = 32, packings=("nibbles",)):
     """Tensor-core kernels (default config) vs the vector-unit ("fma") kernels at decode sizes, MXFP4
     experts at the V4.1 shape; every config checked against the reference (rel err, share of
     elements off by > 1%) before it is timed (device time from the profiler, :func:`device_time_op`:
@@ -234,8 +233,7 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
     current one); ``act_block``: the activation's fake-quant block (V4.1 32, V4 128; the shapes are the
     module's ``E, I, D``, which ``--v4-flash`` sets to :data:`V4_SHAPE`); ``packings``: the experts' MXFP4
     packings to run every config with, on the same codes (:data:`dsv41_jax.quant.FP4_PACKINGS`; the
-    tensor-core config of "f16pairs" is its word-route tiling); ``scale_words``: the tensor-core
-    kernels' scale reads to time (``MMA_FP4["scale_words"]``, e.g. (True, False); None: the current one)."""
+    tensor-core config of "f16pairs" is its word-route tiling)."""
     from pallas_kernels.quantized_matmul import pallas_triton_fma
 
     vias = pallas_triton_fma.checked_routes(vias)
@@ -283,19 +281,18 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
                 with pallas_triton.use_mma_fp4(r):
                     mma = pallas_triton.default_tiling(n * TOPK, experts, ws[0])
                 more = [c for c in TC_DECODE_CONFIGS + TC_PHASE_CONFIGS if c != mma] if wide else []
-                tc += [(c, vias[0], r, sw) for c in [mma] + more for sw in scale_words or [None]]
-            for cfg, via, mroute, sw in tc + [(c, v, None, None) for v in vias for c in fmas]:
+                tc += [(c, vias[0], r) for c in [mma] + more]
+            for cfg, via, mroute in tc + [(c, v, None) for v in vias for c in fmas]:
                 try:
                     f = lambda x, w, idx, a, b, c, cfg=cfg: pallas_triton.moe_experts(  # noqa: E731
                         x, w, idx, a, b, c, swiglu_limit=LIMIT, config=cfg, act_block=act_block)
-                    with pallas_triton_fma.use_decode_route(via), pallas_triton.use_mma_fp4(mroute, sw):  # traced here
+                    with pallas_triton_fma.use_decode_route(via), pallas_triton.use_mma_fp4(mroute):  # traced here
                         y = jax.jit(f)(*args[0], *ws)
                         t = device_time_op(f, args, ws, reps=5)
                         read = None if cfg[0] == "fma" else pallas_triton.fp4_read_for(jnp.bfloat16, pk, cfg[2], cfg[4])
                     err, frac = max_rel_err(y, yr), frac_off(y, yr)
                     ok = frac <= TUNE_MAX_FRAC and err <= 8e-3
-                    label = (f"mma {pk} {read} (route {mroute or pallas_triton.MMA_FP4['route']}"
-                             f"{'' if sw is None else f', scale_words={int(sw)}'})" if cfg[0] != "fma"
+                    label = (f"mma {pk} {read} (route {mroute or pallas_triton.MMA_FP4['route']})" if cfg[0] != "fma"
                              else f"decode {'f16pairs' if pk == 'f16pairs' else via or 'current'}")
                     log(f"  n={n} cfg={cfg} {label}: {fmt_us(t)} us ({100 * floor / t:5.1f}% of HBM), rel err "
                         f"{err:.2e}, {frac:.4f} of elements > 1%{'' if ok else '  WRONG'}")
@@ -321,7 +318,7 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
 
 
 def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int = 2, routes=None, plain=False,
-                  packings=("nibbles",), scale_words=None):
+                  packings=("nibbles",)):
     """Prefill-size fused MoE (tensor-core kernels): the default tiling and ``configs`` (default
     :data:`TUNE_CONFIGS_PREFILL`) at ``tokens`` tokens over ``experts`` MXFP4 experts (96 = the
     benchmark's reduced model: 256 rows per expert at 4096 tokens), each checked against the reference
@@ -360,11 +357,9 @@ def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int
         pw = tuple(jax.jit(lambda t: t.dequantize(jnp.bfloat16))(t) for t in (w1, w2, w3))
         variants.append(("plain", pw, jax.jit(lambda x, w, idx, a, b, c: reference.moe_experts(
             x, w, idx, a, b, c, swiglu_limit=LIMIT))(*args[0], *pw)))
-    for (route, ws, yv), sw in itertools.product(variants, scale_words or [None]):
-        with pallas_triton.use_mma_fp4(None if route in ("plain", "f16pairs") else route, scale_words=sw):
+    for route, ws, yv in variants:
+        with pallas_triton.use_mma_fp4(None if route in ("plain", "f16pairs") else route):
             name = route if route in ("plain", "f16pairs") else pallas_triton.MMA_FP4["route"]
-            if sw is not None:
-                name += f" scale_words={int(sw)}"
             for cfg in [None] + list(configs or TUNE_CONFIGS_PREFILL):
                 try:
                     f = lambda x, w, idx, a, b, c, cfg=cfg: pallas_triton.moe_experts(  # noqa: E731
@@ -571,20 +566,11 @@ def main(argv=None):
                     "activation blocks of 128) instead of V4.1's")
     ap.add_argument("--packings", default="nibbles", help="with --fma or --prefill: the experts' MXFP4 packings to "
                     f"compare on the same codes, e.g. nibbles,f16pairs (of {', '.join(FP4_PACKINGS)})")
-    ap.add_argument("--scale-words", default=None,
-                    help="with --prefill or --fma: the tensor-core kernels' scale reads to time, e.g. 1,0 (32-bit "
-                         "words through the K loop's cp.async pipeline / the byte tiles before session 40)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
     packings = tuple(p.strip() for p in a.packings.split(",") if p.strip())
     if not packings or any(p not in FP4_PACKINGS for p in packings):
         ap.error(f"--packings {a.packings!r}: expected a comma-separated subset of {', '.join(FP4_PACKINGS)}")
-    scale_words = None
-    if a.scale_words:
-        vals = [v.strip() for v in a.scale_words.split(",") if v.strip()]
-        if not vals or any(v not in ("0", "1") for v in vals):
-            ap.error(f"--scale-words {a.scale_words!r}: expected a comma-separated list of 0 and 1")
-        scale_words = [v == "1" for v in vals]
     if a.grid_order:
         pallas_triton.GRID_ORDER["order"] = a.grid_order
     if a.check:
@@ -596,7 +582,7 @@ def main(argv=None):
         cfgs = ([tuple(int(v) for v in c.split(",")) for c in a.configs.split(";")] if a.configs
                 else [(128, 128, 64, 128, 64, 8)] if a.quick else None)
         rows = prefill_sweep(a.tokens, a.experts or 96, routes=a.mma_fp4 and a.mma_fp4.split(","), configs=cfgs,
-                             plain=a.plain, packings=packings, scale_words=scale_words)
+                             plain=a.plain, packings=packings)
         write_rows(a.out, "moe_prefill.json", rows)
         return 0
     if a.fma:
@@ -605,7 +591,7 @@ def main(argv=None):
         sizes = tuple(int(v) for v in a.sizes.split(",")) if a.sizes else (1,) if a.quick else (1, 8)
         rows = fma_sweep(sizes, wide=a.wide, vias=a.vias and a.vias.split(","), default_only=a.default_only,
                          experts=a.experts, mma_routes=a.mma_fp4 and a.mma_fp4.split(","),
-                         act_block=128 if a.v4_flash else 32, packings=packings, scale_words=scale_words)
+                         act_block=128 if a.v4_flash else 32, packings=packings)
         write_rows(a.out, "moe_fma.json", rows)
         return 0
     run(quick=a.quick, out_dir=a.out, tune=a.tune)

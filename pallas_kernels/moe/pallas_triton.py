@@ -41,7 +41,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.quant import FP4_PACKINGS, act_quant, fp4_packing, is_quantized
-from dsv41_jax.quant.codecs import le_words
 from pallas_kernels.deferred_sum import expert_slots
 from pallas_kernels.moe.gate_up_finish import finish_act_quant_view, finish_reference, swiglu_h
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
@@ -57,7 +56,6 @@ from pallas_kernels.quantized_matmul.pallas_triton import (
     load_weight_tiles,
     operand_dtype,
     pick_block,
-    scale_words_fit,
     tile_dot,
     weight_format,
     weight_logical_shape,
@@ -116,24 +114,16 @@ def _parse_mma_fp4(text: str) -> str:
 #   each other -- the FP8 act-quant of h turns ulp differences (sums in another order, Triton's exp
 #   vs XLA's) into FP8 steps, the same for both routes (BENCHMARKS.md, issue 6, session 12), so
 #   forcing f16w or phases is allowed for every dtype.
-#
-# ``scale_words`` (DSV41_MOE_SCALE_WORDS, default 1): the word and phase routes read the e8m0 scales
-# as 32-bit words of 4 scale bytes (``quantized_matmul.pallas_triton.load_word_scales``), so that
-# they ride the K loop's cp.async pipeline; 0 reads the scale bytes as before (one synchronous
-# LDG.E.U8 tile per weight and K step).
-MMA_FP4 = {"route": _parse_mma_fp4(os.environ.get("DSV41_MMA_FP4", "")),
-           "scale_words": os.environ.get("DSV41_MOE_SCALE_WORDS", "1").strip() != "0"}
+MMA_FP4 = {"route": _parse_mma_fp4(os.environ.get("DSV41_MMA_FP4", ""))}
 
 
 @contextlib.contextmanager
-def use_mma_fp4(route, scale_words=None):
-    """Within the block the tensor-core kernels trace with MXFP4 decode ``route`` and ``scale_words``
-    (None: as it is); ``MMA_FP4`` is restored after it, also on errors."""
+def use_mma_fp4(route):
+    """Within the block the tensor-core kernels trace with MXFP4 decode ``route`` (None: as it is);
+    ``MMA_FP4`` is restored after it, also on errors."""
     saved = dict(MMA_FP4)
     if route is not None:
         MMA_FP4["route"] = _parse_mma_fp4(route)
-    if scale_words is not None:
-        MMA_FP4["scale_words"] = bool(scale_words)
     try:
         yield
     finally:
@@ -804,9 +794,6 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
                              f"f16pairs) needs K tiles that are multiples of 32, got bk_a={bk_a}, bk_b={bk_b} "
                              f"(config {cfg})")
         d1, d2, d3 = (fma._words(t) for t in (d1, d2, d3))
-        if MMA_FP4["scale_words"] and s1 is not None and all(
-                scale_words_fit(t.shape[-1], bk // 32) for t, bk in ((s1, bk_a), (s3, bk_a), (s2, bk_b))):
-            s1, s2, s3 = (le_words(t) for t in (s1, s2, s3))
         xq = fp4_phase_k_order(xq, bk_a) if fp4_read == "phases" else fp4_word_k_order(xq)
     if s1 is None:
         s1 = s2 = s3 = jnp.zeros((1, 1, 1), jnp.uint8)

@@ -42,7 +42,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -280,44 +279,13 @@ def load_fp4_word_tile(w_ref, s_ref, lead, rows, bn, k0, bk, op_dtype, packing="
     return (jnp.stack([a, b], axis=-1).reshape(bn, bk),)  # column 8q + 4h + 2(j % 2) + j // 2
 
 
-def scale_words_fit(k_scales: int, tile_scales: int) -> bool:
-    """Whether a tile of ``tile_scales`` consecutive scale bytes (K tile / 32), starting at a multiple of
-    itself, can be read from a row of ``k_scales`` bytes stored as 32-bit words (:func:`load_word_scales`):
-    the row a whole number of words, and the tile within one word or a whole number of them."""
-    return k_scales % 4 == 0 and (tile_scales in (1, 2) or tile_scales % 4 == 0)
-
-
-def load_word_scales(s_ref, lead, rows, k0, bk: int):
-    """The e8m0 scales of a [bn, bk] MXFP4 tile of ``rows`` x [k0, k0 + bk) (``k0`` a multiple of
-    ``bk``), one per 32-bit word column of codes (word q of the tile: scale q // 4), as float32
-    ``2**(e - 127 + 14)``: [bn, bk/8]. ``s_ref`` holds the scale bytes, or 32-bit little-endian words
-    of 4 scale bytes each (:func:`~dsv41_jax.quant.codecs.le_words`, where :func:`scale_words_fit`): a
-    load of under 4 bytes per thread cannot be a cp.async, so Triton issues byte tiles as synchronous
-    loads inside the software-pipelined K loop (sm_90 SASS: LDG.E.U8, the one load the loop waits
-    on), whereas word tiles go through the pipeline's cp.async stages with the weight codes; each word
-    column then shifts its byte out of the scale word it repeats."""
-    count = bk // 32
-    if s_ref.dtype != jnp.uint32:
-        return _expand_cols(fma.e8m0_f32(s_ref[(*lead, rows, pl.ds(k0 // 32, count))], 14), 4)
-    if count % 4 == 0:  # whole words: scale 4w + j is byte j of word w
-        w = s_ref[(*lead, rows, pl.ds(k0 // 128, count // 4))]
-        b = [fma.e8m0_f32((w >> np.uint32(8 * j)) & np.uint32(0xFF), 14) for j in range(4)]
-        sc = jnp.stack([jnp.stack([b[0], b[2]], axis=-1), jnp.stack([b[1], b[3]], axis=-1)], axis=-1)
-        return _expand_cols(sc.reshape(w.shape[0], count), 4)
-    # the tile's 1 or 2 scales lie within one word, from byte (k0 / 32) % 4 on
-    w = s_ref[(*lead, rows, pl.ds(k0 // 128, 1))]  # [bn, 1]
-    shift = (jnp.asarray(k0, jnp.int32) // 32 % 4).astype(jnp.uint32) * 8
-    b = [fma.e8m0_f32((w >> (shift + np.uint32(8 * j))) & np.uint32(0xFF), 14) for j in range(count)]
-    sc = b[0] if count == 1 else jnp.stack(b, axis=-1).reshape(w.shape[0], count)
-    return _expand_cols(sc, 4)
-
-
 def _scaled_word_pairs(w_ref, s_ref, lead, rows, k0, bk, op_dtype, packing):
     """The words of a [bn, bk] MXFP4 tile decoded into four (element j, element j + 4) pairs of
     [bn, bk/8] tiles: e2m1 * 2**-14 (:func:`pallas_triton_fma.fp4_word_pairs_f32`), times the e8m0
     scale with the 2**14, in ``op_dtype`` (exact in bf16)."""
     wds = w_ref[(*lead, rows, pl.ds(k0 // 8, bk // 8))]
-    sf = load_word_scales(s_ref, lead, rows, k0, bk)  # [bn, bk/8]
+    s = s_ref[(*lead, rows, pl.ds(k0 // 32, bk // 32))]
+    sf = _expand_cols(fma.e8m0_f32(s, 14), 4)  # [bn, bk/8]
     return [((lo * sf).astype(op_dtype), (hi * sf).astype(op_dtype)) for lo, hi in fma.fp4_word_pairs_f32(wds, packing)]
 
 
