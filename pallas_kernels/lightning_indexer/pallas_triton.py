@@ -201,11 +201,14 @@ def _score_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, s_rows, tile_n, chunk
     heads = jnp.arange(hi, dtype=jnp.int32)
     local = jnp.arange(chunk, dtype=jnp.int32)
 
-    # decode (one query row per program): q decoded once, and its weights and visibility read once,
-    # not again for every key chunk
-    q_once = _load_rows(qd_ref, qs_ref, heads, d2, q_fp4, cdt, phases) if s_rows == 1 else None
-    w_once = w_ref[pl.ds(0, hi)] if s_rows == 1 else None
-    vis_once = vis_ref[pl.ds(0, 1)] if s_rows == 1 else None
+    def row_inputs(r):
+        """Query row r's decoded q tiles, head weights and visibility."""
+        return (_load_rows(qd_ref, qs_ref, r * hi + heads, d2, q_fp4, cdt, phases), w_ref[pl.ds(r * hi, hi)],
+                vis_ref[pl.ds(r, 1)])
+
+    # decode (one query row per program): q decoded, its weights and visibility read, once -- not
+    # again for every key chunk (no synchronous global load left in the chunk loop)
+    once = row_inputs(0) if s_rows == 1 else None
 
     def chunk_body(c, _):
         pos = t * tile_n + c * chunk + local
@@ -213,10 +216,9 @@ def _score_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, s_rows, tile_n, chunk
         k_t = _load_rows(kd_ref, ks_ref, jnp.where(inb, pos, 0), d2, k_fp4, cdt, phases)
 
         def row_body(r, _):
-            q_t = q_once if q_once is not None else _load_rows(qd_ref, qs_ref, r * hi + heads, d2, q_fp4, cdt, phases)
-            w = w_once if w_once is not None else w_ref[pl.ds(r * hi, hi)]
+            q_t, w, vis = once if once is not None else row_inputs(r)
             sc = _scores(q_t, k_t, w, keys_first)
-            ok = inb & (pos < (vis_once if vis_once is not None else vis_ref[pl.ds(r, 1)]))
+            ok = inb & (pos < vis)
             if has_cb:
                 ok = ok & (cb_ref[jnp.full((chunk,), r, jnp.int32), pos // bs] != 0)
             sc = jnp.where(ok, sc, _NEG_INF)
