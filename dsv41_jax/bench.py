@@ -96,7 +96,10 @@ def fit_problem(param_bytes: int, n_devices: int, limit: int | None, headroom: f
         return None
     return (f"the random weights need {param_bytes / 1e9:.1f} GB ({per_dev / 1e9:.1f} GB per device over {n_devices}) "
             f"but a device holds {limit / 1e9:.1f} GB: reduce --routed-experts and/or --engram-vocab (the bytes read "
-            f"per decoded token at batch 1 stay the same), or spread the model with --mesh")
+            f"per decoded token at batch 1 stay the same), or spread the model with --mesh"
+            + ("" if "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ else
+               "; JAX's allocator takes 75 % of a GPU by default: XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 gives it more")
+            + f" (the weights may fill {headroom:.0%} of it, the rest is for activations and caches)")
 
 
 def _stored_bytes(node, per_device: bool = False) -> int:

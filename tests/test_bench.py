@@ -85,7 +85,7 @@ def test_v4_flash_reads_11_gb_per_decoded_token():
     assert abs(decode_bytes(cfg, param_specs(cfg), 1, 4096) / 1e9 - 11.0) < 0.35
 
 
-def test_fit_problem_names_the_flags():
+def test_fit_problem_names_the_flags(monkeypatch):
     """A model that cannot fit is refused before anything is allocated, naming the flags that fix it;
     the full V4.1-Flash (its Engram table on the device) does not fit one H200, the benchmark's
     reduced one does."""
@@ -97,6 +97,12 @@ def test_fit_problem_names_the_flags():
     msg = fit_problem(200e9, 1, h200)
     assert "--routed-experts" in msg and "--engram-vocab" in msg and "--mesh" in msg and "200.0 GB" in msg
     assert fit_problem(200e9, 2, h200) is None
+    # the session-41 H100 case: 58.1 GB over 90 % of JAX's default 75 % of an 80 GB card
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    msg = fit_problem(58.1e9, 1, 63.8e9)
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in msg and "90%" in msg
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in fit_problem(58.1e9, 1, 63.8e9)
     full = _stored_bytes(param_specs(bench_config("v41-flash", None, None)[0]))
     reduced = _stored_bytes(param_specs(bench_config("v41-flash", 96, 16000)[0]))
     assert fit_problem(full, 1, h200) is not None and fit_problem(reduced, 1, h200) is None
