@@ -215,23 +215,18 @@ def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d, nw_blocks, nc_bloc
     q = q_ref[...].astype(cdt)  # [BH, D], contiguous
     bh = q.shape[0]
 
-    def softmax_step(carry, *parts):
-        """One block of keys, given as one or two (k, v, valid) parts (two: a block of DeepSeek's list
-        that holds the end of the window list and the start of the compressed one)."""
+    def softmax_step(carry, part):
+        """One block of keys: ``part`` = (k, v, valid)."""
         m, l, acc = carry
-        ss = []
-        for k, _, valid in parts:
-            s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=prec)
-            ss.append(jnp.where(valid[None, :], s * scale, _NEG_INF))  # [BH, BK]
-        m_new = functools.reduce(jnp.maximum, [jnp.max(s, axis=1) for s in ss], m)
+        k, v, valid = part
+        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=prec)
+        s = jnp.where(valid[None, :], s * scale, _NEG_INF)  # [BH, BK]
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
         alpha = jnp.exp(m - m_safe)
-        acc = acc * alpha[:, None]
-        l = l * alpha
-        for s, (_, v, _) in zip(ss, parts):
-            p = jnp.exp(s - m_safe[:, None])
-            l = l + jnp.sum(p, axis=1)
-            acc = acc + jnp.dot(p.astype(cdt), v, preferred_element_type=jnp.float32, precision=prec)
+        p = jnp.exp(s - m_safe[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(cdt), v, preferred_element_type=jnp.float32, precision=prec)
         return m_new, l, acc
 
     def window_rows(ids, first, width):
@@ -292,9 +287,21 @@ def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d, nw_blocks, nc_bloc
         win = part(window_rows, ids, (ids >= 0) & (i * block_k + lanes < ww))
         if not has_comp:
             return softmax_step(carry, win)
-        return jax.lax.cond((i + 1) * block_k > ww,
-                            lambda c: softmax_step(c, win, part(comp_rows, *comp_at(i * block_k - ww))),
-                            lambda c: softmax_step(c, win), carry)
+
+        def straddle(c):
+            # lane l holds list position i*bk + l: a window entry below ww, else compressed entry
+            # i*bk + l - ww, which is lane l of comp_at(i*bk - ww) (the list's -1 padding fills the
+            # lanes below ww). The two lane sets are disjoint, so one [bk, D] tile takes each lane's
+            # row and the block is one step of one dot, as in DeepSeek's loop. (Two dots, one per
+            # part, needed 262,144 bytes of shared memory on the H100 with jax 0.11.2 -- over its
+            # 232,448 -- BENCHMARKS.md, issue 5, session 41.)
+            kw_, vw_, w_valid = win
+            kc_, vc_, c_valid = part(comp_rows, *comp_at(i * block_k - ww))
+            k = jnp.where(w_valid[:, None], kw_, kc_)
+            v = k if d_split == 1 else jnp.where(w_valid[:, None], vw_, vc_)
+            return softmax_step(c, (k, v, w_valid | c_valid))
+
+        return jax.lax.cond((i + 1) * block_k > ww, straddle, lambda c: softmax_step(c, win), carry)
 
     def shifted_comp_step(j, carry):
         """The compressed entries after those in the window's blocks: from position nw*bk - ww on."""
@@ -490,7 +497,7 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     entries of each row's window list (later ones are ignored), and the kernel walks its blocks over
     DeepSeek's concatenated list, whose compressed entries start there
     (``reference.deepseek_columns``); a block that holds both the end of the window list and the
-    start of the compressed one is one step with two parts.
+    start of the compressed one is one step (one [block_k, D] tile holding each lane's row).
     ``combine``: how the flash-decoding splits are merged (default :data:`COMBINE`): ``"xla"``,
     ``"pallas"`` (:func:`combine_splits`; falls back to XLA where :func:`combine_reason` says it
     cannot run) or ``"kernel"`` (inside the attention kernel, by the last split program of each
