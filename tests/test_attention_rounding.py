@@ -151,8 +151,9 @@ def test_the_kernel_runs_deepseeks_blocks_for_any_window_width():
 def test_auto_runs_kernel_blocks_at_prefill_rows_in_the_kernel(monkeypatch):
     """Under plain 'auto' on a GPU, the running-maximum rounding runs in the Pallas kernel (DeepSeek's own
     loop: 64-key blocks, one split) from KERNEL_BLOCKS_MIN_ROWS query rows on -- there it measured
-    cheaper than the XLA emulation (session 37) -- and in the XLA emulation below it; the row maximum
-    stays on the XLA reference at every row count."""
+    cheaper than the XLA emulation (session 37) -- and in the XLA emulation below it. The row maximum
+    runs in the kernel from the same row count over V4.1's stores (FP8 window, FP4 or no compressed
+    cache; faster in the model's prefill, session 41) and on the XLA reference otherwise."""
     from pallas_kernels import dispatch
     from pallas_kernels.sparse_attention import pallas_triton
 
@@ -161,7 +162,14 @@ def test_auto_runs_kernel_blocks_at_prefill_rows_in_the_kernel(monkeypatch):
     assert pallas_triton.auto_reason(sds((1, rows_min, 64, 512), jnp.bfloat16), running_max_block=64) is None
     assert pallas_triton.auto_reason(sds((8, rows_min // 8, 64, 512), jnp.bfloat16), running_max_block=64) is None
     assert "below 256 rows" in pallas_triton.auto_reason(sds((32, 1, 64, 512), jnp.bfloat16), running_max_block=64)
-    assert "prefill" in pallas_triton.auto_reason(sds((1, 4096, 64, 512), jnp.bfloat16))
+    assert "prefill" in pallas_triton.auto_reason(sds((1, 4096, 64, 512), jnp.bfloat16))  # plain stores
+    from dsv41_jax.quant import Fp4Tensor, Fp8Tensor
+
+    win = Fp8Tensor(sds((1, 4224, 512), jnp.float8_e4m3fn), sds((1, 4224, 16), jnp.float8_e8m0fnu), (1, 32))
+    comp = Fp4Tensor(sds((1, 1024, 256), jnp.uint8), sds((1, 1024, 32), jnp.float8_e4m3fn), 16)
+    for comp_kv in (comp, None):
+        assert pallas_triton.auto_reason(sds((1, rows_min, 64, 512), jnp.bfloat16), win, comp_kv) is None
+        assert "query row(s)" in pallas_triton.auto_reason(sds((1, rows_min - 1, 64, 512), jnp.bfloat16), win, comp_kv)
 
     monkeypatch.setattr(dispatch, "resolve", lambda implementation=None, op=None: "interpret")
     monkeypatch.setattr(pallas_triton, "KERNEL_BLOCKS_MIN_ROWS", 4)

@@ -676,9 +676,14 @@ def auto_reason(q, kv=None, comp_kv=None, running_max_block=None):
       RoPE, wo_a) a tie, 32.4-32.6 against 32.9 us, and in the 40-layer model decode went 112.85 ->
       110.76 tok/s with it (the flash-decoding combine lands in wo_a's input fusion; session 15);
       batch 8: 46.5-46.9 us against 33.9-34.1 us;
-    * row maximum, prefill rows (session 37): the site 1.29-1.32x faster than XLA at 256, 1,024 and
-      4,096 rows with the default tiling (1.46-1.49x with 64-key blocks), yet the model's 4,096-token
-      prefill went 5,604 -> 5,388 tok/s with the kernel;
+    * row maximum, prefill rows (session 37, the kernel's arithmetic FP4 decode of the time): the site
+      1.29-1.32x faster than XLA at 256, 1,024 and 4,096 rows with the default tiling (1.46-1.49x with
+      64-key blocks), yet the model's 4,096-token prefill went 5,604 -> 5,388 tok/s with the kernel.
+      With session 38's word decode (session 41, an H100, 64 routed experts) the model's 4,096-token
+      prefill went 5,361.7 -> 5,543.4 tok/s with it (device time 753.0 -> 731.2 ms per prompt: the
+      attention's XLA kernels -50 ms beside the kernel's +40 ms), so from
+      :data:`KERNEL_BLOCKS_MIN_ROWS` rows over V4.1's stores (FP8 window, FP4 or no compressed cache)
+      it is picked; V4's plain stores were not measured and keep the reference;
     * ``running_max_block`` (``attention_rounding="kernel_blocks"``), where the kernel runs DeepSeek's
       own loop: at >= :data:`KERNEL_BLOCKS_MIN_ROWS` rows it is picked. The model's 4,096-token prefill
       ran 5,388 tok/s with it against 4,790 with the XLA emulation (session 36) and the site 362.6 /
@@ -698,6 +703,8 @@ def auto_reason(q, kv=None, comp_kv=None, running_max_block=None):
         return ("batch-1 decode: faster as an op but slower in the model than the XLA reference on the H200 "
                 "(BENCHMARKS.md, issue 5, session 15)")
     if rows >= KERNEL_BLOCKS_MIN_ROWS:
-        return (f"{rows} query rows (prefill): faster as a site but slower in the model's prefill than the XLA "
-                "reference on the H200 (BENCHMARKS.md, issue 5, session 37)")
+        if isinstance(kv, Fp8Tensor) and (comp_kv is None or isinstance(comp_kv, Fp4Tensor)):
+            return None
+        return (f"{rows} query rows (prefill) over plain stores (V4's): the kernel's prefill gain was measured "
+                "over V4.1's FP8 / FP4 stores only (BENCHMARKS.md, issue 5, session 41)")
     return f"{rows} query row(s): measured slower than the XLA reference on the H200 (BENCHMARKS.md, issue 5)"
