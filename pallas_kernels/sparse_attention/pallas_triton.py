@@ -680,8 +680,8 @@ def auto_reason(q, kv=None, comp_kv=None, running_max_block=None):
       1.29-1.32x faster than XLA at 256, 1,024 and 4,096 rows with the default tiling (1.46-1.49x with
       64-key blocks), yet the model's 4,096-token prefill went 5,604 -> 5,388 tok/s with the kernel.
       With session 38's word decode (session 41, an H100, 64 routed experts) the model's 4,096-token
-      prefill went 5,361.7 -> 5,543.4 tok/s with it (device time 753.0 -> 731.2 ms per prompt: the
-      attention's XLA kernels -50 ms beside the kernel's +40 ms), so from
+      prefill went 5,361.7 -> 5,543.4 tok/s with it (device time 753.0 -> 731.2 ms per prompt: -60 ms
+      of XLA kernels in the profile's "other" and "attention" parts, +40 ms in "sparse_attn"), so from
       :data:`KERNEL_BLOCKS_MIN_ROWS` rows over V4.1's stores (FP8 window, FP4 or no compressed cache)
       it is picked; V4's plain stores were not measured and keep the reference;
     * ``running_max_block`` (``attention_rounding="kernel_blocks"``), where the kernel runs DeepSeek's
