@@ -1,12 +1,16 @@
 """Shared test setup: CPU only, the persistent compilation cache (so the same program compiled
 by several tests or xdist workers is compiled once).
 
-XLA's CPU backend stays at its default optimization level. At ``--xla_backend_optimization_level=0``
-the suite took a fifth less CPU time (session 10: 60 -> 48 core-minutes, pytest 33 -> 26 min on
-the 2-core host), but the 8-device engine worker of ``test_sharding.py`` hung in a cross-device
-all-reduce (over 15 min, against 3 min at the default level) and the float32 chunked-vs-full
-comparison of ``test_v4_tiny_formats.py`` moved by 0.069 at one logit row (likely one activation
-rounding flip: its other rows, and two other seeds, agreed to 1e-6). Reverted."""
+XLA's CPU backend runs at ``--xla_backend_optimization_level=0`` in this process (and the xdist
+workers and single-device subprocesses that inherit its XLA_FLAGS): the suite is compile-bound (an
+interpret-mode kernel config: 0.1 s to trace, 0.4 s to lower, 0.7 s to compile, ~0 s to run), and
+LLVM's optimisations are most of the compile (session 41: test_deferred_sums_model +
+test_mhc_fused_collapse 219 -> 142 CPU-seconds). The multi-device subprocesses
+(``multi_device.env``) keep the default level: at -O0 the 8-device engine worker of
+``test_sharding.py`` hung in a cross-device all-reduce (session 10: over 15 min, against 3 min).
+Session 10 also saw the float32 chunked-vs-full comparison of ``test_v4_tiny_formats.py`` move by
+0.069 at one logit row at -O0 (an activation rounding flip); it passes at -O0 since. ``XLA_FLAGS``
+naming a level keeps it."""
 
 import os
 
@@ -17,6 +21,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # from a fresh clone 56.6 and 59.8 CPU-minutes with it against 58.5 without: within the run-to-run spread.
 if "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
+if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 # On a GPU (JAX_PLATFORMS=cuda,cpu) the references round at every bf16 boundary as the CLIs make XLA
 # do (dsv41_jax/xla_flags.py; session 18: excess precision moved the MoE reference 1.7e-2 away from
 # the kernels). CPU runs are left as they are.

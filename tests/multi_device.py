@@ -12,8 +12,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def env(devices: int) -> dict:
     """The environment of a subprocess with ``devices`` CPU devices and the checkout importable (the
-    test session's other XLA flags kept)."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    test session's other XLA flags kept, but for its backend optimization level: at -O0 an 8-device
+    all-reduce hung, tests/conftest.py)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if "xla_force_host_platform_device_count" not in f and "xla_backend_optimization_level" not in f]
     return dict(os.environ, XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]),
                 JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
