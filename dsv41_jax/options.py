@@ -23,7 +23,11 @@ class RunOptions:
     ``bfloat16`` / ``float32`` store them unquantized (no KV / indexer rounding at all).
 
     ``attention_rounding`` (bf16 only): how the sparse attention rounds its unnormalised P.V weights
-    ``exp(l - m)`` to bf16. ``row_max`` (the default) takes m as the row's maximum. ``kernel_blocks``
+    ``exp(l - m)`` to bf16. ``row_max`` (the default) takes m as the row's maximum in the XLA
+    reference; where the Pallas kernel runs instead (under ``auto`` on a GPU: prefill chunks of >= 256
+    rows over V4.1's stores, since session 41), m is its online softmax's running maximum over 64-key
+    blocks, DeepSeek's loop over our 128-slot window list (without DeepSeek's narrower window list for
+    a prompt shorter than the window, which ``kernel_blocks`` adds). ``kernel_blocks``
     emulates DeepSeek's kernel bit for bit up to fp32 summation order: m is the running maximum over
     blocks of 64 keys of the index list. The two differ only for keys in blocks before the one
     holding the row's maximum, by one or two bf16 ulps in 14-19 % of the outputs of a 640-key list
@@ -34,8 +38,10 @@ class RunOptions:
     stages' lists (``dspark.stage_key_indices``).
     Wherever the Pallas sparse attention runs it, the kernel walks the lists in 64-key blocks with one
     split, which is DeepSeek's loop. Under ``auto`` on a GPU that is from 256 query rows on (prefill
-    steps): the 4096-token prefill 5,604 (row max) -> 5,388 tok/s, against 4,790 with the XLA
-    emulation. Decode steps of fewer rows keep the XLA emulation: batch-1 decode 143.5 -> 138.8 tok/s."""
+    steps): on the H200 (session 37) the 4096-token prefill 5,604 (row max, XLA) -> 5,388 tok/s,
+    against 4,790 with the XLA emulation; on an H100 (session 41, with the kernel's word decode)
+    5,362 (row max, XLA) / 5,543 (row max, kernel) -> 5,591 tok/s. Decode steps of fewer rows keep
+    the XLA emulation: batch-1 decode 143.5 -> 138.8 tok/s."""
 
     dtype: str = "bfloat16"
     kv_cache_dtype: str = "reference"

@@ -286,6 +286,12 @@ def test_default_config_splits_columns_only_for_the_smallest_grids():
     # a caller's d_split is kept, with its measured warps (one column block at batch 1: 8 warps, as before)
     assert pallas_triton.default_config(1, 64, 128, 512, "cuda", 512, 1)["num_warps"] == 8
     assert [pallas_triton.default_config(64, 64, 128, 512, "cuda", 512, 4)[k] for k in ("d_split", "num_warps")] == [4, 4]
+    # prefill chunks (from KERNEL_BLOCKS_MIN_ROWS rows): DeepSeek's 64-key blocks, one split; decode 32
+    rows_min = pallas_triton.KERNEL_BLOCKS_MIN_ROWS
+    assert [pallas_triton.default_config(r, 64, 128, 512, "cuda")["block_k"] for r in (1, 64, rows_min - 1)] == [32] * 3
+    for rows in (rows_min, 4096):
+        cfg = pallas_triton.default_config(rows, 64, 128, 512, "cuda")
+        assert (cfg["block_k"], cfg["num_splits"]) == (64, 1), cfg
     q, kv, widx, sink, ck, cidx = make_case(3, d=128)
     with pytest.raises(ValueError, match="d_split=0 must divide D=128"):
         _kernel(q, kv, widx, sink, ck, cidx, q.shape[-1] ** -0.5, d_split=0)
