@@ -10,7 +10,10 @@ memory asked for, 232,448 available): interpret mode cannot see such limits, so 
 compiled: ``JAX_PLATFORMS=cuda,cpu DSV41_TEST_KERNEL_IMPL=pallas`` (512-row chunks, 64 heads of 512,
 a top-512 compressed list), as ``test_v4_attention_shapes`` does for the other attention shapes.
 
-Rows: a prompt shorter than the window prefilled from position 0 (DeepSeek's window list is as wide as
+Beside them, decode steps over V4.1's stores under either rounding (the kernel's decode tilings,
+which ``DSV41_KERNELS=pallas`` runs; session 41's GPU scan compiled them).
+
+Prefill rows: a prompt shorter than the window prefilled from position 0 (DeepSeek's window list is as wide as
 the prompt, so the straddling block is taken), a full first chunk (width 128) and a later chunk of a
 long prompt (ring + chunk). Tolerance: ``test_sparse_attention.check_close`` (the kernel and the
 reference's emulation of the blocks differ in fp32 summation order).
@@ -25,7 +28,7 @@ import numpy as np
 import pytest
 
 import dsv41_jax.quant as quant
-from dsv41_jax.attention import _store_v4, deepseek_window_width, window_indices
+from dsv41_jax.attention import _store_v4, deepseek_window_width, ring_window_indices, window_indices
 from dsv41_jax.options import RunOptions
 from pallas_kernels.lightning_indexer.reference import topk_ascending
 from pallas_kernels.sparse_attention import api as attention_api
@@ -85,3 +88,37 @@ def test_prefill_chunk_in_deepseeks_blocks(store):
     assert got.shape == (3, s, H, D)
     for row in range(3):
         check_close(got[row], want[row])
+
+
+@pytest.mark.parametrize("rounding", ["row_max", "kernel_blocks"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_decode_rows_over_v41_stores(rounding, batch):
+    """Decode steps over V4.1's stores (the 128-slot FP8 ring in DeepSeek's decode order, a 64K
+    prompt's FP4 compressed cache, top-512 lists with -1 padding) through the dispatch, under either
+    rounding: ``auto`` keeps XLA here, ``DSV41_KERNELS=pallas`` runs the kernel with its decode
+    tilings (flash-decoding splits and column blocks at batch 1; one split in 64-key blocks under
+    ``kernel_blocks``), which must compile on a GPU (session 41's scan compiled them on an H100) and
+    agree with the reference."""
+    rng = np.random.default_rng()
+    b = batch if GPU else min(batch, 2)
+    nc, kc = (16384, 512) if GPU else (96, 24)
+    positions = jnp.asarray(rng.integers(4 * nc - 400, 4 * nc, (b, 1)), jnp.int32)
+    widx = ring_window_indices(positions, WINDOW)
+    q = jnp.asarray(rng.standard_normal((b, 1, H, D), np.float32)).astype(jnp.bfloat16)
+    win = quant.quantize_fp8(jnp.asarray(rng.standard_normal((b, WINDOW, D)).astype(np.float32)), (1, 32))
+    comp = quant.Fp4Tensor(data=jnp.asarray(rng.integers(0, 256, (b, nc, D // 2), np.uint8)),
+                           scale=jnp.asarray(rng.uniform(0.05, 0.5, (b, nc, D // 16)).astype(np.float32)).astype(
+                               jnp.float8_e4m3fn), block=16)
+    visible = (positions[..., None] + 1) // RATIO
+    scores = jnp.where(jnp.arange(nc)[None, None] < visible, jnp.asarray(rng.random((b, 1, nc), np.float32)), -jnp.inf)
+    cidx = topk_ascending(scores, kc)
+    cidx = cidx.at[0, 0, kc - 37:].set(-1)  # a short list: -1 padding inside the last blocks
+    sink = jnp.asarray(rng.standard_normal(H), jnp.float32)
+    rmb = RunOptions(attention_rounding=rounding).running_max_block
+    run = jax.jit(lambda impl, *a: attention_api.sparse_attention(
+        *a[:4], scale=D ** -0.5, comp_kv=a[4], comp_idx=a[5], running_max_block=rmb, implementation=impl),
+        static_argnums=0)
+    want = run("reference", q, win, widx, sink, comp, cidx)
+    got = run(IMPL, q, win, widx, sink, comp, cidx)
+    assert got.shape == (b, 1, H, D)
+    check_close(got, want)
