@@ -15,19 +15,28 @@ naming a level keeps it."""
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+CPU = os.environ["JAX_PLATFORMS"] == "cpu"
+
+
+def _default_xla_flag(flag: str):
+    """Append ``--name=value`` to XLA_FLAGS unless they already name ``name``."""
+    name = flag.split("=")[0]
+    if name not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --{flag}").strip()
+
+
 # One thread per XLA CPU computation (inherited by the subprocess checks through XLA_FLAGS): with two
 # xdist workers and the sharding jobs on a 2-core host, Eigen's thread pools only oversubscribed the
 # cores. Session 13: the dp x tp x ep quant job alone 78.5 -> 65.4 s wall (cold cache); the whole suite
 # from a fresh clone 56.6 and 59.8 CPU-minutes with it against 58.5 without: within the run-to-run spread.
-if "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
-if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
-# On a GPU (JAX_PLATFORMS=cuda,cpu) the references round at every bf16 boundary as the CLIs make XLA
-# do (dsv41_jax/xla_flags.py; session 18: excess precision moved the MoE reference 1.7e-2 away from
-# the kernels). CPU runs are left as they are.
-if os.environ["JAX_PLATFORMS"] != "cpu" and "xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false").strip()
+_default_xla_flag("xla_cpu_multi_thread_eigen=false")
+if CPU:  # -O0: see the module docstring
+    _default_xla_flag("xla_backend_optimization_level=0")
+else:
+    # On a GPU (JAX_PLATFORMS=cuda,cpu) the references round at every bf16 boundary as the CLIs make
+    # XLA do (dsv41_jax/xla_flags.py; session 18: excess precision moved the MoE reference 1.7e-2 away
+    # from the kernels). CPU runs are left as they are.
+    _default_xla_flag("xla_allow_excess_precision=false")
 
 from dsv41_jax.compile_cache import enable_compilation_cache  # noqa: E402
 

@@ -80,6 +80,11 @@ _VENDOR_CONFIG = {
 }
 
 
+# Fewest query rows (B*S) of a prefill chunk: from here 'auto' runs this kernel (under either rounding;
+# see :func:`auto_reason`) and :func:`default_config` takes DeepSeek's 64-key blocks.
+KERNEL_BLOCKS_MIN_ROWS = 256
+
+
 def default_config(batch_rows: int, heads: int, kw: int, kc: int, vendor: str | None = None, d: int = 512,
                    d_split: int | None = None) -> dict:
     """Block sizes and splits for ``batch_rows`` = B*S query rows (decode or prefill).
@@ -666,10 +671,6 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     out = out[:, :h].reshape(b, s, h, d)
     return (out, parts) if return_partials else out
 
-
-# Fewest query rows (B*S) at which 'auto' runs DeepSeek's running-maximum rounding (kernel_blocks) in
-# this kernel rather than in the XLA reference's emulation; see :func:`auto_reason`.
-KERNEL_BLOCKS_MIN_ROWS = 256
 
 
 def auto_reason(q, kv=None, comp_kv=None, running_max_block=None):

@@ -27,8 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import dsv41_jax.quant as quant
-from dsv41_jax.attention import _store_v4, deepseek_window_width, ring_window_indices, window_indices
+from dsv41_jax.attention import _store_v4, cache_store, deepseek_window_width, ring_window_indices, window_indices
 from dsv41_jax.options import RunOptions
 from pallas_kernels.lightning_indexer.reference import topk_ascending
 from pallas_kernels.sparse_attention import api as attention_api
@@ -40,14 +39,38 @@ GPU = IMPL == "pallas"
 H, D, ROPE, WINDOW, RATIO = 64, 512, 64, 128, 4
 BLOCK = RunOptions(attention_rounding="kernel_blocks").running_max_block  # DeepSeek's 64 keys
 
-_v4_values = jax.jit(lambda x: _store_v4(x, "comp", RunOptions(), ROPE))
+# each generation's stored values, made by the model's own stores (reference KV rounding): V4.1's FP8
+# window (ue8m0 per 32) and FP4 compressed cache (e4m3 per 16); V4's rounded values held in bf16
+_STORES = {"v41": lambda x, kind: cache_store(x, kind, RunOptions()),
+           "v4": lambda x, kind: _store_v4(x, kind, RunOptions(), ROPE)}
+_store = jax.jit(lambda x, store, kind: _STORES[store](x, kind), static_argnums=(1, 2))
+
+
+def _stores(rng, store, b, nw, nc):
+    """Window [b, nw, D] and compressed [b, nc, D] stores of random values."""
+    return tuple(_store(jnp.asarray(rng.standard_normal((b, n, D)).astype(np.float32)), store, kind)
+                 for n, kind in ((nw, "window"), (nc, "comp")))
+
+
+def _topk_lists(rng, positions, nc, kc):
+    """Each query's top ``kc`` of random scores over its visible compressed entries (ratio 4),
+    ascending with -1 padding, as the indexer returns them."""
+    visible = (positions[..., None] + 1) // RATIO
+    scores = jnp.asarray(rng.random((*positions.shape, nc), np.float32))
+    return topk_ascending(jnp.where(jnp.arange(nc) < visible, scores, -jnp.inf), kc)
+
+
+def _both(q, win, widx, sink, comp, cidx, **kw):
+    """(reference, ``IMPL``) outputs of the dispatch on the same inputs."""
+    run = jax.jit(lambda impl, *a: attention_api.sparse_attention(
+        *a[:4], scale=D ** -0.5, comp_kv=a[4], comp_idx=a[5], implementation=impl, **kw), static_argnums=0)
+    return run("reference", q, win, widx, sink, comp, cidx), run(IMPL, q, win, widx, sink, comp, cidx)
 
 
 def _case(rng, store, s, kc):
     """Three rows of an ``s``-token chunk: (pos0, valid tokens) = (0, a prompt shorter than the window
     and than s), (0, s), (a later chunk, s); the window store is the ring + the chunk as the model lays
-    it out, the compressed list each query's top ``kc`` of random scores over its visible entries
-    (ascending, -1 padded)."""
+    it out. Returns the inputs and DeepSeek's window widths."""
     pos0 = np.asarray([0, 0, 4 * s], np.int32)
     lengths = np.asarray([min(s, WINDOW) - 27, s, s], np.int32)
     b = len(pos0)
@@ -57,20 +80,9 @@ def _case(rng, store, s, kc):
     ww = deepseek_window_width(jnp.asarray(pos0), jnp.asarray(lengths), WINDOW, s, RunOptions(attention_rounding="kernel_blocks"))
     nc = int(pos0.max() + s) // RATIO
     q = jnp.asarray(rng.standard_normal((b, s, H, D), np.float32)).astype(jnp.bfloat16)
-    win = rng.standard_normal((b, WINDOW + s, D)).astype(np.float32)
-    comp = rng.standard_normal((b, nc, D)).astype(np.float32)
-    if store == "v41":
-        win = quant.quantize_fp8(jnp.asarray(win), (1, 32))
-        comp = quant.Fp4Tensor(data=jnp.asarray(rng.integers(0, 256, (b, nc, D // 2), np.uint8)),
-                               scale=jnp.asarray(rng.uniform(0.05, 0.5, (b, nc, D // 16)).astype(np.float32)).astype(
-                                   jnp.float8_e4m3fn), block=16)
-    else:
-        win, comp = _v4_values(jnp.asarray(win)), _v4_values(jnp.asarray(comp))
-    visible = (positions[..., None] + 1) // RATIO
-    scores = jnp.where(jnp.arange(nc)[None, None] < visible, jnp.asarray(rng.random((b, s, nc), np.float32)), -jnp.inf)
-    cidx = topk_ascending(scores, kc)
+    win, comp = _stores(rng, store, b, WINDOW + s, nc)
     sink = jnp.asarray(rng.standard_normal(H), jnp.float32)
-    return q, win, widx, sink, comp, cidx, ww
+    return (q, win, widx, sink, comp, _topk_lists(rng, positions, nc, kc)), ww
 
 
 @pytest.mark.parametrize("store", ["v41", "v4"])
@@ -79,12 +91,8 @@ def test_prefill_chunk_in_deepseeks_blocks(store):
     every output element within the parity tolerance, for each row kind (short prompt, full first chunk,
     later chunk)."""
     s, kc = (512, 512) if GPU else (40, 24)
-    case = _case(np.random.default_rng(), store, s, kc)
-    run = jax.jit(lambda impl, q, win, widx, sink, comp, cidx, ww: attention_api.sparse_attention(
-        q, win, widx, sink, scale=D ** -0.5, comp_kv=comp, comp_idx=cidx, running_max_block=BLOCK,
-        window_width=ww, implementation=impl), static_argnums=0)
-    want = run("reference", *case)
-    got = run(IMPL, *case)
+    case, ww = _case(np.random.default_rng(), store, s, kc)
+    want, got = _both(*case, running_max_block=BLOCK, window_width=ww)
     assert got.shape == (3, s, H, D)
     for row in range(3):
         check_close(got[row], want[row])
@@ -105,20 +113,11 @@ def test_decode_rows_over_v41_stores(rounding, batch):
     positions = jnp.asarray(rng.integers(4 * nc - 400, 4 * nc, (b, 1)), jnp.int32)
     widx = ring_window_indices(positions, WINDOW)
     q = jnp.asarray(rng.standard_normal((b, 1, H, D), np.float32)).astype(jnp.bfloat16)
-    win = quant.quantize_fp8(jnp.asarray(rng.standard_normal((b, WINDOW, D)).astype(np.float32)), (1, 32))
-    comp = quant.Fp4Tensor(data=jnp.asarray(rng.integers(0, 256, (b, nc, D // 2), np.uint8)),
-                           scale=jnp.asarray(rng.uniform(0.05, 0.5, (b, nc, D // 16)).astype(np.float32)).astype(
-                               jnp.float8_e4m3fn), block=16)
-    visible = (positions[..., None] + 1) // RATIO
-    scores = jnp.where(jnp.arange(nc)[None, None] < visible, jnp.asarray(rng.random((b, 1, nc), np.float32)), -jnp.inf)
-    cidx = topk_ascending(scores, kc)
+    win, comp = _stores(rng, "v41", b, WINDOW, nc)
+    cidx = _topk_lists(rng, positions, nc, kc)
     cidx = cidx.at[0, 0, kc - 37:].set(-1)  # a short list: -1 padding inside the last blocks
     sink = jnp.asarray(rng.standard_normal(H), jnp.float32)
     rmb = RunOptions(attention_rounding=rounding).running_max_block
-    run = jax.jit(lambda impl, *a: attention_api.sparse_attention(
-        *a[:4], scale=D ** -0.5, comp_kv=a[4], comp_idx=a[5], running_max_block=rmb, implementation=impl),
-        static_argnums=0)
-    want = run("reference", q, win, widx, sink, comp, cidx)
-    got = run(IMPL, q, win, widx, sink, comp, cidx)
+    want, got = _both(q, win, widx, sink, comp, cidx, running_max_block=rmb)
     assert got.shape == (b, 1, H, D)
     check_close(got, want)
