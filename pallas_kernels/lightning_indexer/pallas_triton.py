@@ -44,7 +44,12 @@ from jax.experimental.pallas import triton as pltriton
 from dsv41_jax.quant import Fp4Tensor
 
 from dsv41_jax.quant.codecs import le_words
-from pallas_kernels.quantized_matmul.pallas_triton_fma import e8m0_f32, fp4_byte_decode_f32, fp4_word_pairs_f32
+from pallas_kernels.quantized_matmul.pallas_triton_fma import (
+    e8m0_f32,
+    fp4_byte_decode_f32,
+    fp4_word_pairs_f16,
+    fp4_word_pairs_f32,
+)
 
 from .reference import IndexerResult
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
@@ -67,10 +72,14 @@ DEFAULTS = dict(
     select_early_exit=True,  # the select's bisection stops once exactly k values are at or above it
     num_stages=2,
     maxima_budget_bytes=64 << 20,  # store g0 = block_size maxima while R * Nc/bs * 4 <= this
-    fp4_read="phases",  # MXFP4 q and keys both: "phases" (32-bit words, 8 phase dots) or "bytes" (see _load_rows)
+    # MXFP4 q and keys both: "phases" (32-bit words, 8 phase dots in bf16), "f16phases" (the same
+    # words, 8 phase dots in float16 with each row's largest block scale factored out) or "bytes"
+    # (see _load_rows)
+    fp4_read="phases",
     dot_order="keys",  # the score dots' first operand: "keys" ([N, HI] logits) or "q" ([HI, N]; see _scores)
 )
-FP4_READS = ("phases", "bytes")
+FP4_READS = ("phases", "f16phases", "bytes")
+WORD_READS = ("phases", "f16phases")  # the routes that read the codes as 32-bit words
 DOT_ORDERS = ("keys", "q")
 
 
@@ -131,42 +140,64 @@ def _grid2(rows, cols):
     return jnp.broadcast_to(rows[:, None], shape), jnp.broadcast_to(cols[None, :], shape)
 
 
-def _load_rows(data_ref, scale_ref, rows, d2, fp4, cdt, phases=False):
+def _load_rows(data_ref, scale_ref, rows, d2, fp4, cdt, read=None):
     """Rows ``rows`` ([N] int32, in range) of an MXFP4 ([N, d2] bytes + [N, d2/16] e8m0) or plain
-    ([N, 2*d2]) store -> a list of ``cdt`` tiles that :func:`_scores` pairs up with q's, in one of
-    two column bases:
+    ([N, 2*d2]) store -> (tiles, row_scale): a list of tiles that :func:`_scores` pairs up with q's,
+    and None or a float32 [N] factor of each row (below). MXFP4 by ``read``:
 
-    * (even columns, odd columns), each [N, d2]. MXFP4 bytes: each nibble goes to an e4m3 bit
-      pattern that reads ``e2m1 * 2**-6`` and the hardware e4m3 conversion (``fp4_byte_decode_f32``,
-      the fused MoE's "e4m3" route); the 2**6 rides on the scale's exponent (BENCHMARKS.md, issue 5,
-      session 13: 3,697 -> 902 instructions per 128-key step of the score kernel).
-    * ``phases`` (MXFP4 stored as 32-bit words [N, d2/4], 8 codes each, element 8w + j in nibble j):
-      8 phase tiles [N, d2/4], phase j holding elements 8w + j. One shift-mask-or puts codes j and
-      j + 4 of a word into the two float16 halves of a word (``fp4_word_pairs_f32``: e2m1 * 2**-14,
-      exact), then f32 times the e8m0 scale (with the 2**14), then ``cdt`` (exact in bf16): the fused
-      MoE's word decode, without joining the phases back (one dot per phase instead). Offline sm_90
-      SASS: see BENCHMARKS.md, issue 5, session 38.
+    * None or "bytes": (even columns, odd columns), each [N, d2] in ``cdt``. Each nibble goes to an
+      e4m3 bit pattern that reads ``e2m1 * 2**-6`` and the hardware e4m3 conversion
+      (``fp4_byte_decode_f32``, the fused MoE's "e4m3" route); the 2**6 rides on the scale's exponent
+      (BENCHMARKS.md, issue 5, session 13: 3,697 -> 902 instructions per 128-key step of the score
+      kernel).
+    * "phases" (MXFP4 stored as 32-bit words [N, d2/4], 8 codes each, element 8w + j in nibble j):
+      8 phase tiles [N, d2/4] in ``cdt``, phase j holding elements 8w + j. One shift-mask-or puts
+      codes j and j + 4 of a word into the two float16 halves of a word (``fp4_word_pairs_f32``:
+      e2m1 * 2**-14, exact), then f32 times the e8m0 scale (with the 2**14), then ``cdt`` (exact in
+      bf16): the fused MoE's word decode, without joining the phases back (one dot per phase
+      instead). Offline sm_90 SASS: see BENCHMARKS.md, issue 5, session 38.
+    * "f16phases": the same 8 phase tiles, left in float16 (``fp4_word_pairs_f16``, no float32
+      round trip) and multiplied there by ``2**(s - t + 14)``, where s is the block's scale
+      exponent and t the row's largest one (at least 1): the tile holds ``e2m1 * 2**(s - t)`` and
+      ``row_scale`` is ``2**(t - 127)``, which :func:`_scores` applies to the finished score (a
+      power of two commutes with the relu and with every rounding after the dot). Exact wherever
+      s >= t - 23 (a block at most 2**23 below the row's largest; below that its values round to
+      f16 subnormals or 0, an error under 2**-24 of the row's largest element, smaller than the
+      fp32 sum's own rounding of that element).
 
-    The values are exact in both: the dots differ only in fp32 summation order."""
-    if fp4 and phases:
+    Every route's values are exact on the sm_90 / CDNA tensor cores (f16 and bf16 products of e2m1
+    values in fp32): the dots differ only in fp32 summation order."""
+    if fp4 and read in WORD_READS:
         nw = d2 // 4
         w = data_ref[_grid2(rows, jnp.arange(nw, dtype=jnp.int32))]  # [N, d2/4] uint32, whole rows
-        sc = e8m0_f32(scale_ref[_grid2(rows, jnp.arange(d2 // 16, dtype=jnp.int32))], 14)  # [N, d2/16]
-        sc = jnp.broadcast_to(sc[:, :, None], (sc.shape[0], d2 // 16, 4)).reshape(sc.shape[0], nw)
+        s = scale_ref[_grid2(rows, jnp.arange(d2 // 16, dtype=jnp.int32))]  # [N, d2/16] e8m0 bytes
+        n, nb = s.shape
+        if read == "f16phases":
+            s = s.astype(jnp.int32)
+            top = jnp.maximum(jnp.max(s, axis=1), 1)  # [N]
+            # 2**(s - top + 14) as f32 bits (exponent field <= 0: 0), then f16 (exact, or 0 below 2**-24)
+            f = jax.lax.bitcast_convert_type(jnp.maximum(s - top[:, None] + (127 + 14), 0) << 23, jnp.float32)
+            f = jnp.broadcast_to(f.astype(jnp.float16)[:, :, None], (n, nb, 4)).reshape(n, nw)
+            pairs = fp4_word_pairs_f16(w)
+            tiles = [lo * f for lo, _ in pairs] + [hi * f for _, hi in pairs]
+            return tiles, jax.lax.bitcast_convert_type(top << 23, jnp.float32)
+        sc = e8m0_f32(s, 14)  # [N, d2/16]
+        sc = jnp.broadcast_to(sc[:, :, None], (n, nb, 4)).reshape(n, nw)
         pairs = fp4_word_pairs_f32(w)
-        return [(lo * sc).astype(cdt) for lo, _ in pairs] + [(hi * sc).astype(cdt) for _, hi in pairs]
+        return [(lo * sc).astype(cdt) for lo, _ in pairs] + [(hi * sc).astype(cdt) for _, hi in pairs], None
     half = jnp.arange(d2, dtype=jnp.int32)
     if fp4:
         b = data_ref[_grid2(rows, half)].astype(jnp.int32)  # whole rows: contiguous along the row
         lo, hi, shift = fp4_byte_decode_f32(b)
         sc = e8m0_f32(scale_ref[_grid2(rows, jnp.arange(d2 // 16, dtype=jnp.int32))], shift)  # [N, d2/16]
         sc = jnp.broadcast_to(sc[:, :, None], (sc.shape[0], d2 // 16, 16)).reshape(sc.shape[0], d2)
-        return [(lo * sc).astype(cdt), (hi * sc).astype(cdt)]
-    return [data_ref[_grid2(rows, 2 * half)].astype(cdt), data_ref[_grid2(rows, 2 * half + 1)].astype(cdt)]
+        return [(lo * sc).astype(cdt), (hi * sc).astype(cdt)], None
+    return [data_ref[_grid2(rows, 2 * half)].astype(cdt), data_ref[_grid2(rows, 2 * half + 1)].astype(cdt)], None
 
 
-def _scores(q_tiles, k_tiles, w, keys_first=True):
-    """sum_h w_h relu(q_h . k_j) for matching lists of [HI, c] and [N, c] tiles -> [N] f32. With
+def _scores(q_tiles, k_tiles, w, keys_first=True, k_scale=None):
+    """sum_h w_h relu(q_h . k_j) for matching lists of [HI, c] and [N, c] tiles -> [N] f32, times
+    ``k_scale`` [N] where the key tiles carry a row factor (:func:`_load_rows`; q's is in ``w``). With
     ``keys_first`` (``dot_order="keys"``, the default) the keys are the dots' first operand ([N, HI]
     logits): on sm_90 the N = 128-key chunk makes each dot a Hopper wgmma with the decoded keys taken
     from registers (offline SASS: 640 -> 482 instructions per score step and 83 -> 80 registers, 3
@@ -179,15 +210,24 @@ def _scores(q_tiles, k_tiles, w, keys_first=True):
         d = jnp.dot(a, b.T, preferred_element_type=jnp.float32, precision=prec)
         l = d if l is None else l + d
     if keys_first:
-        return jnp.sum(jnp.maximum(l, 0.0) * w[None, :], axis=1)
-    return jnp.sum(jnp.maximum(l, 0.0) * w[:, None], axis=0)
+        out = jnp.sum(jnp.maximum(l, 0.0) * w[None, :], axis=1)
+    else:
+        out = jnp.sum(jnp.maximum(l, 0.0) * w[:, None], axis=0)
+    return out if k_scale is None else out * k_scale
+
+
+def _row_inputs(qd_ref, qs_ref, w, heads, d2, q_fp4, cdt, read):
+    """One query row's decoded q tiles and its head weights, q's row factor (if any) folded into them:
+    relu(c x) = c relu(x) for c > 0, a power of two."""
+    q_t, q_scale = _load_rows(qd_ref, qs_ref, heads, d2, q_fp4, cdt, read)
+    return q_t, (w if q_scale is None else w * q_scale)
 
 
 # ------------------------------------------------------------------------------------------------
 # 1. score kernel -> group maxima
 
 
-def _score_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, s_rows, tile_n, chunk, g0, bs, cdt, phases, keys_first):
+def _score_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, s_rows, tile_n, chunk, g0, bs, cdt, read, keys_first):
     it = iter(refs)
     qd_ref = next(it)
     qs_ref = next(it) if q_fp4 else None
@@ -203,7 +243,7 @@ def _score_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, s_rows, tile_n, chunk
 
     def row_inputs(r):
         """Query row r's decoded q tiles, head weights and visibility."""
-        return (_load_rows(qd_ref, qs_ref, r * hi + heads, d2, q_fp4, cdt, phases), w_ref[pl.ds(r * hi, hi)],
+        return (*_row_inputs(qd_ref, qs_ref, w_ref[pl.ds(r * hi, hi)], r * hi + heads, d2, q_fp4, cdt, read),
                 vis_ref[pl.ds(r, 1)])
 
     # decode (one query row per program): q decoded, its weights and visibility read, once -- not
@@ -213,11 +253,11 @@ def _score_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, s_rows, tile_n, chunk
     def chunk_body(c, _):
         pos = t * tile_n + c * chunk + local
         inb = pos < nc
-        k_t = _load_rows(kd_ref, ks_ref, jnp.where(inb, pos, 0), d2, k_fp4, cdt, phases)
+        k_t, k_scale = _load_rows(kd_ref, ks_ref, jnp.where(inb, pos, 0), d2, k_fp4, cdt, read)
 
         def row_body(r, _):
             q_t, w, vis = once if once is not None else row_inputs(r)
-            sc = _scores(q_t, k_t, w, keys_first)
+            sc = _scores(q_t, k_t, w, keys_first, k_scale)
             ok = inb & (pos < vis)
             if has_cb:
                 ok = ok & (cb_ref[jnp.full((chunk,), r, jnp.int32), pos // bs] != 0)
@@ -233,8 +273,9 @@ def _score_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, s_rows, tile_n, chunk
 
 
 def _prep(q, keys, weights, visible, candidate_blocks, block_size, fp4_read="phases"):
-    """The kernels' operands. With MXFP4 q and keys and ``fp4_read`` "phases" their codes are passed
-    as little-endian 32-bit words (an XLA bitcast) for :func:`_load_rows`' word decode."""
+    """The kernels' operands. With MXFP4 q and keys and ``fp4_read`` "phases" or "f16phases" their
+    codes are passed as little-endian 32-bit words (an XLA bitcast) for :func:`_load_rows`' word
+    decode (``read``: the route the kernels take, None for the byte decode or plain operands)."""
     b, s, hi, di = _logical_shape(q)
     nc = _logical_shape(keys)[1]
     q_fp4, k_fp4 = isinstance(q, Fp4Tensor), isinstance(keys, Fp4Tensor)
@@ -247,10 +288,12 @@ def _prep(q, keys, weights, visible, candidate_blocks, block_size, fp4_read="pha
     def bytes_(x):
         return jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype != jnp.uint8 else x
 
-    phases = q_fp4 and k_fp4 and fp4_read == "phases" and di % 128 == 0  # phase dots of K >= 16
+    # word reads: MXFP4 q and keys, phase dots of K >= 16
+    read = fp4_read if q_fp4 and k_fp4 and (fp4_read not in WORD_READS or di % 128 == 0) else None
+    read = None if read == "bytes" else read
 
     def codes(x):
-        return le_words(bytes_(x)) if phases else x
+        return le_words(bytes_(x)) if read in WORD_READS else x
 
     if q_fp4:
         qa = (codes(q.data.reshape(b * s * hi, di // 2)), bytes_(q.scale).reshape(b * s * hi, di // 32))
@@ -263,7 +306,7 @@ def _prep(q, keys, weights, visible, candidate_blocks, block_size, fp4_read="pha
     if candidate_blocks is not None:
         cb = candidate_blocks.astype(jnp.int8).reshape(b * s, -1)
     return dict(b=b, s=s, hi=hi, di=di, nc=nc, q_fp4=q_fp4, k_fp4=k_fp4, cdt=cdt, qa=qa, ka=ka, w=w, vis=vis, cb=cb,
-                phases=phases)
+                read=read)
 
 
 def index_block_maxima(p, *, g0, interpret, cfg):
@@ -301,7 +344,7 @@ def index_block_maxima(p, *, g0, interpret, cfg):
     out_w = tile_n // g0
     kernel = functools.partial(
         _score_kernel, q_fp4=p["q_fp4"], k_fp4=p["k_fp4"], has_cb=has_cb, hi=hi, d2=d2, nc=nc, s_rows=sq,
-        tile_n=tile_n, chunk=chunk, g0=g0, bs=cfg["block_size"], cdt=p["cdt"], phases=p["phases"],
+        tile_n=tile_n, chunk=chunk, g0=g0, bs=cfg["block_size"], cdt=p["cdt"], read=p["read"],
         keys_first=cfg["dot_order"] == "keys",
     )
     return pl.pallas_call(
@@ -320,7 +363,7 @@ def index_block_maxima(p, *, g0, interpret, cfg):
 # 3. candidate score kernel
 
 
-def _cand_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, tile, bs, cdt, phases, keys_first):
+def _cand_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, tile, bs, cdt, read, keys_first):
     it = iter(refs)
     qd_ref = next(it)
     qs_ref = next(it) if q_fp4 else None
@@ -335,9 +378,9 @@ def _cand_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, tile, bs, cdt, phases,
     pos = pos_ref[pl.ds(c * tile, tile)]
     ok = (pos >= 0) & (pos < nc) & (pos < vis_ref[...])
     safe = jnp.where(ok, pos, 0)
-    k_t = _load_rows(kd_ref, ks_ref, safe, d2, k_fp4, cdt, phases)
-    q_t = _load_rows(qd_ref, qs_ref, heads, d2, q_fp4, cdt, phases)
-    sc = _scores(q_t, k_t, w_ref[...], keys_first)
+    k_t, k_scale = _load_rows(kd_ref, ks_ref, safe, d2, k_fp4, cdt, read)
+    q_t, w = _row_inputs(qd_ref, qs_ref, w_ref[...], heads, d2, q_fp4, cdt, read)
+    sc = _scores(q_t, k_t, w, keys_first, k_scale)
     if has_cb:
         ok = ok & (cb_ref[safe // bs] != 0)
     o_ref[pl.ds(c * tile, tile)] = jnp.where(ok, sc, _NEG_INF)
@@ -363,7 +406,7 @@ def candidate_scores(p, pos, *, interpret, cfg):
         args.append(p["cb"])
         specs.append(pl.BlockSpec((None, p["cb"].shape[1]), lambda r, c: (r, 0)))
     kernel = functools.partial(_cand_kernel, q_fp4=p["q_fp4"], k_fp4=p["k_fp4"], has_cb=has_cb, hi=hi, d2=di // 2,
-                               nc=nc, tile=tile, bs=cfg["block_size"], cdt=p["cdt"], phases=p["phases"],
+                               nc=nc, tile=tile, bs=cfg["block_size"], cdt=p["cdt"], read=p["read"],
                                keys_first=cfg["dot_order"] == "keys")
     return pl.pallas_call(
         kernel,

@@ -380,6 +380,18 @@ def fp4_word_pairs_f32(w, packing: str = "nibbles"):
     return [(_f16_bits_to_f32(t), _f16_bits_to_f32(t >> 16)) for t in (_f16_pair_bits(w, s, m) for s, m in at)]
 
 
+def fp4_word_pairs_f16(w, packing: str = "nibbles"):
+    """:func:`fp4_word_pairs_f32` without the conversion to float32: the four (element j, element
+    j + 4) pairs as float16 ``e2m1 * 2**-14`` (the low / high halves of each placed word; code +-1 is
+    an f16 subnormal, which f16 arithmetic and the tensor cores keep)."""
+    at = zip(*FP4_WORD_BITS[packing])
+
+    def half(t):
+        return jax.lax.bitcast_convert_type(t.astype(jnp.uint16), jnp.float16)
+
+    return [(half(t), half(t >> 16)) for t in (_f16_pair_bits(w, s, m) for s, m in at)]
+
+
 def fp8_word_pairs_f32(w):
     """uint32 words of four e4m3 codes (byte j = element 4q + j) -> ((element 0, element 2),
     (element 1, element 3)) as float32 ``e4m3 * 2**-8``: bytes 0 and 2 (1 and 3) sit 16 bits apart

@@ -142,14 +142,17 @@ def test_random_mxfp4_and_top_k_not_pow2():
 
 @pytest.mark.parametrize("s,di,fp4_read,dot_order", [
     (1, 64, "phases", "keys"), (2, 64, "phases", "keys"), (1, 128, "phases", "keys"), (2, 128, "phases", "keys"),
-    (1, 128, "bytes", "keys"), (2, 128, "phases", "q")],
-    ids=["decode_q_once", "rows", "words_decode", "words_rows", "bytes_128", "words_q_first"])
+    (1, 128, "bytes", "keys"), (2, 128, "phases", "q"), (1, 128, "f16phases", "keys"), (2, 128, "f16phases", "q")],
+    ids=["decode_q_once", "rows", "words_decode", "words_rows", "bytes_128", "words_q_first", "f16_decode",
+         "f16_rows_q_first"])
 def test_every_fp4_code_block_maxima(s, di, fp4_read, dot_order, monkeypatch):
     """q and keys from random bytes (all 16 e2m1 codes in both nibbles, -0 included) and random e8m0
     scales: the kernels' decode (q decoded once per program at S = 1) gives the reference's block
     maxima element by element and its top-k sets -- the e4m3-placement byte decode (64-wide heads, and
     ``fp4_read="bytes"``) and the word decode into 8 phase dots (128-wide heads: phase dots of K >= 16),
-    with the keys or q as the dots' first operand."""
+    with the keys or q as the dots' first operand; and the same words left in float16 with each row's
+    largest scale factored out (``f16phases``; these scales lie 18 binades apart at most, inside its
+    exact range)."""
     calls = []
     real = pallas_triton._load_rows
     monkeypatch.setattr(pallas_triton, "_load_rows", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
@@ -167,9 +170,34 @@ def test_every_fp4_code_block_maxima(s, di, fp4_read, dot_order, monkeypatch):
     vis = jnp.asarray(np.full((b, s), nc, np.int32))
     r, scores = _ref_and_scores(q, w, k, vis, None, 32, True)
     o = _pal(q, w, k, vis, None, 32, True, cfg=dict(tile_n=128, chunk=64, fp4_read=fp4_read, dot_order=dot_order))
-    assert set(calls) == {fp4_read == "phases" and di == 128}  # the route taken (phases need K >= 16)
+    # the route taken (word reads need phase dots of K >= 16)
+    assert set(calls) == {fp4_read if fp4_read in pallas_triton.WORD_READS and di == 128 else None}
     rb, ob = np.asarray(r.block_scores), np.asarray(o.block_scores)
     np.testing.assert_allclose(ob, rb, rtol=1e-5, atol=1e-5 * np.abs(rb[np.isfinite(rb)]).max())
+    check_result(o, r, scores, 32)
+
+
+def test_f16phases_wide_scale_spread():
+    """``f16phases`` where its exactness bound does not hold: block scales 0..45 binades apart within a
+    key and within a head (the blocks more than 23 below their row's largest round to f16 subnormals
+    or 0). The block maxima stay within 1e-6 of the largest score magnitude of the reference, and the
+    top-k sets agree where the margins are clear; fresh random codes and scales."""
+    rng = np.random.default_rng()
+    b, s, hi, di, nc = 1, 1, 16, 128, 256
+
+    def fp4(shape):
+        data = rng.integers(0, 256, (*shape, di // 2), dtype=np.uint8)
+        sc = rng.integers(95, 141, (*shape, di // 32), dtype=np.uint8)
+        sc[..., 0] = 140  # every row has a block at the top of the range
+        return Fp4Tensor(jnp.asarray(data), jnp.asarray(sc.view(jnp.float8_e8m0fnu)), 32)
+
+    q, k = fp4((b, s, hi)), fp4((b, nc))
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (b, s, hi)), jnp.float32)
+    vis = jnp.asarray(np.full((b, s), nc, np.int32))
+    r, scores = _ref_and_scores(q, w, k, vis, None, 32, True)
+    o = _pal(q, w, k, vis, None, 32, True, cfg=dict(tile_n=128, chunk=64, fp4_read="f16phases"))
+    rb, ob = np.asarray(r.block_scores), np.asarray(o.block_scores)
+    np.testing.assert_allclose(ob, rb, rtol=0, atol=1e-6 * np.abs(rb[np.isfinite(rb)]).max())
     check_result(o, r, scores, 32)
 
 
@@ -278,10 +306,10 @@ def test_cross_lowering(target, shape, wbs):
 
     text = lower_for(target, f, *_real_specs(*shape)).as_text()
     assert "triton" in text
-    if shape[1] == 1 and not wbs:  # the byte decode (fp4_read="bytes") lowers too
-        lower_for(target, lambda q, w, k, v: pallas_triton.lightning_indexer(q, w, k, v, top_k=512,
-                                                                            config=dict(fp4_read="bytes")).topk,
-                  *_real_specs(*shape))
+    if shape[1] == 1 and not wbs:  # the other decode routes (fp4_read "bytes", "f16phases") lower too
+        for read in set(pallas_triton.FP4_READS) - {pallas_triton.DEFAULTS["fp4_read"]}:
+            lower_for(target, lambda q, w, k, v, read=read: pallas_triton.lightning_indexer(
+                q, w, k, v, top_k=512, config=dict(fp4_read=read)).topk, *_real_specs(*shape))
 
 
 @pytest.mark.parametrize("budget", [1 << 25, 3 * 200 * 2, 200])
