@@ -52,6 +52,7 @@ from pallas_kernels.quantized_matmul.pallas_triton import (
     fp4_word_k_order,
     fp8_block,
     load_fp4_phase_tiles,
+    load_fp4_phase_tiles_f16,
     load_fp4_word_tile,
     load_weight_tiles,
     operand_dtype,
@@ -78,7 +79,7 @@ DEBUG = {"act_quant_in_kernel": False, "return_h": False}
 # tile re-reads the rows of hundreds of blocks from HBM. Read at trace time.
 GRID_ORDER = {"order": "rows"}
 
-MMA_FP4_ROUTES = ("auto", "bytes", "f16w", "phases")
+MMA_FP4_ROUTES = ("auto", "bytes", "f16w", "phases", "f16phases")
 
 
 def _parse_mma_fp4(text: str) -> str:
@@ -104,6 +105,13 @@ def _parse_mma_fp4(text: str) -> str:
 #   5,514 (bytes) -> 3,354 us (3,181 on f16pairs experts, whose word route took 6,860), 256 tokens
 #   8,375 -> 5,073 us (4,824 on f16pairs, words 10,411); at the prefill tiling (64-wide K tiles, 4096
 #   tokens over 96 experts) 128-wide tiles with phases (13.3-19.2 ms) lose to 64-wide words (10.0).
+# * "f16phases" (forced only): the phase route with float16 dot operands. The phase tiles stay in
+#   float16 as the word decode places them (e2m1 * 2**-14) and are multiplied there by 2**(s - 113),
+#   so a tile holds the weight's own values e2m1 * 2**(s - 127): exact for e8m0 scale bytes s in
+#   [104, 128] (2**-23 .. 2**1; :func:`f16_scale_reason` checks an expert tensor), no float32 round
+#   trip and no bf16 repack. The activation and h rows go in as float16 times a power of two per row
+#   (:func:`f16_rows`: the row's largest value below 2**15; exact for blocks up to 22 binades below it)
+#   and the kernels multiply each accumulated row back. bf16 activations only.
 # * "auto" (default): "f16w" for bf16 activations with K tiles of at most 64, "phases" for K tiles of
 #   at least 128, else "bytes" (:func:`mma_fp4_words`, :func:`mma_fp4_phases`); with float32
 #   activations "bytes" (not timed there), and experts packed as f16pairs take "phases" where the
@@ -261,13 +269,13 @@ def mma_fp4_words(x_dtype, bk_a: int, bk_b: int) -> bool:
     if route == "auto":
         return x_dtype == jnp.bfloat16 and bk_a % 32 == 0 and bk_b % 32 == 0 and (
             max(bk_a, bk_b) <= 64 or mma_fp4_phases(bk_a, bk_b))
-    return route in ("f16w", "phases")
+    return route in ("f16w", "phases", "f16phases")
 
 
 def mma_fp4_phases(bk_a: int, bk_b: int) -> bool:
     """Whether the word-reading tensor-core kernels take the "phases" route: ``MMA_FP4`` "phases" or
     "auto", and both K tiles at least 128 wide (one dot of K >= 16 per phase)."""
-    return MMA_FP4["route"] in ("auto", "phases") and min(bk_a, bk_b) >= 128
+    return MMA_FP4["route"] in ("auto", "phases", "f16phases") and min(bk_a, bk_b) >= 128
 
 
 def fp4_read_for(x_dtype, packing: str, bk_a: int, bk_b: int) -> str:
@@ -276,14 +284,41 @@ def fp4_read_for(x_dtype, packing: str, bk_a: int, bk_b: int) -> str:
     whatever the route (the bytes route reads nibbles)."""
     if packing != "f16pairs" and not mma_fp4_words(x_dtype, bk_a, bk_b):
         return "bytes"
-    return "phases" if mma_fp4_phases(bk_a, bk_b) else "words"
+    if not mma_fp4_phases(bk_a, bk_b):
+        return "words"
+    return "f16phases" if MMA_FP4["route"] == "f16phases" and x_dtype == jnp.bfloat16 else "phases"
+
+
+F16_SCALE_WINDOW = (104, 128)  # e8m0 scale bytes whose weights are exact float16 numbers (see MMA_FP4)
+
+
+def f16_scale_reason(w) -> str | None:
+    """Why MXFP4 expert tensor ``w`` cannot take the "f16phases" route exactly (None: it can): a scale
+    outside :data:`F16_SCALE_WINDOW`. Reads the scales (a host check, outside any jit)."""
+    s = np.asarray(jax.lax.bitcast_convert_type(w.scale, jnp.uint8))
+    lo, hi = int(s.min()), int(s.max())
+    if lo < F16_SCALE_WINDOW[0] or hi > F16_SCALE_WINDOW[1]:
+        return (f"MXFP4 scale bytes span [{lo}, {hi}]; the float16 phase route is exact for "
+                f"[{F16_SCALE_WINDOW[0]}, {F16_SCALE_WINDOW[1]}] (2**-23 .. 2**1): use DSV41_MMA_FP4=auto")
+    return None
+
+
+def f16_rows(a):
+    """Activation rows [R, K] (bf16 values) -> (float16 rows a * 2**(15 - e), float32 [R] 2**(e - 15)),
+    e the exponent just above the row's largest magnitude: every row below 2**15 in float16, so an
+    act-quantized block's e4m3 values are exact unless the block lies over 22 binades below the row's
+    largest (then its smallest values round at 2**-24 of the row scale). Powers of two: the kernels'
+    row sums times the factor are the bf16 rows' sums, in another order."""
+    af = a.astype(jnp.float32)
+    _, e = jnp.frexp(jnp.max(jnp.abs(af), axis=-1))
+    return (af * jnp.ldexp(jnp.float32(1.0), 15 - e)[..., None]).astype(jnp.float16), jnp.ldexp(jnp.float32(1.0), e - 15)
 
 
 def words_need_narrow_tiles() -> bool:
     """Whether experts read as words (f16pairs) need the word route's 64-wide K tiles: when
     ``MMA_FP4`` rules the phase route out (a forced "bytes" or "f16w"), 256-wide word tiles would
     take the joins that made them 2x slower (session 10)."""
-    return MMA_FP4["route"] not in ("auto", "phases")
+    return MMA_FP4["route"] not in ("auto", "phases", "f16phases")
 
 
 def default_tiling(n_pairs: int, n_route: int, w1) -> tuple:
@@ -298,7 +333,7 @@ def _x_tile(x_ref, rows, k0, bk, fp4_read: str):
     """The activation tile of ``rows`` x [k0, k0+bk): one [rows, bk] tile, or for ``fp4_read``
     "phases" the 8 phase tiles [rows, bk/8] of a tile laid out by :func:`fp4_phase_k_order` (one load
     each)."""
-    if fp4_read != "phases":
+    if fp4_read not in ("phases", "f16phases"):
         return x_ref[rows, pl.ds(k0, bk)]
     return tuple(x_ref[rows, pl.ds(k0 + j * (bk // 8), bk // 8)] for j in range(8))
 
@@ -308,6 +343,8 @@ def _weight_tile(fmt, fp4_read, w_ref, s_ref, e, rows, row0, bn, k0, bk, op_dtyp
     "words" (one tile from 32-bit words) or "phases" (8 phase tiles from words)."""
     if fmt == "fp4" and fp4_read == "phases":
         return load_fp4_phase_tiles(w_ref, s_ref, (e,), rows, bn, k0, bk, op_dtype, packing)
+    if fmt == "fp4" and fp4_read == "f16phases":
+        return load_fp4_phase_tiles_f16(w_ref, s_ref, (e,), rows, bk, k0, packing)
     if fmt == "fp4" and fp4_read == "words":
         return load_fp4_word_tile(w_ref, s_ref, (e,), rows, bn, k0, bk, op_dtype, packing)
     return load_weight_tiles(fmt, w_ref, s_ref, (e,), rows, row0, bn, k0, bk, op_dtype, wblock)
@@ -332,9 +369,11 @@ def _grid(nb: int, tiles: int, rows_first: bool) -> tuple[int, int]:
     return nb, tiles
 
 
-def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref, *,
+def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, *refs,
                     fmt, bt, bi, bk, steps, op_dtype, x_dtype, limit, quant, wblock=32, act_block=32,
                     fp4_read="bytes", swap=False, rows_first=True, packing="nibbles"):
+    # "f16phases": x's row factors (f16_rows) follow x
+    xf_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref = refs if len(refs) == 6 else (None, *refs)
     b, j = _block_and_tile(rows_first)
     e = be_ref[b]
     row0 = pl.multiple_of(j * bi, bi)
@@ -357,6 +396,9 @@ def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_r
         g, u = jax.lax.fori_loop(0, steps, body, (z, z))
         if swap:
             g, u = g.T, u.T
+        if xf_ref is not None:
+            xf = xf_ref[tok][:, None]
+            g, u = g * xf, u * xf
         g = g.astype(x_dtype).astype(jnp.float32)
         u = u.astype(x_dtype).astype(jnp.float32)
         if limit > 0:
@@ -369,8 +411,9 @@ def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_r
         h_ref[hrows, rows] = h.astype(h_ref.dtype)
 
 
-def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd, bk, steps, op_dtype, wblock=32,
+def _down_kernel(be_ref, pair_ref, h_ref, *refs, fmt, bt, bd, bk, steps, op_dtype, wblock=32,
                  fp4_read="bytes", swap=False, rows_first=True, packing="nibbles"):
+    hf_ref, w2_ref, s2_ref, y_ref = refs if len(refs) == 4 else (None, *refs)  # "f16phases": h's row factors
     b, j = _block_and_tile(rows_first)
     e = be_ref[b]
     row0 = pl.multiple_of(j * bd, bd)
@@ -388,6 +431,8 @@ def _down_kernel(be_ref, pair_ref, h_ref, w2_ref, s2_ref, y_ref, *, fmt, bt, bd,
         acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bd, bt) if swap else (bt, bd), jnp.float32))
         if swap:
             acc = acc.T
+        if hf_ref is not None:
+            acc = acc * hf_ref[hrows][:, None]
         y_ref[pair_ref[hrows], rows] = acc.astype(y_ref.dtype)
 
 
@@ -720,7 +765,7 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
 #   128 tokens (2 rows) 5.14 / 4.51 ms against 7.30 / 9.11; 256 tokens (4 rows) 10.16 / 8.88
 #   against 8.28 / 10.32. Session 9, 96 experts, 384 pairs (4 rows): fma 2.75 against 2.40 (bytes).
 # FP8 experts keep the pair limit alone (not measured).
-FMA_MOE_MAX_ROWS_PER_EXPERT = {"phases": 1.5, "bytes": 2.0, "words": 4.0}
+FMA_MOE_MAX_ROWS_PER_EXPERT = {"phases": 1.5, "f16phases": 1.5, "bytes": 2.0, "words": 4.0}
 
 
 def takes_fma(w1, pairs: int, x_dtype=jnp.bfloat16, routed_experts: int | None = None, tiling=None) -> bool:
@@ -735,7 +780,7 @@ def takes_fma(w1, pairs: int, x_dtype=jnp.bfloat16, routed_experts: int | None =
     n_route = max(weight_logical_shape(w1)[0], routed_experts or 0)
     cfg = tiling or default_tiling(pairs, n_route, w1)
     read = fp4_read_for(x_dtype, fp4_packing(w1), cfg[2], cfg[4])
-    if read != "phases" and pairs <= fma.FMA_MOE_MAX_PAIRS:
+    if read not in ("phases", "f16phases") and pairs <= fma.FMA_MOE_MAX_PAIRS:
         return True
     return rows_per_expert(pairs, n_route) <= FMA_MOE_MAX_ROWS_PER_EXPERT[read]
 
@@ -794,7 +839,9 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
                              f"f16pairs) needs K tiles that are multiples of 32, got bk_a={bk_a}, bk_b={bk_b} "
                              f"(config {cfg})")
         d1, d2, d3 = (fma._words(t) for t in (d1, d2, d3))
-        xq = fp4_phase_k_order(xq, bk_a) if fp4_read == "phases" else fp4_word_k_order(xq)
+        xq = fp4_phase_k_order(xq, bk_a) if fp4_read in ("phases", "f16phases") else fp4_word_k_order(xq)
+    f16 = fp4_read == "f16phases"
+    x_ops = f16_rows(xq) if f16 else (xq,)
     if s1 is None:
         s1 = s2 = s3 = jnp.zeros((1, 1, 1), jnp.uint8)
     params = pltriton.CompilerParams(num_warps=warps, num_stages=stages)
@@ -815,13 +862,14 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
         compiler_params=params,
         interpret=interpret,
         name=f"moe_gate_up_{fmt}",
-    )(block_expert, block_token, block_weight, xq, d1, s1, d3, s3)
+    )(block_expert, block_token, block_weight, *x_ops, d1, s1, d3, s3)
     if quant and not in_kernel:
         h = act_quant(h, act_block).astype(op)
     if DEBUG["return_h"]:
         return h, block_pair
     if words:  # the down GEMM's K is I: h in the words' K order (an XLA permutation after act_quant)
-        h = fp4_phase_k_order(h, bk_b) if fp4_read == "phases" else fp4_word_k_order(h)
+        h = fp4_phase_k_order(h, bk_b) if fp4_read in ("phases", "f16phases") else fp4_word_k_order(h)
+    h_ops = f16_rows(h) if f16 else (h,)
 
     y = pl.pallas_call(
         functools.partial(_down_kernel, fmt=fmt, bt=bt, bd=bd, bk=bk_b, steps=i_dim // bk_b, op_dtype=op,
@@ -831,5 +879,5 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
         compiler_params=params,
         interpret=interpret,
         name=f"moe_down_{fmt}",
-    )(block_expert, block_pair, h, d2, s2)
+    )(block_expert, block_pair, *h_ops, d2, s2)
     return _slots_out(y, indices, defer)

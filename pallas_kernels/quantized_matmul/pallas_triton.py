@@ -307,6 +307,19 @@ def load_fp4_phase_tiles(w_ref, s_ref, lead, rows, bn, k0, bk, op_dtype, packing
     return tuple(lo for lo, _ in pairs) + tuple(hi for _, hi in pairs)
 
 
+def load_fp4_phase_tiles_f16(w_ref, s_ref, lead, rows, bk, k0, packing="nibbles"):
+    """:func:`load_fp4_phase_tiles` in float16 (the MoE's "f16phases" route): the placed codes
+    (e2m1 * 2**-14, :func:`pallas_triton_fma.fp4_word_pairs_f16`) times 2**(s - 113) in float16 (two
+    codes per ``HMUL2``), i.e. the weight's values e2m1 * 2**(s - 127); exact for scale bytes s in
+    [104, 128] (below: float16 subnormal rounding, above: overflow; see the MoE's ``f16_scale_reason``)."""
+    wds = w_ref[(*lead, rows, pl.ds(k0 // 8, bk // 8))]
+    s = s_ref[(*lead, rows, pl.ds(k0 // 32, bk // 32))].astype(jnp.int32)
+    f = jax.lax.bitcast_convert_type(jnp.maximum(s + 14, 0) << 23, jnp.float32).astype(jnp.float16)
+    f = _expand_cols(f, 4)  # [bn, bk/8]
+    pairs = fma.fp4_word_pairs_f16(wds, packing)
+    return tuple(lo * f for lo, _ in pairs) + tuple(hi * f for _, hi in pairs)
+
+
 def split_even_odd(x):
     """[M, K] -> (x[:, 0::2], x[:, 1::2]) inside a kernel (reshape + 2-way unstack)."""
     m, k = x.shape
