@@ -53,6 +53,7 @@ from pallas_kernels.quantized_matmul.pallas_triton import (
     fp8_block,
     load_fp4_phase_tiles,
     load_fp4_phase_tiles_f16,
+    load_fp4_word_tile_f16,
     load_fp4_word_tile,
     load_weight_tiles,
     operand_dtype,
@@ -79,7 +80,7 @@ DEBUG = {"act_quant_in_kernel": False, "return_h": False}
 # tile re-reads the rows of hundreds of blocks from HBM. Read at trace time.
 GRID_ORDER = {"order": "rows"}
 
-MMA_FP4_ROUTES = ("auto", "bytes", "f16w", "phases", "f16phases")
+MMA_FP4_ROUTES = ("auto", "bytes", "f16w", "phases", "f16dots")
 
 
 def _parse_mma_fp4(text: str) -> str:
@@ -105,13 +106,14 @@ def _parse_mma_fp4(text: str) -> str:
 #   5,514 (bytes) -> 3,354 us (3,181 on f16pairs experts, whose word route took 6,860), 256 tokens
 #   8,375 -> 5,073 us (4,824 on f16pairs, words 10,411); at the prefill tiling (64-wide K tiles, 4096
 #   tokens over 96 experts) 128-wide tiles with phases (13.3-19.2 ms) lose to 64-wide words (10.0).
-# * "f16phases" (forced only): the phase route with float16 dot operands. The phase tiles stay in
-#   float16 as the word decode places them (e2m1 * 2**-14) and are multiplied there by 2**(s - 113),
-#   so a tile holds the weight's own values e2m1 * 2**(s - 127): exact for e8m0 scale bytes s in
-#   [104, 128] (2**-23 .. 2**1; :func:`f16_scale_reason` checks an expert tensor), no float32 round
-#   trip and no bf16 repack. The activation and h rows go in as float16 times a power of two per row
-#   (:func:`f16_rows`: the row's largest value below 2**15; exact for blocks up to 22 binades below it)
-#   and the kernels multiply each accumulated row back. bf16 activations only.
+# * "f16dots" (forced only): the word and phase routes with float16 dot operands (reads "f16words"
+#   and "f16phases"). The decoded codes stay in float16 as the word decode places them (e2m1 *
+#   2**-14) and are multiplied there by 2**(s - 113), so a tile holds the weight's own values e2m1 *
+#   2**(s - 127): exact for e8m0 scale bytes s in [104, 128] (2**-23 .. 2**1; :func:`f16_scale_reason`
+#   checks an expert tensor), no float32 round trip and no bf16 repack. The activation and h rows go
+#   in as float16 times a power of two per row (:func:`f16_rows`: the row's largest value below
+#   2**15; exact for blocks up to 22 binades below it) and the kernels multiply each accumulated row
+#   back. bf16 activations only (others keep the bf16 reads).
 # * "auto" (default): "f16w" for bf16 activations with K tiles of at most 64, "phases" for K tiles of
 #   at least 128, else "bytes" (:func:`mma_fp4_words`, :func:`mma_fp4_phases`); with float32
 #   activations "bytes" (not timed there), and experts packed as f16pairs take "phases" where the
@@ -269,13 +271,13 @@ def mma_fp4_words(x_dtype, bk_a: int, bk_b: int) -> bool:
     if route == "auto":
         return x_dtype == jnp.bfloat16 and bk_a % 32 == 0 and bk_b % 32 == 0 and (
             max(bk_a, bk_b) <= 64 or mma_fp4_phases(bk_a, bk_b))
-    return route in ("f16w", "phases", "f16phases")
+    return route in ("f16w", "phases", "f16dots")
 
 
 def mma_fp4_phases(bk_a: int, bk_b: int) -> bool:
     """Whether the word-reading tensor-core kernels take the "phases" route: ``MMA_FP4`` "phases" or
     "auto", and both K tiles at least 128 wide (one dot of K >= 16 per phase)."""
-    return MMA_FP4["route"] in ("auto", "phases", "f16phases") and min(bk_a, bk_b) >= 128
+    return MMA_FP4["route"] in ("auto", "phases", "f16dots") and min(bk_a, bk_b) >= 128
 
 
 def fp4_read_for(x_dtype, packing: str, bk_a: int, bk_b: int) -> str:
@@ -284,16 +286,15 @@ def fp4_read_for(x_dtype, packing: str, bk_a: int, bk_b: int) -> str:
     whatever the route (the bytes route reads nibbles)."""
     if packing != "f16pairs" and not mma_fp4_words(x_dtype, bk_a, bk_b):
         return "bytes"
-    if not mma_fp4_phases(bk_a, bk_b):
-        return "words"
-    return "f16phases" if MMA_FP4["route"] == "f16phases" and x_dtype == jnp.bfloat16 else "phases"
+    read = "phases" if mma_fp4_phases(bk_a, bk_b) else "words"
+    return "f16" + read if MMA_FP4["route"] == "f16dots" and x_dtype == jnp.bfloat16 else read
 
 
 F16_SCALE_WINDOW = (104, 128)  # e8m0 scale bytes whose weights are exact float16 numbers (see MMA_FP4)
 
 
 def f16_scale_reason(w) -> str | None:
-    """Why MXFP4 expert tensor ``w`` cannot take the "f16phases" route exactly (None: it can): a scale
+    """Why MXFP4 expert tensor ``w`` cannot take the "f16dots" route exactly (None: it can): a scale
     outside :data:`F16_SCALE_WINDOW`. Reads the scales (a host check, outside any jit)."""
     s = np.asarray(jax.lax.bitcast_convert_type(w.scale, jnp.uint8))
     lo, hi = int(s.min()), int(s.max())
@@ -318,7 +319,7 @@ def words_need_narrow_tiles() -> bool:
     """Whether experts read as words (f16pairs) need the word route's 64-wide K tiles: when
     ``MMA_FP4`` rules the phase route out (a forced "bytes" or "f16w"), 256-wide word tiles would
     take the joins that made them 2x slower (session 10)."""
-    return MMA_FP4["route"] not in ("auto", "phases", "f16phases")
+    return MMA_FP4["route"] not in ("auto", "phases", "f16dots")
 
 
 def default_tiling(n_pairs: int, n_route: int, w1) -> tuple:
@@ -345,6 +346,8 @@ def _weight_tile(fmt, fp4_read, w_ref, s_ref, e, rows, row0, bn, k0, bk, op_dtyp
         return load_fp4_phase_tiles(w_ref, s_ref, (e,), rows, bn, k0, bk, op_dtype, packing)
     if fmt == "fp4" and fp4_read == "f16phases":
         return load_fp4_phase_tiles_f16(w_ref, s_ref, (e,), rows, bk, k0, packing)
+    if fmt == "fp4" and fp4_read == "f16words":
+        return load_fp4_word_tile_f16(w_ref, s_ref, (e,), rows, bn, k0, bk, packing)
     if fmt == "fp4" and fp4_read == "words":
         return load_fp4_word_tile(w_ref, s_ref, (e,), rows, bn, k0, bk, op_dtype, packing)
     return load_weight_tiles(fmt, w_ref, s_ref, (e,), rows, row0, bn, k0, bk, op_dtype, wblock)
@@ -372,7 +375,7 @@ def _grid(nb: int, tiles: int, rows_first: bool) -> tuple[int, int]:
 def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, *refs,
                     fmt, bt, bi, bk, steps, op_dtype, x_dtype, limit, quant, wblock=32, act_block=32,
                     fp4_read="bytes", swap=False, rows_first=True, packing="nibbles"):
-    # "f16phases": x's row factors (f16_rows) follow x
+    # "f16phases" / "f16words": x's row factors (f16_rows) follow x
     xf_ref, w1_ref, s1_ref, w3_ref, s3_ref, h_ref = refs if len(refs) == 6 else (None, *refs)
     b, j = _block_and_tile(rows_first)
     e = be_ref[b]
@@ -413,7 +416,7 @@ def _gate_up_kernel(be_ref, tok_ref, wt_ref, x_ref, *refs,
 
 def _down_kernel(be_ref, pair_ref, h_ref, *refs, fmt, bt, bd, bk, steps, op_dtype, wblock=32,
                  fp4_read="bytes", swap=False, rows_first=True, packing="nibbles"):
-    hf_ref, w2_ref, s2_ref, y_ref = refs if len(refs) == 4 else (None, *refs)  # "f16phases": h's row factors
+    hf_ref, w2_ref, s2_ref, y_ref = refs if len(refs) == 4 else (None, *refs)  # float16 reads: h's row factors
     b, j = _block_and_tile(rows_first)
     e = be_ref[b]
     row0 = pl.multiple_of(j * bd, bd)
@@ -765,7 +768,7 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
 #   128 tokens (2 rows) 5.14 / 4.51 ms against 7.30 / 9.11; 256 tokens (4 rows) 10.16 / 8.88
 #   against 8.28 / 10.32. Session 9, 96 experts, 384 pairs (4 rows): fma 2.75 against 2.40 (bytes).
 # FP8 experts keep the pair limit alone (not measured).
-FMA_MOE_MAX_ROWS_PER_EXPERT = {"phases": 1.5, "f16phases": 1.5, "bytes": 2.0, "words": 4.0}
+FMA_MOE_MAX_ROWS_PER_EXPERT = {"phases": 1.5, "f16phases": 1.5, "bytes": 2.0, "words": 4.0, "f16words": 4.0}
 
 
 def takes_fma(w1, pairs: int, x_dtype=jnp.bfloat16, routed_experts: int | None = None, tiling=None) -> bool:
@@ -840,7 +843,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
                              f"(config {cfg})")
         d1, d2, d3 = (fma._words(t) for t in (d1, d2, d3))
         xq = fp4_phase_k_order(xq, bk_a) if fp4_read in ("phases", "f16phases") else fp4_word_k_order(xq)
-    f16 = fp4_read == "f16phases"
+    f16 = fp4_read in ("f16phases", "f16words")
     x_ops = f16_rows(xq) if f16 else (xq,)
     if s1 is None:
         s1 = s2 = s3 = jnp.zeros((1, 1, 1), jnp.uint8)

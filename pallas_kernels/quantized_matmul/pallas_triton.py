@@ -307,17 +307,34 @@ def load_fp4_phase_tiles(w_ref, s_ref, lead, rows, bn, k0, bk, op_dtype, packing
     return tuple(lo for lo, _ in pairs) + tuple(hi for _, hi in pairs)
 
 
-def load_fp4_phase_tiles_f16(w_ref, s_ref, lead, rows, bk, k0, packing="nibbles"):
-    """:func:`load_fp4_phase_tiles` in float16 (the MoE's "f16phases" route): the placed codes
+def load_fp4_word_tile_f16(w_ref, s_ref, lead, rows, bn, k0, bk, packing="nibbles"):
+    """:func:`load_fp4_word_tile` in float16 (the MoE's "f16words" read): the placed codes times
+    2**(s - 113) in float16, i.e. the weight's values (exact for scale bytes s in [104, 128]), joined
+    into one [bn, bk] tile in :func:`fp4_word_k_order`'s K order."""
+    pairs = [jnp.stack([lo, hi], axis=-1) for lo, hi in _f16_scaled_pairs(w_ref, s_ref, lead, rows, k0, bk, packing)]
+    a = jnp.stack([pairs[0], pairs[1]], axis=-1)
+    b = jnp.stack([pairs[2], pairs[3]], axis=-1)
+    return (jnp.stack([a, b], axis=-1).reshape(bn, bk),)
+
+
+def _f16_scaled_pairs(w_ref, s_ref, lead, rows, k0, bk, packing):
+    """The words of a [bn, bk] MXFP4 tile decoded into four (element j, element j + 4) pairs of
+    [bn, bk/8] float16 tiles holding the weight's values e2m1 * 2**(s - 127): the placed codes
     (e2m1 * 2**-14, :func:`pallas_triton_fma.fp4_word_pairs_f16`) times 2**(s - 113) in float16 (two
-    codes per ``HMUL2``), i.e. the weight's values e2m1 * 2**(s - 127); exact for scale bytes s in
-    [104, 128] (below: float16 subnormal rounding, above: overflow; see the MoE's ``f16_scale_reason``)."""
+    codes per ``HMUL2``); exact for scale bytes s in [104, 128] (below: float16 subnormal rounding,
+    above: overflow; see the MoE's ``f16_scale_reason``)."""
     wds = w_ref[(*lead, rows, pl.ds(k0 // 8, bk // 8))]
     s = s_ref[(*lead, rows, pl.ds(k0 // 32, bk // 32))].astype(jnp.int32)
     f = jax.lax.bitcast_convert_type(jnp.maximum(s + 14, 0) << 23, jnp.float32).astype(jnp.float16)
     f = _expand_cols(f, 4)  # [bn, bk/8]
-    pairs = fma.fp4_word_pairs_f16(wds, packing)
-    return tuple(lo * f for lo, _ in pairs) + tuple(hi * f for _, hi in pairs)
+    return [(lo * f, hi * f) for lo, hi in fma.fp4_word_pairs_f16(wds, packing)]
+
+
+def load_fp4_phase_tiles_f16(w_ref, s_ref, lead, rows, bk, k0, packing="nibbles"):
+    """:func:`load_fp4_phase_tiles` in float16 (the MoE's "f16phases" read): the 8 phase tiles of
+    :func:`_f16_scaled_pairs`, the weight's values in float16."""
+    pairs = _f16_scaled_pairs(w_ref, s_ref, lead, rows, k0, bk, packing)
+    return tuple(lo for lo, _ in pairs) + tuple(hi for _, hi in pairs)
 
 
 def split_even_odd(x):

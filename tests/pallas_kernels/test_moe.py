@@ -182,14 +182,15 @@ def test_mma_fp4_phase_route_interpret(packing, dtype, act_block, monkeypatch):
     assert not pallas_triton.mma_fp4_phases(64, 256) and pallas_triton.mma_fp4_phases(128, 256)
 
 
-@pytest.mark.parametrize("packing", ["nibbles", "f16pairs"])
-def test_mma_fp4_f16_phase_route_interpret(packing, monkeypatch):
-    """DSV41_MMA_FP4=f16phases: the phase route with float16 dot operands (weights scaled in float16,
-    x and h rows as float16 times a power of two per row) gives the bf16 phase route's result bit for
-    bit on these inputs (the same products, scaled by powers of two), within the parity tolerance of
-    the reference; fresh random inputs whose scales lie inside the exact window, one row of x 2**-6
-    smaller than the rest (its own row factor). ``f16_scale_reason`` accepts these experts and names
-    a scale outside the window."""
+@pytest.mark.parametrize("packing,bk,read", [("nibbles", 256, "f16phases"), ("f16pairs", 256, "f16phases"),
+                                             ("f16pairs", 64, "f16words")])
+def test_mma_fp4_f16_dots_interpret(packing, bk, read, monkeypatch):
+    """DSV41_MMA_FP4=f16dots: the phase route (256-wide K tiles) and the word route (64-wide) with
+    float16 dot operands (weights scaled in float16, x and h rows as float16 times a power of two per
+    row) give the bf16 reads' result bit for bit on these inputs (the same products, scaled by powers
+    of two), within the parity tolerance of the reference; fresh random inputs whose scales lie inside
+    the exact window, one row of x 2**-6 smaller than the rest. ``f16_scale_reason`` accepts these
+    experts and names a scale outside the window."""
     rng = np.random.default_rng()
     e, i, d, n = 4, 256, 256, 40
     x, wts, idx = routed(rng, n, e, jnp.bfloat16, d)
@@ -198,14 +199,15 @@ def test_mma_fp4_f16_phase_route_interpret(packing, monkeypatch):
     w2 = _q4(jnp.asarray(rng.standard_normal((e, d, i), np.float32) * np.float32(0.2)))
     ws = [w.with_packing(packing) for w in (w1, w2, w3)]
     assert all(pallas_triton.f16_scale_reason(w) is None for w in ws)
-    kw = dict(swiglu_limit=1.0, interpret=True, config=(16, 32, 256, 32, 256, 4))
-    monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "phases")
+    kw = dict(swiglu_limit=1.0, interpret=True, config=(16, 32, bk, 32, bk, 4))
+    monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "phases")  # bf16 phases, or words at 64-wide tiles
+    assert pallas_triton.fp4_read_for(jnp.bfloat16, packing, bk, bk) == read[3:]
     yp = np.asarray(run(pallas_triton.moe_experts, x, wts, idx, *ws, **kw))
-    monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "f16phases")
-    assert pallas_triton.fp4_read_for(jnp.bfloat16, packing, 256, 256) == "f16phases"
-    assert pallas_triton.fp4_read_for(jnp.float32, packing, 256, 256) == "phases"  # bf16 activations only
+    monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "f16dots")
+    assert pallas_triton.fp4_read_for(jnp.bfloat16, packing, bk, bk) == read
+    assert pallas_triton.fp4_read_for(jnp.float32, packing, bk, bk) == read[3:]  # bf16 activations only
     jaxpr = str(jax.make_jaxpr(lambda *a: pallas_triton.moe_experts(*a, **kw))(x, wts, idx, *ws))
-    assert jaxpr.count("dot_general") == 24 and "f16" in jaxpr
+    assert jaxpr.count("dot_general") == (24 if bk >= 128 else 3) and "f16" in jaxpr
     yf = np.asarray(run(pallas_triton.moe_experts, x, wts, idx, *ws, **kw))
     np.testing.assert_array_equal(yf, yp)
     assert np.abs(yf[3]).max() > 0  # the small row survives its own scaling
@@ -218,11 +220,11 @@ def test_mma_fp4_f16_phase_route_interpret(packing, monkeypatch):
 @pytest.mark.parametrize("target", ["cuda", "rocm"])
 def test_mma_fp4_phase_route_lowers(target, monkeypatch):
     """The phase route at V4.1's shapes (300 tokens over 384 experts: the tensor-core decode tiling,
-    256-wide K tiles) lowers for both GPU targets, with either packing, and in float16 (f16phases)."""
+    256-wide K tiles) lowers for both GPU targets, with either packing, and in float16 (f16dots)."""
     from jax import ShapeDtypeStruct as S
 
     e, i, d, n = 384, 2304, 5120, 300
-    for route, packing in (("phases", "nibbles"), ("phases", "f16pairs"), ("f16phases", "f16pairs")):
+    for route, packing in (("phases", "nibbles"), ("phases", "f16pairs"), ("f16dots", "f16pairs")):
         monkeypatch.setitem(pallas_triton.MMA_FP4, "route", route)
         w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32, packing)
         w2 = Fp4Tensor(S((e, d, i // 2), jnp.uint8), S((e, d, i // 32), jnp.float8_e8m0fnu), 32, packing)
@@ -615,7 +617,8 @@ def test_decode_gemv_switch_moe(monkeypatch):
     w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32)
     w2 = Fp4Tensor(S((e, d, i // 2), jnp.uint8), S((e, d, i // 32), jnp.float8_e8m0fnu), 32)
     assert fma.FMA_MOE_MAX_PAIRS == 256
-    assert pallas_triton.FMA_MOE_MAX_ROWS_PER_EXPERT == {"phases": 1.5, "f16phases": 1.5, "bytes": 2.0, "words": 4.0}
+    assert pallas_triton.FMA_MOE_MAX_ROWS_PER_EXPERT == {"phases": 1.5, "f16phases": 1.5, "bytes": 2.0, "words": 4.0,
+                                                         "f16words": 4.0}
     wp = w1.replace(packing="f16pairs")
     w96 = Fp4Tensor(S((96, i, d // 2), jnp.uint8), S((96, i, d // 32), jnp.float8_e8m0fnu), 32)
     auto = ((1, w1, True), (43, w1, True), (96, w1, True), (96, wp, True), (128, w1, False), (128, wp, False),
