@@ -295,9 +295,10 @@ F16_SCALE_WINDOW = (104, 128)  # e8m0 scale bytes whose weights are exact float1
 
 def f16_scale_reason(w) -> str | None:
     """Why MXFP4 expert tensor ``w`` cannot take the "f16dots" route exactly (None: it can): a scale
-    outside :data:`F16_SCALE_WINDOW`. Reads the scales (a host check, outside any jit)."""
-    s = np.asarray(jax.lax.bitcast_convert_type(w.scale, jnp.uint8))
-    lo, hi = int(s.min()), int(s.max())
+    outside :data:`F16_SCALE_WINDOW`. Two reductions on the scales' device (a load-time check,
+    outside any jit), two integers to the host."""
+    s = jax.lax.bitcast_convert_type(w.scale, jnp.uint8)
+    lo, hi = int(jnp.min(s)), int(jnp.max(s))
     if lo < F16_SCALE_WINDOW[0] or hi > F16_SCALE_WINDOW[1]:
         return (f"MXFP4 scale bytes span [{lo}, {hi}]; the float16 phase route is exact for "
                 f"[{F16_SCALE_WINDOW[0]}, {F16_SCALE_WINDOW[1]}] (2**-23 .. 2**1): use DSV41_MMA_FP4=auto")
