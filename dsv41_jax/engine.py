@@ -115,6 +115,24 @@ def _routed_expert(name: str, node) -> bool:
     return ".experts." in f".{name}." and node.block == 32
 
 
+def f16_dots_reason(params) -> str | None:
+    """Why the routed experts in ``params`` cannot run under ``DSV41_MMA_FP4=f16dots`` (the MoE
+    kernels' float16 dot operands, exact only for MXFP4 scales in a window; None: they can, or the
+    route is not forced). Names the first tensor outside the window; two device reductions each."""
+    from pallas_kernels.moe import pallas_triton as moe_pt
+
+    if moe_pt.MMA_FP4["route"] != "f16dots":
+        return None
+    is_fp4 = lambda x: isinstance(x, Fp4Tensor)  # noqa: E731
+    for path, node in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_fp4)[0]:
+        name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)  # as with_fp4_packing's
+        if is_fp4(node) and _routed_expert(name, node):
+            reason = moe_pt.f16_scale_reason(node)
+            if reason is not None:
+                return f"routed expert {name}: {reason}"
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # jitted programs
 # ---------------------------------------------------------------------------------------------
@@ -588,6 +606,11 @@ class Engine:
             self.params = self._commit(jax.tree.map(lambda a: jnp.asarray(a) if isinstance(a, np.ndarray) else a,
                                                     params))
         self._repack_experts(self.expert_packing)
+        from pallas_kernels import dispatch
+
+        reason = f16_dots_reason(self.params) if dispatch.resolve(None, "moe_experts") != "reference" else None
+        if reason is not None:  # the forced float16 MoE route would give silently wrong rows
+            raise ValueError(f"DSV41_MMA_FP4=f16dots: {reason}")
 
     def _repack_experts(self, packing: str):
         """The routed experts' codes re-laid in ``packing`` on the device (a no-op where they are), in

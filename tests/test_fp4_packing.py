@@ -200,3 +200,35 @@ def test_bench_expert_packings_flag():
     out = subprocess.run([sys.executable, "-m", "dsv41_jax.bench", "--expert-packings", "nibbles,f16"],
                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 2 and "--expert-packings: 'nibbles,f16': expected a comma-separated list" in out.stderr
+
+
+def test_f16_dots_refuses_routed_experts_outside_the_exact_window(monkeypatch):
+    """DSV41_MMA_FP4=f16dots (the MoE kernels' float16 dot operands) is exact only for MXFP4 scales in
+    2**-23 .. 2**1: ``f16_dots_reason`` passes the tiny model's routed experts, names the tensor whose
+    scales leave the window, says nothing while the route is not forced; an Engine whose MoE runs the
+    kernels refuses such experts with that message (instead of wrong rows)."""
+    from dsv41_jax import Model
+    from dsv41_jax.engine import Engine, f16_dots_reason
+    from dsv41_jax.params import init_params
+    from pallas_kernels import dispatch
+    from pallas_kernels.moe import pallas_triton as moe_pt
+    from tiny_short import tiny_short
+
+    cfg = tiny_short()
+    params = init_params(cfg, np.random.randint(1 << 16))
+    monkeypatch.setitem(moe_pt.MMA_FP4, "route", "f16dots")
+    assert f16_dots_reason(params) is None
+    w1 = params["layers"]["1"]["ffn"]["experts"]["w1"]
+    big = np.asarray(jax.lax.bitcast_convert_type(w1.scale, jnp.uint8)).copy()
+    big.reshape(-1)[np.random.randint(big.size)] = 140  # one block at 2**13
+    params["layers"]["1"]["ffn"]["experts"]["w1"] = Fp4Tensor(
+        w1.data, jnp.asarray(big).view(jnp.float8_e8m0fnu), w1.block, w1.packing)
+    reason = f16_dots_reason(params)
+    assert "routed expert layers.1.ffn.experts.w1:" in reason and "140]" in reason
+    assert "use DSV41_MMA_FP4=auto" in reason
+    real = dispatch.resolve
+    monkeypatch.setattr(dispatch, "resolve", lambda impl=None, op=None: "pallas" if op == "moe_experts" else real(impl, op))
+    with pytest.raises(ValueError, match=r"DSV41_MMA_FP4=f16dots: routed expert layers.1.ffn.experts.w1: .*2\*\*-23"):
+        Engine(Model(cfg, params), batch_size=2, max_seq_len=32, expert_packing="nibbles")
+    monkeypatch.setitem(moe_pt.MMA_FP4, "route", "auto")
+    assert f16_dots_reason(params) is None
