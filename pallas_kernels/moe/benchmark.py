@@ -220,7 +220,8 @@ def fma_configs(w1, n, wide: bool = False):
 
 
 def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = False, experts: int | None = None,
-              mma_routes=None, act_block: int = 32, packings=("nibbles",), tc_only: bool = False):
+              mma_routes=None, act_block: int = 32, packings=("nibbles",), tc_only: bool = False,
+              tc_configs=()):
     """Tensor-core kernels (default config) vs the vector-unit ("fma") kernels at decode sizes, MXFP4
     experts at the V4.1 shape; every config checked against the reference (rel err, share of
     elements off by > 1%) before it is timed (device time from the profiler, :func:`device_time_op`:
@@ -228,7 +229,8 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
     ``vias``: the fma configs once per weight decode route for both formats (``FMA_DECODE``; None: the
     current routes);
     ``default_only``: only the default fma config; ``tc_only``: no fma config (the tensor-core
-    routes only); ``experts``: routed experts (96: the benchmark's
+    routes only); ``tc_configs``: more tensor-core tilings, each timed with every route (e.g. the
+    8th entry 1: the weight tile as the dots' first operand); ``experts``: routed experts (96: the benchmark's
     reduced model, where batch 32 puts 2 pairs on each expert; None: ``E``); ``mma_routes``: the tensor-core
     kernels' MXFP4 decode routes to time beside the fma ones (``pallas_triton.MMA_FP4``; None: the
     current one); ``act_block``: the activation's fake-quant block (V4.1 32, V4 128; the shapes are the
@@ -282,6 +284,7 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
                 with pallas_triton.use_mma_fp4(r):
                     mma = pallas_triton.default_tiling(n * TOPK, experts, ws[0])
                 more = [c for c in TC_DECODE_CONFIGS + TC_PHASE_CONFIGS if c != mma] if wide else []
+                more += [tuple(c) for c in tc_configs if tuple(c) != mma and tuple(c) not in more]
                 tc += [(c, vias[0], r) for c in [mma] + more]
             for cfg, via, mroute in tc + ([] if tc_only else [(c, v, None) for v in vias for c in fmas]):
                 try:
@@ -562,6 +565,8 @@ def main(argv=None):
                                                             "to compare, e.g. bytes,f16w")
     ap.add_argument("--default-only", action="store_true", help="with --fma: only the default fma config")
     ap.add_argument("--tc-only", action="store_true", help="with --fma: only the tensor-core kernels (each --mma-fp4 route)")
+    ap.add_argument("--tc-configs", default="", help="with --fma: more tensor-core tilings timed with each route, "
+                    "bt,bi,bk_a,bd,bk_b,warps[,stages[,swap]] separated by ;")
     ap.add_argument("--grid-order", default=None, choices=["rows", "blocks"],
                     help="the tensor-core kernels' launch order (pallas_triton.GRID_ORDER; default: as it is)")
     ap.add_argument("--v4-flash", action="store_true", help="with --fma: V4-Flash's experts (E, I, D = V4_SHAPE, "
@@ -593,7 +598,8 @@ def main(argv=None):
         sizes = tuple(int(v) for v in a.sizes.split(",")) if a.sizes else (1,) if a.quick else (1, 8)
         rows = fma_sweep(sizes, wide=a.wide, vias=a.vias and a.vias.split(","), default_only=a.default_only,
                          experts=a.experts, mma_routes=a.mma_fp4 and a.mma_fp4.split(","),
-                         act_block=128 if a.v4_flash else 32, packings=packings, tc_only=a.tc_only)
+                         act_block=128 if a.v4_flash else 32, packings=packings, tc_only=a.tc_only,
+                         tc_configs=[tuple(int(v) for v in c.split(",")) for c in a.tc_configs.split(";") if c.strip()])
         write_rows(a.out, "moe_fma.json", rows)
         return 0
     run(quick=a.quick, out_dir=a.out, tune=a.tune)

@@ -182,15 +182,16 @@ def test_mma_fp4_phase_route_interpret(packing, dtype, act_block, monkeypatch):
     assert not pallas_triton.mma_fp4_phases(64, 256) and pallas_triton.mma_fp4_phases(128, 256)
 
 
-@pytest.mark.parametrize("packing,bk,read", [("nibbles", 256, "f16phases"), ("f16pairs", 256, "f16phases"),
-                                             ("f16pairs", 64, "f16words")])
-def test_mma_fp4_f16_dots_interpret(packing, bk, read, monkeypatch):
+@pytest.mark.parametrize("packing,bk,read,swap", [("nibbles", 256, "f16phases", 0), ("f16pairs", 256, "f16phases", 1),
+                                                  ("f16pairs", 64, "f16words", 0)])
+def test_mma_fp4_f16_dots_interpret(packing, bk, read, swap, monkeypatch):
     """DSV41_MMA_FP4=f16dots: the phase route (256-wide K tiles) and the word route (64-wide) with
     float16 dot operands (weights scaled in float16, x and h rows as float16 times a power of two per
     row) give the bf16 reads' result bit for bit on these inputs (the same products, scaled by powers
     of two), within the parity tolerance of the reference; fresh random inputs whose scales lie inside
-    the exact window, one row of x 2**-6 smaller than the rest. ``f16_scale_reason`` accepts these
-    experts and names a scale outside the window."""
+    the exact window, one row of x 2**-6 smaller than the rest; also with the weight tile as the dots'
+    first operand (``swap``). ``f16_scale_reason`` accepts these experts and names a scale outside
+    the window."""
     rng = np.random.default_rng()
     e, i, d, n = 4, 256, 256, 40
     x, wts, idx = routed(rng, n, e, jnp.bfloat16, d)
@@ -199,7 +200,7 @@ def test_mma_fp4_f16_dots_interpret(packing, bk, read, monkeypatch):
     w2 = _q4(jnp.asarray(rng.standard_normal((e, d, i), np.float32) * np.float32(0.2)))
     ws = [w.with_packing(packing) for w in (w1, w2, w3)]
     assert all(pallas_triton.f16_scale_reason(w) is None for w in ws)
-    kw = dict(swiglu_limit=1.0, interpret=True, config=(16, 32, bk, 32, bk, 4))
+    kw = dict(swiglu_limit=1.0, interpret=True, config=(16, 32, bk, 32, bk, 4, 3, swap))
     monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "phases")  # bf16 phases, or words at 64-wide tiles
     assert pallas_triton.fp4_read_for(jnp.bfloat16, packing, bk, bk) == read[3:]
     yp = np.asarray(run(pallas_triton.moe_experts, x, wts, idx, *ws, **kw))
