@@ -112,8 +112,8 @@ def _parse_mma_fp4(text: str) -> str:
 #   2**(s - 127): exact for e8m0 scale bytes s in [104, 128] (2**-23 .. 2**1; :func:`f16_scale_reason`
 #   checks an expert tensor), no float32 round trip and no bf16 repack. The activation and h rows go
 #   in as float16 times a power of two per row (:func:`f16_rows`: the row's largest value below
-#   2**15; exact for blocks up to 22 binades below it) and the kernels multiply each accumulated row
-#   back. bf16 activations only (others keep the bf16 reads).
+#   2**15; exact for blocks whose scale is at most 21 binades below the row's largest) and the
+#   kernels multiply each accumulated row back. bf16 activations only (others keep the bf16 reads).
 # * "auto" (default): "f16w" for bf16 activations with K tiles of at most 64, "phases" for K tiles of
 #   at least 128, else "bytes" (:func:`mma_fp4_words`, :func:`mma_fp4_phases`); with float32
 #   activations "bytes" (not timed there), and experts packed as f16pairs take "phases" where the
@@ -282,7 +282,8 @@ def mma_fp4_phases(bk_a: int, bk_b: int) -> bool:
 
 def fp4_read_for(x_dtype, packing: str, bk_a: int, bk_b: int) -> str:
     """How the tensor-core kernels read MXFP4 experts of ``packing`` with K tiles ``bk_a`` / ``bk_b``
-    under ``MMA_FP4``: "bytes", "words" or "phases". Experts packed as "f16pairs" are read as words
+    under ``MMA_FP4``: "bytes", "words" or "phases", or under "f16dots" with bf16 activations
+    "f16words" / "f16phases" (float16 dot operands). Experts packed as "f16pairs" are read as words
     whatever the route (the bytes route reads nibbles)."""
     if packing != "f16pairs" and not mma_fp4_words(x_dtype, bk_a, bk_b):
         return "bytes"
@@ -300,7 +301,7 @@ def f16_scale_reason(w) -> str | None:
     s = jax.lax.bitcast_convert_type(w.scale, jnp.uint8)
     lo, hi = int(jnp.min(s)), int(jnp.max(s))
     if lo < F16_SCALE_WINDOW[0] or hi > F16_SCALE_WINDOW[1]:
-        return (f"MXFP4 scale bytes span [{lo}, {hi}]; the float16 phase route is exact for "
+        return (f"MXFP4 scale bytes span [{lo}, {hi}]; the float16 dots (f16dots) are exact for "
                 f"[{F16_SCALE_WINDOW[0]}, {F16_SCALE_WINDOW[1]}] (2**-23 .. 2**1): use DSV41_MMA_FP4=auto")
     return None
 
@@ -308,9 +309,10 @@ def f16_scale_reason(w) -> str | None:
 def f16_rows(a):
     """Activation rows [R, K] (bf16 values) -> (float16 rows a * 2**(15 - e), float32 [R] 2**(e - 15)),
     e the exponent just above the row's largest magnitude: every row below 2**15 in float16, so an
-    act-quantized block's e4m3 values are exact unless the block lies over 22 binades below the row's
-    largest (then its smallest values round at 2**-24 of the row scale). Powers of two: the kernels'
-    row sums times the factor are the bf16 rows' sums, in another order."""
+    act-quantized block's e4m3 values are exact unless its scale lies more than 21 binades below the
+    row's largest block scale (then its smallest values round to multiples of 2**-24 of the scaled
+    row: under 2**-39 of its largest value). Powers of two: the kernels' row sums times the factor are
+    the bf16 rows' sums, in another order."""
     af = a.astype(jnp.float32)
     _, e = jnp.frexp(jnp.max(jnp.abs(af), axis=-1))
     return (af * jnp.ldexp(jnp.float32(1.0), 15 - e)[..., None]).astype(jnp.float16), jnp.ldexp(jnp.float32(1.0), e - 15)
