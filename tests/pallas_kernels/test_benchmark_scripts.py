@@ -245,6 +245,28 @@ def test_moe_prefill_sweep_runs_in_interpret_mode(monkeypatch):
         bm.main(["--prefill", "--packings", "nibbles,f16"])
 
 
+def test_moe_tc_only_sweep_times_each_route_and_extra_tiling(monkeypatch):
+    """``moe.benchmark --fma --tc-only --mma-fp4 phases,f16dots --tc-configs ...`` at a small shape
+    (interpret mode, timing stubbed): only tensor-core rows, the dispatch's tiling and the extra
+    (swapped) tiling once per route, each checked against the reference and passing."""
+    import functools
+
+    import pallas_kernels.moe.benchmark as bm
+
+    for name, v in (("E", 8), ("I", 128), ("D", 256), ("TOPK", 2)):
+        monkeypatch.setattr(bm, name, v)
+    monkeypatch.setattr(bm, "device_time_op", lambda *a, **k: 1e-6)
+    monkeypatch.setattr(bm.pallas_triton, "moe_experts", functools.partial(bm.pallas_triton.moe_experts, interpret=True))
+    monkeypatch.setattr(bm, "log", lambda *a: None)
+    swapped = (16, 64, 256, 64, 128, 4, 3, 1)
+    rows = bm.fma_sweep((4,), tc_only=True, mma_routes=["phases", "f16dots"], packings=("f16pairs",),
+                        tc_configs=[swapped])
+    assert all(r["config"][0] != "fma" for r in rows)
+    assert sorted((r["mma_fp4"], r["config"] == swapped) for r in rows) == [
+        ("f16dots", False), ("f16dots", True), ("phases", False), ("phases", True)]
+    assert all(r["ok"] for r in rows), [(r["config"], r["mma_fp4"], r["rel_err"]) for r in rows]
+
+
 def test_indexer_check_covers_every_decode_route(monkeypatch):
     """``lightning_indexer.benchmark``'s GPU check (small cases, interpret mode): every case passes
     with every MXFP4 decode route (words into bf16 phase dots, the same in float16, bytes), and a
