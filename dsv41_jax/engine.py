@@ -80,6 +80,7 @@ from .engram import gather_rows
 from .engram_hash import ngram_hash_ids
 from .options import RunOptions
 from .quant import Fp4Tensor, Fp8Tensor, with_fp4_packing
+from .quant.tensors import dotted_path
 from .sampling import SamplingParams, request_keys, sample_traced
 from .transformer import forward_step
 from .xla_flags import decode_compiler_options
@@ -125,7 +126,7 @@ def f16_dots_reason(params) -> str | None:
         return None
     is_fp4 = lambda x: isinstance(x, Fp4Tensor)  # noqa: E731
     for path, node in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_fp4)[0]:
-        name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)  # as with_fp4_packing's
+        name = dotted_path(path)  # as with_fp4_packing names it for _routed_expert
         if is_fp4(node) and _routed_expert(name, node):
             reason = moe_pt.f16_scale_reason(node)
             if reason is not None:

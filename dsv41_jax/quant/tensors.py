@@ -178,6 +178,11 @@ def fp4_packing(w) -> str:
     return w.packing if isinstance(w, Fp4Tensor) else "nibbles"
 
 
+def dotted_path(path) -> str:
+    """A pytree key path as dotted names (``layers.0.ffn.experts.w1``)."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
 def with_fp4_packing(tree, packing: str, *, only=None, donate: bool = False):
     """``tree`` with every :class:`Fp4Tensor` node (for which ``only(path, node)`` holds, where given;
     ``path`` the dotted key path) in ``packing``; other nodes as they are. One jitted program per
@@ -187,8 +192,7 @@ def with_fp4_packing(tree, packing: str, *, only=None, donate: bool = False):
     def conv(path, node):
         if not _is_fp4(node) or node.packing == packing:
             return node
-        name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-        if only is not None and not only(name, node):
+        if only is not None and not only(dotted_path(path), node):
             return node
         sharding = getattr(node.data, "sharding", None)
         data = _repack_data_jit(node.packing, packing, donate)(node.data)

@@ -175,16 +175,13 @@ def _load_rows(data_ref, scale_ref, rows, d2, fp4, cdt, read=None):
         if read == "f16phases":
             s = s.astype(jnp.int32)
             top = jnp.maximum(jnp.max(s, axis=1), 1)  # [N]
-            # 2**(s - top + 14) as f32 bits (exponent field <= 0: 0), then f16 (exact, or 0 below 2**-24)
-            f = jax.lax.bitcast_convert_type(jnp.maximum(s - top[:, None] + (127 + 14), 0) << 23, jnp.float32)
-            f = jnp.broadcast_to(f.astype(jnp.float16)[:, :, None], (n, nb, 4)).reshape(n, nw)
-            pairs = fp4_word_pairs_f16(w)
-            tiles = [lo * f for lo, _ in pairs] + [hi * f for _, hi in pairs]
-            return tiles, jax.lax.bitcast_convert_type(top << 23, jnp.float32)
-        sc = e8m0_f32(s, 14)  # [N, d2/16]
+            # 2**(s - top + 14) in f16: exact, or 0 below 2**-24 (exponent field clamped at 0)
+            sc = e8m0_f32(jnp.maximum(s - top[:, None] + 127, -14), 14).astype(jnp.float16)
+            pairs, out, row_scale = fp4_word_pairs_f16(w), jnp.float16, e8m0_f32(top)
+        else:
+            sc, pairs, out, row_scale = e8m0_f32(s, 14), fp4_word_pairs_f32(w), cdt, None  # [N, d2/16]
         sc = jnp.broadcast_to(sc[:, :, None], (n, nb, 4)).reshape(n, nw)
-        pairs = fp4_word_pairs_f32(w)
-        return [(lo * sc).astype(cdt) for lo, _ in pairs] + [(hi * sc).astype(cdt) for _, hi in pairs], None
+        return [(lo * sc).astype(out) for lo, _ in pairs] + [(hi * sc).astype(out) for _, hi in pairs], row_scale
     half = jnp.arange(d2, dtype=jnp.int32)
     if fp4:
         b = data_ref[_grid2(rows, half)].astype(jnp.int32)  # whole rows: contiguous along the row

@@ -52,8 +52,6 @@ from pallas_kernels.quantized_matmul.pallas_triton import (
     fp4_word_k_order,
     fp8_block,
     load_fp4_phase_tiles,
-    load_fp4_phase_tiles_f16,
-    load_fp4_word_tile_f16,
     load_fp4_word_tile,
     load_weight_tiles,
     operand_dtype,
@@ -291,6 +289,8 @@ def fp4_read_for(x_dtype, packing: str, bk_a: int, bk_b: int) -> str:
     return "f16" + read if MMA_FP4["route"] == "f16dots" and x_dtype == jnp.bfloat16 else read
 
 
+PHASE_READS = ("phases", "f16phases")  # reads with 8 phase dots per K tile (x laid out by phase)
+F16_READS = ("f16words", "f16phases")  # reads with float16 dot operands ("f16dots")
 F16_SCALE_WINDOW = (104, 128)  # e8m0 scale bytes whose weights are exact float16 numbers (see MMA_FP4)
 
 
@@ -337,22 +337,18 @@ def _x_tile(x_ref, rows, k0, bk, fp4_read: str):
     """The activation tile of ``rows`` x [k0, k0+bk): one [rows, bk] tile, or for ``fp4_read``
     "phases" the 8 phase tiles [rows, bk/8] of a tile laid out by :func:`fp4_phase_k_order` (one load
     each)."""
-    if fp4_read not in ("phases", "f16phases"):
+    if fp4_read not in PHASE_READS:
         return x_ref[rows, pl.ds(k0, bk)]
     return tuple(x_ref[rows, pl.ds(k0 + j * (bk // 8), bk // 8)] for j in range(8))
 
 
 def _weight_tile(fmt, fp4_read, w_ref, s_ref, e, rows, row0, bn, k0, bk, op_dtype, wblock, packing="nibbles"):
     """A weight tile as the dots take it; MXFP4 by ``fp4_read``: "bytes" (nibble pairs of bytes),
-    "words" (one tile from 32-bit words) or "phases" (8 phase tiles from words)."""
-    if fmt == "fp4" and fp4_read == "phases":
-        return load_fp4_phase_tiles(w_ref, s_ref, (e,), rows, bn, k0, bk, op_dtype, packing)
-    if fmt == "fp4" and fp4_read == "f16phases":
-        return load_fp4_phase_tiles_f16(w_ref, s_ref, (e,), rows, bk, k0, packing)
-    if fmt == "fp4" and fp4_read == "f16words":
-        return load_fp4_word_tile_f16(w_ref, s_ref, (e,), rows, bn, k0, bk, packing)
-    if fmt == "fp4" and fp4_read == "words":
-        return load_fp4_word_tile(w_ref, s_ref, (e,), rows, bn, k0, bk, op_dtype, packing)
+    "words" (one tile from 32-bit words) or "phases" (8 phase tiles from words), in float16 for
+    :data:`F16_READS`."""
+    if fmt == "fp4" and fp4_read != "bytes":
+        load = load_fp4_phase_tiles if fp4_read in PHASE_READS else load_fp4_word_tile
+        return load(w_ref, s_ref, (e,), rows, bn, k0, bk, jnp.float16 if fp4_read in F16_READS else op_dtype, packing)
     return load_weight_tiles(fmt, w_ref, s_ref, (e,), rows, row0, bn, k0, bk, op_dtype, wblock)
 
 
@@ -786,7 +782,7 @@ def takes_fma(w1, pairs: int, x_dtype=jnp.bfloat16, routed_experts: int | None =
     n_route = max(weight_logical_shape(w1)[0], routed_experts or 0)
     cfg = tiling or default_tiling(pairs, n_route, w1)
     read = fp4_read_for(x_dtype, fp4_packing(w1), cfg[2], cfg[4])
-    if read not in ("phases", "f16phases") and pairs <= fma.FMA_MOE_MAX_PAIRS:
+    if read not in PHASE_READS and pairs <= fma.FMA_MOE_MAX_PAIRS:
         return True
     return rows_per_expert(pairs, n_route) <= FMA_MOE_MAX_ROWS_PER_EXPERT[read]
 
@@ -845,8 +841,8 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
                              f"f16pairs) needs K tiles that are multiples of 32, got bk_a={bk_a}, bk_b={bk_b} "
                              f"(config {cfg})")
         d1, d2, d3 = (fma._words(t) for t in (d1, d2, d3))
-        xq = fp4_phase_k_order(xq, bk_a) if fp4_read in ("phases", "f16phases") else fp4_word_k_order(xq)
-    f16 = fp4_read in ("f16phases", "f16words")
+        xq = fp4_phase_k_order(xq, bk_a) if fp4_read in PHASE_READS else fp4_word_k_order(xq)
+    f16 = fp4_read in F16_READS
     x_ops = f16_rows(xq) if f16 else (xq,)
     if s1 is None:
         s1 = s2 = s3 = jnp.zeros((1, 1, 1), jnp.uint8)
@@ -874,7 +870,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     if DEBUG["return_h"]:
         return h, block_pair
     if words:  # the down GEMM's K is I: h in the words' K order (an XLA permutation after act_quant)
-        h = fp4_phase_k_order(h, bk_b) if fp4_read in ("phases", "f16phases") else fp4_word_k_order(h)
+        h = fp4_phase_k_order(h, bk_b) if fp4_read in PHASE_READS else fp4_word_k_order(h)
     h_ops = f16_rows(h) if f16 else (h,)
 
     y = pl.pallas_call(

@@ -282,10 +282,16 @@ def load_fp4_word_tile(w_ref, s_ref, lead, rows, bn, k0, bk, op_dtype, packing="
 def _scaled_word_pairs(w_ref, s_ref, lead, rows, k0, bk, op_dtype, packing):
     """The words of a [bn, bk] MXFP4 tile decoded into four (element j, element j + 4) pairs of
     [bn, bk/8] tiles: e2m1 * 2**-14 (:func:`pallas_triton_fma.fp4_word_pairs_f32`), times the e8m0
-    scale with the 2**14, in ``op_dtype`` (exact in bf16)."""
+    scale with the 2**14, in ``op_dtype`` (exact in bf16). ``op_dtype`` float16 (the MoE's "f16dots"
+    reads): the placed codes stay float16 (:func:`pallas_triton_fma.fp4_word_pairs_f16`) and the
+    2**(s - 113) multiplies them there (two codes per ``HMUL2``), exact for scale bytes s in [104, 128]
+    (below: float16 subnormal rounding, above: overflow; the MoE's ``f16_scale_reason``)."""
     wds = w_ref[(*lead, rows, pl.ds(k0 // 8, bk // 8))]
     s = s_ref[(*lead, rows, pl.ds(k0 // 32, bk // 32))]
     sf = _expand_cols(fma.e8m0_f32(s, 14), 4)  # [bn, bk/8]
+    if op_dtype == jnp.float16:
+        sf = sf.astype(jnp.float16)
+        return [(lo * sf, hi * sf) for lo, hi in fma.fp4_word_pairs_f16(wds, packing)]
     return [((lo * sf).astype(op_dtype), (hi * sf).astype(op_dtype)) for lo, hi in fma.fp4_word_pairs_f32(wds, packing)]
 
 
@@ -304,36 +310,6 @@ def load_fp4_phase_tiles(w_ref, s_ref, lead, rows, bn, k0, bk, op_dtype, packing
     into one [bn, bk] tile; the caller runs one dot per phase against the activation's phase tiles
     (:func:`fp4_phase_k_order`). ``bk / 8`` must be at least 16 (Triton's smallest dot K)."""
     pairs = _scaled_word_pairs(w_ref, s_ref, lead, rows, k0, bk, op_dtype, packing)
-    return tuple(lo for lo, _ in pairs) + tuple(hi for _, hi in pairs)
-
-
-def load_fp4_word_tile_f16(w_ref, s_ref, lead, rows, bn, k0, bk, packing="nibbles"):
-    """:func:`load_fp4_word_tile` in float16 (the MoE's "f16words" read): the placed codes times
-    2**(s - 113) in float16, i.e. the weight's values (exact for scale bytes s in [104, 128]), joined
-    into one [bn, bk] tile in :func:`fp4_word_k_order`'s K order."""
-    pairs = [jnp.stack([lo, hi], axis=-1) for lo, hi in _f16_scaled_pairs(w_ref, s_ref, lead, rows, k0, bk, packing)]
-    a = jnp.stack([pairs[0], pairs[1]], axis=-1)
-    b = jnp.stack([pairs[2], pairs[3]], axis=-1)
-    return (jnp.stack([a, b], axis=-1).reshape(bn, bk),)
-
-
-def _f16_scaled_pairs(w_ref, s_ref, lead, rows, k0, bk, packing):
-    """The words of a [bn, bk] MXFP4 tile decoded into four (element j, element j + 4) pairs of
-    [bn, bk/8] float16 tiles holding the weight's values e2m1 * 2**(s - 127): the placed codes
-    (e2m1 * 2**-14, :func:`pallas_triton_fma.fp4_word_pairs_f16`) times 2**(s - 113) in float16 (two
-    codes per ``HMUL2``); exact for scale bytes s in [104, 128] (below: float16 subnormal rounding,
-    above: overflow; see the MoE's ``f16_scale_reason``)."""
-    wds = w_ref[(*lead, rows, pl.ds(k0 // 8, bk // 8))]
-    s = s_ref[(*lead, rows, pl.ds(k0 // 32, bk // 32))].astype(jnp.int32)
-    f = jax.lax.bitcast_convert_type(jnp.maximum(s + 14, 0) << 23, jnp.float32).astype(jnp.float16)
-    f = _expand_cols(f, 4)  # [bn, bk/8]
-    return [(lo * f, hi * f) for lo, hi in fma.fp4_word_pairs_f16(wds, packing)]
-
-
-def load_fp4_phase_tiles_f16(w_ref, s_ref, lead, rows, bk, k0, packing="nibbles"):
-    """:func:`load_fp4_phase_tiles` in float16 (the MoE's "f16phases" read): the 8 phase tiles of
-    :func:`_f16_scaled_pairs`, the weight's values in float16."""
-    pairs = _f16_scaled_pairs(w_ref, s_ref, lead, rows, k0, bk, packing)
     return tuple(lo for lo, _ in pairs) + tuple(hi for _, hi in pairs)
 
 

@@ -672,7 +672,6 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     return (out, parts) if return_partials else out
 
 
-
 def auto_reason(q, kv=None, comp_kv=None, running_max_block=None):
     """Why plain 'auto' dispatch does not pick this kernel on a GPU (None: pick it). Measured on the
     H200 by device time (profiler; BENCHMARKS.md, issue 5):

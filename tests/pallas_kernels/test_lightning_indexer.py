@@ -45,6 +45,19 @@ def margin_case(seed, *, b=2, s=3, hi=16, di=64, nc=300, quant=False):
     return q, w, keys, jnp.asarray(c)
 
 
+def random_fp4(rng, shape, di, scale_bytes, every_byte=False, top=None):
+    """MXFP4 [*shape, di] from random code bytes (``every_byte``: the first 256 are 0..255, so every
+    e2m1 code sits in both nibbles) and random e8m0 scale bytes in ``scale_bytes`` [lo, hi); ``top``:
+    each row's first block scale set to it."""
+    data = rng.integers(0, 256, (*shape, di // 2), dtype=np.uint8)
+    if every_byte:
+        data.reshape(-1)[:256] = np.arange(256, dtype=np.uint8)
+    sc = rng.integers(*scale_bytes, (*shape, di // 32), dtype=np.uint8)
+    if top is not None:
+        sc[..., 0] = top
+    return Fp4Tensor(jnp.asarray(data), jnp.asarray(sc.view(jnp.float8_e8m0fnu)), 32)
+
+
 def _bernoulli(seed, p, shape):
     return jnp.asarray(np.random.default_rng(seed).random(shape) < p)
 
@@ -159,13 +172,7 @@ def test_every_fp4_code_block_maxima(s, di, fp4_read, dot_order, monkeypatch):
     rng = np.random.default_rng()
     b, hi, nc = 1, 16, 256
 
-    def fp4(shape):
-        data = rng.integers(0, 256, (*shape, di // 2), dtype=np.uint8)
-        data.reshape(-1)[:256] = np.arange(256, dtype=np.uint8)  # every byte at least once
-        sc = rng.integers(118, 136, (*shape, di // 32), dtype=np.uint8).view(jnp.float8_e8m0fnu)
-        return Fp4Tensor(jnp.asarray(data), jnp.asarray(sc), 32)
-
-    q, k = fp4((b, s, hi)), fp4((b, nc))
+    q, k = (random_fp4(rng, shape, di, (118, 136), every_byte=True) for shape in ((b, s, hi), (b, nc)))
     w = jnp.asarray(rng.uniform(0.1, 1.0, (b, s, hi)), jnp.float32)
     vis = jnp.asarray(np.full((b, s), nc, np.int32))
     r, scores = _ref_and_scores(q, w, k, vis, None, 32, True)
@@ -185,13 +192,8 @@ def test_f16phases_wide_scale_spread():
     rng = np.random.default_rng()
     b, s, hi, di, nc = 1, 1, 16, 128, 256
 
-    def fp4(shape):
-        data = rng.integers(0, 256, (*shape, di // 2), dtype=np.uint8)
-        sc = rng.integers(95, 141, (*shape, di // 32), dtype=np.uint8)
-        sc[..., 0] = 140  # every row has a block at the top of the range
-        return Fp4Tensor(jnp.asarray(data), jnp.asarray(sc.view(jnp.float8_e8m0fnu)), 32)
-
-    q, k = fp4((b, s, hi)), fp4((b, nc))
+    # every row has a block at the top of the range
+    q, k = (random_fp4(rng, shape, di, (95, 141), top=140) for shape in ((b, s, hi), (b, nc)))
     w = jnp.asarray(rng.uniform(0.1, 1.0, (b, s, hi)), jnp.float32)
     vis = jnp.asarray(np.full((b, s), nc, np.int32))
     r, scores = _ref_and_scores(q, w, k, vis, None, 32, True)

@@ -150,6 +150,16 @@ def test_mma_fp4_word_route_interpret(n, dtype, act_block, config, monkeypatch):
         pallas_triton.moe_experts(x, wts, idx, w1, w2, w3, **{**kw, "config": (16, 16, 64, 16, 16, 2)})
 
 
+def phase_case(rng, packing, dtype):
+    """The phase-route tests' inputs: 40 tokens over 4 MXFP4 experts (I = D = 256, 256-wide K tiles
+    possible), fresh random; returns x, weights, indices, the nibble experts and the same in ``packing``."""
+    e, i, d, n = 4, 256, 256, 40
+    x, wts, idx = routed(rng, n, e, dtype, d)
+    w1, w3 = (_q4(jnp.asarray(rng.standard_normal((e, i, d), np.float32) * np.float32(0.2))) for _ in range(2))
+    w2 = _q4(jnp.asarray(rng.standard_normal((e, d, i), np.float32) * np.float32(0.2)))
+    return x, wts, idx, (w1, w2, w3), [w.with_packing(packing) for w in (w1, w2, w3)]
+
+
 @pytest.mark.parametrize("packing,dtype,act_block", [("nibbles", jnp.bfloat16, 32), ("f16pairs", jnp.float32, 32),
                                                      ("f16pairs", jnp.bfloat16, 128)])  # 128: V4's activation blocks
 def test_mma_fp4_phase_route_interpret(packing, dtype, act_block, monkeypatch):
@@ -158,12 +168,7 @@ def test_mma_fp4_phase_route_interpret(packing, dtype, act_block, monkeypatch):
     result within the parity tolerance (the same products, fp32 sums in another order), f16pairs
     bit-identical to nibbles, 8 dots per weight tile, also with V4's 128-wide activation blocks; with
     K tiles below 128 (phase dots of K < 16) the kernels take the word route."""
-    rng = np.random.default_rng()
-    e, i, d, n = 4, 256, 256, 40
-    x, wts, idx = routed(rng, n, e, dtype, d)
-    w1, w3 = (_q4(jnp.asarray(rng.standard_normal((e, i, d), np.float32) * np.float32(0.2))) for _ in range(2))
-    w2 = _q4(jnp.asarray(rng.standard_normal((e, d, i), np.float32) * np.float32(0.2)))
-    ws = [w.with_packing(packing) for w in (w1, w2, w3)]
+    x, wts, idx, (w1, w2, w3), ws = phase_case(np.random.default_rng(), packing, dtype)
     kw = dict(swiglu_limit=1.0, interpret=True, config=(16, 32, 256, 32, 256, 4), act_block=act_block)
     monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "f16w")
     yw = np.asarray(run(pallas_triton.moe_experts, x, wts, idx, *ws, **kw))
@@ -193,12 +198,8 @@ def test_mma_fp4_f16_dots_interpret(packing, bk, read, swap, monkeypatch):
     first operand (``swap``). ``f16_scale_reason`` accepts these experts and names a scale outside
     the window."""
     rng = np.random.default_rng()
-    e, i, d, n = 4, 256, 256, 40
-    x, wts, idx = routed(rng, n, e, jnp.bfloat16, d)
+    x, wts, idx, (w1, w2, w3), ws = phase_case(rng, packing, jnp.bfloat16)
     x = x.at[3].multiply(2.0**-6)
-    w1, w3 = (_q4(jnp.asarray(rng.standard_normal((e, i, d), np.float32) * np.float32(0.2))) for _ in range(2))
-    w2 = _q4(jnp.asarray(rng.standard_normal((e, d, i), np.float32) * np.float32(0.2)))
-    ws = [w.with_packing(packing) for w in (w1, w2, w3)]
     assert all(pallas_triton.f16_scale_reason(w) is None for w in ws)
     kw = dict(swiglu_limit=1.0, interpret=True, config=(16, 32, bk, 32, bk, 4, 3, swap))
     monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "phases")  # bf16 phases, or words at 64-wide tiles
