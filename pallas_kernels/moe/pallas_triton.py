@@ -297,7 +297,9 @@ F16_SCALE_WINDOW = (104, 128)  # e8m0 scale bytes whose weights are exact float1
 def f16_scale_reason(w) -> str | None:
     """Why MXFP4 expert tensor ``w`` cannot take the "f16dots" route exactly (None: it can): a scale
     outside :data:`F16_SCALE_WINDOW`. Two reductions on the scales' device (a load-time check,
-    outside any jit), two integers to the host."""
+    outside any jit), two integers to the host. Blocks whose codes are all zero are refused as well:
+    above the window their float16 factor 2**(s - 113) overflows to inf and 0 * inf is NaN (below it
+    they would be exact, but one bound for both sides keeps the check to the scales)."""
     s = jax.lax.bitcast_convert_type(w.scale, jnp.uint8)
     lo, hi = int(jnp.min(s)), int(jnp.max(s))
     if lo < F16_SCALE_WINDOW[0] or hi > F16_SCALE_WINDOW[1]:

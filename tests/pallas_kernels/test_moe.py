@@ -217,6 +217,12 @@ def test_mma_fp4_f16_dots_interpret(packing, bk, read, swap, monkeypatch):
     np.testing.assert_allclose(yf, yr, rtol=2.0**-7, atol=2.0**-7 * float(np.max(np.abs(yr))))
     big = _q4(jnp.asarray(rng.standard_normal((2, 32, 64), np.float32) * np.float32(300.0)))
     assert "use DSV41_MMA_FP4=auto" in pallas_triton.f16_scale_reason(big)
+    # all-zero codes above the window are refused too: their float16 factor 2**(s - 113) is inf there
+    s129 = jnp.full(big.scale.shape, 129, jnp.uint8)
+    zero = Fp4Tensor(data=jnp.zeros_like(big.data), scale=jax.lax.bitcast_convert_type(s129, jnp.float8_e8m0fnu))
+    assert "span [129, 129]" in pallas_triton.f16_scale_reason(zero)
+    from pallas_kernels.quantized_matmul.pallas_triton_fma import e8m0_f32
+    assert np.isnan(float(jnp.float16(0.0) * e8m0_f32(s129[:1, :1, :1], 14).astype(jnp.float16)[0, 0, 0]))
 
 
 @pytest.mark.parametrize("target", ["cuda", "rocm"])
