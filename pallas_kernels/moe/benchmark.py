@@ -353,17 +353,20 @@ def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int
     yr = jax.jit(lambda x, w, idx, a, b, c: reference.moe_experts(x, w, idx, a, b, c, swiglu_limit=LIMIT))(
         *args[0], w1, w2, w3)
     rows = []
-    # (decode route, experts, their reference); the reference reads either packing alike
-    variants = [(r, (w1, w2, w3), yr) for r in routes or [None]] if "nibbles" in packings else []
-    if "f16pairs" in packings:
-        variants.append(("f16pairs", tuple(with_fp4_packing(t, "f16pairs") for t in (w1, w2, w3)), yr))
+    # (packing, decode route, experts, their reference): each packing once per --mma-fp4 route (the
+    # reference reads either packing alike); "plain" (bf16 copies) has no route
+    variants = []
+    for packing in ("nibbles", "f16pairs"):
+        if packing in packings:
+            ws = tuple(with_fp4_packing(t, packing) for t in (w1, w2, w3)) if packing != "nibbles" else (w1, w2, w3)
+            variants += [(packing, r, ws, yr) for r in routes or [None]]
     if plain:
         pw = tuple(jax.jit(lambda t: t.dequantize(jnp.bfloat16))(t) for t in (w1, w2, w3))
-        variants.append(("plain", pw, jax.jit(lambda x, w, idx, a, b, c: reference.moe_experts(
+        variants.append(("plain", "plain", pw, jax.jit(lambda x, w, idx, a, b, c: reference.moe_experts(
             x, w, idx, a, b, c, swiglu_limit=LIMIT))(*args[0], *pw)))
-    for route, ws, yv in variants:
-        with pallas_triton.use_mma_fp4(None if route in ("plain", "f16pairs") else route):
-            name = route if route in ("plain", "f16pairs") else pallas_triton.MMA_FP4["route"]
+    for packing, route, ws, yv in variants:
+        with pallas_triton.use_mma_fp4(None if route == "plain" else route):
+            name = "plain" if route == "plain" else pallas_triton.MMA_FP4["route"]
             for cfg in [None] + list(configs or TUNE_CONFIGS_PREFILL):
                 try:
                     f = lambda x, w, idx, a, b, c, cfg=cfg: pallas_triton.moe_experts(  # noqa: E731
@@ -374,12 +377,12 @@ def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int
                     t = device_time_op(f, args, ws, reps=reps, kernels=kernels)
                     ok = frac <= TUNE_MAX_FRAC and err <= 8e-3
                     label = cfg or ("default", pallas_triton.default_tiling(tokens * TOPK, experts, ws[0]))
-                    log(f"  route={'plain bf16 weights' if name == 'plain' else name} cfg={label}: {t * 1e3:8.3f} ms, "
+                    log(f"  {'plain bf16 weights' if name == 'plain' else f'{packing} route={name}'} cfg={label}: {t * 1e3:8.3f} ms, "
                         f"{flops / t / 1e12:6.1f} TFLOP/s ({100 * flops / t / ceiling:5.1f}% of "
                         f"the ceiling), rel err {err:.2e}, {frac:.4f} of elements > 1%{'' if ok else '  WRONG'}")
                     log("    kernels (ms per op): " + ", ".join(f"{k[:40]} {s * 1e3:.3f}" for k, s in kernels[:6]))
                     rows.append(dict(op="prefill_moe", tokens=tokens, experts=experts, config=cfg,
-                                     route=name, pallas_s=t, tflops=flops / t / 1e12,
+                                     packing=packing, route=name, pallas_s=t, tflops=flops / t / 1e12,
                                      ceiling_tflops=ceiling / 1e12, rel_err=err, frac_gt_1pct=frac, ok=ok,
                                      kernels_s=dict(kernels)))
                 except Exception as e:  # noqa: BLE001
@@ -387,7 +390,7 @@ def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int
     good = [r for r in rows if r["ok"] and r["route"] != "plain"]
     if good:
         best = min(good, key=lambda r: r["pallas_s"])
-        log(f"# best: route {best['route']} {best['config'] or 'default'} {best['pallas_s'] * 1e3:.3f} ms, {best['tflops']:.1f} TFLOP/s "
+        log(f"# best: {best['packing']} route {best['route']} {best['config'] or 'default'} {best['pallas_s'] * 1e3:.3f} ms, {best['tflops']:.1f} TFLOP/s "
             f"({100 * best['tflops'] / best['ceiling_tflops']:.1f}% of the ceiling)")
     return rows
 

@@ -240,7 +240,13 @@ def test_moe_prefill_sweep_runs_in_interpret_mode(monkeypatch):
     assert [r["route"] for r in rows] == ["auto", "auto", "plain", "plain"] and all(r["ok"] for r in rows)
     # --packings nibbles,f16pairs: every tiling on both packings of the same codes, each checked
     rows = bm.prefill_sweep(tokens=24, experts=4, configs=cfgs[:1], packings=("nibbles", "f16pairs"))
-    assert [r["route"] for r in rows] == ["auto", "auto", "f16pairs", "f16pairs"] and all(r["ok"] for r in rows)
+    assert [(r["packing"], r["route"]) for r in rows] == [("nibbles", "auto")] * 2 + [("f16pairs", "auto")] * 2
+    assert all(r["ok"] for r in rows)
+    # --packings f16pairs --mma-fp4 auto,f16dots: the f16pairs experts once per route (session 44's call
+    # ran only the default route: the routes applied to nibbles alone), each checked
+    rows = bm.prefill_sweep(tokens=24, experts=4, configs=cfgs[:1], packings=("f16pairs",), routes=["auto", "f16dots"])
+    assert [(r["packing"], r["route"]) for r in rows] == [("f16pairs", "auto")] * 2 + [("f16pairs", "f16dots")] * 2
+    assert all(r["ok"] for r in rows) and bm.pallas_triton.MMA_FP4["route"] == "auto"
     with pytest.raises(SystemExit):
         bm.main(["--prefill", "--packings", "nibbles,f16"])
 
