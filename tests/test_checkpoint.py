@@ -171,7 +171,11 @@ def test_quantize_on_write(tiny, tmp_path):
 def test_orbax_roundtrip_and_atomicity(tiny, tmp_path, monkeypatch):
     cfg, params = tiny
     dst = str(tmp_path / "orbax")
-    save_params(params, dst, cfg)
+    from dsv41_jax.engine import mark_f16_exact_experts
+
+    marked = mark_f16_exact_experts(params)  # an engine's marks (static fields) are not part of a checkpoint
+    assert marked["layers"]["2"]["ffn"]["experts"]["w1"].f16_exact
+    save_params(marked, dst, cfg)
     assert not os.path.exists(dst + ".partial")
     restored = restore_params(dst, cfg)
     assert_trees_bit_equal(params, restored)

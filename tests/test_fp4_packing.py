@@ -24,6 +24,7 @@ from dsv41_jax.quant import (
     with_fp4_packing,
 )
 from dsv41_jax.quant.codecs import F16PAIRS_MAG, F16PAIRS_SIGN
+from dsv41_jax.quant.tensors import dotted_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -232,3 +233,16 @@ def test_f16_dots_refuses_routed_experts_outside_the_exact_window(monkeypatch):
         Engine(Model(cfg, params), batch_size=2, max_seq_len=32, expert_packing="nibbles")
     monkeypatch.setitem(moe_pt.MMA_FP4, "route", "auto")
     assert f16_dots_reason(params) is None
+    # under auto the Engine marks every routed expert whose scales allow the float16 read (session 44)
+    # and leaves that one unmarked (bf16 reads) instead of refusing it; with the reference MoE none
+    def marks(eng):
+        return {dotted_path(path): node.f16_exact for path, node in
+                jax.tree_util.tree_flatten_with_path(eng.params, is_leaf=lambda n: isinstance(n, Fp4Tensor))[0]
+                if isinstance(node, Fp4Tensor) and ".experts." in dotted_path(path)}
+
+    got = marks(Engine(Model(cfg, params), batch_size=2, max_seq_len=32, expert_packing="nibbles"))
+    assert len(got) >= 3 * cfg.n_layers and not got["layers.1.ffn.experts.w1"]
+    assert all(v for k, v in got.items() if k != "layers.1.ffn.experts.w1"), got
+    monkeypatch.setattr(dispatch, "resolve", real)
+    got = marks(Engine(Model(cfg, params), batch_size=2, max_seq_len=32, expert_packing="nibbles"))
+    assert got and not any(got.values())

@@ -99,6 +99,9 @@ def save_params(params: dict, path: str | os.PathLike, cfg: ModelConfig, *, over
         raise CheckpointError(f"{path} already exists (pass overwrite=True to replace it)")
     entries, treedef = leaf_table(cfg)
     params = with_fp4_packing(params, "nibbles")  # checkpoints hold the nibble layout (an engine may have repacked)
+    # nor an engine's f16_exact marks (static fields: the config's tree has them unset)
+    params = jax.tree.map(lambda n: n.replace(f16_exact=False) if isinstance(n, Fp4Tensor) else n, params,
+                          is_leaf=lambda n: isinstance(n, Fp4Tensor))
     try:
         leaves = treedef.flatten_up_to(params)
     except (ValueError, TypeError) as e:

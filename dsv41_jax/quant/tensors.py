@@ -59,6 +59,11 @@ class Fp4Tensor:
     block: int = struct.field(pytree_node=False, default=32)
     # "nibbles" (the checkpoint's) or "f16pairs" (codecs.repack_f16pairs): how codes sit in ``data``
     packing: str = struct.field(pytree_node=False, default="nibbles")
+    # True only once checked: every e8m0 block scale lies in the window where the MoE kernels' float16
+    # dot operands hold the weights exactly (pallas_kernels.moe.pallas_triton.mark_f16_exact; the
+    # Engine checks its routed experts at construction), so the default route may read them in float16.
+    # Kept by repacking (same codes and scales); checkpoints do not store it.
+    f16_exact: bool = struct.field(pytree_node=False, default=False)
 
     def __post_init__(self):
         if self.packing not in FP4_PACKINGS:
@@ -79,8 +84,7 @@ class Fp4Tensor:
             raise ValueError(f"Fp4Tensor packing must be one of {', '.join(FP4_PACKINGS)}, got {packing!r}")
         if packing == self.packing:
             return self
-        return Fp4Tensor(data=_relaid(self.data, self.packing, packing), scale=self.scale, block=self.block,
-                         packing=packing)
+        return self.replace(data=_relaid(self.data, self.packing, packing), packing=packing)
 
     def scale_f32(self) -> jax.Array:
         if self.scale.dtype == jnp.float8_e4m3fn:
@@ -198,7 +202,7 @@ def with_fp4_packing(tree, packing: str, *, only=None, donate: bool = False):
         data = _repack_data_jit(node.packing, packing, donate)(node.data)
         if sharding is not None and getattr(data, "sharding", None) != sharding:
             data = jax.device_put(data, sharding)
-        return Fp4Tensor(data=data, scale=node.scale, block=node.block, packing=packing)
+        return node.replace(data=data, packing=packing)
 
     return jax.tree_util.tree_map_with_path(conv, tree, is_leaf=_is_fp4)
 

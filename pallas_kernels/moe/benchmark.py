@@ -250,7 +250,9 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
     log(f"# MoE fma sweep (MXFP4 E={experts} I={I} D={D} top-{TOPK}, act blocks of {act_block}), "
         f"{jax.devices()[0].device_kind}, "
         f"jax {jax.__version__}")
-    packed = {pk: tuple(with_fp4_packing(t, pk) for t in (w1, w2, w3)) for pk in packings}
+    # marked f16_exact where their scales allow it, as the Engine marks the model's routed experts: the
+    # default route ("auto") then reads them as it does in the model (float16 phases with swap)
+    packed = {pk: tuple(pallas_triton.mark_f16_exact(with_fp4_packing(t, pk)) for t in (w1, w2, w3)) for pk in packings}
     for n in sizes:
         args, touched = [], []
         for r in range(5):
@@ -293,7 +295,8 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
                     with pallas_triton_fma.use_decode_route(via), pallas_triton.use_mma_fp4(mroute):  # traced here
                         y = jax.jit(f)(*args[0], *ws)
                         t = device_time_op(f, args, ws, reps=5)
-                        read = None if cfg[0] == "fma" else pallas_triton.fp4_read_for(jnp.bfloat16, pk, cfg[2], cfg[4])
+                        read = None if cfg[0] == "fma" else pallas_triton.fp4_read_for(
+                            jnp.bfloat16, pk, cfg[2], cfg[4], pallas_triton.experts_f16_exact(*ws))
                     err, frac = max_rel_err(y, yr), frac_off(y, yr)
                     ok = frac <= TUNE_MAX_FRAC and err <= 8e-3
                     label = (f"mma {pk} {read} (route {mroute or pallas_triton.MMA_FP4['route']})" if cfg[0] != "fma"
@@ -358,7 +361,7 @@ def prefill_sweep(tokens: int = 4096, experts: int = 96, configs=None, reps: int
     variants = []
     for packing in ("nibbles", "f16pairs"):
         if packing in packings:
-            ws = tuple(with_fp4_packing(t, packing) for t in (w1, w2, w3)) if packing != "nibbles" else (w1, w2, w3)
+            ws = tuple(pallas_triton.mark_f16_exact(with_fp4_packing(t, packing)) for t in (w1, w2, w3))  # as fma_sweep
             variants += [(packing, r, ws, yr) for r in routes or [None]]
     if plain:
         pw = tuple(jax.jit(lambda t: t.dequantize(jnp.bfloat16))(t) for t in (w1, w2, w3))

@@ -104,7 +104,7 @@ def _parse_mma_fp4(text: str) -> str:
 #   5,514 (bytes) -> 3,354 us (3,181 on f16pairs experts, whose word route took 6,860), 256 tokens
 #   8,375 -> 5,073 us (4,824 on f16pairs, words 10,411); at the prefill tiling (64-wide K tiles, 4096
 #   tokens over 96 experts) 128-wide tiles with phases (13.3-19.2 ms) lose to 64-wide words (10.0).
-# * "f16dots" (forced only): the word and phase routes with float16 dot operands (reads "f16words"
+# * "f16dots" (forced): the word and phase routes with float16 dot operands (reads "f16words"
 #   and "f16phases"). The decoded codes stay in float16 as the word decode places them (e2m1 *
 #   2**-14) and are multiplied there by 2**(s - 113), so a tile holds the weight's own values e2m1 *
 #   2**(s - 127): exact for e8m0 scale bytes s in [104, 128] (2**-23 .. 2**1; :func:`f16_scale_reason`
@@ -112,8 +112,16 @@ def _parse_mma_fp4(text: str) -> str:
 #   in as float16 times a power of two per row (:func:`f16_rows`: the row's largest value below
 #   2**15; exact for blocks whose scale is at most 21 binades below the row's largest) and the
 #   kernels multiply each accumulated row back. bf16 activations only (others keep the bf16 reads).
+#   The default tiling takes the weight tile as the dots' first operand with float16 phase reads
+#   (:func:`default_tiling`): on the H200 (session 44, BENCHMARKS.md issue 6), the whole MoE at the
+#   decode tiling, phases -> f16dots + swap: 32 tokens over 96 experts 1,026.7 -> 943.0 us, 64 over 96
+#   1,159.6 -> 1,064.1, 128 over 384 4,197.0 -> 4,126.8, 256 over 384 4,776.4 -> 4,686.7 (float16
+#   operands without swap: -2 % over 96 experts, +1 % over 384; swap alone +2 %).
 # * "auto" (default): "f16w" for bf16 activations with K tiles of at most 64, "phases" for K tiles of
-#   at least 128, else "bytes" (:func:`mma_fp4_words`, :func:`mma_fp4_phases`); with float32
+#   at least 128, else "bytes" (:func:`mma_fp4_words`, :func:`mma_fp4_phases`); "f16phases" instead
+#   of "phases" for bf16 activations where all three expert tensors are marked ``f16_exact``
+#   (:func:`mark_f16_exact`, which the Engine applies to its routed experts; the word route keeps
+#   bf16 operands: its float16 form is not timed at the prefill tiling yet); with float32
 #   activations "bytes" (not timed there), and experts packed as f16pairs take "phases" where the
 #   tiles allow it, else "f16w". On the H200 (session 9): the prefill tilings (64-wide K tiles) 13.50
 #   -> 10.87 ms and 14.56 -> 11.94 ms at 4096 tokens over 96 experts with words. Session 9 found the
@@ -278,15 +286,23 @@ def mma_fp4_phases(bk_a: int, bk_b: int) -> bool:
     return MMA_FP4["route"] in ("auto", "phases", "f16dots") and min(bk_a, bk_b) >= 128
 
 
-def fp4_read_for(x_dtype, packing: str, bk_a: int, bk_b: int) -> str:
+def fp4_read_for(x_dtype, packing: str, bk_a: int, bk_b: int, f16_exact: bool = False) -> str:
     """How the tensor-core kernels read MXFP4 experts of ``packing`` with K tiles ``bk_a`` / ``bk_b``
-    under ``MMA_FP4``: "bytes", "words" or "phases", or under "f16dots" with bf16 activations
-    "f16words" / "f16phases" (float16 dot operands). Experts packed as "f16pairs" are read as words
+    under ``MMA_FP4``: "bytes", "words" or "phases", or with bf16 activations "f16words" /
+    "f16phases" (float16 dot operands) under "f16dots", and "f16phases" under "auto" for experts
+    checked ``f16_exact`` (:func:`mark_f16_exact`). Experts packed as "f16pairs" are read as words
     whatever the route (the bytes route reads nibbles)."""
     if packing != "f16pairs" and not mma_fp4_words(x_dtype, bk_a, bk_b):
         return "bytes"
     read = "phases" if mma_fp4_phases(bk_a, bk_b) else "words"
-    return "f16" + read if MMA_FP4["route"] == "f16dots" and x_dtype == jnp.bfloat16 else read
+    route = MMA_FP4["route"]
+    f16 = route == "f16dots" or (route == "auto" and f16_exact and read == "phases")
+    return "f16" + read if f16 and x_dtype == jnp.bfloat16 else read
+
+
+def experts_f16_exact(*ws) -> bool:
+    """Whether every expert tensor of ``ws`` is marked ``f16_exact`` (:func:`mark_f16_exact`)."""
+    return all(getattr(w, "f16_exact", False) for w in ws)
 
 
 PHASE_READS = ("phases", "f16phases")  # reads with 8 phase dots per K tile (x laid out by phase)
@@ -308,6 +324,17 @@ def f16_scale_reason(w) -> str | None:
     return None
 
 
+def mark_f16_exact(w):
+    """MXFP4 expert tensor ``w`` marked ``f16_exact`` where :func:`f16_scale_reason` passes (the
+    default route then reads it with float16 dot operands), else ``w`` unmarked: a check on the
+    device, outside any jit. Other tensors are returned as they are."""
+    from dsv41_jax.quant import Fp4Tensor
+
+    if not isinstance(w, Fp4Tensor) or w.block != 32 or w.scale.dtype != jnp.float8_e8m0fnu:
+        return w
+    return w.replace(f16_exact=f16_scale_reason(w) is None)
+
+
 def f16_rows(a):
     """Activation rows [R, K] (bf16 values) -> (float16 rows a * 2**(15 - e), float32 [R] 2**(e - 15)),
     e the exponent just above the row's largest magnitude: every row below 2**15 in float16, so an
@@ -327,12 +354,20 @@ def words_need_narrow_tiles() -> bool:
     return MMA_FP4["route"] not in ("auto", "phases", "f16dots")
 
 
-def default_tiling(n_pairs: int, n_route: int, w1) -> tuple:
+def default_tiling(n_pairs: int, n_route: int, w1, x_dtype=jnp.bfloat16, f16_exact: bool | None = None) -> tuple:
     """The tensor-core kernels' default (bt, bi, bk_a, bd, bk_b, warps) for ``n_pairs`` (token, slot)
     pairs spread over ``n_route`` experts of ``w1``'s shapes and packing (f16pairs experts take the
-    word route's 64-wide K tiles where :func:`words_need_narrow_tiles`)."""
+    word route's 64-wide K tiles where :func:`words_need_narrow_tiles`), for ``x_dtype`` activations;
+    where the kernels then read the experts as float16 phases, with (stages 3, swap 1) after it: the
+    weight tile as the dots' first operand (session 44). ``f16_exact``: whether all three expert
+    tensors are marked (None: ``w1``'s mark)."""
     _, i_dim, d = weight_logical_shape(w1)
-    return _config(n_pairs, n_route, i_dim, d, words_only=fp4_packing(w1) == "f16pairs" and words_need_narrow_tiles())
+    cfg = _config(n_pairs, n_route, i_dim, d, words_only=fp4_packing(w1) == "f16pairs" and words_need_narrow_tiles())
+    if weight_format(w1) == "fp4":
+        exact = experts_f16_exact(w1) if f16_exact is None else f16_exact
+        if fp4_read_for(x_dtype, fp4_packing(w1), cfg[2], cfg[4], exact) == "f16phases":
+            return (*cfg, 3, 1)
+    return cfg
 
 
 def _x_tile(x_ref, rows, k0, bk, fp4_read: str):
@@ -782,8 +817,8 @@ def takes_fma(w1, pairs: int, x_dtype=jnp.bfloat16, routed_experts: int | None =
     if weight_format(w1) != "fp4":
         return pairs <= fma.FMA_MOE_MAX_PAIRS
     n_route = max(weight_logical_shape(w1)[0], routed_experts or 0)
-    cfg = tiling or default_tiling(pairs, n_route, w1)
-    read = fp4_read_for(x_dtype, fp4_packing(w1), cfg[2], cfg[4])
+    cfg = tiling or default_tiling(pairs, n_route, w1, x_dtype)
+    read = fp4_read_for(x_dtype, fp4_packing(w1), cfg[2], cfg[4], experts_f16_exact(w1))
     if read not in PHASE_READS and pairs <= fma.FMA_MOE_MAX_PAIRS:
         return True
     return rows_per_expert(pairs, n_route) <= FMA_MOE_MAX_ROWS_PER_EXPERT[read]
@@ -807,7 +842,8 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     p = n * k
     limit = float(swiglu_limit or 0.0)
     # the tensor-core kernels' default tiling, which also decides fma against them
-    tiling = default_tiling(p, n_route, w1) if config is None else None
+    f16_exact = experts_f16_exact(w1, w2, w3)
+    tiling = default_tiling(p, n_route, w1, x.dtype, f16_exact) if config is None else None
     if config is None and fmt != "plain" and fma.DECODE_GEMV["moe"] == "fma" and takes_fma(w1, p, x.dtype, n_route,
                                                                                            tiling):
         cand = default_fma_config(w1, rows_per_expert(p, n_route), routing_shape=(n, k), act_block=act_block)
@@ -835,7 +871,7 @@ def moe_experts(x, weights, indices, w1, w2, w3, *, swiglu_limit, act_block=32, 
     d1, s1 = weight_operands(w1)
     d2, s2 = weight_operands(w2)
     d3, s3 = weight_operands(w3)
-    fp4_read = fp4_read_for(x.dtype, packing, bk_a, bk_b) if fmt == "fp4" else "bytes"
+    fp4_read = fp4_read_for(x.dtype, packing, bk_a, bk_b, f16_exact) if fmt == "fp4" else "bytes"
     words = fp4_read != "bytes"
     if words:  # packed codes as uint32 words; the activation in the words' K order (fused into act_quant)
         if bk_a % 32 or bk_b % 32:

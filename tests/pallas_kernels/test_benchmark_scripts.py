@@ -254,7 +254,10 @@ def test_moe_prefill_sweep_runs_in_interpret_mode(monkeypatch):
 def test_moe_tc_only_sweep_times_each_route_and_extra_tiling(monkeypatch):
     """``moe.benchmark --fma --tc-only --mma-fp4 phases,f16dots --tc-configs ...`` at a small shape
     (interpret mode, timing stubbed): only tensor-core rows, the dispatch's tiling and the extra
-    (swapped) tiling once per route, each checked against the reference and passing."""
+    (swapped) tiling once per route, each checked against the reference and passing. The sweep's
+    experts are marked f16_exact as the Engine marks the model's, so under f16dots and auto the
+    dispatch's tiling is the swapped one (float16 phases take the weight tile first, session 44) and
+    is timed once."""
     import functools
 
     import pallas_kernels.moe.benchmark as bm
@@ -265,11 +268,11 @@ def test_moe_tc_only_sweep_times_each_route_and_extra_tiling(monkeypatch):
     monkeypatch.setattr(bm.pallas_triton, "moe_experts", functools.partial(bm.pallas_triton.moe_experts, interpret=True))
     monkeypatch.setattr(bm, "log", lambda *a: None)
     swapped = (16, 64, 256, 64, 128, 4, 3, 1)
-    rows = bm.fma_sweep((4,), tc_only=True, mma_routes=["phases", "f16dots"], packings=("f16pairs",),
+    rows = bm.fma_sweep((4,), tc_only=True, mma_routes=["phases", "f16dots", "auto"], packings=("f16pairs",),
                         tc_configs=[swapped])
     assert all(r["config"][0] != "fma" for r in rows)
     assert sorted((r["mma_fp4"], r["config"] == swapped) for r in rows) == [
-        ("f16dots", False), ("f16dots", True), ("phases", False), ("phases", True)]
+        ("auto", True), ("f16dots", True), ("phases", False), ("phases", True)]
     assert all(r["ok"] for r in rows), [(r["config"], r["mma_fp4"], r["rel_err"]) for r in rows]
 
 

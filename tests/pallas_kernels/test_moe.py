@@ -225,6 +225,45 @@ def test_mma_fp4_f16_dots_interpret(packing, bk, read, swap, monkeypatch):
     assert np.isnan(float(jnp.float16(0.0) * e8m0_f32(jnp.uint8(129), 14).astype(jnp.float16)))
 
 
+def test_auto_reads_f16_exact_experts_in_float16_with_swap(monkeypatch):
+    """Under the default route ("auto") experts marked ``f16_exact`` (``mark_f16_exact``: every scale in
+    the window) take the float16 phase read with the weight tile as the dots' first operand (session
+    44: 1.7-8.2 % faster on the H200), at the decode tiling only; unmarked experts, float32 activations,
+    the word read (64-wide K tiles) and a forced "phases" keep bf16 operands; scales outside the window
+    are not marked; repacking keeps the mark. The marked experts' result equals the unmarked ones' bit
+    for bit (the same products; interpret mode) on fresh random inputs."""
+    rng = np.random.default_rng()
+    x, wts, idx, (w1, w2, w3), ws = phase_case(rng, "f16pairs", jnp.bfloat16)
+    monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "auto")
+    marked = [pallas_triton.mark_f16_exact(w) for w in ws]
+    assert all(w.f16_exact for w in marked) and not any(w.f16_exact for w in ws)
+    assert marked[0].with_packing("nibbles").f16_exact and not pallas_triton.experts_f16_exact(marked[0], ws[1])
+    big = _q4(jnp.asarray(rng.standard_normal((2, 32, 64), np.float32) * np.float32(300.0)))
+    assert not pallas_triton.mark_f16_exact(big).f16_exact
+    p = idx.shape[0] * idx.shape[1]
+    plain = pallas_triton.default_tiling(p, 4, ws[0])
+    assert len(plain) == 6 and plain[2::2] == (256, 256)
+    assert pallas_triton.default_tiling(p, 4, marked[0]) == (*plain, 3, 1)
+    assert pallas_triton.default_tiling(p, 4, marked[0], jnp.float32) == plain
+    assert pallas_triton.default_tiling(p, 4, marked[0], f16_exact=False) == plain
+    read = pallas_triton.fp4_read_for
+    assert read(jnp.bfloat16, "f16pairs", 256, 256, True) == "f16phases"
+    assert read(jnp.bfloat16, "f16pairs", 256, 256) == "phases" and read(jnp.float32, "f16pairs", 256, 256, True) == "phases"
+    assert read(jnp.bfloat16, "f16pairs", 64, 64, True) == "words"
+    monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "phases")
+    assert read(jnp.bfloat16, "f16pairs", 256, 256, True) == "phases"
+    monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "auto")
+    reads = []
+    monkeypatch.setattr(pallas_triton, "fp4_read_for", lambda *a: reads.append(read(*a)) or reads[-1])
+    kw = dict(swiglu_limit=1.0, interpret=True)
+    yf = np.asarray(run(pallas_triton.moe_experts, x, wts, idx, *marked, **kw))
+    yp = np.asarray(run(pallas_triton.moe_experts, x, wts, idx, *ws, **kw))
+    assert "f16phases" in reads and reads[-1] == "phases"
+    np.testing.assert_array_equal(yf, yp)
+    yr = np.asarray(_reference(x, wts, idx, w1, w2, w3, swiglu_limit=1.0, act_block=32))
+    np.testing.assert_allclose(yf, yr, rtol=2.0**-7, atol=2.0**-7 * float(np.max(np.abs(yr))))
+
+
 @pytest.mark.parametrize("target", ["cuda", "rocm"])
 def test_mma_fp4_phase_route_lowers(target, monkeypatch):
     """The phase route at V4.1's shapes (300 tokens over 384 experts: the tensor-core decode tiling,
