@@ -287,12 +287,73 @@ def decode_topk(args, log):
     return 0 if all(r["same"] for r in rows) else 1
 
 
+READ_AB_CASES = ((1 << 20, 8), (1 << 20, 1))  # (entries, batch) of --read-ab
+
+
+def read_ab(args, log):
+    """Interleaved A/B of the MXFP4 reads (``--reads``, default phases against f16phases) at
+    :data:`READ_AB_CASES`: per case ``--rounds`` rounds, each timing every read in turn in this one
+    process -- the whole decode pipeline (``lightning_indexer(..., config=dict(fp4_read=read))``) and
+    its score kernel alone (``index_block_maxima``) -- so drifts between programs and machines fall on
+    both reads alike; the median over rounds per read, and how many of each read's top-k positions
+    equal the first read's. Session 44's call ran this as a script of its own (BENCHMARKS.md, issue 5)."""
+    import statistics
+
+    import jax
+    import numpy as np
+
+    from pallas_kernels.lightning_indexer import pallas_triton as pt
+
+    reads = [r.strip() for r in args.reads.split(",") if r.strip()]
+    res, same = {}, {}
+    for nc, b in READ_AB_CASES:
+        a = make_inputs(jax.random.PRNGKey(nc + b), b, 1, nc)
+        first = None
+        for read in reads:  # the positions each read picks, against the first read's
+            topk = np.asarray(pt.lightning_indexer(*a, top_k=512, config=dict(fp4_read=read)).topk)
+            first = topk if first is None else first
+            same[(nc, b, read)] = float(np.mean(topk == first))
+        for rnd in range(args.rounds):
+            for read in reads:
+                cfg = dict(pt.DEFAULTS, block_size=8, fp4_read=read)
+
+                def whole(a, c, read=read):
+                    q, w, kk, vis = a
+                    o = pt.lightning_indexer(q, w + c, kk, vis, top_k=512, config=dict(fp4_read=read))
+                    return o, zero_of(o.topk)
+
+                def score(a, c, cfg=cfg):
+                    q, w, kk, vis = a
+                    pp = pt._prep(q, kk, w + c, vis, None, 8, cfg["fp4_read"])
+                    o = pt.index_block_maxima(pp, g0=8, interpret=False, cfg=cfg)
+                    return o, zero_of(o)
+
+                tw = timed(whole, a, n=args.n, reps=args.reps)[0] * 1e6
+                ts = timed(score, a, n=args.n, reps=args.reps)[0] * 1e6
+                res.setdefault((nc, b, read), []).append((tw, ts))
+                log(f"Nc={nc} B={b} round {rnd} {read:10s}: pipeline {tw:7.1f} us, score kernel {ts:7.1f} us")
+        del a
+    log("| entries x batch | read | pipeline us (median of rounds) | score kernel us | top-k positions as the first read's |")
+    rows = []
+    for (nc, b, read), v in res.items():
+        tw, ts = statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)
+        rows.append(dict(entries=nc, batch=b, read=read, pipeline_us=tw, score_us=ts, rounds=v,
+                         same_positions=same[(nc, b, read)]))
+        log(f"| {nc}x{b} | {read} | {tw:.1f} | {ts:.1f} | {same[(nc, b, read)]:.4f} |")
+    write_rows(args.out, "lightning_indexer_read_ab.json", rows)
+    return 0
+
+
 def main(argv=None):
     ap = chained_args(argparse.ArgumentParser(), n=10, reps=5, skip_xla_help="skip the XLA reference and lax.top_k timings")
     ap.add_argument("--decode-topk", action="store_true",
                     help="only decode rows: XLA scores + one lax.top_k vs the same scores + the grouped top-k")
     ap.add_argument("--prefill-model", action="store_true",
                     help="only the model's prefill shapes (4096-row chunk of a 64K prompt): XLA vs the tile score kernel")
+    ap.add_argument("--read-ab", action="store_true",
+                    help="only the interleaved A/B of the MXFP4 reads (--reads, --rounds) at 1M entries x batch 8 and 1")
+    ap.add_argument("--reads", default="phases,f16phases", help="with --read-ab: the fp4_read values to compare")
+    ap.add_argument("--rounds", type=int, default=2, help="with --read-ab: rounds of every read in turn")
     ap.add_argument("--variants", default="",
                     help='JSON list of config dicts timed beside the default in every decode row, e.g. '
                          '\'[{"score_warps": 4}, {"select_warps": 16}]\'')
@@ -319,6 +380,14 @@ def main(argv=None):
 
     dev = jax.devices()[0]
     log(f"# lightning indexer score+top-k | device {dev.device_kind} | jax {jax.__version__} | n={args.n} reps={args.reps}")
+    if args.read_ab:
+        from pallas_kernels.lightning_indexer import pallas_triton as pt_reads
+
+        bad = [r for r in args.reads.split(",") if r.strip() not in pt_reads.FP4_READS]
+        if bad or args.rounds < 1:
+            ap.error(f"--reads {args.reads!r} / --rounds {args.rounds}: reads of {', '.join(pt_reads.FP4_READS)}, "
+                     "comma-separated, and at least one round")
+        return read_ab(args, log)
     if args.decode_topk or args.prefill_model:  # these two tables only; nonzero if any check failed
         rc = 0
         for wanted, fn, name in ((args.decode_topk, decode_topk, "decode_topk"), (args.prefill_model, prefill_model, "prefill")):

@@ -328,6 +328,33 @@ def test_indexer_prefill_and_decode_topk_run_in_interpret_mode(monkeypatch, tmp_
     assert len(dec) == 2 and all(r["same"] for r in dec)
 
 
+def test_indexer_read_ab_runs_in_interpret_mode(monkeypatch, tmp_path):
+    """``lightning_indexer.benchmark --read-ab`` at a small case (kernels in interpret mode, timing
+    stubbed): every read timed in every round, in turn (pipeline, then score kernel), the median per
+    read written, and the two reads pick the same top-k positions; a read name it does not know is
+    refused with the flag."""
+    import json
+
+    import pallas_kernels.lightning_indexer.benchmark as bm
+    from pallas_kernels.lightning_indexer import pallas_triton as pt
+
+    monkeypatch.setattr(bm, "READ_AB_CASES", ((4096, 1),))
+    calls = []
+    monkeypatch.setattr(bm, "timed", lambda f, *a, **k: calls.append(f.__name__) or (len(calls) * 1e-6, 0.0, 0.0))
+    orig_li, orig_bm = pt.lightning_indexer, pt.index_block_maxima
+    monkeypatch.setattr(pt, "lightning_indexer", lambda *a, **k: orig_li(*a, **{**k, "interpret": True}))
+    monkeypatch.setattr(pt, "index_block_maxima", lambda *a, **k: orig_bm(*a, **{**k, "interpret": True}))
+    assert bm.main(["--read-ab", "--rounds", "2", "--out", str(tmp_path)]) == 0
+    assert calls == ["whole", "score"] * 4
+    rows = json.loads((tmp_path / "lightning_indexer_read_ab.json").read_text())["rows"]
+    assert [r["read"] for r in rows] == ["phases", "f16phases"] and all(len(r["rounds"]) == 2 for r in rows)
+    # the stub's times are the call numbers: phases 1, 5 (pipeline) and 2, 6 (score), f16phases 3, 7 and 4, 8
+    assert [(r["pipeline_us"], r["score_us"]) for r in rows] == [(3.0, 4.0), (5.0, 6.0)]
+    assert all(r["same_positions"] == 1.0 for r in rows)
+    with pytest.raises(SystemExit):
+        bm.main(["--read-ab", "--reads", "phases,f16", "--out", str(tmp_path)])
+
+
 def test_qmm_grouped_sweep_runs_in_interpret_mode(monkeypatch):
     """``quantized_matmul.benchmark --grouped`` at a small wo_a shape (interpret mode, timing stubbed):
     each row count's default and alternative configs are checked against the reference and pass."""
