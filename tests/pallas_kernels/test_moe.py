@@ -225,13 +225,15 @@ def test_mma_fp4_f16_dots_interpret(packing, bk, read, swap, monkeypatch):
     assert np.isnan(float(jnp.float16(0.0) * e8m0_f32(jnp.uint8(129), 14).astype(jnp.float16)))
 
 
-def test_auto_reads_f16_exact_experts_in_float16_with_swap(monkeypatch):
+@pytest.mark.parametrize("act_block", [32, 128])  # 128: V4's activation blocks
+def test_auto_reads_f16_exact_experts_in_float16_with_swap(act_block, monkeypatch):
     """Under the default route ("auto") experts marked ``f16_exact`` (``mark_f16_exact``: every scale in
     the window) take the float16 phase read with the weight tile as the dots' first operand (session
     44: 1.7-8.2 % faster on the H200), at the decode tiling only; unmarked experts, float32 activations,
     the word read (64-wide K tiles) and a forced "phases" keep bf16 operands; scales outside the window
     are not marked; repacking keeps the mark. The marked experts' result equals the unmarked ones' bit
-    for bit (the same products; interpret mode) on fresh random inputs."""
+    for bit (the same products; interpret mode) on fresh random inputs, also with V4's activation
+    blocks of 128."""
     rng = np.random.default_rng()
     x, wts, idx, (w1, w2, w3), ws = phase_case(rng, "f16pairs", jnp.bfloat16)
     monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "auto")
@@ -255,12 +257,12 @@ def test_auto_reads_f16_exact_experts_in_float16_with_swap(monkeypatch):
     monkeypatch.setitem(pallas_triton.MMA_FP4, "route", "auto")
     reads = []
     monkeypatch.setattr(pallas_triton, "fp4_read_for", lambda *a: reads.append(read(*a)) or reads[-1])
-    kw = dict(swiglu_limit=1.0, interpret=True)
+    kw = dict(swiglu_limit=1.0, interpret=True, act_block=act_block)
     yf = np.asarray(run(pallas_triton.moe_experts, x, wts, idx, *marked, **kw))
     yp = np.asarray(run(pallas_triton.moe_experts, x, wts, idx, *ws, **kw))
     assert "f16phases" in reads and reads[-1] == "phases"
     np.testing.assert_array_equal(yf, yp)
-    yr = np.asarray(_reference(x, wts, idx, w1, w2, w3, swiglu_limit=1.0, act_block=32))
+    yr = np.asarray(_reference(x, wts, idx, w1, w2, w3, swiglu_limit=1.0, act_block=act_block))
     np.testing.assert_allclose(yf, yr, rtol=2.0**-7, atol=2.0**-7 * float(np.max(np.abs(yr))))
 
 
