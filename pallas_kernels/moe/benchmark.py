@@ -421,7 +421,8 @@ def check_case(label, x, w, idx, a, b, c, *, act_block=32, frac_limit=1e-3, max_
 
 
 def check():
-    """Correctness only at the real expert shapes (MXFP4 at 1/8/64/300 tokens, FP8 at 8 tokens; then
+    """Correctness only at the real expert shapes (MXFP4 at 1/8/64/300 tokens, at 300 also as the
+    Engine holds the experts: f16pairs marked f16_exact; FP8 at 8 tokens; then
     V4's act_block 128 and FP8 128x128 experts, :func:`check_v4`): rel err <= 8e-3 and at most 0.1%
     of elements off by more than 1% of max|y|."""
     ok = True
@@ -433,6 +434,9 @@ def check():
             w, idx = routing(jax.random.fold_in(key, n), n)
             x = _normal(jax.random.fold_in(key, 99 + n), (n, D), jnp.bfloat16)
             ok &= check_case(label, x, w, idx, a, b, c)
+            if n == 300:  # as the Engine holds them: f16pairs, marked f16_exact (float16 phases with swap)
+                eng = tuple(pallas_triton.mark_f16_exact(with_fp4_packing(t, "f16pairs")) for t in (a, b, c))
+                ok &= check_case(f"{label} f16pairs f16_exact={pallas_triton.experts_f16_exact(*eng)}", x, w, idx, *eng)
         # prefill blocking (128-token blocks: ~256 rows per expert, the 4096-token prefill over 96
         # experts): bf16 rounding-order flips move a few elements, so up to 1% may differ by > 1%
         # (a blocking fault moves far more); in float32 no element may differ by > 1%. Not 1e-5: the

@@ -576,6 +576,7 @@ def test_benchmark_check_v41_runs_in_interpret_mode(monkeypatch):
     monkeypatch.setattr(bm, "check_v4", check_v4_top6)
     assert bm.check(), lines
     assert sum("prefill blocking" in s and s.startswith("PASS") for s in lines) == 2, lines
+    assert sum(s.startswith("PASS moe mxfp4 f16pairs f16_exact=True tokens=300") for s in lines) == 1, lines
     assert len(v4_lines) == 5 and all(s.startswith("PASS moe v4 ") for s in v4_lines), v4_lines
     assert sum(s.startswith("PASS moe v4 mxfp4 act128") for s in v4_lines) == 4, v4_lines
 
