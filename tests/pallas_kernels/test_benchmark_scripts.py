@@ -350,7 +350,7 @@ def test_indexer_read_ab_runs_in_interpret_mode(monkeypatch, tmp_path):
     assert [r["read"] for r in rows] == ["phases", "f16phases"] and all(len(r["rounds"]) == 2 for r in rows)
     # the stub's times are the call numbers: phases 1, 5 (pipeline) and 2, 6 (score), f16phases 3, 7 and 4, 8
     assert [(r["pipeline_us"], r["score_us"]) for r in rows] == [(3.0, 4.0), (5.0, 6.0)]
-    assert all(r["same_positions"] == 1.0 for r in rows)
+    assert rows[0]["same_positions"] == 1.0 and rows[1]["same_positions"] >= 0.99  # the same products, sums in another order
     with pytest.raises(SystemExit):
         bm.main(["--read-ab", "--reads", "phases,f16", "--out", str(tmp_path)])
 
