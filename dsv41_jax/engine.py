@@ -119,7 +119,8 @@ def _routed_expert(name: str, node) -> bool:
 def f16_dots_reason(params) -> str | None:
     """Why the routed experts in ``params`` cannot run under ``DSV41_MMA_FP4=f16dots`` (the MoE
     kernels' float16 dot operands, exact only for MXFP4 scales in a window; None: they can, or the
-    route is not forced). Names the first tensor outside the window; two device reductions each."""
+    route is not forced). Names the first tensor outside the window; two device reductions each
+    (none for tensors already marked ``f16_exact``, :func:`mark_f16_exact_experts`)."""
     from pallas_kernels.moe import pallas_triton as moe_pt
 
     if moe_pt.MMA_FP4["route"] != "f16dots":
@@ -127,7 +128,7 @@ def f16_dots_reason(params) -> str | None:
     is_fp4 = lambda x: isinstance(x, Fp4Tensor)  # noqa: E731
     for path, node in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_fp4)[0]:
         name = dotted_path(path)  # as with_fp4_packing names it for _routed_expert
-        if is_fp4(node) and _routed_expert(name, node):
+        if is_fp4(node) and not node.f16_exact and _routed_expert(name, node):  # a mark: checked already
             reason = moe_pt.f16_scale_reason(node)
             if reason is not None:
                 return f"routed expert {name}: {reason}"
@@ -625,12 +626,12 @@ class Engine:
         from pallas_kernels import dispatch
 
         if dispatch.resolve(None, "moe_experts") != "reference":
-            reason = f16_dots_reason(self.params)
+            # the default route reads the experts whose scales allow it in float16 (session 44: the
+            # tensor-core decode MoE 2-8 % faster); each tensor is checked once, here
+            self.params = mark_f16_exact_experts(self.params)
+            reason = f16_dots_reason(self.params)  # the unmarked ones, under a forced float16 route
             if reason is not None:  # the forced float16 MoE route would give silently wrong rows
                 raise ValueError(f"DSV41_MMA_FP4=f16dots: {reason}")
-            # the default route reads the experts whose scales allow it in float16 (session 44: the
-            # tensor-core decode MoE 2-8 % faster)
-            self.params = mark_f16_exact_experts(self.params)
 
     def _repack_experts(self, packing: str):
         """The routed experts' codes re-laid in ``packing`` on the device (a no-op where they are), in

@@ -290,6 +290,21 @@ def decode_topk(args, log):
 READ_AB_CASES = ((1 << 20, 8), (1 << 20, 1))  # (entries, batch) of --read-ab
 
 
+def score_kernel_op(cfg):
+    """The score kernel alone (``index_block_maxima`` over ``_prep``'s operands, decode rows, blocks
+    of 8) under ``cfg`` as an op for :func:`timed`: (inputs of :func:`make_inputs`, zero) -> (maxima,
+    a zero of them)."""
+    from pallas_kernels.lightning_indexer import pallas_triton as pt
+
+    def op(a, c):
+        q, w, kk, vis = a
+        pp = pt._prep(q, kk, w + c, vis, None, 8, cfg["fp4_read"])
+        o = pt.index_block_maxima(pp, g0=8, interpret=False, cfg=cfg)
+        return o, zero_of(o)
+
+    return op
+
+
 def read_ab(args, log):
     """Interleaved A/B of the MXFP4 reads (``--reads``, default phases against f16phases) at
     :data:`READ_AB_CASES`: per case ``--rounds`` rounds, each timing every read in turn in this one
@@ -324,14 +339,8 @@ def read_ab(args, log):
                     o = pt.lightning_indexer(q, w + c, kk, vis, top_k=512, config=dict(fp4_read=read))
                     return o, zero_of(o.topk)
 
-                def score(a, c, cfg=cfg):
-                    q, w, kk, vis = a
-                    pp = pt._prep(q, kk, w + c, vis, None, 8, cfg["fp4_read"])
-                    o = pt.index_block_maxima(pp, g0=8, interpret=False, cfg=cfg)
-                    return o, zero_of(o)
-
                 tw = timed(whole, a, n=args.n, reps=args.reps)[0] * 1e6
-                ts = timed(score, a, n=args.n, reps=args.reps)[0] * 1e6
+                ts = timed(score_kernel_op(cfg), a, n=args.n, reps=args.reps)[0] * 1e6
                 res.setdefault((nc, b, read), []).append((tw, ts))
                 log(f"Nc={nc} B={b} round {rnd} {read:10s}: pipeline {tw:7.1f} us, score kernel {ts:7.1f} us")
         del a
@@ -474,12 +483,6 @@ def main(argv=None):
         for route in pt.FP4_READS:  # each MXFP4 decode route, with programs of its own
             cfg = dict(pt.DEFAULTS, block_size=8, fp4_read=route)
 
-            def stage_k1(a, c, cfg=cfg):
-                q, w, kk, vis = a
-                pp = pt._prep(q, kk, w + c, vis, None, 8, cfg["fp4_read"])
-                o = pt.index_block_maxima(pp, g0=8, interpret=False, cfg=cfg)
-                return o, zero_of(o)
-
             def stage_cand(a, c, nc=nc, cfg=cfg):
                 q, w, kk, vis = a
                 pp = pt._prep(q, kk, w + c, vis, None, 8, cfg["fp4_read"])
@@ -487,7 +490,7 @@ def main(argv=None):
                 o = pt.candidate_scores(pp, pos, interpret=False, cfg=cfg)
                 return o, zero_of(o)
 
-            times[route] = (timed(stage_k1, a, n=args.n, reps=args.reps)[0],
+            times[route] = (timed(score_kernel_op(cfg), a, n=args.n, reps=args.reps)[0],
                             timed(stage_cand, a, n=args.n, reps=args.reps)[0])
         log(f"breakdown Nc={nc} B=1: score kernel (block maxima) "
             + ", ".join(f"{r} {t[0]*1e6:.1f} us" for r, t in times.items())

@@ -40,7 +40,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsv41_jax.quant import FP4_PACKINGS, act_quant, fp4_packing, is_quantized
+from dsv41_jax.quant import FP4_PACKINGS, Fp4Tensor, act_quant, fp4_packing, is_quantized
 from pallas_kernels.deferred_sum import expert_slots
 from pallas_kernels.moe.gate_up_finish import finish_act_quant_view, finish_reference, swiglu_h
 from pallas_kernels.triton_compat import TRITON_OFFSETS_PATCHED  # noqa: F401  (applies the fix)
@@ -328,8 +328,6 @@ def mark_f16_exact(w):
     """MXFP4 expert tensor ``w`` marked ``f16_exact`` where :func:`f16_scale_reason` passes (the
     default route then reads it with float16 dot operands), else ``w`` unmarked: a check on the
     device, outside any jit. Other tensors are returned as they are."""
-    from dsv41_jax.quant import Fp4Tensor
-
     if not isinstance(w, Fp4Tensor) or w.block != 32 or w.scale.dtype != jnp.float8_e8m0fnu:
         return w
     return w.replace(f16_exact=f16_scale_reason(w) is None)

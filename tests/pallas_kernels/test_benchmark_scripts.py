@@ -345,7 +345,7 @@ def test_indexer_read_ab_runs_in_interpret_mode(monkeypatch, tmp_path):
     monkeypatch.setattr(pt, "lightning_indexer", lambda *a, **k: orig_li(*a, **{**k, "interpret": True}))
     monkeypatch.setattr(pt, "index_block_maxima", lambda *a, **k: orig_bm(*a, **{**k, "interpret": True}))
     assert bm.main(["--read-ab", "--rounds", "2", "--out", str(tmp_path)]) == 0
-    assert calls == ["whole", "score"] * 4
+    assert calls == ["whole", "op"] * 4  # the pipeline, then score_kernel_op's op
     rows = json.loads((tmp_path / "lightning_indexer_read_ab.json").read_text())["rows"]
     assert [r["read"] for r in rows] == ["phases", "f16phases"] and all(len(r["rounds"]) == 2 for r in rows)
     # the stub's times are the call numbers: phases 1, 5 (pipeline) and 2, 6 (score), f16phases 3, 7 and 4, 8
