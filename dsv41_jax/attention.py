@@ -272,7 +272,13 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
     # one GEMV launch at decode sizes, and one split-K finish kernel that also applies q_norm
     qr, kv_lat = linear_multi(x, [p["wq_a"], p["wkv"]], act_block=act, norms=[p["q_norm"], None],
                               norm_eps=cfg.norm_eps)
-    q = linear(qr, p["wq_b"], act_block=act, path="attn.wq_b").reshape(B, S, H, Dh)
+    # wq_b and the layer's indexer wq_b read the same qr: one GEMV launch at decode sizes too
+    if _indexes(p, l, m, cfg):
+        q, qi_lin = linear_multi(qr, [p["wq_b"], p["indexer"]["wq_b"]], act_block=act,
+                                 paths=["attn.wq_b", "attn.indexer.wq_b"])
+    else:
+        q, qi_lin = linear(qr, p["wq_b"], act_block=act, path="attn.wq_b"), None
+    q = q.reshape(B, S, H, Dh)
     if cfg.is_v4:
         q = head_rms_norm(q, cfg.norm_eps)
     q = apply_rope(q, ang)
@@ -310,8 +316,8 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
 
     comp_kv, comp_idx = None, None
     if m > 0 and cfg.is_v4:
-        lc, comp_kv, comp_idx, shared = _v4_compressed(p, x, qr, l, m, cfg, opts, lc, pos0, lengths, positions, ang,
-                                                       freqs, shared)
+        lc, comp_kv, comp_idx, shared = _v4_compressed(p, x, qi_lin, l, m, cfg, opts, lc, pos0, lengths, positions,
+                                                       ang, freqs, shared)
         cache_layers = {**cache_layers, str(l): lc}
     elif m > 0:
         src = cfg.kv_source_of(l)
@@ -334,7 +340,7 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
         comp_kv = src_cache["comp"]
         if l in cfg.index_source_layers:
             ix = p["indexer"]
-            qi = linear(qr, ix["wq_b"], act_block=act, path="attn.indexer.wq_b").reshape(B, S, cfg.index_n_heads, cfg.index_head_dim)
+            qi = qi_lin.reshape(B, S, cfg.index_n_heads, cfg.index_head_dim)  # beside wq_b (_indexes)
             qi = apply_rope(qi, ang)
             qi = cache_store(qi, "index", opts) if opts.quantized_kv else qi
             wscale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
@@ -365,13 +371,21 @@ def attention(p, x, l: int, cfg: ModelConfig, opts: RunOptions, cache_layers: di
     return out, cache_layers, shared
 
 
-def _v4_compressed(p, x, qr, l, m, cfg: ModelConfig, opts: RunOptions, lc, pos0, lengths, positions, ang, freqs,
+def _indexes(p, l: int, m: int, cfg: ModelConfig) -> bool:
+    """Whether layer ``l`` runs its own lightning indexer (and so projects qr with the indexer's
+    wq_b beside wq_b): V4.1's index-source layers, V4's CSA layers (ratio 4)."""
+    if m <= 0 or "indexer" not in p:
+        return False
+    return cfg.overlap(l) if cfg.is_v4 else l in cfg.index_source_layers
+
+
+def _v4_compressed(p, x, qi_lin, l, m, cfg: ModelConfig, opts: RunOptions, lc, pos0, lengths, positions, ang, freqs,
                    shared):
     """V4's compressed branch of layer ``l``: its own compressor into its own cache, then the key
     set — CSA (ratio 4): the top-k of its own indexer; HCA: every complete block. Returns (layer
-    cache, compressed KV store, indices [B,S,K] (-1 = none), shared runtime slots)."""
+    cache, compressed KV store, indices [B,S,K] (-1 = none), shared runtime slots). ``qi_lin``: the
+    indexer's wq_b projection of qr [B, S, heads x dim] (CSA layers; computed beside wq_b)."""
     B, S, _ = x.shape
-    act = cfg.fp8_block_size
     lc = dict(lc)
     latent, ent_idx, ent_valid, state = compress(p["compressor"], x, lc, pos0, lengths, m, cfg, opts,
                                                  overlap=cfg.overlap(l))
@@ -391,7 +405,7 @@ def _v4_compressed(p, x, qr, l, m, cfg: ModelConfig, opts: RunOptions, lc, pos0,
             k = hadamard(k)
         lc["index_k"] = scatter_rows(lc["index_k"], dst, _store_v4(k, "index", opts, cfg.rope_head_dim))
         lc.update(istate)
-        qi = linear(qr, ix["wq_b"], act_block=act, path="attn.indexer.wq_b").reshape(B, S, cfg.index_n_heads, cfg.index_head_dim)
+        qi = qi_lin.reshape(B, S, cfg.index_n_heads, cfg.index_head_dim)
         qi = apply_rope(qi, ang)
         if opts.hadamard:
             qi = hadamard(qi)

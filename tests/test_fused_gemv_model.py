@@ -1,5 +1,5 @@
 """The decode step's same-input projections share one kernel launch (wq_a + wkv, the shared expert's
-w1 + w3; ``layers.linear_multi``), wo_a runs one grouped launch, every fused call equals the
+w1 + w3, and in a layer with its own indexer wq_b + the indexer's wq_b; ``layers.linear_multi``), wo_a runs one grouped launch, every fused call equals the
 reference on its inputs, and the step's logits equal the reference path's (up to the FP8 rounding
 flips described in the test).
 
@@ -54,6 +54,8 @@ def test_decode_step_fuses_same_input_projections(monkeypatch):
 
     monkeypatch.setattr(layers, "quantized_matmul_multi", checked_multi)
     cfg = get_preset("tiny-v4")
+    n_csa = sum(cfg.overlap(layer) for layer in range(cfg.n_layers))  # layers with their own indexer
+    assert n_csa >= 1
     opts = RunOptions(dtype="float32", kv_cache_dtype="float32")
     B, P = 2, 9
     one = jnp.ones((B,), jnp.int32)
@@ -82,8 +84,9 @@ def test_decode_step_fuses_same_input_projections(monkeypatch):
         with dispatch.use_implementation("interpret"):
             out = np.asarray(kernel_step(params, cache, tok, one)[0])
         jax.effects_barrier()
-        # per layer: wq_a + wkv and w1 + w3, each output within float32 summation-order noise
-        assert len(call_errors) == 2 * cfg.n_layers, len(call_errors)
+        # per layer: wq_a + wkv and w1 + w3, per CSA layer also wq_b + the indexer's wq_b, each output
+        # within float32 summation-order noise
+        assert len(call_errors) == 2 * cfg.n_layers + n_csa, len(call_errors)
         assert max(max(e) for e in call_errors) <= 1e-5, call_errors
         return params, cache, tok, ref, out
 
@@ -104,8 +107,9 @@ def test_decode_step_fuses_same_input_projections(monkeypatch):
     with dispatch.use_implementation("interpret"):
         jaxpr = str(jax.make_jaxpr(functools.partial(forward_step, cfg=cfg, opts=opts))(params, cache, tok, one))
     assert "qmm_fma" not in ref_jaxpr
-    # per layer: wq_a + wkv in one launch, the shared expert's w1 + w3 in another
-    assert jaxpr.count("name=qmm_fma_fp8_x2") == 2 * cfg.n_layers, jaxpr.count("name=qmm_fma_fp8_x2")
+    # per layer: wq_a + wkv in one launch, the shared expert's w1 + w3 in another; per CSA layer wq_b
+    # and the indexer's wq_b in a third (no separate launch for either)
+    assert jaxpr.count("name=qmm_fma_fp8_x2") == 2 * cfg.n_layers + n_csa, jaxpr.count("name=qmm_fma_fp8_x2")
     # and wo_a, the grouped projection, one launch over its groups per layer
     assert jaxpr.count("name=qmm_fma_fp8_grouped") == cfg.n_layers, jaxpr.count("name=qmm_fma_fp8_grouped")
     # and wq_a's K parts summed and q_norm applied by the split-K finish kernel
