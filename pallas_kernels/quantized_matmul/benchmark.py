@@ -335,20 +335,63 @@ def finish_sweep(key, rows_list=(1, 2, 4), reps=9):
             if cfg != base and fma.multi_reason(m, [w1, w2], cfg) is None:
                 variants.append((f"finish_s{splits}", lambda x, a, b, w, cfg=cfg: pallas_triton.quantized_matmul_multi(
                     x, [a, b], norms=[w, None], norm_eps=eps, config=cfg)))
-        for name, fn in variants:
-            try:
-                y = jax.jit(fn)(*args[0], nw)
-                err = max(max_rel_err(a, b) for a, b in zip(y, yr))
-                kernels = []
-                t = device_time_op(fn, args, (nw,), reps=reps, kernels=kernels)
-                good = bool(err <= CHECK_TOL)
-                row.update({f"{name}_s": t, f"{name}_rel_err": err, f"{name}_kernels": [kn for kn, _ in kernels]})
-                row["ok"] &= good
-                log(f"  M={m} {name:10s}: {t * 1e6:7.2f} us ({100 * floor / t:5.1f}% of HBM), rel err {err:.2e} "
-                    f"{'PASS' if good else 'FAIL'}; kernels: {', '.join(f'{kn} {ks * 1e6:.2f}' for kn, ks in kernels)}")
-            except Exception as e:  # noqa: BLE001
-                row["ok"] = False
-                log(f"  M={m} {name} FAILED {type(e).__name__}: {str(e)[:300]}")
+        _time_variants(row, variants, args, (nw,), yr, m, floor, reps)
+        out.append(row)
+    return out
+
+
+def _time_variants(row, variants, args, shared, yr, m, floor, reps):
+    """Each (name, fn) of ``variants`` on ``args[0]`` + ``shared`` checked against the outputs ``yr``
+    (max rel err <= CHECK_TOL), then its device time per call over ``args`` with its kernels; the
+    results go into ``row`` (``<name>_s``, ``<name>_rel_err``, ``<name>_kernels``; ``ok`` false on a
+    failed check or an error)."""
+    for name, fn in variants:
+        try:
+            y = jax.jit(fn)(*args[0], *shared)
+            err = max(max_rel_err(a, b) for a, b in zip(y, yr))
+            kernels = []
+            t = device_time_op(fn, args, shared, reps=reps, kernels=kernels)
+            good = bool(err <= CHECK_TOL)
+            row.update({f"{name}_s": t, f"{name}_rel_err": err, f"{name}_kernels": [kn for kn, _ in kernels]})
+            row["ok"] &= good
+            log(f"  M={m} {name:10s}: {t * 1e6:7.2f} us ({100 * floor / t:5.1f}% of HBM), rel err {err:.2e} "
+                f"{'PASS' if good else 'FAIL'}; kernels: {', '.join(f'{kn} {ks * 1e6:.2f}' for kn, ks in kernels)}")
+        except Exception as e:  # noqa: BLE001
+            row["ok"] = False
+            log(f"  M={m} {name} FAILED {type(e).__name__}: {str(e)[:300]}")
+
+
+def pair_sweep(key, names=("wq_b", "idx_wq_b"), rows_list=(1, 2, 4), reps=9):
+    """Two FP8 projections that read the same input (default: wq_b and the indexer's wq_b, which the
+    attention projects together since session 45): one fma launch (``quantized_matmul_multi``)
+    against one launch each and the reference, each checked against the reference on the GPU;
+    device time per call (profiler) with the kernels listed."""
+    shapes = {name: (n, k) for name, n, k in PROJECTIONS}
+    (n1, k), (n2, k2) = shapes[names[0]], shapes[names[1]]
+    if k != k2:
+        raise ValueError(f"--pair {','.join(names)}: the projections must share K, got {k} and {k2}")
+    w1, w2 = random_fp8(key, n1, k), random_fp8(jax.random.fold_in(key, 1), n2, k)
+    pairs = [(w1, w2)] + [(distinct_copy(w1), distinct_copy(w2)) for _ in range(reps - 1)]
+    floor = (tree_bytes(w1) + tree_bytes(w2)) / HBM_BYTES_PER_S
+    log(f"\n# {names[0]} + {names[1]} (FP8 32x32, {n1} + {n2} rows, K={k}; floor {floor * 1e6:.2f} us)")
+
+    def fused(x, a, b):
+        return pallas_triton.quantized_matmul_multi(x, [a, b])
+
+    def separate(x, a, b):
+        return [pallas_triton.quantized_matmul(x, a), pallas_triton.quantized_matmul(x, b)]
+
+    def ref(x, a, b):
+        return [reference.quantized_matmul(x, a), reference.quantized_matmul(x, b)]
+
+    out = []
+    for m in rows_list:
+        xs = [jax.random.normal(jax.random.fold_in(key, 100 * m + r), (m, k), jnp.bfloat16) for r in range(reps)]
+        args = [(xs[r], *pairs[r]) for r in range(reps)]
+        yr = jax.jit(ref)(*args[0])
+        row = dict(op="qmm_pair", names=list(names), M=m, floor_s=floor, ok=True)
+        _time_variants(row, [("fused", fused), ("separate", separate), ("reference", ref)], args, (), yr, m, floor,
+                       reps)
         out.append(row)
     return out
 
@@ -494,8 +537,19 @@ def main(argv=None):
                          "XLA and the bf16 dot ceiling, then exit (with --names: projections, default wq_b,wo_b,shared_w2)")
     ap.add_argument("--finish", action="store_true",
                     help="wq_a + wkv with q_norm: the split-K finish kernel vs XLA's sum + norm: check + device time")
+    ap.add_argument("--pair", default=None, metavar="A,B",
+                    help="two projections that read one input (e.g. wq_b,idx_wq_b): one fused launch vs one each: "
+                         "check + device time")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
+    if a.pair:
+        names = tuple(a.pair.split(","))
+        known = [name for name, _, _ in PROJECTIONS]
+        if len(names) != 2 or any(n not in known for n in names):
+            ap.error(f"--pair {a.pair}: expected two of {', '.join(known)}")
+        rows = pair_sweep(jax.random.PRNGKey(17), names=names)
+        write_rows(a.out, "qmm_pair.json", rows)
+        return 0 if rows and all(r["ok"] for r in rows) else 1
     if a.finish:
         rows = finish_sweep(jax.random.PRNGKey(13))
         write_rows(a.out, "qmm_finish.json", rows)

@@ -391,6 +391,41 @@ def test_qmm_finish_sweep_runs_in_interpret_mode(monkeypatch):
     assert all(r["ok"] and {"finish_s", "xla_after_s", "reference_s"} <= set(r) for r in rows), rows
 
 
+def test_qmm_pair_sweep_runs_in_interpret_mode(monkeypatch):
+    """``quantized_matmul.benchmark --pair wq_b,idx_wq_b`` at small shapes (interpret mode, timing
+    stubbed): the fused launch, one launch each and the reference, each checked, all pass; the fused
+    variant runs one kernel, the separate one two; a bad pair is refused by name."""
+    import functools
+
+    import pallas_kernels.quantized_matmul.benchmark as bq
+    from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
+
+    monkeypatch.setitem(fma.DECODE_GEMV, "qmm", "fma")
+    monkeypatch.setattr(bq, "PROJECTIONS", [("wq_b", 256, 512), ("idx_wq_b", 64, 512), ("wo_b", 64, 256)])
+    launches = []
+
+    def fake_time(fn, args, shared, *, reps, kernels):
+        import jax
+
+        jaxpr = str(jax.make_jaxpr(fn)(*args[0], *shared))
+        kernels.extend(("qmm", 1e-6) for _ in range(jaxpr.count("name=qmm_fma")))
+        launches.append(len(kernels))
+        return 1e-6
+
+    monkeypatch.setattr(bq, "device_time_op", fake_time)
+    for name in ("quantized_matmul_multi", "quantized_matmul"):
+        monkeypatch.setattr(bq.pallas_triton, name, functools.partial(getattr(bq.pallas_triton, name), interpret=True))
+    monkeypatch.setattr(bq, "log", lambda *a: None)
+    rows = bq.pair_sweep(__import__("jax").random.PRNGKey(0), rows_list=(1, 4), reps=2)
+    assert [r["M"] for r in rows] == [1, 4]
+    assert all(r["ok"] and {"fused_s", "separate_s", "reference_s"} <= set(r) for r in rows), rows
+    assert launches == [1, 2, 0] * 2, launches  # fused, separate, reference per row count
+    with pytest.raises(ValueError, match="must share K"):
+        bq.pair_sweep(__import__("jax").random.PRNGKey(0), names=("wq_b", "wo_b"), rows_list=(1,), reps=2)
+    with pytest.raises(SystemExit):
+        bq.main(["--pair", "wq_b,nope"])
+
+
 def test_mhc_sweep_runs_in_interpret_mode(monkeypatch):
     """``mhc.benchmark --sweep`` at a small width (interpret mode, timing stubbed): every decode config
     of hc_mixes is checked against the reference (max abs err <= 1e-5), and the site is timed for both
