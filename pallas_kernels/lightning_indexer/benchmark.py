@@ -327,9 +327,7 @@ def read_ab(args, log):
         for read in reads:  # the positions each read picks, against the first read's
             topk = np.asarray(pt.lightning_indexer(*a, top_k=512, config=dict(fp4_read=read)).topk).reshape(b, -1)
             first = topk if first is None else first
-            # the share of positions in both sets, per row (a near-tie may swap one; ascending order
-            # would shift every later entry, so not an elementwise comparison)
-            same[(nc, b, read)] = float(np.mean([len(np.intersect1d(t, f)) / t.size for t, f in zip(topk, first)]))
+            same[(nc, b, read)] = _same_share(topk, first)
         for rnd in range(args.rounds):
             for read in reads:
                 cfg = dict(pt.DEFAULTS, block_size=8, fp4_read=read)
@@ -355,6 +353,61 @@ def read_ab(args, log):
     return 0
 
 
+# (entries, batch) of --path-ab: the protocol's decode caches (1,280 at a 4K prompt's ratio-4 layers,
+# 5,121 at its ratio-1 layers) and around the pipeline's switch (DECODE_MIN_ENTRIES = 2,048)
+PATH_AB_CASES = ((1280, 1), (1280, 8), (2560, 1), (5121, 1), (5121, 8), (16384, 1), (16384, 8))
+
+
+def _same_share(topk, first) -> float:
+    """The share of ``topk``'s positions that ``first`` also picks, averaged over rows (sets, not
+    elementwise: one near-tie swap shifts every later entry of an ascending list)."""
+    import numpy as np
+
+    return float(np.mean([len(np.intersect1d(t[t >= 0], f[f >= 0])) / max(1, int((f >= 0).sum()))
+                          for t, f in zip(topk, first)]))
+
+
+def path_ab(args, log):
+    """Decode paths at small caches (:data:`PATH_AB_CASES`): the XLA reference, the streaming pipeline
+    (``decode_path="pipeline"``, 5-6 launches) and the direct path (every score, one select: 2
+    launches), by device time (``device_time_op``: the profiler's sum over each program's kernels,
+    ``--reps`` distinct inputs, L2 flushed; the chained-call harness could not rank these ~30 us
+    calls, session 14), each path's top-k positions against the reference's."""
+    import jax
+    import numpy as np
+
+    from pallas_kernels.benchmarking import device_time_op
+    from pallas_kernels.lightning_indexer import pallas_triton as pt
+    from pallas_kernels.lightning_indexer import reference as ref
+
+    def path(name):
+        if name == "reference":
+            return lambda q, w, k, v: ref.lightning_indexer(q, w, k, v, top_k=512).topk
+        return lambda q, w, k, v: pt.lightning_indexer(q, w, k, v, top_k=512, config=dict(decode_path=name)).topk
+
+    reps = max(2, args.reps)
+    rows = []
+    log("| entries x batch | reference us | pipeline us | direct us | direct / reference | positions as the reference's (pipeline, direct) | kernels (reference, pipeline, direct) |")
+    for nc, b in PATH_AB_CASES:
+        inputs = [make_inputs(jax.random.PRNGKey(7919 * r + nc + b), b, 1, nc) for r in range(reps)]
+        row = dict(entries=nc, batch=b)
+        first = None
+        for name in ("reference", "pipeline", "direct"):
+            fn = path(name)
+            top = np.asarray(jax.jit(fn)(*inputs[0])).reshape(b, -1)
+            first = top if first is None else first
+            kernels = []
+            t = device_time_op(fn, inputs, reps=reps, kernels=kernels)
+            row.update({f"{name}_us": t * 1e6, f"{name}_same": _same_share(top, first), f"{name}_kernels": len(kernels)})
+        rows.append(row)
+        log(f"| {nc}x{b} | {row['reference_us']:.1f} | {row['pipeline_us']:.1f} | {row['direct_us']:.1f} | "
+            f"{row['direct_us'] / row['reference_us']:.2f} | {row['pipeline_same']:.4f}, {row['direct_same']:.4f} | "
+            f"{row['reference_kernels']}, {row['pipeline_kernels']}, {row['direct_kernels']} |")
+        del inputs
+    write_rows(args.out, "lightning_indexer_path_ab.json", rows)
+    return 0 if all(r["pipeline_same"] >= 0.99 and r["direct_same"] >= 0.99 for r in rows) else 1
+
+
 def main(argv=None):
     ap = chained_args(argparse.ArgumentParser(), n=10, reps=5, skip_xla_help="skip the XLA reference and lax.top_k timings")
     ap.add_argument("--decode-topk", action="store_true",
@@ -363,6 +416,8 @@ def main(argv=None):
                     help="only the model's prefill shapes (4096-row chunk of a 64K prompt): XLA vs the tile score kernel")
     ap.add_argument("--read-ab", action="store_true",
                     help="only the interleaved A/B of the MXFP4 reads (--reads, --rounds) at 1M entries x batch 8 and 1")
+    ap.add_argument("--path-ab", action="store_true",
+                    help="only the decode paths at small caches (XLA reference, pipeline, direct) by device time")
     ap.add_argument("--reads", default="phases,f16phases", help="with --read-ab: the fp4_read values to compare")
     ap.add_argument("--rounds", type=int, default=2, help="with --read-ab: rounds of every read in turn")
     ap.add_argument("--variants", default="",
@@ -391,6 +446,8 @@ def main(argv=None):
 
     dev = jax.devices()[0]
     log(f"# lightning indexer score+top-k | device {dev.device_kind} | jax {jax.__version__} | n={args.n} reps={args.reps}")
+    if args.path_ab:
+        return path_ab(args, log)
     if args.read_ab:
         from pallas_kernels.lightning_indexer import pallas_triton as pt_reads
 

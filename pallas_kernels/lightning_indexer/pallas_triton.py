@@ -77,8 +77,13 @@ DEFAULTS = dict(
     # (see _load_rows)
     fp4_read="phases",
     dot_order="keys",  # the score dots' first operand: "keys" ([N, HI] logits) or "q" ([HI, N]; see _scores)
+    # decode rows over caches of at most select_max entries: "pipeline" (block maxima, a select of
+    # blocks, rescoring of their entries, a select of those: 5-6 launches) or "direct" (every entry's
+    # score from the score kernel, one select over the row: 2 launches; session 45, not yet timed)
+    decode_path="pipeline",
 )
 FP4_READS = ("phases", "f16phases", "bytes")
+DECODE_PATHS = ("pipeline", "direct")
 WORD_READS = ("phases", "f16phases")  # the routes that read the codes as 32-bit words
 DOT_ORDERS = ("keys", "q")
 
@@ -259,7 +264,7 @@ def _score_kernel(*refs, q_fp4, k_fp4, has_cb, hi, d2, nc, s_rows, tile_n, chunk
             if has_cb:
                 ok = ok & (cb_ref[jnp.full((chunk,), r, jnp.int32), pos // bs] != 0)
             sc = jnp.where(ok, sc, _NEG_INF)
-            gm = jnp.max(sc.reshape(chunk // g0, g0), axis=1)
+            gm = sc if g0 == 1 else jnp.max(sc.reshape(chunk // g0, g0), axis=1)
             o_ref[pl.ds(r, 1), pl.ds(c * (chunk // g0), chunk // g0)] = gm[None, :]
             return 0
 
@@ -307,7 +312,8 @@ def _prep(q, keys, weights, visible, candidate_blocks, block_size, fp4_read="pha
 
 
 def index_block_maxima(p, *, g0, interpret, cfg):
-    """Score kernel: masked group maxima over g0 positions, [B*S, NT*tile_n/g0] f32 (-inf padded)."""
+    """Score kernel: masked group maxima over g0 positions, [B*S, NT*tile_n/g0] f32 (-inf padded);
+    g0 = 1: every position's masked score."""
     b, s, hi, di, nc = p["b"], p["s"], p["hi"], p["di"], p["nc"]
     d2 = di // 2
     tile_n = min(cfg["tile_n"], max(cfg["chunk"], _next_pow2(nc)))
@@ -532,13 +538,15 @@ def lightning_indexer(q, weights, keys, visible, *, top_k, candidate_blocks=None
     cfg = dict(DEFAULTS)
     cfg.update(config or {})
     cfg["block_size"] = block_size
-    for key, choices in (("fp4_read", FP4_READS), ("dot_order", DOT_ORDERS)):
+    for key, choices in (("fp4_read", FP4_READS), ("dot_order", DOT_ORDERS), ("decode_path", DECODE_PATHS)):
         if cfg[key] not in choices:
             raise ValueError(f"lightning_indexer (pallas): {key}={cfg[key]!r}; expected one of {', '.join(choices)}")
     p = _prep(q, keys, weights, visible, candidate_blocks, block_size, cfg["fp4_read"])
     b, s, nc = p["b"], p["s"], p["nc"]
     rows = b * s
     nb = -(-nc // block_size)
+    if cfg["decode_path"] == "direct" and _next_pow2(nc) <= cfg["select_max"]:
+        return _direct(p, top_k=top_k, nb=nb, want_block_scores=want_block_scores, interpret=interpret, cfg=cfg)
     small = rows * nb * 4 <= cfg["maxima_budget_bytes"]
     g0 = block_size if (want_block_scores or small or nc <= block_size * block_size) else block_size * block_size
     gmax = index_block_maxima(p, g0=g0, interpret=interpret, cfg=cfg)  # [R, >= ceil(nc/g0)]
@@ -559,6 +567,25 @@ def lightning_indexer(q, weights, keys, visible, *, top_k, candidate_blocks=None
     if want_block_scores:
         block_scores = gmax[:, :nb].reshape(b, s, nb)
     return IndexerResult(topk.astype(jnp.int32), block_scores)
+
+
+def _direct(p, *, top_k, nb, want_block_scores, interpret, cfg) -> IndexerResult:
+    """``decode_path`` "direct" (rows over at most ``select_max`` entries): the score kernel writes
+    every entry's masked score (group size 1), one select program per row picks the top-k of them
+    (ascending, -1 padded), and the block maxima, where wanted, are an XLA max over those scores.
+    Two launches where the pipeline runs five or six, at the price of N scores per row in HBM
+    (4 bytes each: 64 KB at the select's 16,384)."""
+    b, s = p["b"], p["s"]
+    bs = cfg["block_size"]
+    sc = index_block_maxima(p, g0=1, interpret=interpret, cfg=cfg)  # [R, W >= Nc], -inf beyond Nc
+    if sc.shape[1] < nb * bs:  # (tiles narrower than a block: only with hand-set configs)
+        sc = jnp.pad(sc, ((0, 0), (0, nb * bs - sc.shape[1])), constant_values=_NEG_INF)
+    topk = select_topk(sc, top_k, interpret=interpret, num_warps=cfg["select_warps"],
+                       early_exit=cfg["select_early_exit"])
+    block_scores = None
+    if want_block_scores:
+        block_scores = jnp.max(sc[:, :nb * bs].reshape(b * s, nb, bs), axis=-1).reshape(b, s, nb)
+    return IndexerResult(topk.reshape(b, s, top_k).astype(jnp.int32), block_scores)
 
 
 PREFILL_MIN_ROWS = 64  # query rows per sequence from which the tile score kernel runs

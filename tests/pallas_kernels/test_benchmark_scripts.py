@@ -355,6 +355,37 @@ def test_indexer_read_ab_runs_in_interpret_mode(monkeypatch, tmp_path):
         bm.main(["--read-ab", "--reads", "phases,f16", "--out", str(tmp_path)])
 
 
+def test_indexer_path_ab_runs_in_interpret_mode(monkeypatch, tmp_path):
+    """``lightning_indexer.benchmark --path-ab`` at small caches (kernels in interpret mode, device
+    time stubbed to count each program's Pallas launches): the reference, the pipeline and the direct
+    path timed per case, all three pick the reference's positions, and the direct path runs 2 Pallas
+    launches where the pipeline runs more."""
+    import json
+
+    import jax
+
+    import pallas_kernels.benchmarking as bmk
+    import pallas_kernels.lightning_indexer.benchmark as bm
+    from pallas_kernels.lightning_indexer import pallas_triton as pt
+
+    monkeypatch.setattr(bm, "PATH_AB_CASES", ((300, 1), (2500, 2)))
+
+    def fake_time(fn, inputs, *, reps, kernels):
+        assert len(inputs) == reps
+        kernels.extend(("k", 1e-6) for _ in range(str(jax.make_jaxpr(fn)(*inputs[0])).count("pallas_call[")))
+        return 1e-6 * (1 + len(kernels))
+
+    monkeypatch.setattr(bmk, "device_time_op", fake_time)
+    orig_li = pt.lightning_indexer
+    monkeypatch.setattr(pt, "lightning_indexer", lambda *a, **k: orig_li(*a, **{**k, "interpret": True}))
+    assert bm.main(["--path-ab", "--reps", "2", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "lightning_indexer_path_ab.json").read_text())["rows"]
+    assert [(r["entries"], r["batch"]) for r in rows] == [(300, 1), (2500, 2)]
+    for r in rows:
+        assert r["reference_kernels"] == 0 and r["direct_kernels"] == 2 < r["pipeline_kernels"], r
+        assert r["pipeline_same"] == r["direct_same"] == 1.0, r
+
+
 def test_qmm_grouped_sweep_runs_in_interpret_mode(monkeypatch):
     """``quantized_matmul.benchmark --grouped`` at a small wo_a shape (interpret mode, timing stubbed):
     each row count's default and alternative configs are checked against the reference and pass."""

@@ -124,8 +124,12 @@ def check_result(o, r, scores, top_k, rel_slack=0.0):
         (False, None, False, True),     # plain f32, direct select, block maxima returned
         (True, HIER, True, True),       # MXFP4, hierarchical descent, candidate-block mask
         (True, PREFILL, False, False),  # MXFP4, g0 = 64 maxima (prefill path) + rescoring of 64-groups
+        # decode_path "direct": every score, one select (block maxima from the scores), several tiles
+        (True, dict(decode_path="direct", tile_n=128, chunk=64), True, True),
+        (False, dict(decode_path="direct"), False, False),
     ],
-    ids=["plain_direct", "mxfp4_hier_candmask", "mxfp4_prefill_path"],
+    ids=["plain_direct", "mxfp4_hier_candmask", "mxfp4_prefill_path", "mxfp4_direct_path_candmask",
+         "plain_direct_path"],
 )
 def test_parity_margins(quant, cfg, cand, wbs):
     top_k = 16
@@ -151,6 +155,21 @@ def test_random_mxfp4_and_top_k_not_pow2():
     r, scores = _ref_and_scores(q, w, k, vis, None, 24, True)
     o = _pal(q, w, k, vis, None, 24, True)
     check_result(o, r, scores, 24)
+    # the direct decode path (every score, one select) picks what the pipeline picks, and its block
+    # maxima are the pipeline's, bit for bit (the same score kernel arithmetic, the same select);
+    # above select_max it is the pipeline
+    for cfg in (dict(decode_path="direct"), dict(decode_path="direct", tile_n=64, chunk=32)):
+        d = _pal(q, w, k, vis, None, 24, True, cfg)
+        assert np.array_equal(np.asarray(d.topk), np.asarray(o.topk))
+        assert np.array_equal(np.asarray(d.block_scores), np.asarray(o.block_scores))
+    big = jax.make_jaxpr(lambda *a: pallas_triton.lightning_indexer(
+        *a, top_k=24, config=dict(decode_path="direct", select_max=128)).topk)(q, w, k, vis)
+    assert str(big).count("name=indexer_select_topk") > 1  # 200 entries > select_max: the pipeline
+    small = jax.make_jaxpr(lambda *a: pallas_triton.lightning_indexer(
+        *a, top_k=24, config=dict(decode_path="direct")).topk)(q, w, k, vis)
+    assert str(small).count("name=indexer_select_topk") == 1 and "indexer_candidate_scores" not in str(small)
+    with pytest.raises(ValueError, match="decode_path='fast'"):
+        pallas_triton.lightning_indexer(q, w, k, vis, top_k=24, config=dict(decode_path="fast"))
 
 
 @pytest.mark.parametrize("s,di,fp4_read,dot_order", [
@@ -312,6 +331,20 @@ def test_cross_lowering(target, shape, wbs):
         for read in set(pallas_triton.FP4_READS) - {pallas_triton.DEFAULTS["fp4_read"]}:
             lower_for(target, lambda q, w, k, v, read=read: pallas_triton.lightning_indexer(
                 q, w, k, v, top_k=512, config=dict(fp4_read=read)).topk, *_real_specs(*shape))
+
+
+@pytest.mark.parametrize("target", ["cuda", "rocm"])
+@pytest.mark.parametrize("shape", [(1, 1, 1280, False), (8, 1, 5121, True)], ids=["b1_1280", "b8_5121_cand"])
+def test_direct_decode_path_lowers(target, shape):
+    """decode_path "direct" at the protocol's cache sizes (1,280 and 5,121 compressed entries): the
+    score kernel at group size 1 and one select, for cuda and rocm."""
+    def f(q, w, k, v, cb=None):
+        res = pallas_triton.lightning_indexer(q, w, k, v, top_k=512, candidate_blocks=cb, want_block_scores=cb is not None,
+                                              config=dict(decode_path="direct"))
+        return res.topk if res.block_scores is None else (res.topk, res.block_scores)
+
+    text = lower_for(target, f, *_real_specs(*shape)).as_text()
+    assert text.count("indexer_block_maxima") >= 1 and "indexer_candidate_scores" not in text
 
 
 @pytest.mark.parametrize("budget", [1 << 25, 3 * 200 * 2, 200])
