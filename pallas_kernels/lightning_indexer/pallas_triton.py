@@ -35,6 +35,7 @@ differ from ``lax.top_k`` + sort, which the reference uses).
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +85,11 @@ DEFAULTS = dict(
 )
 FP4_READS = ("phases", "f16phases", "bytes")
 DECODE_PATHS = ("pipeline", "direct")
+# DSV41_INDEXER_DECODE=direct (read at import) makes "direct" the default decode path and lets
+# 'auto' take it below DECODE_MIN_ENTRIES too: for A/B runs of the model (bench) until it is timed
+DEFAULTS["decode_path"] = os.environ.get("DSV41_INDEXER_DECODE", DEFAULTS["decode_path"]).lower()
+if DEFAULTS["decode_path"] not in DECODE_PATHS:
+    raise ValueError(f"DSV41_INDEXER_DECODE={DEFAULTS['decode_path']!r}: expected one of {', '.join(DECODE_PATHS)}")
 WORD_READS = ("phases", "f16phases")  # the routes that read the codes as 32-bit words
 DOT_ORDERS = ("keys", "q")
 
@@ -668,13 +674,14 @@ def auto_reason(q, keys):
     protocol's ratio-1 layers); at 2,560 the two were within the noise, and at 1,280 the reference
     was as fast or faster (30-34 vs 34-46 us at batch 1; BENCHMARKS.md, issue 5, sessions 13-14).
     Decode over plain float keys (V4 keeps them fake-quantized in bf16) runs the kernel's strided
-    even/odd loads, not timed on a GPU, so it keeps the reference."""
+    even/odd loads, not timed on a GPU, so it keeps the reference. With ``DSV41_INDEXER_DECODE=direct``
+    the small caches below DECODE_MIN_ENTRIES take the kernel's direct path (opt-in, not yet timed)."""
     if is_prefill(q):
         return None
     if not isinstance(keys, Fp4Tensor):
         return "decode over plain float keys is not timed on a GPU (BENCHMARKS.md, issue 5)"
     nc = _logical_shape(keys)[1]
-    if nc < DECODE_MIN_ENTRIES:
+    if nc < DECODE_MIN_ENTRIES and not (DEFAULTS["decode_path"] == "direct" and _next_pow2(nc) <= DEFAULTS["select_max"]):
         return (f"decode over {nc} compressed entries (< DECODE_MIN_ENTRIES = {DECODE_MIN_ENTRIES}): the XLA "
                 "reference measured as fast on the H200 (BENCHMARKS.md, issue 5, session 14)")
     return None

@@ -491,6 +491,11 @@ def test_prefill_dispatch_and_reasons():
     assert "plain float keys" in pallas_triton.auto_reason(q1, k_bf16)
     assert "1280 compressed entries" in pallas_triton.auto_reason(q1, fp4_keys(1280))
     assert "2047 compressed entries" in pallas_triton.auto_reason(q1, fp4_keys(pallas_triton.DECODE_MIN_ENTRIES - 1))
+    # DSV41_INDEXER_DECODE=direct: the small caches take the kernel's direct path (opt-in)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(pallas_triton.DEFAULTS, "decode_path", "direct")
+        assert pallas_triton.auto_reason(q1, fp4_keys(1280)) is None
+        assert "plain float keys" in pallas_triton.auto_reason(q1, k_bf16)
     cfg = dict(pallas_triton_prefill.PREFILL_DEFAULTS)
     assert "power of two" in pallas_triton_prefill.unsupported_reason((1, 64, 24, 128), (1, 100, 128), cfg)
     assert "do not match" in pallas_triton_prefill.unsupported_reason((1, 64, 32, 128), (2, 100, 128), cfg)
