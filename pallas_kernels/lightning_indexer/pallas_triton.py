@@ -551,7 +551,7 @@ def lightning_indexer(q, weights, keys, visible, *, top_k, candidate_blocks=None
     b, s, nc = p["b"], p["s"], p["nc"]
     rows = b * s
     nb = -(-nc // block_size)
-    if cfg["decode_path"] == "direct" and _next_pow2(nc) <= cfg["select_max"]:
+    if _takes_direct(cfg, nc):
         return _direct(p, top_k=top_k, nb=nb, want_block_scores=want_block_scores, interpret=interpret, cfg=cfg)
     small = rows * nb * 4 <= cfg["maxima_budget_bytes"]
     g0 = block_size if (want_block_scores or small or nc <= block_size * block_size) else block_size * block_size
@@ -573,6 +573,12 @@ def lightning_indexer(q, weights, keys, visible, *, top_k, candidate_blocks=None
     if want_block_scores:
         block_scores = gmax[:, :nb].reshape(b, s, nb)
     return IndexerResult(topk.astype(jnp.int32), block_scores)
+
+
+def _takes_direct(cfg, nc: int) -> bool:
+    """Whether decode rows over ``nc`` entries take ``decode_path`` "direct" under ``cfg``: it is
+    asked for and one select program holds the row."""
+    return cfg["decode_path"] == "direct" and _next_pow2(nc) <= cfg["select_max"]
 
 
 def _direct(p, *, top_k, nb, want_block_scores, interpret, cfg) -> IndexerResult:
@@ -681,7 +687,7 @@ def auto_reason(q, keys):
     if not isinstance(keys, Fp4Tensor):
         return "decode over plain float keys is not timed on a GPU (BENCHMARKS.md, issue 5)"
     nc = _logical_shape(keys)[1]
-    if nc < DECODE_MIN_ENTRIES and not (DEFAULTS["decode_path"] == "direct" and _next_pow2(nc) <= DEFAULTS["select_max"]):
+    if nc < DECODE_MIN_ENTRIES and not _takes_direct(DEFAULTS, nc):
         return (f"decode over {nc} compressed entries (< DECODE_MIN_ENTRIES = {DECODE_MIN_ENTRIES}): the XLA "
                 "reference measured as fast on the H200 (BENCHMARKS.md, issue 5, session 14)")
     return None

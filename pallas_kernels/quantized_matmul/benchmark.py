@@ -281,6 +281,24 @@ def grouped_sweep(key, rows_list=(1, 2, 8), reps=9):
     return out
 
 
+def _same_input_pair(key, names, reps):
+    """Two random FP8 projections of :data:`PROJECTIONS` that read one input (``names``: they must
+    share K) -> (w1, w2, ``reps`` weight pairs (the first and distinct copies), byte floor s)."""
+    shapes = {name: (n, k) for name, n, k in PROJECTIONS}
+    (n1, k), (n2, k2) = shapes[names[0]], shapes[names[1]]
+    if k != k2:
+        raise ValueError(f"--pair {','.join(names)}: the projections must share K, got {k} and {k2}")
+    w1, w2 = random_fp8(key, n1, k), random_fp8(jax.random.fold_in(key, 1), n2, k)
+    pairs = [(w1, w2)] + [(distinct_copy(w1), distinct_copy(w2)) for _ in range(reps - 1)]
+    return w1, w2, pairs, (tree_bytes(w1) + tree_bytes(w2)) / HBM_BYTES_PER_S
+
+
+def _rep_args(key, m, k, pairs):
+    """Per weight pair a fresh bf16 activation [m, k]: the argument sets ``(x, w1, w2)``."""
+    return [(jax.random.normal(jax.random.fold_in(key, 100 * m + r), (m, k), jnp.bfloat16), *wp)
+            for r, wp in enumerate(pairs)]
+
+
 def finish_sweep(key, rows_list=(1, 2, 4), reps=9):
     """wq_a + wkv (FP8, K = 5120) with q_norm, as the attention's decode calls them: one fma GEMV
     launch, then the split-K finish kernel (K parts summed, q normalized; ``pallas_triton_finish``)
@@ -289,12 +307,9 @@ def finish_sweep(key, rows_list=(1, 2, 4), reps=9):
     per call (profiler) with the kernels listed."""
     from dsv41_jax.layers import rms_norm
 
-    shapes = {name: (n, k) for name, n, k in PROJECTIONS}
-    (n1, k), (n2, _) = shapes["wq_a"], shapes["wkv"]
-    w1, w2 = random_fp8(key, n1, k), random_fp8(jax.random.fold_in(key, 1), n2, k)
-    pairs = [(w1, w2)] + [(distinct_copy(w1), distinct_copy(w2)) for _ in range(reps - 1)]
+    w1, w2, pairs, floor = _same_input_pair(key, ("wq_a", "wkv"), reps)
+    (n1, k), n2 = w1.shape, w2.shape[0]
     nw = (1.0 + 0.1 * jax.random.normal(jax.random.fold_in(key, 2), (n1,), jnp.float32)).astype(jnp.bfloat16)
-    floor = (tree_bytes(w1) + tree_bytes(w2)) / HBM_BYTES_PER_S
     log(f"\n# wq_a + wkv with q_norm (FP8 32x32, {n1} + {n2} rows, K={k}; floor {floor * 1e6:.2f} us)")
     eps = 1e-6
 
@@ -323,13 +338,12 @@ def finish_sweep(key, rows_list=(1, 2, 4), reps=9):
 
     out = []
     for m in rows_list:
-        xs = [jax.random.normal(jax.random.fold_in(key, 100 * m + r), (m, k), jnp.bfloat16) for r in range(reps)]
-        args = [(xs[r], *pairs[r]) for r in range(reps)]
+        args = _rep_args(key, m, k, pairs)
         yr = jax.jit(ref)(*args[0], nw)
         row = dict(op="qmm_multi_q_norm", M=m, floor_s=floor, ok=True)
         variants = [("finish", finish), ("xla_after", xla_after), ("reference", ref)]
         variants += [(f"finish_w{w}", finish_warps(w)) for w in (1, 2, 4, 8) if w != fin.FINISH_WARPS]
-        base = pallas_triton.fused_gemv_config(xs[0], [w1, w2])
+        base = pallas_triton.fused_gemv_config(args[0][0], [w1, w2])
         for splits in (5, 2):  # fewer K parts: a GEMV with fewer programs, less for the finish to read
             cfg = base[:3] + (splits,) + base[4:]
             if cfg != base and fma.multi_reason(m, [w1, w2], cfg) is None:
@@ -366,13 +380,8 @@ def pair_sweep(key, names=("wq_b", "idx_wq_b"), rows_list=(1, 2, 4), reps=9):
     attention projects together since session 45): one fma launch (``quantized_matmul_multi``)
     against one launch each and the reference, each checked against the reference on the GPU;
     device time per call (profiler) with the kernels listed."""
-    shapes = {name: (n, k) for name, n, k in PROJECTIONS}
-    (n1, k), (n2, k2) = shapes[names[0]], shapes[names[1]]
-    if k != k2:
-        raise ValueError(f"--pair {','.join(names)}: the projections must share K, got {k} and {k2}")
-    w1, w2 = random_fp8(key, n1, k), random_fp8(jax.random.fold_in(key, 1), n2, k)
-    pairs = [(w1, w2)] + [(distinct_copy(w1), distinct_copy(w2)) for _ in range(reps - 1)]
-    floor = (tree_bytes(w1) + tree_bytes(w2)) / HBM_BYTES_PER_S
+    w1, w2, pairs, floor = _same_input_pair(key, names, reps)
+    (n1, k), n2 = w1.shape, w2.shape[0]
     log(f"\n# {names[0]} + {names[1]} (FP8 32x32, {n1} + {n2} rows, K={k}; floor {floor * 1e6:.2f} us)")
 
     def fused(x, a, b):
@@ -386,8 +395,7 @@ def pair_sweep(key, names=("wq_b", "idx_wq_b"), rows_list=(1, 2, 4), reps=9):
 
     out = []
     for m in rows_list:
-        xs = [jax.random.normal(jax.random.fold_in(key, 100 * m + r), (m, k), jnp.bfloat16) for r in range(reps)]
-        args = [(xs[r], *pairs[r]) for r in range(reps)]
+        args = _rep_args(key, m, k, pairs)
         yr = jax.jit(ref)(*args[0])
         row = dict(op="qmm_pair", names=list(names), M=m, floor_s=floor, ok=True)
         _time_variants(row, [("fused", fused), ("separate", separate), ("reference", ref)], args, (), yr, m, floor,
