@@ -78,15 +78,17 @@ DEFAULTS = dict(
     # (see _load_rows)
     fp4_read="phases",
     dot_order="keys",  # the score dots' first operand: "keys" ([N, HI] logits) or "q" ([HI, N]; see _scores)
-    # decode rows over caches of at most select_max entries: "pipeline" (block maxima, a select of
-    # blocks, rescoring of their entries, a select of those: 5-6 launches) or "direct" (every entry's
-    # score from the score kernel, one select over the row: 2 launches; session 45, not yet timed)
-    decode_path="pipeline",
+    # decode rows over caches of at most select_max entries: "direct" (every entry's score from the
+    # score kernel, one select over the row: 2 launches) or "pipeline" (block maxima, a select of
+    # blocks, rescoring of their entries, a select of those: 5-6 launches). Session 46, H100: direct
+    # 9.6 / 14.1 / 23.6 us against the pipeline's 24.4 / 23.8 / 24.3 at 1,280 / 5,121 / 16,384 x 1
+    # (the reference 30.7 / 67.4 / 75.4); +1.3 % batch-1 decode in the model
+    decode_path="direct",
 )
 FP4_READS = ("phases", "f16phases", "bytes")
 DECODE_PATHS = ("pipeline", "direct")
-# DSV41_INDEXER_DECODE=direct (read at import) makes "direct" the default decode path and lets
-# 'auto' take it below DECODE_MIN_ENTRIES too: for A/B runs of the model (bench) until it is timed
+# DSV41_INDEXER_DECODE=pipeline (read at import) makes "pipeline" the default decode path again, and
+# 'auto' then keeps the XLA reference below DECODE_MIN_ENTRIES: for A/B runs of the model (bench)
 DEFAULTS["decode_path"] = os.environ.get("DSV41_INDEXER_DECODE", DEFAULTS["decode_path"]).lower()
 if DEFAULTS["decode_path"] not in DECODE_PATHS:
     raise ValueError(f"DSV41_INDEXER_DECODE={DEFAULTS['decode_path']!r}: expected one of {', '.join(DECODE_PATHS)}")
@@ -668,20 +670,20 @@ def _prefill_indexer(q, weights, keys, visible, *, top_k, candidate_blocks, bloc
     return IndexerResult(unblock(topk), unblock(bmax))
 
 
-DECODE_MIN_ENTRIES = 2048  # compressed entries from which 'auto' takes the streaming pipeline for decode
+DECODE_MIN_ENTRIES = 2048  # with decode_path "pipeline": entries from which 'auto' takes it for decode
 
 
 def auto_reason(q, keys):
     """Why plain 'auto' dispatch does not pick this kernel on a GPU (None: pick it). Prefill chunks
     (>= PREFILL_MIN_ROWS query rows) take the tile score kernel (5.5-8.5x faster than XLA at a 64K
-    prompt). Decode-sized calls with MXFP4 keys (V4.1's stores) take the streaming pipeline from
-    DECODE_MIN_ENTRIES entries: with the e4m3-placement decode it measured 1.04-2.1x faster than the
-    XLA reference from 4K to 1M entries at batch 1 and 8, and ~1.5-2x at 5,120 and 8,192 (the
-    protocol's ratio-1 layers); at 2,560 the two were within the noise, and at 1,280 the reference
-    was as fast or faster (30-34 vs 34-46 us at batch 1; BENCHMARKS.md, issue 5, sessions 13-14).
-    Decode over plain float keys (V4 keeps them fake-quantized in bf16) runs the kernel's strided
-    even/odd loads, not timed on a GPU, so it keeps the reference. With ``DSV41_INDEXER_DECODE=direct``
-    the small caches below DECODE_MIN_ENTRIES take the kernel's direct path (opt-in, not yet timed)."""
+    prompt). Decode-sized calls with MXFP4 keys (V4.1's stores) take the kernel at every cache size:
+    the direct path (the default ``decode_path``, 2 launches) up to ``select_max`` entries, 2.2-4.8x
+    faster than the XLA reference at 1,280-16,384 entries x batch 1 and 8 on an H100 (session 46),
+    and the streaming pipeline above (1.04-2.1x faster than the reference from 4K to 1M entries;
+    BENCHMARKS.md, issue 5, sessions 13-14). With ``DSV41_INDEXER_DECODE=pipeline`` the pipeline
+    serves every size and 'auto' keeps the reference below DECODE_MIN_ENTRIES, where the two measured
+    level (session 14). Decode over plain float keys (V4 keeps them fake-quantized in bf16) runs the
+    kernel's strided even/odd loads, not timed on a GPU, so it keeps the reference."""
     if is_prefill(q):
         return None
     if not isinstance(keys, Fp4Tensor):

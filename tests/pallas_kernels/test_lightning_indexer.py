@@ -121,14 +121,14 @@ def check_result(o, r, scores, top_k, rel_slack=0.0):
 @pytest.mark.parametrize(
     "quant,cfg,cand,wbs",
     [
-        (False, None, False, True),     # plain f32, direct select, block maxima returned
+        (False, dict(decode_path="pipeline"), False, True),  # plain f32, pipeline, one select, block maxima
         (True, HIER, True, True),       # MXFP4, hierarchical descent, candidate-block mask
         (True, PREFILL, False, False),  # MXFP4, g0 = 64 maxima (prefill path) + rescoring of 64-groups
-        # decode_path "direct": every score, one select (block maxima from the scores), several tiles
-        (True, dict(decode_path="direct", tile_n=128, chunk=64), True, True),
-        (False, dict(decode_path="direct"), False, False),
+        # decode_path "direct" (the default): every score, one select (block maxima from the scores)
+        (True, dict(tile_n=128, chunk=64), True, True),
+        (False, None, False, False),
     ],
-    ids=["plain_direct", "mxfp4_hier_candmask", "mxfp4_prefill_path", "mxfp4_direct_path_candmask",
+    ids=["plain_pipeline", "mxfp4_hier_candmask", "mxfp4_prefill_path", "mxfp4_direct_path_candmask",
          "plain_direct_path"],
 )
 def test_parity_margins(quant, cfg, cand, wbs):
@@ -153,12 +153,12 @@ def test_random_mxfp4_and_top_k_not_pow2():
     w = jnp.asarray(rng.random((b, s, hi), np.float32))
     vis = jnp.array([[nc, 150]], jnp.int32)
     r, scores = _ref_and_scores(q, w, k, vis, None, 24, True)
-    o = _pal(q, w, k, vis, None, 24, True)
+    o = _pal(q, w, k, vis, None, 24, True, dict(decode_path="pipeline"))
     check_result(o, r, scores, 24)
-    # the direct decode path (every score, one select) picks what the pipeline picks, and its block
-    # maxima are the pipeline's, bit for bit (the same score kernel arithmetic, the same select);
-    # above select_max it is the pipeline
-    for cfg in (dict(decode_path="direct"), dict(decode_path="direct", tile_n=64, chunk=32)):
+    # the direct decode path (every score, one select; the default) picks what the pipeline picks,
+    # and its block maxima are the pipeline's, bit for bit (the same score kernel arithmetic, the
+    # same select); above select_max it is the pipeline
+    for cfg in (None, dict(decode_path="direct", tile_n=64, chunk=32)):
         d = _pal(q, w, k, vis, None, 24, True, cfg)
         assert np.array_equal(np.asarray(d.topk), np.asarray(o.topk))
         assert np.array_equal(np.asarray(d.block_scores), np.asarray(o.block_scores))
@@ -345,6 +345,10 @@ def test_direct_decode_path_lowers(target, shape):
 
     text = lower_for(target, f, *_real_specs(*shape)).as_text()
     assert text.count("indexer_block_maxima") >= 1 and "indexer_candidate_scores" not in text
+    # the pipeline (DSV41_INDEXER_DECODE=pipeline) at the same sizes: block maxima, rescoring, selects
+    text = lower_for(target, lambda q, w, k, v: pallas_triton.lightning_indexer(
+        q, w, k, v, top_k=512, config=dict(decode_path="pipeline")).topk, *_real_specs(*shape)[:4]).as_text()
+    assert "indexer_candidate_scores" in text
 
 
 @pytest.mark.parametrize("budget", [1 << 25, 3 * 200 * 2, 200])
@@ -476,9 +480,10 @@ def test_topk_by_groups_equals_reference_with_ties(seed):
 
 
 def test_prefill_dispatch_and_reasons():
-    """'auto' takes the tile kernel for prefill chunks and the streaming pipeline for decode over
-    MXFP4 keys (V4.1) from DECODE_MIN_ENTRIES entries; decode over fewer entries or plain float keys
-    (V4) keeps the reference; shapes the tile kernel cannot run are named."""
+    """'auto' takes the tile kernel for prefill chunks and the kernel for decode over MXFP4 keys (V4.1)
+    at every size (the direct path below select_max); with decode_path "pipeline" (the env var's
+    A/B switch) decode below DECODE_MIN_ENTRIES keeps the reference; plain float keys (V4) keep it
+    always; shapes the tile kernel cannot run are named."""
     q1 = jax.ShapeDtypeStruct((1, 1, 32, 128), jnp.float32)
     qp = jax.ShapeDtypeStruct((1, pallas_triton.PREFILL_MIN_ROWS, 32, 128), jnp.float32)
     def fp4_keys(n):
@@ -486,15 +491,16 @@ def test_prefill_dispatch_and_reasons():
 
     k_fp4 = fp4_keys(pallas_triton.DECODE_MIN_ENTRIES)
     k_bf16 = jax.ShapeDtypeStruct((1, 64, 128), jnp.bfloat16)
+    assert pallas_triton.DEFAULTS["decode_path"] == "direct"  # session 46's default
     assert pallas_triton.auto_reason(q1, k_fp4) is None and pallas_triton.auto_reason(qp, k_bf16) is None
     assert pallas_triton.auto_reason(qp, fp4_keys(64)) is None  # prefill: any cache size
+    assert pallas_triton.auto_reason(q1, fp4_keys(1280)) is None  # the direct path
     assert "plain float keys" in pallas_triton.auto_reason(q1, k_bf16)
-    assert "1280 compressed entries" in pallas_triton.auto_reason(q1, fp4_keys(1280))
-    assert "2047 compressed entries" in pallas_triton.auto_reason(q1, fp4_keys(pallas_triton.DECODE_MIN_ENTRIES - 1))
-    # DSV41_INDEXER_DECODE=direct: the small caches take the kernel's direct path (opt-in)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(pallas_triton.DEFAULTS, "decode_path", "direct")
-        assert pallas_triton.auto_reason(q1, fp4_keys(1280)) is None
+    with pytest.MonkeyPatch.context() as mp:  # DSV41_INDEXER_DECODE=pipeline
+        mp.setitem(pallas_triton.DEFAULTS, "decode_path", "pipeline")
+        assert "1280 compressed entries" in pallas_triton.auto_reason(q1, fp4_keys(1280))
+        assert "2047 compressed entries" in pallas_triton.auto_reason(q1, fp4_keys(pallas_triton.DECODE_MIN_ENTRIES - 1))
+        assert pallas_triton.auto_reason(q1, k_fp4) is None
         assert "plain float keys" in pallas_triton.auto_reason(q1, k_bf16)
     cfg = dict(pallas_triton_prefill.PREFILL_DEFAULTS)
     assert "power of two" in pallas_triton_prefill.unsupported_reason((1, 64, 24, 128), (1, 100, 128), cfg)
