@@ -165,6 +165,14 @@ SITE_VARIANTS = (("xla", None), ("pallas default", dict(combine="xla")), ("palla
                  ("pallas 8 splits in-kernel", dict(num_splits=8, combine="kernel")))
 
 
+# The --decode variants: the two-pass decode kernels (pallas_triton_two_pass; "two_pass": its config
+# overrides) against the XLA reference and the flash kernel, at decode and verify row counts
+DECODE_VARIANTS = (("xla", None), ("pallas flash", dict(method="flash")), ("two-pass", dict(two_pass={})),
+                   ("two-pass bk1 16", dict(two_pass=dict(bk1=16))), ("two-pass bk1 64", dict(two_pass=dict(bk1=64))),
+                   ("two-pass dv 32", dict(two_pass=dict(dv=32))), ("two-pass bh 32", dict(two_pass=dict(bh=32))),
+                   ("two-pass bk2 128", dict(two_pass=dict(bk2=128))))
+
+
 # The --rounding variants: the XLA reference with the row's maximum against the emulation of
 # DeepSeek's running maximum (P.V with the rescaled weights in 2 or 3 bf16 parts) and against the
 # Pallas kernel in DeepSeek's blocks (64 keys, one split: its loop is DeepSeek's)
@@ -198,6 +206,7 @@ def site(log, contexts=(2560, 5121), batches=(1,), variants=SITE_VARIANTS, reps=
     from pallas_kernels.benchmarking import device_time_op, random_fp8
     from pallas_kernels.quantized_matmul.api import grouped_matmul
     from pallas_kernels.sparse_attention import pallas_triton as pt
+    from pallas_kernels.sparse_attention import pallas_triton_two_pass as tp
     from pallas_kernels.sparse_attention import reference as ref
 
     scale = 512 ** -0.5
@@ -208,6 +217,8 @@ def site(log, contexts=(2560, 5121), batches=(1,), variants=SITE_VARIANTS, reps=
             kw = dict(scale=scale, comp_kv=ck, comp_idx=cidx)
             if cfg is None or "reference" in cfg:
                 o = ref.sparse_attention(q, win, widx, sink, **kw, **(cfg or {}).get("reference", {}))
+            elif "two_pass" in cfg:
+                o = tp.sparse_attention(q, win, widx, sink, **kw, config=cfg["two_pass"])
             else:
                 o = pt.sparse_attention(q, win, widx, sink, **kw, **cfg)
             o = apply_rope(o, ang, inverse=True)
@@ -248,6 +259,9 @@ def main(argv=None):
     ap.add_argument("--prefill", action="store_true",
                     help="the site at prefill row counts (256 to 4096 rows; then a first 4096-token chunk laid out "
                          "as the model lays it out, compressed ratios 2 and 1), XLA against Pallas tilings, then exit")
+    ap.add_argument("--decode", action="store_true",
+                    help="the decode site at batch 1, 8 and 6 verify rows: XLA, the flash kernel and the two-pass "
+                         "kernels (with tile variants) by device time, then exit")
     args = ap.parse_args(argv)
 
     import jax
@@ -268,6 +282,12 @@ def main(argv=None):
             f"jax {jax.__version__}")
         rows = site(log, batches=(1,) if args.quick else (1, 8))
         write_rows(args.out, "sparse_attention_site.json", rows)
+        return 0 if rows and all(r["ok"] for r in rows) else 1
+    if args.decode:
+        log(f"# sparse attention decode site, two-pass kernels, device time | {dev.device_kind} | jax {jax.__version__}")
+        rows = site(log, contexts=(5121,), batches=(1, 8), variants=DECODE_VARIANTS, reps=args.reps)
+        rows += site(log, contexts=(5121,), batches=(1,), variants=DECODE_VARIANTS[:3], reps=args.reps, seq=6)
+        write_rows(args.out, "sparse_attention_decode.json", rows)
         return 0 if rows and all(r["ok"] for r in rows) else 1
     if args.rounding:
         log(f"# sparse attention site, XLA reference roundings, device time | {dev.device_kind} | jax {jax.__version__}")

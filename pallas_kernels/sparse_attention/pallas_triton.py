@@ -193,6 +193,38 @@ def _grid2(ids, cols):
     return jnp.broadcast_to(ids[:, None], shape), jnp.broadcast_to(cols[None, :], shape)
 
 
+def _fp8_rows(data_ref, scale_ref, ids, first, width, cdt):
+    """Window rows ``ids`` of an FP8 store, columns [first, first + width), dequantized to ``cdt``:
+    rows gathered whole (contiguous along the row), the ue8m0 scale per 32 broadcast in registers."""
+    cols = first + jnp.arange(width, dtype=jnp.int32)
+    sc = _e8m0_to_f32(scale_ref[_grid2(ids, first // 32 + jnp.arange(width // 32, dtype=jnp.int32))])
+    return (data_ref[_grid2(ids, cols)].astype(jnp.float32) * _expand_cols(sc, 32)).astype(cdt)
+
+
+def _plain_rows(ref, ids, first, width, cdt):
+    """Rows ``ids`` of a plain store, columns [first, first + width), in ``cdt``."""
+    return ref[_grid2(ids, first + jnp.arange(width, dtype=jnp.int32))].astype(cdt)
+
+
+def _fp4_rows(words_ref, scale_ref, ids, first, width, cdt):
+    """Rows ``ids`` of an FP4 store (codes as 32-bit words, e4m3 scale per 16), columns [first,
+    first + width), dequantized to ``cdt``: one shift-mask-or places codes j and j + 4 of a word
+    (element 8w + j in nibble j) into the f16 halves of a word (e2m1 * 2**-14, exact; the fused MoE's
+    and the indexer's word decode), times the e4m3 scale of their 16-element block (2 words), and
+    three levels of 2-way joins (tt.join) put the 8 phases back in element order."""
+    wds = words_ref[_grid2(ids, first // 8 + jnp.arange(width // 8, dtype=jnp.int32))]  # [N, width / 8]
+    sc = scale_ref[_grid2(ids, first // 16 + jnp.arange(width // 16, dtype=jnp.int32))].astype(jnp.float32)
+    sc = _expand_cols(sc * (2.0 ** 14), 2)  # [N, width / 8]: one scale per 2 words
+    e = [None] * 8  # e[j]: element 8w + j of every word w
+    for j, (lo, hi) in enumerate(fp4_word_pairs_f32(wds)):
+        e[j], e[j + 4] = (lo * sc).astype(cdt), (hi * sc).astype(cdt)
+    # [N, width / 8, x, y, z] holds element 8w + 4x + 2y + z: Triton stacks on the last axis only, so
+    # the slowest of the three (x: j and j + 4) is joined first
+    a = jnp.stack([jnp.stack([e[0], e[4]], axis=-1), jnp.stack([e[2], e[6]], axis=-1)], axis=-1)
+    c = jnp.stack([jnp.stack([e[1], e[5]], axis=-1), jnp.stack([e[3], e[7]], axis=-1)], axis=-1)
+    return jnp.stack([a, c], axis=-1).reshape(wds.shape[0], width)
+
+
 def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d, nw_blocks, nc_blocks, split_out, cdt, prec, d_split=1,
             in_kernel_combine=False, num_splits=1, interpret=False, shift=False):
     it = iter(refs)
@@ -238,41 +270,16 @@ def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d, nw_blocks, nc_bloc
         acc = acc * alpha[:, None] + jnp.dot(p.astype(cdt), v, preferred_element_type=jnp.float32, precision=prec)
         return m_new, l, acc
 
-    def window_rows(ids, first, width):
-        """Window rows ``ids``, columns [first, first + width), dequantized to ``cdt``."""
-        cols = first + jnp.arange(width, dtype=jnp.int32)
-        if w_fp8:
-            # rows gathered whole (contiguous along the row), ue8m0 scale per 32 broadcast in registers
-            sc = _e8m0_to_f32(wscale_ref[_grid2(ids, first // 32 + jnp.arange(width // 32, dtype=jnp.int32))])
-            return (wdata_ref[_grid2(ids, cols)].astype(jnp.float32) * _expand_cols(sc, 32)).astype(cdt)
-        return wkv_ref[_grid2(ids, cols)].astype(cdt)
-
-    def comp_rows(ids, first, width):
-        """Compressed rows ``ids``, columns [first, first + width), dequantized to ``cdt``."""
-        if c_fp4:
-            # the codes as 32-bit words (element 8w + j in nibble j): one shift-mask-or places codes j
-            # and j + 4 into the f16 halves of a word (e2m1 * 2**-14, exact; the fused MoE's and the
-            # indexer's word decode), times the e4m3 scale of their 16-element block (2 words), and
-            # three levels of 2-way joins (tt.join) put the 8 phases back in element order
-            wds = cwords_ref[_grid2(ids, first // 8 + jnp.arange(width // 8, dtype=jnp.int32))]  # [N, width / 8]
-            sc = cscale_ref[_grid2(ids, first // 16 + jnp.arange(width // 16, dtype=jnp.int32))].astype(jnp.float32)
-            sc = _expand_cols(sc * (2.0 ** 14), 2)  # [N, width / 8]: one scale per 2 words
-            e = [None] * 8  # e[j]: element 8w + j of every word w
-            for j, (lo, hi) in enumerate(fp4_word_pairs_f32(wds)):
-                e[j], e[j + 4] = (lo * sc).astype(cdt), (hi * sc).astype(cdt)
-            # [N, width / 8, x, y, z] holds element 8w + 4x + 2y + z: Triton stacks on the last axis
-            # only, so the slowest of the three (x: j and j + 4) is joined first
-            a = jnp.stack([jnp.stack([e[0], e[4]], axis=-1), jnp.stack([e[2], e[6]], axis=-1)], axis=-1)
-            c = jnp.stack([jnp.stack([e[1], e[5]], axis=-1), jnp.stack([e[3], e[7]], axis=-1)], axis=-1)
-            return jnp.stack([a, c], axis=-1).reshape(wds.shape[0], width)
-        return ckv_ref[_grid2(ids, first + jnp.arange(width, dtype=jnp.int32))].astype(cdt)
+    window_rows = functools.partial(_fp8_rows, wdata_ref, wscale_ref) if w_fp8 else functools.partial(_plain_rows, wkv_ref)
+    if has_comp:
+        comp_rows = functools.partial(_fp4_rows, cwords_ref, cscale_ref) if c_fp4 else functools.partial(_plain_rows, ckv_ref)
 
     lanes = jnp.arange(block_k, dtype=jnp.int32)
 
     def part(rows_of, ids, valid):
         ids = jnp.where(valid, ids, 0)
-        k = rows_of(ids, 0, d)  # the logits need every column
-        v = k if d_split == 1 else rows_of(ids, c0, dv)  # P.V only this program's columns
+        k = rows_of(ids, 0, d, cdt)  # the logits need every column
+        v = k if d_split == 1 else rows_of(ids, c0, dv, cdt)  # P.V only this program's columns
         return k, v, valid
 
     def body(rows_of, idx_ref, blocks):
@@ -499,10 +506,38 @@ if COMBINE not in COMBINES:
     raise ValueError(f"DSV41_SPARSE_COMBINE={COMBINE!r}: expected one of {', '.join(COMBINES)}")
 
 
+# How decode-sized calls (at most pallas_triton_two_pass.MAX_ROWS query rows) run when the caller
+# names no tiling (DSV41_SPARSE_DECODE, read at import): "flash" (this module's kernel with
+# flash-decoding splits) or "two_pass" (pallas_triton_two_pass: every logit, then P.V; no combine).
+# "two_pass" also makes 'auto' take the kernel for decode rows over V4.1's stores (auto_reason).
+DECODE_METHODS = ("flash", "two_pass")
+DECODE_METHOD = os.environ.get("DSV41_SPARSE_DECODE", "flash").lower()
+if DECODE_METHOD not in DECODE_METHODS:
+    raise ValueError(f"DSV41_SPARSE_DECODE={DECODE_METHOD!r}: expected one of {', '.join(DECODE_METHODS)}")
+
+
+def _two_pass_module():
+    from . import pallas_triton_two_pass
+
+    return pallas_triton_two_pass
+
+
+def takes_two_pass(q, kv, kv_idx, comp_kv, comp_idx, method=None) -> bool:
+    """Whether a call without a tiling of its own runs the two-pass decode kernels: ``method`` (or
+    :data:`DECODE_METHOD`) is "two_pass", the call has at most ``MAX_ROWS`` query rows and those
+    kernels support its shapes."""
+    tp = _two_pass_module()
+    return ((method or DECODE_METHOD) == "two_pass" and q.shape[0] * q.shape[1] <= tp.MAX_ROWS
+            and tp.two_pass_reason(q, kv, kv_idx, comp_kv, comp_idx) is None)
+
+
 def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None, interpret=False,
                      block_h=None, block_k=None, num_splits=None, num_warps=None, num_stages=None, d_split=None,
-                     combine=None, counters=None, return_partials=False, window_width=None):
-    """``window_width`` (int or int32 [B]; one split only): DeepSeek's window list is that many leading
+                     combine=None, counters=None, return_partials=False, window_width=None, method=None):
+    """``method``: "flash" or "two_pass" (default :data:`DECODE_METHOD`); "two_pass" applies to calls
+    of at most ``pallas_triton_two_pass.MAX_ROWS`` rows that name no tiling, splits, combine or
+    window width (:func:`takes_two_pass`), the others run this module's kernel.
+    ``window_width`` (int or int32 [B]; one split only): DeepSeek's window list is that many leading
     entries of each row's window list (later ones are ignored), and the kernel walks its blocks over
     DeepSeek's concatenated list, whose compressed entries start there
     (``reference.deepseek_columns``); a block that holds both the end of the window list and the
@@ -518,9 +553,15 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     Diagnostics (``combine="kernel"``): ``counters`` replaces the zeroed int32 counters the kernel
     counts its finished splits in; ``return_partials`` returns (output, the pallas_call's outputs:
     partial acc, m, l, the counters after the call, the output block array)."""
+    if method is not None and method not in DECODE_METHODS:
+        raise ValueError(f"sparse_attention (pallas): method={method!r}; expected one of {', '.join(DECODE_METHODS)}")
     reason = unsupported_reason(q, kv, kv_idx, comp_kv, comp_idx)
     if reason is not None:
         raise ValueError(f"sparse_attention (pallas): {reason}")
+    tiled = (block_h, block_k, num_splits, d_split, combine, counters, window_width) != (None,) * 7 or return_partials
+    if not tiled and takes_two_pass(q, kv, kv_idx, comp_kv, comp_idx, method):
+        return _two_pass_module().sparse_attention(q, kv, kv_idx, sink, scale=scale, comp_kv=comp_kv,
+                                                   comp_idx=comp_idx, interpret=interpret)
     b, s, h, d = q.shape
     rows = b * s
     has_comp = comp_kv is not None and comp_idx is not None and comp_idx.shape[-1] > 0
@@ -703,6 +744,9 @@ def auto_reason(q, kv=None, comp_kv=None, running_max_block=None):
             return None
         return (f"running-maximum rounding over {rows} query row(s): the one-split kernel is slower than the "
                 f"XLA emulation below {KERNEL_BLOCKS_MIN_ROWS} rows on the H200 (BENCHMARKS.md, issue 5, session 37)")
+    if DECODE_METHOD == "two_pass" and rows <= _two_pass_module().MAX_ROWS and isinstance(kv, Fp8Tensor) \
+            and (comp_kv is None or isinstance(comp_kv, Fp4Tensor)):
+        return None  # the two-pass decode kernels (session 46)
     if rows == 1 and isinstance(kv, Fp8Tensor) and isinstance(comp_kv, Fp4Tensor):
         return ("batch-1 decode: faster as an op but slower in the model than the XLA reference on the H200 "
                 "(BENCHMARKS.md, issue 5, session 15)")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, exact_in_bf16, quantize_fp4_e4m3, quantize_fp8
-from pallas_kernels.sparse_attention import api, pallas_triton, reference
+from pallas_kernels.sparse_attention import api, pallas_triton, pallas_triton_two_pass, reference
 from pallas_kernels.testing import lower_for
 
 # Tolerances. Dequantized keys are exact in bf16 and bf16 x bf16 products are exact in fp32, so the
@@ -677,3 +677,109 @@ def test_kernel_walks_deepseeks_blocks_for_prompts_shorter_than_the_window():
     assert np.mean(fixed[short] != want[short]) > 5e-2
     with pytest.raises(ValueError, match="window_width.*num_splits=2 must be 1"):
         _kernel(q, win, widx, sink, comp, cidx, 64 ** -0.5, block_k=64, num_splits=2, window_width=5)
+
+
+# ------------------------------------------------------------------------------------------------
+# the two-pass decode kernels (pallas_triton_two_pass): parity with the reference's default numerics
+# (row maximum), the dispatch switch (DSV41_SPARSE_DECODE / method), refused configs, cuda / rocm lowering
+
+SMALL = dict(bk1=16, bk2=32, dc=32, dv=32)  # several key blocks and column blocks at the tiny shapes
+
+
+def _two_pass(q, kv, widx, sink, ck, cidx, scale, config=SMALL):
+    f = jax.jit(lambda *a: pallas_triton_two_pass.sparse_attention(*a[:4], scale=scale, comp_kv=a[4], comp_idx=a[5],
+                                                                   interpret=True, config=config))
+    return f(q, kv, widx, sink, ck, cidx)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("quant", [True, False], ids=["fp8win_fp4comp", "plain"])
+def test_two_pass_parity_interpret(dtype, quant):
+    """B 2 x S 2 rows over a 20-entry window list and a 40-entry compressed list (padded to the key
+    blocks), ~20 % -1 entries, a row with no valid key (-> 0) and a row with compressed keys only."""
+    q, kv, widx, sink, ck, cidx = make_case(None, dtype=dtype, quant=quant)
+    scale = q.shape[-1] ** -0.5
+    r = _ref(q, kv, widx, sink, ck, cidx, scale)
+    o = _two_pass(q, kv, widx, sink, ck, cidx, scale)
+    check_close(o, r)
+    assert np.all(np.asarray(o[0, 0], np.float32) == 0.0)  # no valid key -> 0
+    assert np.any(np.asarray(o[1, 1], np.float32) != 0.0)  # compressed picks only
+
+
+def test_two_pass_default_tiles_window_only_and_padded_heads():
+    """The default config (bk1 32, bk2 64, dc 128, dv 64) at D = 128 with 8 heads (padded to the
+    16-row P.V tile) and 6 query rows; a layer without a compressed list (window only)."""
+    q, kv, widx, sink, ck, cidx = make_case(None, b=1, s=6, h=8, d=128, nw=70, nc=300, kw=70, kc=130)
+    scale = 128 ** -0.5
+    check_close(_two_pass(q, kv, widx, sink, ck, cidx, scale, config=None), _ref(q, kv, widx, sink, ck, cidx, scale))
+    win_only = jax.jit(lambda *a: reference.sparse_attention(*a, scale=scale))(q, kv, widx, sink)
+    got = jax.jit(lambda *a: pallas_triton_two_pass.sparse_attention(*a, scale=scale, interpret=True))(q, kv, widx, sink)
+    check_close(got, win_only)
+
+
+def test_two_pass_rounds_at_the_row_maximum():
+    """Row (0, 1)'s last compressed key aligned with its queries, so its logit is the row's maximum
+    and lies in the last key block. The reference (default) and the two passes round every weight
+    to bf16 relative to it: the outputs agree to one bf16 ulp of each element (fp32 summation
+    order). The flash kernel's running maximum rounds the earlier blocks relative to smaller maxima:
+    14-205 ulps off on these inputs (session 46), so it would fail this bound."""
+    q, kv, widx, sink, ck, cidx = make_case(None, b=1, s=2, h=16, d=64, kw=20, kc=40)
+    cidx = cidx.at[0, 1, -1].set(7)
+    q = (q.astype(jnp.float32).at[0, 1].add(0.5 * ck.dequantize(jnp.float32)[0, 7])).astype(jnp.bfloat16)
+    r = np.asarray(_ref(q, kv, widx, sink, ck, cidx, 0.125), np.float32)
+
+    def ulps(o):
+        u = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(r), 2.0 ** -12 * np.abs(r).max()))) - 7)
+        return float((np.abs(np.asarray(o, np.float32) - r) / u).max())
+
+    assert ulps(_two_pass(q, kv, widx, sink, ck, cidx, 0.125)) <= 1.0
+    assert ulps(_kernel(q, kv, widx, sink, ck, cidx, 0.125, block_k=16, num_splits=1)) > 4.0  # the bound bites
+
+
+def test_two_pass_dispatch_switch(monkeypatch):
+    """DSV41_SPARSE_DECODE=two_pass: 'auto' takes the kernel for decode rows over V4.1's stores and the
+    kernel runs the two passes (two Triton calls named logits / pv); "flash" (the default) keeps the
+    reference at batch 1; a call with its own tiling keeps the flash kernel; bad names are refused."""
+    q, kv, widx, sink, ck, cidx = make_case(None, b=1, s=1, h=16, d=64)
+    assert pallas_triton.DECODE_METHOD == "flash"
+    assert "batch-1 decode" in pallas_triton.auto_reason(q, kv, ck)
+    monkeypatch.setattr(pallas_triton, "DECODE_METHOD", "two_pass")
+    assert pallas_triton.auto_reason(q, kv, ck) is None
+    rows = jnp.zeros((1, pallas_triton_two_pass.MAX_ROWS + 1, 16, 64), jnp.bfloat16)
+    assert pallas_triton.auto_reason(rows, kv, ck) is not None  # above MAX_ROWS: the measured rules
+
+    def names(**kw):
+        jx = str(jax.make_jaxpr(lambda *a: pallas_triton.sparse_attention(
+            *a[:4], scale=0.125, comp_kv=a[4], comp_idx=a[5], interpret=True, **kw))(q, kv, widx, sink, ck, cidx))
+        return [n for n in ("sparse_attention_logits", "sparse_attention_pv", "sparse_attention_sink") if n in jx]
+
+    assert names() == ["sparse_attention_logits", "sparse_attention_pv"]
+    assert names(block_k=16) == names(method="flash") == ["sparse_attention_sink"]
+    o = jax.jit(lambda *a: api.sparse_attention(*a[:4], scale=0.125, comp_kv=a[4], comp_idx=a[5],
+                                                implementation="interpret"))(q, kv, widx, sink, ck, cidx)
+    check_close(o, _ref(q, kv, widx, sink, ck, cidx, 0.125))
+    with pytest.raises(ValueError, match="method='fast'"):
+        pallas_triton.sparse_attention(q, kv, widx, sink, scale=0.125, method="fast")
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (dict(bk1=24), "powers of two"),
+    (dict(bk1=64, bk2=32), "multiple of bk1"),
+    (dict(dv=16), "dv=16"),
+    (dict(bh=8), "16 rows"),
+])
+def test_two_pass_refused_configs(cfg, match):
+    q, kv, widx, sink, ck, cidx = make_case(0, b=1, s=1, h=16, d=64)
+    with pytest.raises(ValueError, match=match):
+        pallas_triton_two_pass.sparse_attention(q, kv, widx, sink, scale=0.125, comp_kv=ck, comp_idx=cidx, config=cfg)
+    assert "power-of-two tile" in pallas_triton_two_pass.two_pass_reason(
+        SD((1, 1, 96, 64), jnp.bfloat16), kv, widx, ck, cidx)
+
+
+@pytest.mark.parametrize("target", ["cuda", "rocm"])
+@pytest.mark.parametrize("shape", [(1, 1, 128, 5121, 128, 512), (8, 1, 128, 65536, 128, 512),
+                                   (1, 6, 133, 262144, 134, 512)], ids=["decode_b1", "decode_b8", "verify_s6"])
+def test_two_pass_cross_lowering(target, shape):
+    text = lower_for(target, lambda *a: pallas_triton.sparse_attention(
+        *a[:4], scale=512 ** -0.5, comp_kv=a[4], comp_idx=a[5], method="two_pass"), *_real_specs(*shape)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2

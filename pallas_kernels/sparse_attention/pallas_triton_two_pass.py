@@ -1,0 +1,200 @@
+"""Pallas-Triton sparse attention for decode rows in two passes: every logit first, then P·V.
+
+Why a second kernel beside the flash-decoding one (:mod:`.pallas_triton`): at batch-1 decode the op
+reads only ~350 KB (64 heads x 512, 128 FP8 window rows and 512 FP4 compressed rows), so its time is
+latency, not bytes. XLA's reference takes ≈ 14.8 µs per layer there in 8 kernels (H200 profile,
+session 46) and the flash kernel needs 16 splits plus a combine to fill the GPU, which left it tied
+with XLA in the model (BENCHMARKS.md, issue 5, sessions 15-25). Two passes need no combine:
+
+* **pass 1** (``sparse_attention_logits``), grid ``(rows, key blocks)``: each program gathers
+  ``bk1`` keys of the concatenated list (window, then compressed; each padded to ``bk2``), decodes
+  them in column chunks of ``dc`` and writes their scaled, masked fp32 logits for every head
+  ``[rows, H, K]`` and the block's per-head maximum ``[rows, nb1, H]``;
+* **pass 2** (``sparse_attention_pv``), grid ``(rows, head blocks, column blocks)``: the row maximum
+  ``m`` from pass 1's block maxima, then over the list in ``bk2`` blocks (unrolled: the gathers do
+  not depend on each other) ``e = exp(l - m)``, ``den += Σ e`` in fp32 and ``acc += q.dtype(e) · V``
+  for the program's ``dv`` value columns, and ``out = acc / (den + exp(sink - m))``.
+
+Numerics are the reference's default (``running_max_block=None``) to the fp32 summation order: the
+row maximum (not a running one), the unnormalised weights cast to ``q.dtype`` before P·V, the fp32
+denominator with the sink, a row with no valid key gives 0. DeepSeek's running-maximum rounding
+(``kernel_blocks``) and its shifted window blocks stay with the flash kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from dsv41_jax.quant import Fp4Tensor, Fp8Tensor
+from dsv41_jax.quant.codecs import le_words
+
+from .pallas_triton import _fp4_rows, _fp8_rows, _is_pow2, _pad_idx, _plain_rows, unsupported_reason
+
+_NEG_INF = float("-inf")
+
+# bk1: keys per pass-1 program; dc: the column chunk pass 1 decodes and dots at a time; bk2: keys
+# per pass-2 step (the lists are padded to it); bh: heads per pass-2 program; dv: value columns per
+# pass-2 program. At batch 1 with 64 heads x 512 and 640 keys: 20 pass-1 and 32 pass-2 programs.
+DEFAULTS = dict(bk1=32, dc=128, bk2=64, bh=16, dv=64, num_warps=4)
+
+# The most query rows (B*S) this path serves when the caller does not pick a method: decode and
+# speculative-verify sizes. Its pass-2 loop is unrolled over the list's blocks.
+MAX_ROWS = 64
+
+
+def _config(cfg, d: int) -> dict:
+    """:data:`DEFAULTS` with ``cfg``'s overrides; column tiles wider than D are cut to D."""
+    c = {**DEFAULTS, **(cfg or {})}
+    return {**c, "dc": min(c["dc"], d), "dv": min(c["dv"], d)}
+
+
+def two_pass_reason(q, kv, kv_idx, comp_kv=None, comp_idx=None, cfg=None) -> str | None:
+    """None when the two-pass kernels support these inputs, else why not (the flash kernel's
+    :func:`unsupported_reason` first)."""
+    reason = unsupported_reason(q, kv, kv_idx, comp_kv, comp_idx)
+    if reason is not None:
+        return reason
+    d = q.shape[-1]
+    c = _config(cfg, d)
+    if not all(_is_pow2(c[k]) for k in ("bk1", "dc", "bk2", "bh", "dv")):
+        return f"two-pass tiles must be powers of two, got {c}"
+    if c["bk2"] % c["bk1"]:
+        return f"bk2={c['bk2']} must be a multiple of bk1={c['bk1']} (the lists are padded to bk2)"
+    if d % c["dc"] or d % c["dv"] or c["dv"] < 32 or c["dc"] < 32:
+        return f"D={d} must split into column chunks dc={c['dc']} and dv={c['dv']} (each >= 32, the FP8 scale block)"
+    if c["bh"] < 16:
+        return f"bh={c['bh']}: the P.V dot needs at least 16 rows"
+    if not _is_pow2(q.shape[2]):
+        return f"H={q.shape[2]} heads: pass 1 holds every head of a row in one power-of-two tile"
+    return None
+
+
+def _logits_kernel(q_ref, idx_ref, *refs, nwb1, dc, d, scale, cdt, prec, w_fp8, c_fp4, has_comp):
+    it = iter(refs)
+    window_rows = functools.partial(_fp8_rows, next(it), next(it)) if w_fp8 else functools.partial(_plain_rows, next(it))
+    comp_rows = None
+    if has_comp:
+        comp_rows = functools.partial(_fp4_rows, next(it), next(it)) if c_fp4 else functools.partial(_plain_rows, next(it))
+    lg_ref, bmax_ref = next(it), next(it)
+    bk = lg_ref.shape[-1]
+    j = pl.program_id(1)
+    ids = idx_ref[pl.ds(j * bk, bk)]
+    valid = ids >= 0
+    ids = jnp.where(valid, ids, 0)
+
+    def logits(rows_of):
+        s = jnp.zeros((q_ref.shape[0], bk), jnp.float32)
+        for c in range(0, d, dc):
+            k = rows_of(ids, c, dc, cdt)  # [bk, dc]
+            s += jnp.dot(q_ref[:, pl.ds(c, dc)].astype(cdt), k.T, preferred_element_type=jnp.float32, precision=prec)
+        return s
+
+    if has_comp:
+        s = jax.lax.cond(j < nwb1, lambda: logits(window_rows), lambda: logits(comp_rows))
+    else:
+        s = logits(window_rows)
+    s = jnp.where(valid[None, :], s * scale, _NEG_INF)
+    lg_ref[...] = s
+    bmax_ref[...] = jnp.max(s, axis=1)
+
+
+def _pv_kernel(lg_ref, bmax_ref, idx_ref, *refs, nwb2, nb2, nb1, bk2, dv, cdt, prec, w_fp8, c_fp4, has_comp):
+    it = iter(refs)
+    window_rows = functools.partial(_fp8_rows, next(it), next(it)) if w_fp8 else functools.partial(_plain_rows, next(it))
+    comp_rows = None
+    if has_comp:
+        comp_rows = functools.partial(_fp4_rows, next(it), next(it)) if c_fp4 else functools.partial(_plain_rows, next(it))
+    sink_ref, o_ref = next(it), next(it)
+    c0 = pl.program_id(2) * dv
+    m = bmax_ref[0, :]
+    for jb in range(1, nb1):  # the row maximum from pass 1's block maxima (independent loads)
+        m = jnp.maximum(m, bmax_ref[jb, :])
+    m_safe = jnp.where(m == _NEG_INF, 0.0, m)
+    den = jnp.zeros(m.shape, jnp.float32)
+    acc = jnp.zeros((m.shape[0], dv), jnp.float32)
+    for jb in range(nb2):  # unrolled: the gathers of all blocks are independent of each other
+        e = jnp.exp(lg_ref[:, pl.ds(jb * bk2, bk2)] - m_safe[:, None])  # exp(-inf) = 0: no key
+        den += jnp.sum(e, axis=1)
+        ids = idx_ref[pl.ds(jb * bk2, bk2)]
+        v = (window_rows if jb < nwb2 else comp_rows)(jnp.where(ids >= 0, ids, 0), c0, dv, cdt)
+        acc += jnp.dot(e.astype(cdt), v, preferred_element_type=jnp.float32, precision=prec)
+    den = den + jnp.exp(sink_ref[...] - m_safe)
+    inv = jnp.where(m == _NEG_INF, 0.0, 1.0 / den)
+    o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
+
+
+def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None, interpret=False, config=None):
+    """The arguments of ``api.sparse_attention`` without rounding blocks or a window width (decode
+    rows; the caller masks the window list). ``config`` overrides :data:`DEFAULTS`."""
+    reason = two_pass_reason(q, kv, kv_idx, comp_kv, comp_idx, config)
+    if reason is not None:
+        raise ValueError(f"sparse_attention (pallas two-pass): {reason}")
+    b, s, h, d = q.shape
+    c = _config(config, d)
+    rows = b * s
+    has_comp = comp_kv is not None and comp_idx is not None and comp_idx.shape[-1] > 0
+    bk1, bk2, dv = c["bk1"], c["bk2"], c["dv"]
+    bh = min(c["bh"], max(16, 1 << (h - 1).bit_length()))
+    hp = -(-h // bh) * bh
+    qf = q.reshape(rows, h, d)
+    sinkf = sink.astype(jnp.float32)
+    if hp != h:  # tiny test configs: padded heads have -inf sinks and zero q (their rows are dropped)
+        qf = jnp.pad(qf, ((0, 0), (0, hp - h), (0, 0)))
+        sinkf = jnp.pad(sinkf, (0, hp - h), constant_values=_NEG_INF)
+    kw = kv_idx.shape[-1]
+    widx = _pad_idx(kv_idx.astype(jnp.int32).reshape(rows, kw), bk2)
+    lists = [widx]
+    w_fp8 = isinstance(kv, Fp8Tensor)
+    stores = [kv.data, jax.lax.bitcast_convert_type(kv.scale, jnp.uint8) if kv.scale.dtype != jnp.uint8 else kv.scale] \
+        if w_fp8 else [kv]
+    c_fp4 = False
+    if has_comp:
+        lists.append(_pad_idx(comp_idx.astype(jnp.int32).reshape(rows, comp_idx.shape[-1]), bk2))
+        c_fp4 = isinstance(comp_kv, Fp4Tensor)
+        stores += [le_words(comp_kv.data), comp_kv.scale] if c_fp4 else [comp_kv]
+    idx = jnp.concatenate(lists, axis=-1) if len(lists) > 1 else widx
+    kp = idx.shape[-1]
+    nb1, nb2, nwb2 = kp // bk1, kp // bk2, widx.shape[-1] // bk2
+    prec = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    kinds = dict(cdt=q.dtype, prec=prec, w_fp8=w_fp8, c_fp4=c_fp4, has_comp=has_comp)
+
+    def store_specs(grid_rank):
+        def spec(a):
+            n, w = a.shape[1], a.shape[2]
+            return pl.BlockSpec((None, n, w), (lambda r, j: (r // s, 0, 0)) if grid_rank == 2
+                                else (lambda r, i, j: (r // s, 0, 0)))
+        return [spec(a) for a in stores]
+
+    params = pltriton.CompilerParams(num_warps=c["num_warps"], num_stages=1)
+    lg, bmax = pl.pallas_call(
+        functools.partial(_logits_kernel, nwb1=widx.shape[-1] // bk1, dc=c["dc"], d=d, scale=float(scale), **kinds),
+        grid=(rows, nb1),
+        in_specs=[pl.BlockSpec((None, hp, d), lambda r, j: (r, 0, 0)), pl.BlockSpec((None, kp), lambda r, j: (r, 0)),
+                  *store_specs(2)],
+        out_specs=(pl.BlockSpec((None, hp, bk1), lambda r, j: (r, 0, j)),
+                   pl.BlockSpec((None, None, hp), lambda r, j: (r, j, 0))),
+        out_shape=(jax.ShapeDtypeStruct((rows, hp, kp), jnp.float32), jax.ShapeDtypeStruct((rows, nb1, hp), jnp.float32)),
+        compiler_params=params,
+        interpret=interpret,
+        name="sparse_attention_logits",
+    )(qf, idx, *stores)
+    out = pl.pallas_call(
+        functools.partial(_pv_kernel, nwb2=nwb2, nb2=nb2, nb1=nb1, bk2=bk2, dv=dv, **kinds),
+        grid=(rows, hp // bh, d // dv),
+        in_specs=[pl.BlockSpec((None, bh, kp), lambda r, i, j: (r, i, 0)),
+                  pl.BlockSpec((None, nb1, bh), lambda r, i, j: (r, 0, i)),
+                  pl.BlockSpec((None, kp), lambda r, i, j: (r, 0)),
+                  *store_specs(3),
+                  pl.BlockSpec((bh,), lambda r, i, j: (i,))],
+        out_specs=pl.BlockSpec((None, bh, dv), lambda r, i, j: (r, i, j)),
+        out_shape=jax.ShapeDtypeStruct((rows, hp, d), q.dtype),
+        compiler_params=params,
+        interpret=interpret,
+        name="sparse_attention_pv",
+    )(lg, bmax, idx, *stores, sinkf)
+    return out[:, :h].reshape(b, s, h, d)
