@@ -193,28 +193,42 @@ def _grid2(ids, cols):
     return jnp.broadcast_to(ids[:, None], shape), jnp.broadcast_to(cols[None, :], shape)
 
 
-def _fp8_rows(data_ref, scale_ref, ids, first, width, cdt):
-    """Window rows ``ids`` of an FP8 store, columns [first, first + width), dequantized to ``cdt``:
-    rows gathered whole (contiguous along the row), the ue8m0 scale per 32 broadcast in registers."""
+def _fp8_load(data_ref, scale_ref, ids, first, width):
+    """The raw bytes of window rows ``ids`` of an FP8 store, columns [first, first + width): rows
+    gathered whole (contiguous along the row) and their ue8m0 scale bytes, one per 32 columns."""
     cols = first + jnp.arange(width, dtype=jnp.int32)
-    sc = _e8m0_to_f32(scale_ref[_grid2(ids, first // 32 + jnp.arange(width // 32, dtype=jnp.int32))])
-    return (data_ref[_grid2(ids, cols)].astype(jnp.float32) * _expand_cols(sc, 32)).astype(cdt)
+    return data_ref[_grid2(ids, cols)], scale_ref[_grid2(ids, first // 32 + jnp.arange(width // 32, dtype=jnp.int32))]
 
 
-def _plain_rows(ref, ids, first, width, cdt):
-    """Rows ``ids`` of a plain store, columns [first, first + width), in ``cdt``."""
-    return ref[_grid2(ids, first + jnp.arange(width, dtype=jnp.int32))].astype(cdt)
+def _fp8_decode(raw, cdt):
+    """:func:`_fp8_load`'s bytes dequantized to ``cdt`` (the scale broadcast in registers)."""
+    data, scale = raw
+    return (data.astype(jnp.float32) * _expand_cols(_e8m0_to_f32(scale), 32)).astype(cdt)
 
 
-def _fp4_rows(words_ref, scale_ref, ids, first, width, cdt):
-    """Rows ``ids`` of an FP4 store (codes as 32-bit words, e4m3 scale per 16), columns [first,
-    first + width), dequantized to ``cdt``: one shift-mask-or places codes j and j + 4 of a word
-    (element 8w + j in nibble j) into the f16 halves of a word (e2m1 * 2**-14, exact; the fused MoE's
-    and the indexer's word decode), times the e4m3 scale of their 16-element block (2 words), and
-    three levels of 2-way joins (tt.join) put the 8 phases back in element order."""
-    wds = words_ref[_grid2(ids, first // 8 + jnp.arange(width // 8, dtype=jnp.int32))]  # [N, width / 8]
-    sc = scale_ref[_grid2(ids, first // 16 + jnp.arange(width // 16, dtype=jnp.int32))].astype(jnp.float32)
-    sc = _expand_cols(sc * (2.0 ** 14), 2)  # [N, width / 8]: one scale per 2 words
+def _plain_load(ref, ids, first, width):
+    """Rows ``ids`` of a plain store, columns [first, first + width)."""
+    return ref[_grid2(ids, first + jnp.arange(width, dtype=jnp.int32))]
+
+
+def _plain_decode(raw, cdt):
+    return raw.astype(cdt)
+
+
+def _fp4_load(words_ref, scale_ref, ids, first, width):
+    """The raw codes of rows ``ids`` of an FP4 store, columns [first, first + width): 32-bit words
+    (element 8w + j in nibble j) and the e4m3 scales, one per 16 columns."""
+    return (words_ref[_grid2(ids, first // 8 + jnp.arange(width // 8, dtype=jnp.int32))],
+            scale_ref[_grid2(ids, first // 16 + jnp.arange(width // 16, dtype=jnp.int32))])
+
+
+def _fp4_decode(raw, cdt):
+    """:func:`_fp4_load`'s codes dequantized to ``cdt``: one shift-mask-or places codes j and j + 4 of
+    a word into the f16 halves of a word (e2m1 * 2**-14, exact; the fused MoE's and the indexer's word
+    decode), times the e4m3 scale of their 16-element block (2 words), and three levels of 2-way
+    joins (tt.join) put the 8 phases back in element order."""
+    wds, sc = raw  # [N, width / 8], [N, width / 16]
+    sc = _expand_cols(sc.astype(jnp.float32) * (2.0 ** 14), 2)  # [N, width / 8]: one scale per 2 words
     e = [None] * 8  # e[j]: element 8w + j of every word w
     for j, (lo, hi) in enumerate(fp4_word_pairs_f32(wds)):
         e[j], e[j + 4] = (lo * sc).astype(cdt), (hi * sc).astype(cdt)
@@ -222,7 +236,22 @@ def _fp4_rows(words_ref, scale_ref, ids, first, width, cdt):
     # the slowest of the three (x: j and j + 4) is joined first
     a = jnp.stack([jnp.stack([e[0], e[4]], axis=-1), jnp.stack([e[2], e[6]], axis=-1)], axis=-1)
     c = jnp.stack([jnp.stack([e[1], e[5]], axis=-1), jnp.stack([e[3], e[7]], axis=-1)], axis=-1)
-    return jnp.stack([a, c], axis=-1).reshape(wds.shape[0], width)
+    return jnp.stack([a, c], axis=-1).reshape(wds.shape[0], 8 * wds.shape[1])
+
+
+def _rows(load, decode):
+    """A row reader ``(refs..., ids, first, width, cdt) -> [N, width]`` from a load and a decode."""
+    def read(*a):
+        *args, cdt = a
+        return decode(load(*args), cdt)
+    return read
+
+
+_fp8_rows = _rows(_fp8_load, _fp8_decode)
+_plain_rows = _rows(_plain_load, _plain_decode)
+_fp4_rows = _rows(_fp4_load, _fp4_decode)
+STORE_CODECS = {"fp8": (_fp8_load, _fp8_decode), "plain": (_plain_load, _plain_decode),
+                "fp4": (_fp4_load, _fp4_decode)}  # (load, decode) per store kind
 
 
 def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d, nw_blocks, nc_blocks, split_out, cdt, prec, d_split=1,

@@ -9,7 +9,8 @@ with XLA in the model (BENCHMARKS.md, issue 5, sessions 15-25). Two passes need 
 * **pass 1** (``sparse_attention_logits``), grid ``(rows, key blocks)``: each program gathers
   ``bk1`` keys of the concatenated list (window, then compressed; each padded to ``bk2``), decodes
   them in column chunks of ``dc`` and writes their scaled, masked fp32 logits for every head
-  ``[rows, H, K]`` and the block's per-head maximum ``[rows, nb1, H]``;
+  ``[rows, H, K]`` and the block's per-head maximum into ``[rows, nb1p, H]`` (``nb1p`` the power of
+  two at or above the block count; pass 2 masks the rows no program wrote);
 * **pass 2** (``sparse_attention_pv``), grid ``(rows, head blocks, column blocks)``: the row maximum
   ``m`` from pass 1's block maxima, then over the list in ``bk2`` blocks (unrolled: the gathers do
   not depend on each other) ``e = exp(l - m)``, ``den += Σ e`` in fp32 and ``acc += q.dtype(e) · V``
@@ -33,14 +34,16 @@ from jax.experimental.pallas import triton as pltriton
 from dsv41_jax.quant import Fp4Tensor, Fp8Tensor
 from dsv41_jax.quant.codecs import le_words
 
-from .pallas_triton import _fp4_rows, _fp8_rows, _is_pow2, _pad_idx, _plain_rows, unsupported_reason
+from .pallas_triton import STORE_CODECS, _fp4_rows, _fp8_rows, _is_pow2, _pad_idx, _plain_rows, unsupported_reason
 
 _NEG_INF = float("-inf")
 
 # bk1: keys per pass-1 program; dc: the column chunk pass 1 decodes and dots at a time; bk2: keys
 # per pass-2 step (the lists are padded to it); bh: heads per pass-2 program; dv: value columns per
-# pass-2 program. At batch 1 with 64 heads x 512 and 640 keys: 20 pass-1 and 32 pass-2 programs.
-DEFAULTS = dict(bk1=32, dc=128, bk2=64, bh=16, dv=64, num_warps=4)
+# pass-2 program; group: pass-2 blocks whose loads are issued together (sm_90 SASS, session 46: 3 is
+# the most at 4 warps without spills -- 254 registers; 5 spills 140 words, 10 spills 935). At batch 1
+# with 64 heads x 512 and 640 keys: 20 pass-1 and 32 pass-2 programs, pass 2 in 4 load groups.
+DEFAULTS = dict(bk1=32, dc=128, bk2=64, bh=16, dv=64, group=3, num_warps=4)
 
 # The most query rows (B*S) this path serves when the caller does not pick a method: decode and
 # speculative-verify sizes. Its pass-2 loop is unrolled over the list's blocks.
@@ -103,26 +106,36 @@ def _logits_kernel(q_ref, idx_ref, *refs, nwb1, dc, d, scale, cdt, prec, w_fp8, 
     bmax_ref[...] = jnp.max(s, axis=1)
 
 
-def _pv_kernel(lg_ref, bmax_ref, idx_ref, *refs, nwb2, nb2, nb1, bk2, dv, cdt, prec, w_fp8, c_fp4, has_comp):
+def _pv_kernel(lg_ref, bmax_ref, idx_ref, *refs, nwb2, nb2, nb1, bk2, dv, group, cdt, prec, w_fp8, c_fp4, has_comp):
     it = iter(refs)
-    window_rows = functools.partial(_fp8_rows, next(it), next(it)) if w_fp8 else functools.partial(_plain_rows, next(it))
-    comp_rows = None
-    if has_comp:
-        comp_rows = functools.partial(_fp4_rows, next(it), next(it)) if c_fp4 else functools.partial(_plain_rows, next(it))
+    wcodec = STORE_CODECS["fp8" if w_fp8 else "plain"]
+    wrefs = (next(it), next(it)) if w_fp8 else (next(it),)
+    ccodec = STORE_CODECS["fp4" if c_fp4 else "plain"]
+    crefs = ((next(it), next(it)) if c_fp4 else (next(it),)) if has_comp else ()
     sink_ref, o_ref = next(it), next(it)
     c0 = pl.program_id(2) * dv
-    m = bmax_ref[0, :]
-    for jb in range(1, nb1):  # the row maximum from pass 1's block maxima (independent loads)
-        m = jnp.maximum(m, bmax_ref[jb, :])
+    # the row maximum from pass 1's block maxima, one [nb1p, bh] load (rows >= nb1 were never written:
+    # masked). One load per block, as first built, put a barrier after each: 20 round trips in a row
+    # (sm_90 SASS), most of the kernel's 34 us on an H100 (session 46)
+    bm = bmax_ref[...]
+    m = jnp.max(jnp.where(jnp.arange(bm.shape[0], dtype=jnp.int32)[:, None] < nb1, bm, _NEG_INF), axis=0)
     m_safe = jnp.where(m == _NEG_INF, 0.0, m)
     den = jnp.zeros(m.shape, jnp.float32)
     acc = jnp.zeros((m.shape[0], dv), jnp.float32)
-    for jb in range(nb2):  # unrolled: the gathers of all blocks are independent of each other
-        e = jnp.exp(lg_ref[:, pl.ds(jb * bk2, bk2)] - m_safe[:, None])  # exp(-inf) = 0: no key
-        den += jnp.sum(e, axis=1)
-        ids = idx_ref[pl.ds(jb * bk2, bk2)]
-        v = (window_rows if jb < nwb2 else comp_rows)(jnp.where(ids >= 0, ids, 0), c0, dv, cdt)
-        acc += jnp.dot(e.astype(cdt), v, preferred_element_type=jnp.float32, precision=prec)
+    for g0 in range(0, nb2, group):
+        # every load of ``group`` blocks first (index lists, then their rows and logits), then their
+        # arithmetic: the dot operands' layout conversions put barriers in each block, and loads
+        # traced after a barrier are issued after it (session 46: two round trips per block before)
+        blocks = range(g0, min(g0 + group, nb2))
+        ids = [idx_ref[pl.ds(jb * bk2, bk2)] for jb in blocks]
+        raw = [(wcodec if jb < nwb2 else ccodec)[0](*(wrefs if jb < nwb2 else crefs), jnp.where(i >= 0, i, 0), c0, dv)
+               for jb, i in zip(blocks, ids)]
+        lgs = [lg_ref[:, pl.ds(jb * bk2, bk2)] for jb in blocks]
+        for jb, r, lg in zip(blocks, raw, lgs):
+            e = jnp.exp(lg - m_safe[:, None])  # exp(-inf) = 0: no key
+            den += jnp.sum(e, axis=1)
+            v = (wcodec if jb < nwb2 else ccodec)[1](r, cdt)
+            acc += jnp.dot(e.astype(cdt), v, preferred_element_type=jnp.float32, precision=prec)
     den = den + jnp.exp(sink_ref[...] - m_safe)
     inv = jnp.where(m == _NEG_INF, 0.0, 1.0 / den)
     o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
@@ -160,6 +173,7 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     idx = jnp.concatenate(lists, axis=-1) if len(lists) > 1 else widx
     kp = idx.shape[-1]
     nb1, nb2, nwb2 = kp // bk1, kp // bk2, widx.shape[-1] // bk2
+    nb1p = 1 << (nb1 - 1).bit_length()  # pass 2 loads the block maxima as one power-of-two tile
     prec = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kinds = dict(cdt=q.dtype, prec=prec, w_fp8=w_fp8, c_fp4=c_fp4, has_comp=has_comp)
 
@@ -178,16 +192,16 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
                   *store_specs(2)],
         out_specs=(pl.BlockSpec((None, hp, bk1), lambda r, j: (r, 0, j)),
                    pl.BlockSpec((None, None, hp), lambda r, j: (r, j, 0))),
-        out_shape=(jax.ShapeDtypeStruct((rows, hp, kp), jnp.float32), jax.ShapeDtypeStruct((rows, nb1, hp), jnp.float32)),
+        out_shape=(jax.ShapeDtypeStruct((rows, hp, kp), jnp.float32), jax.ShapeDtypeStruct((rows, nb1p, hp), jnp.float32)),
         compiler_params=params,
         interpret=interpret,
         name="sparse_attention_logits",
     )(qf, idx, *stores)
     out = pl.pallas_call(
-        functools.partial(_pv_kernel, nwb2=nwb2, nb2=nb2, nb1=nb1, bk2=bk2, dv=dv, **kinds),
+        functools.partial(_pv_kernel, nwb2=nwb2, nb2=nb2, nb1=nb1, bk2=bk2, dv=dv, group=max(1, c["group"]), **kinds),
         grid=(rows, hp // bh, d // dv),
         in_specs=[pl.BlockSpec((None, bh, kp), lambda r, i, j: (r, i, 0)),
-                  pl.BlockSpec((None, nb1, bh), lambda r, i, j: (r, 0, i)),
+                  pl.BlockSpec((None, nb1p, bh), lambda r, i, j: (r, 0, i)),
                   pl.BlockSpec((None, kp), lambda r, i, j: (r, 0)),
                   *store_specs(3),
                   pl.BlockSpec((bh,), lambda r, i, j: (i,))],

@@ -509,7 +509,7 @@ def test_reference_casts_the_unnormalised_weights_as_deepseeks_kernel(keys):
     fp32 sum divided by the denominator at the end, as DeepSeek's kernel does. Before session 35 it cast
     the normalised probability, bf16(1 / den) at one key: ~2**-9 off in every output, which the
     cross-check against DeepSeek's V4.1 code on the CPU traced as the first layer's main difference.
-    At 1 and 2 keys the result is bit-exact; at 40, within one bf16 ulp (fp32 summation order)."""
+    At 1 and 2 keys the result is bit-exact; at 40, almost every element (fp32 exp and summation order)."""
     rng = np.random.default_rng()
     b, s, h, d, n = 2, 3, 8, 64, 48
     q = jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16)
@@ -521,8 +521,13 @@ def test_reference_casts_the_unnormalised_weights_as_deepseeks_kernel(keys):
     if keys <= 2:
         np.testing.assert_array_equal(got, want)
     else:
-        ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(want), 1e-30))) - 7)
-        assert np.max(np.abs(got - want) / ulp) <= 1.0 and np.mean(got == want) > 0.9
+        # almost every element equal; the rest within 2**-6 of their head's largest element: XLA's and
+        # numpy's exp can differ by an fp32 ulp, which flips a weight's bf16 rounding (2**-8 of that
+        # key's term). Session 46: worst 2**-7.7, at least 99.5 % equal over 100 draws; the bound
+        # before (one ulp of each element) failed ~1 draw in 20. The old normalised cast is ~2**-9
+        # off in every element, so the share of equal elements is what catches it
+        rel = np.abs(got - want) / np.abs(want).max(axis=-1, keepdims=True)
+        assert np.max(rel) <= 2.0 ** -6 and np.mean(got == want) > 0.97
 
 
 def _decode_list_case(b, s=2, h=16, d=64, nw=128, nc=1024, kc=512):
@@ -704,6 +709,18 @@ def test_two_pass_parity_interpret(dtype, quant):
     check_close(o, r)
     assert np.all(np.asarray(o[0, 0], np.float32) == 0.0)  # no valid key -> 0
     assert np.any(np.asarray(o[1, 1], np.float32) != 0.0)  # compressed picks only
+
+
+def test_two_pass_load_groups_do_not_change_the_sums():
+    """``group`` only moves pass 2's loads ahead of its arithmetic: groups of 1, 2 (a remainder over
+    the 3 key blocks) and 4 give the same bits; and 3 key blocks of pass 1 (not a power of two) leave
+    unwritten rows in the padded block-maxima array, which pass 2 must mask (a wrong row maximum
+    would move every weight)."""
+    q, kv, widx, sink, ck, cidx = make_case(None, dtype=jnp.bfloat16)
+    outs = [np.asarray(_two_pass(q, kv, widx, sink, ck, cidx, 0.125, config={**SMALL, "bk1": 32, "group": g}), np.float32)
+            for g in (1, 2, 4)]
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+    check_close(jnp.asarray(outs[0], jnp.bfloat16), _ref(q, kv, widx, sink, ck, cidx, 0.125))
 
 
 def test_two_pass_default_tiles_window_only_and_padded_heads():
