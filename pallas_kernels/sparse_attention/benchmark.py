@@ -168,10 +168,11 @@ SITE_VARIANTS = (("xla", None), ("pallas default", dict(combine="xla")), ("palla
 # The --decode variants: the two-pass decode kernels (pallas_triton_two_pass; "two_pass": its config
 # overrides) against the XLA reference and the flash kernel, at decode and verify row counts
 DECODE_VARIANTS = (("xla", None), ("pallas flash", dict(method="flash")), ("two-pass", dict(two_pass={})),
-                   ("two-pass group 1", dict(two_pass=dict(group=1))),
-                   ("two-pass group 5, 8 warps", dict(two_pass=dict(group=5, num_warps=8))),
+                   ("two-pass gathered values", dict(two_pass=dict(stage_values=False))),
+                   ("two-pass gathered, group 1", dict(two_pass=dict(stage_values=False, group=1))),
+                   ("two-pass dc 128", dict(two_pass=dict(dc=128))),
                    ("two-pass dv 32", dict(two_pass=dict(dv=32))),
-                   ("two-pass dv 32, 8 warps, group 5", dict(two_pass=dict(dv=32, num_warps=8, group=5))),
+                   ("two-pass group 10", dict(two_pass=dict(group=10))),
                    ("two-pass bk1 64", dict(two_pass=dict(bk1=64))))
 
 

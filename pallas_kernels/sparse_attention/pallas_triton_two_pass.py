@@ -38,12 +38,17 @@ from .pallas_triton import STORE_CODECS, _fp4_rows, _fp8_rows, _is_pow2, _pad_id
 
 _NEG_INF = float("-inf")
 
-# bk1: keys per pass-1 program; dc: the column chunk pass 1 decodes and dots at a time; bk2: keys
+# bk1: keys per pass-1 program; dc: the column chunk pass 1 decodes and dots at a time (512, all of
+# V4.1's D: every load of a program in one round, 168 registers, no spills; 128 took a round trip and
+# barriers per chunk, in the sm_90 SASS, session 46); bk2: keys
 # per pass-2 step (the lists are padded to it); bh: heads per pass-2 program; dv: value columns per
 # pass-2 program; group: pass-2 blocks whose loads are issued together (sm_90 SASS, session 46: 3 is
-# the most at 4 warps without spills -- 254 registers; 5 spills 140 words, 10 spills 935). At batch 1
-# with 64 heads x 512 and 640 keys: 20 pass-1 and 32 pass-2 programs, pass 2 in 4 load groups.
-DEFAULTS = dict(bk1=32, dc=128, bk2=64, bh=16, dv=64, group=3, num_warps=4)
+# the most at 4 warps without spills -- 254 registers; 5 spills 140 words, 10 spills 935); stage_values:
+# pass 1 also writes the rows it decoded ([rows, K, D] in q's dtype: 640 KB a row at 640 x 512 bf16)
+# and pass 2 reads contiguous tiles of them, instead of gathering and decoding its columns again
+# from the stores (False: after each block's index list, a dependent gather). At batch 1 with 64
+# heads x 512 and 640 keys: 20 pass-1 and 32 pass-2 programs, pass 2 in 4 load groups.
+DEFAULTS = dict(bk1=32, dc=512, bk2=64, bh=16, dv=64, group=3, num_warps=4, stage_values=True)
 
 # The most query rows (B*S) this path serves when the caller does not pick a method: decode and
 # speculative-verify sizes. Its pass-2 loop is unrolled over the list's blocks.
@@ -77,13 +82,14 @@ def two_pass_reason(q, kv, kv_idx, comp_kv=None, comp_idx=None, cfg=None) -> str
     return None
 
 
-def _logits_kernel(q_ref, idx_ref, *refs, nwb1, dc, d, scale, cdt, prec, w_fp8, c_fp4, has_comp):
+def _logits_kernel(q_ref, idx_ref, *refs, nwb1, dc, d, scale, cdt, prec, w_fp8, c_fp4, has_comp, stage):
     it = iter(refs)
     window_rows = functools.partial(_fp8_rows, next(it), next(it)) if w_fp8 else functools.partial(_plain_rows, next(it))
     comp_rows = None
     if has_comp:
         comp_rows = functools.partial(_fp4_rows, next(it), next(it)) if c_fp4 else functools.partial(_plain_rows, next(it))
     lg_ref, bmax_ref = next(it), next(it)
+    vals_ref = next(it) if stage else None
     bk = lg_ref.shape[-1]
     j = pl.program_id(1)
     ids = idx_ref[pl.ds(j * bk, bk)]
@@ -94,6 +100,8 @@ def _logits_kernel(q_ref, idx_ref, *refs, nwb1, dc, d, scale, cdt, prec, w_fp8, 
         s = jnp.zeros((q_ref.shape[0], bk), jnp.float32)
         for c in range(0, d, dc):
             k = rows_of(ids, c, dc, cdt)  # [bk, dc]
+            if stage:  # the decoded rows for pass 2 (rows of -1 entries hold row 0: their weight is 0)
+                vals_ref[:, pl.ds(c, dc)] = k
             s += jnp.dot(q_ref[:, pl.ds(c, dc)].astype(cdt), k.T, preferred_element_type=jnp.float32, precision=prec)
         return s
 
@@ -106,14 +114,9 @@ def _logits_kernel(q_ref, idx_ref, *refs, nwb1, dc, d, scale, cdt, prec, w_fp8, 
     bmax_ref[...] = jnp.max(s, axis=1)
 
 
-def _pv_kernel(lg_ref, bmax_ref, idx_ref, *refs, nwb2, nb2, nb1, bk2, dv, group, cdt, prec, w_fp8, c_fp4, has_comp):
-    it = iter(refs)
-    wcodec = STORE_CODECS["fp8" if w_fp8 else "plain"]
-    wrefs = (next(it), next(it)) if w_fp8 else (next(it),)
-    ccodec = STORE_CODECS["fp4" if c_fp4 else "plain"]
-    crefs = ((next(it), next(it)) if c_fp4 else (next(it),)) if has_comp else ()
-    sink_ref, o_ref = next(it), next(it)
-    c0 = pl.program_id(2) * dv
+def _softmax_pv(lg_ref, bmax_ref, sink_ref, o_ref, load, decode, *, nb2, nb1, bk2, dv, group, cdt, prec):
+    """Pass 2's arithmetic for one (row, head block, column block): the row maximum, then per key
+    block ``jb`` the weights from the logits and ``decode(jb, load(jb))`` [bk2, dv] values."""
     # the row maximum from pass 1's block maxima, one [nb1p, bh] load (rows >= nb1 were never written:
     # masked). One load per block, as first built, put a barrier after each: 20 round trips in a row
     # (sm_90 SASS), most of the kernel's 34 us on an H100 (session 46)
@@ -123,22 +126,45 @@ def _pv_kernel(lg_ref, bmax_ref, idx_ref, *refs, nwb2, nb2, nb1, bk2, dv, group,
     den = jnp.zeros(m.shape, jnp.float32)
     acc = jnp.zeros((m.shape[0], dv), jnp.float32)
     for g0 in range(0, nb2, group):
-        # every load of ``group`` blocks first (index lists, then their rows and logits), then their
-        # arithmetic: the dot operands' layout conversions put barriers in each block, and loads
-        # traced after a barrier are issued after it (session 46: two round trips per block before)
+        # every load of ``group`` blocks first, then their arithmetic: the dot operands' layout
+        # conversions put barriers in each block, and loads traced after a barrier are issued after it
         blocks = range(g0, min(g0 + group, nb2))
-        ids = [idx_ref[pl.ds(jb * bk2, bk2)] for jb in blocks]
-        raw = [(wcodec if jb < nwb2 else ccodec)[0](*(wrefs if jb < nwb2 else crefs), jnp.where(i >= 0, i, 0), c0, dv)
-               for jb, i in zip(blocks, ids)]
+        raw = [load(jb) for jb in blocks]
         lgs = [lg_ref[:, pl.ds(jb * bk2, bk2)] for jb in blocks]
         for jb, r, lg in zip(blocks, raw, lgs):
             e = jnp.exp(lg - m_safe[:, None])  # exp(-inf) = 0: no key
             den += jnp.sum(e, axis=1)
-            v = (wcodec if jb < nwb2 else ccodec)[1](r, cdt)
-            acc += jnp.dot(e.astype(cdt), v, preferred_element_type=jnp.float32, precision=prec)
+            acc += jnp.dot(e.astype(cdt), decode(jb, r), preferred_element_type=jnp.float32, precision=prec)
     den = den + jnp.exp(sink_ref[...] - m_safe)
     inv = jnp.where(m == _NEG_INF, 0.0, 1.0 / den)
     o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
+
+
+def _pv_gather_kernel(lg_ref, bmax_ref, idx_ref, *refs, nwb2, w_fp8, c_fp4, has_comp, **kw):
+    """Pass 2 reading its values from the stores: each block's index list, then its rows' columns
+    gathered and decoded again (``stage_values=False``)."""
+    it = iter(refs)
+    wcodec = STORE_CODECS["fp8" if w_fp8 else "plain"]
+    wrefs = (next(it), next(it)) if w_fp8 else (next(it),)
+    ccodec = STORE_CODECS["fp4" if c_fp4 else "plain"]
+    crefs = ((next(it), next(it)) if c_fp4 else (next(it),)) if has_comp else ()
+    sink_ref, o_ref = next(it), next(it)
+    c0, bk2, dv = pl.program_id(2) * kw["dv"], kw["bk2"], kw["dv"]
+
+    def load(jb):
+        ids = idx_ref[pl.ds(jb * bk2, bk2)]
+        return (wcodec if jb < nwb2 else ccodec)[0](*(wrefs if jb < nwb2 else crefs), jnp.where(ids >= 0, ids, 0), c0, dv)
+
+    _softmax_pv(lg_ref, bmax_ref, sink_ref, o_ref, load,
+                lambda jb, r: (wcodec if jb < nwb2 else ccodec)[1](r, kw["cdt"]), **kw)
+
+
+def _pv_staged_kernel(lg_ref, bmax_ref, vals_ref, sink_ref, o_ref, **kw):
+    """Pass 2 reading the rows pass 1 decoded (``stage_values=True``): contiguous [bk2, dv] tiles at
+    addresses known up front, no index lists, no decode."""
+    bk2 = kw["bk2"]
+    _softmax_pv(lg_ref, bmax_ref, sink_ref, o_ref, lambda jb: vals_ref[pl.ds(jb * bk2, bk2), :],
+                lambda jb, v: v, **kw)
 
 
 def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None, interpret=False, config=None):
@@ -185,30 +211,44 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
         return [spec(a) for a in stores]
 
     params = pltriton.CompilerParams(num_warps=c["num_warps"], num_stages=1)
-    lg, bmax = pl.pallas_call(
-        functools.partial(_logits_kernel, nwb1=widx.shape[-1] // bk1, dc=c["dc"], d=d, scale=float(scale), **kinds),
+    stage = bool(c["stage_values"])
+    out_specs = [pl.BlockSpec((None, hp, bk1), lambda r, j: (r, 0, j)), pl.BlockSpec((None, None, hp), lambda r, j: (r, j, 0))]
+    out_shape = [jax.ShapeDtypeStruct((rows, hp, kp), jnp.float32), jax.ShapeDtypeStruct((rows, nb1p, hp), jnp.float32)]
+    if stage:  # pass 1's decoded rows, [rows, K, D] in q's dtype
+        out_specs.append(pl.BlockSpec((None, bk1, d), lambda r, j: (r, j, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((rows, kp, d), q.dtype))
+    lg, bmax, *vals = pl.pallas_call(
+        functools.partial(_logits_kernel, nwb1=widx.shape[-1] // bk1, dc=c["dc"], d=d, scale=float(scale), stage=stage,
+                          **kinds),
         grid=(rows, nb1),
         in_specs=[pl.BlockSpec((None, hp, d), lambda r, j: (r, 0, 0)), pl.BlockSpec((None, kp), lambda r, j: (r, 0)),
                   *store_specs(2)],
-        out_specs=(pl.BlockSpec((None, hp, bk1), lambda r, j: (r, 0, j)),
-                   pl.BlockSpec((None, None, hp), lambda r, j: (r, j, 0))),
-        out_shape=(jax.ShapeDtypeStruct((rows, hp, kp), jnp.float32), jax.ShapeDtypeStruct((rows, nb1p, hp), jnp.float32)),
+        out_specs=tuple(out_specs),
+        out_shape=tuple(out_shape),
         compiler_params=params,
         interpret=interpret,
         name="sparse_attention_logits",
     )(qf, idx, *stores)
+    common = dict(nb2=nb2, nb1=nb1, bk2=bk2, dv=dv, group=max(1, c["group"]), cdt=q.dtype, prec=prec)
+    head_specs = [pl.BlockSpec((None, bh, kp), lambda r, i, j: (r, i, 0)),
+                  pl.BlockSpec((None, nb1p, bh), lambda r, i, j: (r, 0, i))]
+    sink_spec = pl.BlockSpec((bh,), lambda r, i, j: (i,))
+    if stage:
+        kernel = functools.partial(_pv_staged_kernel, **common)
+        specs = [*head_specs, pl.BlockSpec((None, kp, dv), lambda r, i, j: (r, 0, j)), sink_spec]
+        args = (lg, bmax, vals[0], sinkf)
+    else:
+        kernel = functools.partial(_pv_gather_kernel, nwb2=nwb2, w_fp8=w_fp8, c_fp4=c_fp4, has_comp=has_comp, **common)
+        specs = [*head_specs, pl.BlockSpec((None, kp), lambda r, i, j: (r, 0)), *store_specs(3), sink_spec]
+        args = (lg, bmax, idx, *stores, sinkf)
     out = pl.pallas_call(
-        functools.partial(_pv_kernel, nwb2=nwb2, nb2=nb2, nb1=nb1, bk2=bk2, dv=dv, group=max(1, c["group"]), **kinds),
+        kernel,
         grid=(rows, hp // bh, d // dv),
-        in_specs=[pl.BlockSpec((None, bh, kp), lambda r, i, j: (r, i, 0)),
-                  pl.BlockSpec((None, nb1p, bh), lambda r, i, j: (r, 0, i)),
-                  pl.BlockSpec((None, kp), lambda r, i, j: (r, 0)),
-                  *store_specs(3),
-                  pl.BlockSpec((bh,), lambda r, i, j: (i,))],
+        in_specs=specs,
         out_specs=pl.BlockSpec((None, bh, dv), lambda r, i, j: (r, i, j)),
         out_shape=jax.ShapeDtypeStruct((rows, hp, d), q.dtype),
         compiler_params=params,
         interpret=interpret,
         name="sparse_attention_pv",
-    )(lg, bmax, idx, *stores, sinkf)
+    )(*args)
     return out[:, :h].reshape(b, s, h, d)

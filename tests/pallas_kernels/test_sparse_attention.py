@@ -699,26 +699,30 @@ def _two_pass(q, kv, widx, sink, ck, cidx, scale, config=SMALL):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("quant", [True, False], ids=["fp8win_fp4comp", "plain"])
-def test_two_pass_parity_interpret(dtype, quant):
+@pytest.mark.parametrize("stage", [True, False], ids=["staged_values", "gathered_values"])
+def test_two_pass_parity_interpret(dtype, quant, stage):
     """B 2 x S 2 rows over a 20-entry window list and a 40-entry compressed list (padded to the key
-    blocks), ~20 % -1 entries, a row with no valid key (-> 0) and a row with compressed keys only."""
+    blocks), ~20 % -1 entries, a row with no valid key (-> 0) and a row with compressed keys only;
+    pass 2 reading pass 1's decoded rows (the default) or gathering and decoding its own."""
     q, kv, widx, sink, ck, cidx = make_case(None, dtype=dtype, quant=quant)
     scale = q.shape[-1] ** -0.5
     r = _ref(q, kv, widx, sink, ck, cidx, scale)
-    o = _two_pass(q, kv, widx, sink, ck, cidx, scale)
+    o = _two_pass(q, kv, widx, sink, ck, cidx, scale, config={**SMALL, "stage_values": stage})
     check_close(o, r)
     assert np.all(np.asarray(o[0, 0], np.float32) == 0.0)  # no valid key -> 0
     assert np.any(np.asarray(o[1, 1], np.float32) != 0.0)  # compressed picks only
 
 
 def test_two_pass_load_groups_do_not_change_the_sums():
-    """``group`` only moves pass 2's loads ahead of its arithmetic: groups of 1, 2 (a remainder over
-    the 3 key blocks) and 4 give the same bits; and 3 key blocks of pass 1 (not a power of two) leave
+    """``group`` only moves pass 2's loads ahead of its arithmetic and ``stage_values`` only where its
+    values come from: groups of 1, 2 (a remainder over the 3 key blocks) and 4, staged or gathered,
+    give the same bits; and 3 key blocks of pass 1 (not a power of two) leave
     unwritten rows in the padded block-maxima array, which pass 2 must mask (a wrong row maximum
     would move every weight)."""
     q, kv, widx, sink, ck, cidx = make_case(None, dtype=jnp.bfloat16)
-    outs = [np.asarray(_two_pass(q, kv, widx, sink, ck, cidx, 0.125, config={**SMALL, "bk1": 32, "group": g}), np.float32)
-            for g in (1, 2, 4)]
+    outs = [np.asarray(_two_pass(q, kv, widx, sink, ck, cidx, 0.125,
+                                 config={**SMALL, "bk1": 32, "group": g, "stage_values": st}), np.float32)
+            for g in (1, 2, 4) for st in (True, False)]
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
     check_close(jnp.asarray(outs[0], jnp.bfloat16), _ref(q, kv, widx, sink, ck, cidx, 0.125))
 
@@ -800,3 +804,8 @@ def test_two_pass_cross_lowering(target, shape):
     text = lower_for(target, lambda *a: pallas_triton.sparse_attention(
         *a[:4], scale=512 ** -0.5, comp_kv=a[4], comp_idx=a[5], method="two_pass"), *_real_specs(*shape)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2
+    if shape[0] == 1 and shape[1] == 1:  # pass 2 gathering its own values lowers too
+        text = lower_for(target, lambda *a: pallas_triton_two_pass.sparse_attention(
+            *a[:4], scale=512 ** -0.5, comp_kv=a[4], comp_idx=a[5], config=dict(stage_values=False)),
+            *_real_specs(*shape)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 2
