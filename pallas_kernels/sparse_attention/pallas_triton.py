@@ -551,21 +551,22 @@ def _two_pass_module():
     return pallas_triton_two_pass
 
 
-def takes_two_pass(q, kv, kv_idx, comp_kv, comp_idx, method=None) -> bool:
-    """Whether a call without a tiling of its own runs the two-pass decode kernels: ``method`` (or
-    :data:`DECODE_METHOD`) is "two_pass", the call has at most ``MAX_ROWS`` query rows and those
+def takes_two_pass(q, kv, kv_idx, comp_kv, comp_idx) -> bool:
+    """Whether a call that names no method or tiling runs the two-pass decode kernels:
+    :data:`DECODE_METHOD` is "two_pass", the call has at most ``MAX_ROWS`` query rows and those
     kernels support its shapes."""
     tp = _two_pass_module()
-    return ((method or DECODE_METHOD) == "two_pass" and q.shape[0] * q.shape[1] <= tp.MAX_ROWS
+    return (DECODE_METHOD == "two_pass" and q.shape[0] * q.shape[1] <= tp.MAX_ROWS
             and tp.two_pass_reason(q, kv, kv_idx, comp_kv, comp_idx) is None)
 
 
 def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None, interpret=False,
                      block_h=None, block_k=None, num_splits=None, num_warps=None, num_stages=None, d_split=None,
                      combine=None, counters=None, return_partials=False, window_width=None, method=None):
-    """``method``: "flash" or "two_pass" (default :data:`DECODE_METHOD`); "two_pass" applies to calls
-    of at most ``pallas_triton_two_pass.MAX_ROWS`` rows that name no tiling, splits, combine or
-    window width (:func:`takes_two_pass`), the others run this module's kernel.
+    """``method``: "flash" (this module's kernel) or "two_pass" (:mod:`.pallas_triton_two_pass`, for
+    any row count; it refuses flash tilings and shapes it cannot run by name). Without ``method``,
+    :data:`DECODE_METHOD` "two_pass" sends calls of at most ``pallas_triton_two_pass.MAX_ROWS`` rows
+    that name no tiling, splits, combine or window width there (:func:`takes_two_pass`).
     ``window_width`` (int or int32 [B]; one split only): DeepSeek's window list is that many leading
     entries of each row's window list (later ones are ignored), and the kernel walks its blocks over
     DeepSeek's concatenated list, whose compressed entries start there
@@ -588,7 +589,10 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     if reason is not None:
         raise ValueError(f"sparse_attention (pallas): {reason}")
     tiled = (block_h, block_k, num_splits, d_split, combine, counters, window_width) != (None,) * 7 or return_partials
-    if not tiled and takes_two_pass(q, kv, kv_idx, comp_kv, comp_idx, method):
+    if method == "two_pass" and tiled:
+        raise ValueError("sparse_attention (pallas): method='two_pass' takes no flash tiling, splits, combine, "
+                         "counters or window width (the caller masks the window list); drop them or use method='flash'")
+    if method == "two_pass" or (method is None and not tiled and takes_two_pass(q, kv, kv_idx, comp_kv, comp_idx)):
         return _two_pass_module().sparse_attention(q, kv, kv_idx, sink, scale=scale, comp_kv=comp_kv,
                                                    comp_idx=comp_idx, interpret=interpret)
     b, s, h, d = q.shape

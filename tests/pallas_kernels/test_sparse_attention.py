@@ -781,6 +781,12 @@ def test_two_pass_dispatch_switch(monkeypatch):
     check_close(o, _ref(q, kv, widx, sink, ck, cidx, 0.125))
     with pytest.raises(ValueError, match="method='fast'"):
         pallas_triton.sparse_attention(q, kv, widx, sink, scale=0.125, method="fast")
+    with pytest.raises(ValueError, match="takes no flash tiling"):
+        pallas_triton.sparse_attention(q, kv, widx, sink, scale=0.125, method="two_pass", block_k=16)
+    monkeypatch.setattr(pallas_triton, "DECODE_METHOD", "flash")  # an explicit method needs no switch
+    assert names(method="two_pass") == ["sparse_attention_logits", "sparse_attention_pv"]
+    with pytest.raises(ValueError, match="two-pass.*16 rows"):
+        pallas_triton_two_pass.sparse_attention(q, kv, widx, sink, scale=0.125, config=dict(bh=8))
 
 
 @pytest.mark.parametrize("cfg,match", [
