@@ -6,35 +6,47 @@ structure but none of the formats' arithmetic; this one checks both, in float32 
 
 import os
 
-import jax.numpy as jnp
-import numpy as np
 
 import multi_device
+
+FIX = os.path.join(os.path.dirname(__file__), "fixtures", "v41_quant_xcheck")
+
+
+F32_SCRIPT = r"""
+import os
+import jax.numpy as jnp, numpy as np
 from dsv41_jax.cache import init_cache
 from dsv41_jax.checkpoint import load_checkpoint, read_official
 from dsv41_jax.options import RunOptions
 from dsv41_jax.transformer import forward_step_jit
-
-FIX = os.path.join(os.path.dirname(__file__), "fixtures", "v41_quant_xcheck")
+FIX = %r
+fx = {k: np.asarray(v, np.float32) for k, v in read_official(os.path.join(FIX, "fixture.safetensors")).items()}
+cfg, params = load_checkpoint(FIX)
+ids = fx["input_ids"].astype(np.int32)
+B, S = ids.shape
+opts = RunOptions(dtype="float32", kv_cache_dtype="reference")
+logits, _, aux = forward_step_jit(params, init_cache(cfg, B, 128, opts), jnp.asarray(ids), jnp.full((B,), S, jnp.int32),
+                                  cfg=cfg, opts=opts, return_aux=True)
+for l, want in enumerate(fx["resid_after_layer_b0_f32"]):
+    got = np.asarray(aux["resid"][l][0], np.float32)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), l
+want = fx["logits_f32"]
+err = np.abs(np.asarray(logits, np.float32) - want).max(axis=(1, 2))
+assert np.all(err <= 1e-5 * np.abs(want).max()), err
+print("OK")
+"""
 
 
 def test_float32_every_layer_matches_deepseeks_code():
     """float32 activations, quantized weights, FP8 window KV / FP4 compressed KV / MXFP4 index keys
     and queries: the residual streams after each of the 9 layers (SWA, ratio-2 and ratio-1 sources,
     reuse, candidate selection and re-index) and the logits of a 48-token prefill agree to fp32
-    summation order (measured 3e-7 and 4e-7 of the largest value)."""
-    fx = {k: np.asarray(v, np.float32) for k, v in read_official(os.path.join(FIX, "fixture.safetensors")).items()}
-    cfg, params = load_checkpoint(FIX)
-    ids = fx["input_ids"].astype(np.int32)
-    B, S = ids.shape
-    opts = RunOptions(dtype="float32", kv_cache_dtype="reference")
-    logits, _, aux = forward_step_jit(params, init_cache(cfg, B, 128, opts), jnp.asarray(ids), jnp.full((B,), S, jnp.int32),
-                                      cfg=cfg, opts=opts, return_aux=True)
-    for l, want in enumerate(fx["resid_after_layer_b0_f32"]):
-        got = np.asarray(aux["resid"][l][0], np.float32)
-        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), l
-    want = fx["logits_f32"]
-    assert np.abs(np.asarray(logits, np.float32) - want).max() <= 1e-5 * np.abs(want).max()
+    summation order (measured 3e-7 and 4e-7 of the largest value).
+    In a subprocess at XLA's default CPU optimization level, as the bf16 check below: at the suite's
+    -O0 (tests/conftest.py) jax 0.12.1's CPU code rounds some fp32 operation differently (0.12.0.1's
+    did not), which flips one of layer 4's top-8 index picks for batch row 1 from position 31 on
+    (its logits 0.82 off; session 46)."""
+    multi_device.run_script(F32_SCRIPT % FIX, devices=1, timeout=600)
 
 
 BF16_SCRIPT = r"""
