@@ -6,7 +6,6 @@ structure but none of the formats' arithmetic; this one checks both, in float32 
 
 import os
 
-
 import multi_device
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "v41_quant_xcheck")
