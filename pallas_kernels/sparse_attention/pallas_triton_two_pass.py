@@ -12,9 +12,10 @@ with XLA in the model (BENCHMARKS.md, issue 5, sessions 15-25). Two passes need 
   ``[rows, H, K]`` and the block's per-head maximum into ``[rows, nb1p, H]`` (``nb1p`` the power of
   two at or above the block count; pass 2 masks the rows no program wrote);
 * **pass 2** (``sparse_attention_pv``), grid ``(rows, head blocks, column blocks)``: the row maximum
-  ``m`` from pass 1's block maxima, then over the list in ``bk2`` blocks (unrolled: the gathers do
-  not depend on each other) ``e = exp(l - m)``, ``den += Σ e`` in fp32 and ``acc += q.dtype(e) · V``
-  for the program's ``dv`` value columns, and ``out = acc / (den + exp(sink - m))``.
+  ``m`` from pass 1's block maxima, then over the list in ``bk2`` blocks (unrolled, loads issued a
+  group of blocks ahead) ``e = exp(l - m)``, ``den += Σ e`` in fp32 and ``acc += q.dtype(e) · V``
+  for the program's ``dv`` value columns, V read from the rows pass 1 decoded (``stage_values``)
+  or gathered and decoded again, and ``out = acc / (den + exp(sink - m))``.
 
 Numerics are the reference's default (``running_max_block=None``) to the fp32 summation order: the
 row maximum (not a running one), the unnormalised weights cast to ``q.dtype`` before P·V, the fp32
@@ -38,21 +39,25 @@ from .pallas_triton import STORE_CODECS, _fp4_rows, _fp8_rows, _is_pow2, _pad_id
 
 _NEG_INF = float("-inf")
 
-# bk1: keys per pass-1 program; dc: the column chunk pass 1 decodes and dots at a time (512, all of
-# V4.1's D: every load of a program in one round, 168 registers, no spills; 128 took a round trip and
-# barriers per chunk, in the sm_90 SASS, session 46); bk2: keys
-# per pass-2 step (the lists are padded to it); bh: heads per pass-2 program; dv: value columns per
-# pass-2 program; group: pass-2 blocks whose loads are issued together (sm_90 SASS, session 46: 3 is
-# the most at 4 warps without spills -- 254 registers; 5 spills 140 words, 10 spills 935); stage_values:
-# pass 1 also writes the rows it decoded ([rows, K, D] in q's dtype: 640 KB a row at 640 x 512 bf16)
-# and pass 2 reads contiguous tiles of them, instead of gathering and decoding its columns again
-# from the stores (False: after each block's index list, a dependent gather). At batch 1 with 64
-# heads x 512 and 640 keys: 20 pass-1 and 32 pass-2 programs, pass 2 in 4 load groups.
+# Tiles (sm_90 SASS of the lowering, session 46; not yet timed in this form):
+# * bk1: keys per pass-1 program; dc: the column chunk pass 1 decodes and dots at a time (512, all
+#   of V4.1's D: every load of a program in one round, 168 registers, no spills; 128-column chunks
+#   took a round trip and barriers each);
+# * bk2: keys per pass-2 step (the lists are padded to it); bh: heads and dv: value columns per
+#   pass-2 program; group: pass-2 blocks whose loads are issued before their arithmetic (3 is the
+#   most at 4 warps without spills in the gathering form: 254 registers; 5 spilled 140 words);
+# * stage_values: pass 1 also writes the rows it decoded ([rows, K, D] in q's dtype: 640 KB a row at
+#   640 x 512 bf16) and pass 2 reads contiguous tiles of them (167 registers); False: pass 2 gathers
+#   and decodes its columns from the stores again, after each block's index list.
+# At batch 1 with 64 heads x 512 and 640 keys: 20 pass-1 and 32 pass-2 programs.
 DEFAULTS = dict(bk1=32, dc=512, bk2=64, bh=16, dv=64, group=3, num_warps=4, stage_values=True)
 
 # The most query rows (B*S) this path serves when the caller does not pick a method: decode and
-# speculative-verify sizes. Its pass-2 loop is unrolled over the list's blocks.
+# speculative-verify sizes, what it was built for.
 MAX_ROWS = 64
+# The most bk2 blocks of index list (window + compressed, each padded) a call may hold: pass 2 is
+# unrolled over them (V4.1's decode list: 10 blocks of 64).
+MAX_BLOCKS = 64
 
 
 def _config(cfg, d: int) -> dict:
@@ -79,6 +84,11 @@ def two_pass_reason(q, kv, kv_idx, comp_kv=None, comp_idx=None, cfg=None) -> str
         return f"bh={c['bh']}: the P.V dot needs at least 16 rows"
     if not _is_pow2(q.shape[2]):
         return f"H={q.shape[2]} heads: pass 1 holds every head of a row in one power-of-two tile"
+    kc = comp_idx.shape[-1] if comp_kv is not None and comp_idx is not None else 0
+    blocks = -(-kv_idx.shape[-1] // c["bk2"]) + -(-kc // c["bk2"])
+    if blocks > MAX_BLOCKS:
+        return (f"index lists of {kv_idx.shape[-1]} + {kc} entries are {blocks} blocks of {c['bk2']}: pass 2 is "
+                f"unrolled over at most {MAX_BLOCKS} (a decode-sized list; prefill chunks take the flash kernel)")
     return None
 
 

@@ -801,6 +801,8 @@ def test_two_pass_refused_configs(cfg, match):
         pallas_triton_two_pass.sparse_attention(q, kv, widx, sink, scale=0.125, comp_kv=ck, comp_idx=cidx, config=cfg)
     assert "power-of-two tile" in pallas_triton_two_pass.two_pass_reason(
         SD((1, 1, 96, 64), jnp.bfloat16), kv, widx, ck, cidx)
+    long_list = SD((1, 1, 64 * pallas_triton_two_pass.MAX_BLOCKS), jnp.int32)  # + the compressed list
+    assert "unrolled over at most" in pallas_triton_two_pass.two_pass_reason(q, kv, widx, ck, long_list)
 
 
 @pytest.mark.parametrize("target", ["cuda", "rocm"])
