@@ -172,7 +172,7 @@ DECODE_VARIANTS = (("xla", None), ("pallas flash", dict(method="flash")), ("two-
                    ("two-pass gathered, group 1", dict(two_pass=dict(stage_values=False, group=1))),
                    ("two-pass dc 128", dict(two_pass=dict(dc=128))),
                    ("two-pass dv 32", dict(two_pass=dict(dv=32))),
-                   ("two-pass group 10", dict(two_pass=dict(group=10))),
+                   ("two-pass group 5", dict(two_pass=dict(group=5))),
                    ("two-pass bk1 64", dict(two_pass=dict(bk1=64))))
 
 
