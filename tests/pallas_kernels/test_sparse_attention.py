@@ -80,7 +80,16 @@ def test_every_fp4_code_and_scale_of_the_compressed_cache(monkeypatch):
     """The kernel's FP4 decode of the compressed cache (32-bit words into f16 pairs, since session
     38) over every packed byte value (all 16 codes in both nibbles, -0 included) and e4m3
     scales from subnormal to 2**8, in float32 against the reference's dequantization: equal to the
-    f32 parity tolerance. Compressed keys only (no window), so every output comes from decoded rows."""
+    tolerance below. Compressed keys only (no window), so every output comes from decoded rows.
+    Tolerance: 1e-4 of the largest output. The scales reach 2**8, so logits reach ~1e3 and fp32
+    summation order moves single elements by up to 1.3e-5 of the largest (30 draws, session 46);
+    the element-wise f32 parity bound (rtol 2e-5) failed ~1 draw in 7 under jax 0.12.1. A wrong
+    decode (the swap below) is off by >= 1.25 of the largest."""
+
+    def close(o, r):
+        o, r = np.asarray(o, np.float32), np.asarray(r, np.float32)
+        assert np.all(np.isfinite(o)) and np.abs(o - r).max() <= 1e-4 * np.abs(r).max(), np.abs(o - r).max()
+
     rng = np.random.default_rng()
     b, s, h, d, nc, kc = 1, 3, 16, 64, 96, 64
     data = rng.integers(0, 256, (b, nc, d // 2), dtype=np.uint8)
@@ -94,12 +103,12 @@ def test_every_fp4_code_and_scale_of_the_compressed_cache(monkeypatch):
     sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
     scale_ = d ** -0.5
     r = _ref(q, kv, widx, sink, ck, cidx, scale_)
-    check_close(_kernel(q, kv, widx, sink, ck, cidx, scale_), r)
+    close(_kernel(q, kv, widx, sink, ck, cidx, scale_), r)
     # a decode that swaps codes j and j + 4 of every word fails the same comparison
     real = pallas_triton.fp4_word_pairs_f32
     monkeypatch.setattr(pallas_triton, "fp4_word_pairs_f32", lambda w: [(hi, lo) for lo, hi in real(w)])
     with pytest.raises(AssertionError):
-        check_close(_kernel(q, kv, widx, sink, ck, cidx, scale_), r)
+        close(_kernel(q, kv, widx, sink, ck, cidx, scale_), r)
 
 
 @pytest.mark.parametrize("d_split,quant,dtype,num_splits", [
