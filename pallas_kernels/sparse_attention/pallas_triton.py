@@ -239,19 +239,23 @@ def _fp4_decode(raw, cdt):
     return jnp.stack([a, c], axis=-1).reshape(wds.shape[0], 8 * wds.shape[1])
 
 
-def _rows(load, decode):
-    """A row reader ``(refs..., ids, first, width, cdt) -> [N, width]`` from a load and a decode."""
-    def read(*a):
-        *args, cdt = a
-        return decode(load(*args), cdt)
-    return read
-
-
-_fp8_rows = _rows(_fp8_load, _fp8_decode)
-_plain_rows = _rows(_plain_load, _plain_decode)
-_fp4_rows = _rows(_fp4_load, _fp4_decode)
 STORE_CODECS = {"fp8": (_fp8_load, _fp8_decode), "plain": (_plain_load, _plain_decode),
                 "fp4": (_fp4_load, _fp4_decode)}  # (load, decode) per store kind
+
+
+def store_reader(refs, kind: str):
+    """The next refs of a kernel's ``refs`` iterator for a store of ``kind`` ("fp8" and "fp4": data
+    and scale, "plain": one) -> ``(load, decode)``: ``load(ids, first, width)`` its raw rows,
+    ``decode(raw, cdt)`` them dequantized; ``read_rows(reader)`` composes the two."""
+    load, decode = STORE_CODECS[kind]
+    bound = (next(refs), next(refs)) if kind != "plain" else (next(refs),)
+    return functools.partial(load, *bound), decode
+
+
+def read_rows(reader):
+    """``(ids, first, width, cdt) -> [N, width]`` rows of a :func:`store_reader` store, in ``cdt``."""
+    load, decode = reader
+    return lambda ids, first, width, cdt: decode(load(ids, first, width), cdt)
 
 
 def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d, nw_blocks, nc_blocks, split_out, cdt, prec, d_split=1,
@@ -260,16 +264,10 @@ def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d, nw_blocks, nc_bloc
     q_ref = next(it)
     widx_ref = next(it)
     ww_ref = next(it) if shift else None
-    if w_fp8:
-        wdata_ref, wscale_ref = next(it), next(it)
-    else:
-        wkv_ref = next(it)
+    window_rows = read_rows(store_reader(it, "fp8" if w_fp8 else "plain"))
     if has_comp:
         cidx_ref = next(it)
-        if c_fp4:
-            cwords_ref, cscale_ref = next(it), next(it)
-        else:
-            ckv_ref = next(it)
+        comp_rows = read_rows(store_reader(it, "fp4" if c_fp4 else "plain"))
     sink_ref = next(it)
     if in_kernel_combine:
         next(it)  # the zeroed counters (input side; the aliased output ref below is the same buffer)
@@ -298,10 +296,6 @@ def _kernel(*refs, has_comp, w_fp8, c_fp4, scale, block_k, d, nw_blocks, nc_bloc
         l = l * alpha + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + jnp.dot(p.astype(cdt), v, preferred_element_type=jnp.float32, precision=prec)
         return m_new, l, acc
-
-    window_rows = functools.partial(_fp8_rows, wdata_ref, wscale_ref) if w_fp8 else functools.partial(_plain_rows, wkv_ref)
-    if has_comp:
-        comp_rows = functools.partial(_fp4_rows, cwords_ref, cscale_ref) if c_fp4 else functools.partial(_plain_rows, ckv_ref)
 
     lanes = jnp.arange(block_k, dtype=jnp.int32)
 

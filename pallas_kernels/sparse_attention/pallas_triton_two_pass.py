@@ -35,7 +35,7 @@ from jax.experimental.pallas import triton as pltriton
 from dsv41_jax.quant import Fp4Tensor, Fp8Tensor
 from dsv41_jax.quant.codecs import le_words
 
-from .pallas_triton import STORE_CODECS, _fp4_rows, _fp8_rows, _is_pow2, _pad_idx, _plain_rows, unsupported_reason
+from .pallas_triton import _is_pow2, _pad_idx, read_rows, store_reader, unsupported_reason
 
 _NEG_INF = float("-inf")
 
@@ -94,10 +94,8 @@ def two_pass_reason(q, kv, kv_idx, comp_kv=None, comp_idx=None, cfg=None) -> str
 
 def _logits_kernel(q_ref, idx_ref, *refs, nwb1, dc, d, scale, cdt, prec, w_fp8, c_fp4, has_comp, stage):
     it = iter(refs)
-    window_rows = functools.partial(_fp8_rows, next(it), next(it)) if w_fp8 else functools.partial(_plain_rows, next(it))
-    comp_rows = None
-    if has_comp:
-        comp_rows = functools.partial(_fp4_rows, next(it), next(it)) if c_fp4 else functools.partial(_plain_rows, next(it))
+    window_rows = read_rows(store_reader(it, "fp8" if w_fp8 else "plain"))
+    comp_rows = read_rows(store_reader(it, "fp4" if c_fp4 else "plain")) if has_comp else None
     lg_ref, bmax_ref = next(it), next(it)
     vals_ref = next(it) if stage else None
     bk = lg_ref.shape[-1]
@@ -154,19 +152,16 @@ def _pv_gather_kernel(lg_ref, bmax_ref, idx_ref, *refs, nwb2, w_fp8, c_fp4, has_
     """Pass 2 reading its values from the stores: each block's index list, then its rows' columns
     gathered and decoded again (``stage_values=False``)."""
     it = iter(refs)
-    wcodec = STORE_CODECS["fp8" if w_fp8 else "plain"]
-    wrefs = (next(it), next(it)) if w_fp8 else (next(it),)
-    ccodec = STORE_CODECS["fp4" if c_fp4 else "plain"]
-    crefs = ((next(it), next(it)) if c_fp4 else (next(it),)) if has_comp else ()
+    window = store_reader(it, "fp8" if w_fp8 else "plain")
+    comp = store_reader(it, "fp4" if c_fp4 else "plain") if has_comp else None
     sink_ref, o_ref = next(it), next(it)
     c0, bk2, dv = pl.program_id(2) * kw["dv"], kw["bk2"], kw["dv"]
 
     def load(jb):
         ids = idx_ref[pl.ds(jb * bk2, bk2)]
-        return (wcodec if jb < nwb2 else ccodec)[0](*(wrefs if jb < nwb2 else crefs), jnp.where(ids >= 0, ids, 0), c0, dv)
+        return (window if jb < nwb2 else comp)[0](jnp.where(ids >= 0, ids, 0), c0, dv)
 
-    _softmax_pv(lg_ref, bmax_ref, sink_ref, o_ref, load,
-                lambda jb, r: (wcodec if jb < nwb2 else ccodec)[1](r, kw["cdt"]), **kw)
+    _softmax_pv(lg_ref, bmax_ref, sink_ref, o_ref, load, lambda jb, r: (window if jb < nwb2 else comp)[1](r, kw["cdt"]), **kw)
 
 
 def _pv_staged_kernel(lg_ref, bmax_ref, vals_ref, sink_ref, o_ref, **kw):
