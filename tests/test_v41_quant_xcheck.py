@@ -11,7 +11,8 @@ import multi_device
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "v41_quant_xcheck")
 
 
-F32_SCRIPT = r"""
+# the subprocess scripts' common start: the fixture's expected values and its checkpoint
+_LOAD = r"""
 import os
 import jax.numpy as jnp, numpy as np
 from dsv41_jax.cache import init_cache
@@ -21,7 +22,9 @@ from dsv41_jax.transformer import forward_step_jit
 FIX = %r
 fx = {k: np.asarray(v, np.float32) for k, v in read_official(os.path.join(FIX, "fixture.safetensors")).items()}
 cfg, params = load_checkpoint(FIX)
-ids = fx["input_ids"].astype(np.int32)
+"""
+
+F32_SCRIPT = _LOAD + r"""ids = fx["input_ids"].astype(np.int32)
 B, S = ids.shape
 opts = RunOptions(dtype="float32", kv_cache_dtype="reference")
 logits, _, aux = forward_step_jit(params, init_cache(cfg, B, 128, opts), jnp.asarray(ids), jnp.full((B,), S, jnp.int32),
@@ -51,15 +54,7 @@ def test_float32_every_layer_matches_deepseeks_code():
 BF16_SCRIPT = r"""
 import os
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false"  # as the CLIs
-import jax.numpy as jnp, numpy as np
-from dsv41_jax.cache import init_cache
-from dsv41_jax.checkpoint import load_checkpoint, read_official
-from dsv41_jax.options import RunOptions
-from dsv41_jax.transformer import forward_step_jit
-FIX = %r
-fx = {k: np.asarray(v, np.float32) for k, v in read_official(os.path.join(FIX, "fixture.safetensors")).items()}
-cfg, params = load_checkpoint(FIX)
-opts = RunOptions(dtype="bfloat16", kv_cache_dtype="reference")
+""" + _LOAD + r"""opts = RunOptions(dtype="bfloat16", kv_cache_dtype="reference")
 def run(ids, cache=None):
     B, S = ids.shape
     cache = init_cache(cfg, B, 128, opts) if cache is None else cache
