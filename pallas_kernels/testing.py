@@ -201,3 +201,13 @@ def assert_split_close(y, y_unsplit, y_ref, tol: float):
     scale = float(np.max(np.abs(y_ref)))
     np.testing.assert_allclose(y, y_ref, rtol=tol, atol=tol * scale)
     np.testing.assert_allclose(y, y_unsplit, rtol=tol, atol=tol * scale)
+
+
+def only_kernels(monkeypatch, keep):
+    """Route every op for which ``keep(op)`` is false to its reference: the model tests that check
+    some kernels inside a whole forward step run the rest on references (the CPU time of interpret
+    mode). ``keep`` is called at trace time, so it may read state the test changes."""
+    from pallas_kernels import dispatch
+
+    choose = dispatch.choose
+    monkeypatch.setattr(dispatch, "choose", lambda op, impl, *a, **k: choose(op, impl if keep(op) else "reference", *a, **k))

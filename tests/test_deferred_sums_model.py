@@ -18,6 +18,7 @@ from dsv41_jax.cache import init_cache
 from dsv41_jax.options import RunOptions
 from dsv41_jax.params import init_params
 from pallas_kernels import dispatch
+from pallas_kernels.testing import only_kernels
 from pallas_kernels.deferred_sum import DeferredSum
 from pallas_kernels.mhc import pallas_triton as mhc_kernel
 from tiny_short import tiny_short
@@ -30,9 +31,7 @@ KERNEL_OPS = ("quantized_matmul", "moe_experts")
 # also sums the down kernel's split-K rows
 @pytest.mark.parametrize("inter,row_splits", [(64, 0), (192, 3)])
 def test_deferred_sums_give_the_logits_of_the_summed_step(inter, row_splits, monkeypatch):
-    choose = dispatch.choose
-    monkeypatch.setattr(dispatch, "choose", lambda op, impl, *a, **k: choose(
-        op, impl if op.startswith("hc_") or op in KERNEL_OPS else "reference", *a, **k))
+    only_kernels(monkeypatch, lambda op: op.startswith("hc_") or op in KERNEL_OPS)
     pieces, splits = [], []
     real = mhc_kernel.hc_expand_collapse_mixes
 

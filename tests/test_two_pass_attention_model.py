@@ -20,13 +20,12 @@ from dsv41_jax.params import init_params
 from dsv41_jax.quant import Fp4Tensor, Fp8Tensor
 from dsv41_jax.transformer import forward_step
 from pallas_kernels import dispatch
+from pallas_kernels.testing import only_kernels
 from pallas_kernels.sparse_attention import pallas_triton
 
 
 def test_decode_step_runs_the_two_pass_kernels(monkeypatch):
-    choose = dispatch.choose
-    monkeypatch.setattr(dispatch, "choose", lambda op, impl, *a, **k: choose(
-        op, impl if op == "sparse_attention" else "reference", *a, **k))
+    only_kernels(monkeypatch, lambda op: op == "sparse_attention")
     monkeypatch.setattr(pallas_triton, "DECODE_METHOD", "two_pass")
     call_errors, stores = [], []
     real = attention.sparse_attention
