@@ -168,12 +168,16 @@ SITE_VARIANTS = (("xla", None), ("pallas default", dict(combine="xla")), ("palla
 # The --decode variants: the two-pass decode kernels (pallas_triton_two_pass; "two_pass": its config
 # overrides) against the XLA reference and the flash kernel, at decode and verify row counts
 DECODE_VARIANTS = (("xla", None), ("pallas flash", dict(method="flash")), ("two-pass", dict(two_pass={})),
+                   ("two-pass one key split", dict(two_pass=dict(split=64))),
+                   ("two-pass split 1 block", dict(two_pass=dict(split=1))),
+                   ("two-pass split 5 blocks", dict(two_pass=dict(split=5))),
+                   ("two-pass pv warps 2", dict(two_pass=dict(pv_warps=2))),
+                   ("two-pass pv warps 1", dict(two_pass=dict(pv_warps=1))),
                    ("two-pass gathered values", dict(two_pass=dict(stage_values=False))),
-                   ("two-pass gathered, group 1", dict(two_pass=dict(stage_values=False, group=1))),
-                   ("two-pass dc 128", dict(two_pass=dict(dc=128))),
-                   ("two-pass dv 32", dict(two_pass=dict(dv=32))),
-                   ("two-pass group 5", dict(two_pass=dict(group=5))),
-                   ("two-pass bk1 64", dict(two_pass=dict(bk1=64))))
+                   ("two-pass dv 32", dict(two_pass=dict(dv=32))))
+# the model benchmark's lists (dsv41_jax.bench: 1,024 new tokens, no prompt): CSA layers top-256 of
+# 256 compressed entries, HCA layers every one of 8, each beside the 128-entry window
+DECODE_SHORT_LISTS = (("csa-256", 256, 256), ("hca-8", 8, 8))
 
 
 # The --rounding variants: the XLA reference with the row's maximum against the emulation of
@@ -289,7 +293,10 @@ def main(argv=None):
     if args.decode:
         log(f"# sparse attention decode site, two-pass kernels, device time | {dev.device_kind} | jax {jax.__version__}")
         rows = site(log, contexts=(5121,), batches=(1, 8), variants=DECODE_VARIANTS, reps=args.reps)
-        rows += site(log, contexts=(5121,), batches=(1,), variants=DECODE_VARIANTS[:3], reps=args.reps, seq=6)
+        rows += site(log, contexts=(5121,), batches=(1,), variants=DECODE_VARIANTS[:4], reps=args.reps, seq=6)
+        for label, nc, kc in DECODE_SHORT_LISTS:
+            rows += site(log, contexts=(nc,), batches=(1, 8), variants=DECODE_VARIANTS[:4], reps=args.reps,
+                         inputs=functools.partial(make_inputs, kc=kc), label=label)
         write_rows(args.out, "sparse_attention_decode.json", rows)
         return 0 if rows and all(r["ok"] for r in rows) else 1
     if args.rounding:

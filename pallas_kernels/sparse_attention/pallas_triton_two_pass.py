@@ -11,11 +11,15 @@ with XLA in the model (BENCHMARKS.md, issue 5, sessions 15-25). Two passes need 
   them in column chunks of ``dc`` and writes their scaled, masked fp32 logits for every head
   ``[rows, H, K]`` and the block's per-head maximum into ``[rows, nb1p, H]`` (``nb1p`` the power of
   two at or above the block count; pass 2 masks the rows no program wrote);
-* **pass 2** (``sparse_attention_pv``), grid ``(rows, head blocks, column blocks)``: the row maximum
-  ``m`` from pass 1's block maxima, then over the list in ``bk2`` blocks (unrolled, loads issued a
-  group of blocks ahead) ``e = exp(l - m)``, ``den += Σ e`` in fp32 and ``acc += q.dtype(e) · V``
-  for the program's ``dv`` value columns, V read from the rows pass 1 decoded (``stage_values``)
-  or gathered and decoded again, and ``out = acc / (den + exp(sink - m))``.
+* **pass 2** (``sparse_attention_pv``), grid ``(rows, head blocks, column blocks, key splits)``:
+  the row maximum ``m`` from pass 1's block maxima, then over the program's ``split`` blocks of
+  ``bk2`` keys (unrolled, loads issued a group of blocks ahead) ``e = exp(l - m)``, ``den += Σ e``
+  in fp32 and ``acc += q.dtype(e) · V`` for the program's ``dv`` value columns, V read from the rows
+  pass 1 decoded (``stage_values``) or gathered and decoded again. With one key split the program
+  ends with ``out = acc / (den + exp(sink - m))``; with several, each writes its fp32 ``acc`` and
+  ``den`` (split 0 adds the sink's term) and the sums ``Σ acc / Σ den`` are left to XLA, which fuses
+  them into the consumer (the model's inverse RoPE). Because every split uses the same row maximum
+  the partial sums add without rescaling: this is not flash-decoding's combine.
 
 Numerics are the reference's default (``running_max_block=None``) to the fp32 summation order: the
 row maximum (not a running one), the unnormalised weights cast to ``q.dtype`` before P·V, the fp32
@@ -49,8 +53,16 @@ _NEG_INF = float("-inf")
 # * stage_values: pass 1 also writes the rows it decoded ([rows, K, D] in q's dtype: 640 KB a row at
 #   640 x 512 bf16) and pass 2 reads contiguous tiles of them (167 registers); False: pass 2 gathers
 #   and decodes its columns from the stores again, after each block's index list.
-# At batch 1 with 64 heads x 512 and 640 keys: 20 pass-1 and 32 pass-2 programs.
-DEFAULTS = dict(bk1=32, dc=512, bk2=64, bh=16, dv=64, group=3, num_warps=4, stage_values=True)
+# * split: bk2 blocks per pass-2 program (None: fewest that give rows x head blocks x column blocks x
+#   splits >= pv_programs programs; a list of nb2 blocks then runs in ceil(nb2 / split) key splits).
+#   One split per row was 15.7 us of pass 2 at batch 1 on the H200 (32 programs, 10 blocks each in a
+#   chain) against 16.5 us at batch 8 (256 programs): latency, not bytes (session 47);
+# * pv_warps: pass 2's warps (None: num_warps). With bh = 16 query rows the MMA's A operand (the
+#   weights) is replicated in each warp, so 4 warps compute every exp 4 times (401 MUFU.EX2 a thread
+#   for 80 weights, sm_90 SASS, session 47).
+# At batch 1 with 64 heads x 512 and 640 keys: 20 pass-1 and 32 x 5 pass-2 programs.
+DEFAULTS = dict(bk1=32, dc=512, bk2=64, bh=16, dv=64, group=3, num_warps=4, stage_values=True, split=None,
+                pv_programs=256, pv_warps=None)
 
 # The most query rows (B*S) this path serves when the caller does not pick a method: decode and
 # speculative-verify sizes, what it was built for.
@@ -89,6 +101,11 @@ def two_pass_reason(q, kv, kv_idx, comp_kv=None, comp_idx=None, cfg=None) -> str
     if blocks > MAX_BLOCKS:
         return (f"index lists of {kv_idx.shape[-1]} + {kc} entries are {blocks} blocks of {c['bk2']}: pass 2 is "
                 f"unrolled over at most {MAX_BLOCKS} (a decode-sized list; prefill chunks take the flash kernel)")
+    if c["split"] is not None and (int(c["split"]) < 1 or (not c["stage_values"] and int(c["split"]) < blocks)):
+        return (f"split={c['split']} over {blocks} key blocks: pass 2's key splits need >= 1 block each and staged "
+                "values (stage_values=False reads each block's store by its static position: one split)")
+    if c["pv_warps"] is not None and c["pv_warps"] not in (1, 2, 4, 8):
+        return f"pv_warps={c['pv_warps']}: expected 1, 2, 4 or 8"
     return None
 
 
@@ -122,9 +139,11 @@ def _logits_kernel(q_ref, idx_ref, *refs, nwb1, dc, d, scale, cdt, prec, w_fp8, 
     bmax_ref[...] = jnp.max(s, axis=1)
 
 
-def _softmax_pv(lg_ref, bmax_ref, sink_ref, o_ref, load, decode, *, nb2, nb1, bk2, dv, group, cdt, prec):
-    """Pass 2's arithmetic for one (row, head block, column block): the row maximum, then per key
-    block ``jb`` the weights from the logits and ``decode(jb, load(jb))`` [bk2, dv] values."""
+def _softmax_pv(lg_ref, bmax_ref, sink_ref, out_refs, load, decode, *, nb, nb1, bk2, dv, group, cdt, prec):
+    """Pass 2's arithmetic for one (row, head block, column block, key split): the row maximum, then
+    per key block ``jb`` of the split's ``nb`` the weights from the logits and
+    ``decode(jb, load(jb))`` [bk2, dv] values. ``out_refs``: ``(o_ref,)`` (one split: the normalised
+    output) or ``(acc_ref, den_ref)`` (the split's fp32 sums; split 0's denominator has the sink)."""
     # the row maximum from pass 1's block maxima, one [nb1p, bh] load (rows >= nb1 were never written:
     # masked). One load per block, as first built, put a barrier after each: 20 round trips in a row
     # (sm_90 SASS), most of the kernel's 34 us on an H100 (session 46)
@@ -133,24 +152,30 @@ def _softmax_pv(lg_ref, bmax_ref, sink_ref, o_ref, load, decode, *, nb2, nb1, bk
     m_safe = jnp.where(m == _NEG_INF, 0.0, m)
     den = jnp.zeros(m.shape, jnp.float32)
     acc = jnp.zeros((m.shape[0], dv), jnp.float32)
-    for g0 in range(0, nb2, group):
+    for g0 in range(0, nb, group):
         # every load of ``group`` blocks first, then their arithmetic: the dot operands' layout
         # conversions put barriers in each block, and loads traced after a barrier are issued after it
-        blocks = range(g0, min(g0 + group, nb2))
+        blocks = range(g0, min(g0 + group, nb))
         raw = [load(jb) for jb in blocks]
         lgs = [lg_ref[:, pl.ds(jb * bk2, bk2)] for jb in blocks]
         for jb, r, lg in zip(blocks, raw, lgs):
             e = jnp.exp(lg - m_safe[:, None])  # exp(-inf) = 0: no key
             den += jnp.sum(e, axis=1)
             acc += jnp.dot(e.astype(cdt), decode(jb, r), preferred_element_type=jnp.float32, precision=prec)
-    den = den + jnp.exp(sink_ref[...] - m_safe)
+    sink_term = jnp.exp(sink_ref[...] - m_safe)
+    if len(out_refs) == 2:  # one of several key splits: its sums, XLA adds them (_finish_splits)
+        acc_ref, den_ref = out_refs
+        acc_ref[...] = acc
+        den_ref[...] = den + jnp.where(pl.program_id(3) == 0, sink_term, 0.0)
+        return
+    den = den + sink_term
     inv = jnp.where(m == _NEG_INF, 0.0, 1.0 / den)
-    o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
+    out_refs[0][...] = (acc * inv[:, None]).astype(out_refs[0].dtype)
 
 
 def _pv_gather_kernel(lg_ref, bmax_ref, idx_ref, *refs, nwb2, w_fp8, c_fp4, has_comp, **kw):
     """Pass 2 reading its values from the stores: each block's index list, then its rows' columns
-    gathered and decoded again (``stage_values=False``)."""
+    gathered and decoded again (``stage_values=False``; one key split)."""
     it = iter(refs)
     window = store_reader(it, "fp8" if w_fp8 else "plain")
     comp = store_reader(it, "fp4" if c_fp4 else "plain") if has_comp else None
@@ -161,15 +186,33 @@ def _pv_gather_kernel(lg_ref, bmax_ref, idx_ref, *refs, nwb2, w_fp8, c_fp4, has_
         ids = idx_ref[pl.ds(jb * bk2, bk2)]
         return (window if jb < nwb2 else comp)[0](jnp.where(ids >= 0, ids, 0), c0, dv)
 
-    _softmax_pv(lg_ref, bmax_ref, sink_ref, o_ref, load, lambda jb, r: (window if jb < nwb2 else comp)[1](r, kw["cdt"]), **kw)
+    _softmax_pv(lg_ref, bmax_ref, sink_ref, (o_ref,), load,
+                lambda jb, r: (window if jb < nwb2 else comp)[1](r, kw["cdt"]), **kw)
 
 
-def _pv_staged_kernel(lg_ref, bmax_ref, vals_ref, sink_ref, o_ref, **kw):
+def _pv_staged_kernel(lg_ref, bmax_ref, vals_ref, sink_ref, *out_refs, **kw):
     """Pass 2 reading the rows pass 1 decoded (``stage_values=True``): contiguous [bk2, dv] tiles at
-    addresses known up front, no index lists, no decode."""
+    addresses known up front, no index lists, no decode; the program's key split of them."""
     bk2 = kw["bk2"]
-    _softmax_pv(lg_ref, bmax_ref, sink_ref, o_ref, lambda jb: vals_ref[pl.ds(jb * bk2, bk2), :],
+    _softmax_pv(lg_ref, bmax_ref, sink_ref, out_refs, lambda jb: vals_ref[pl.ds(jb * bk2, bk2), :],
                 lambda jb, v: v, **kw)
+
+
+def key_splits(rows: int, head_blocks: int, col_blocks: int, nb2: int, cfg: dict) -> int:
+    """bk2 blocks per pass-2 program: ``cfg['split']``, or (None) the fewest that give at least
+    ``pv_programs`` programs, spread evenly (10 blocks for 32 programs at 256: 2 blocks, 5 splits)."""
+    if cfg["split"] is not None:
+        return min(int(cfg["split"]), nb2)
+    base = rows * head_blocks * col_blocks
+    want = min(nb2, max(1, -(-int(cfg["pv_programs"]) // base)))
+    return -(-nb2 // want)
+
+
+def _finish_splits(acc, den, dtype):
+    """The key splits' sums: ``Σ acc / Σ den`` (a row with no valid key has acc = 0: 0), in XLA so
+    that it fuses into the op's consumer. acc [splits, rows, H, D], den [splits, rows, H]."""
+    a, dn = jnp.sum(acc, axis=0), jnp.sum(den, axis=0)
+    return jnp.where(dn[..., None] > 0, a / jnp.where(dn > 0, dn, 1.0)[..., None], 0.0).astype(dtype)
 
 
 def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None, interpret=False, config=None):
@@ -202,8 +245,14 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
         c_fp4 = isinstance(comp_kv, Fp4Tensor)
         stores += [le_words(comp_kv.data), comp_kv.scale] if c_fp4 else [comp_kv]
     idx = jnp.concatenate(lists, axis=-1) if len(lists) > 1 else widx
+    stage = bool(c["stage_values"])
+    hb, cb, nb2 = hp // bh, d // dv, idx.shape[-1] // bk2
+    ks = key_splits(rows, hb, cb, nb2, c) if stage else nb2  # pass 2's blocks per program
+    splits = -(-nb2 // ks)
+    if splits * ks != nb2:  # the last split's blocks past the lists: -1 entries (-inf logits, zero weights)
+        idx = jnp.pad(idx, ((0, 0), (0, (splits * ks - nb2) * bk2)), constant_values=-1)
     kp = idx.shape[-1]
-    nb1, nb2, nwb2 = kp // bk1, kp // bk2, widx.shape[-1] // bk2
+    nb1, nwb2 = kp // bk1, widx.shape[-1] // bk2
     nb1p = 1 << (nb1 - 1).bit_length()  # pass 2 loads the block maxima as one power-of-two tile
     prec = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kinds = dict(cdt=q.dtype, prec=prec, w_fp8=w_fp8, c_fp4=c_fp4, has_comp=has_comp)
@@ -212,11 +261,10 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
         def spec(a):
             n, w = a.shape[1], a.shape[2]
             return pl.BlockSpec((None, n, w), (lambda r, j: (r // s, 0, 0)) if grid_rank == 2
-                                else (lambda r, i, j: (r // s, 0, 0)))
+                                else (lambda r, i, j, t: (r // s, 0, 0)))
         return [spec(a) for a in stores]
 
     params = pltriton.CompilerParams(num_warps=c["num_warps"], num_stages=1)
-    stage = bool(c["stage_values"])
     out_specs = [pl.BlockSpec((None, hp, bk1), lambda r, j: (r, 0, j)), pl.BlockSpec((None, None, hp), lambda r, j: (r, j, 0))]
     out_shape = [jax.ShapeDtypeStruct((rows, hp, kp), jnp.float32), jax.ShapeDtypeStruct((rows, nb1p, hp), jnp.float32)]
     if stage:  # pass 1's decoded rows, [rows, K, D] in q's dtype
@@ -234,26 +282,37 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
         interpret=interpret,
         name="sparse_attention_logits",
     )(qf, idx, *stores)
-    common = dict(nb2=nb2, nb1=nb1, bk2=bk2, dv=dv, group=max(1, c["group"]), cdt=q.dtype, prec=prec)
-    head_specs = [pl.BlockSpec((None, bh, kp), lambda r, i, j: (r, i, 0)),
-                  pl.BlockSpec((None, nb1p, bh), lambda r, i, j: (r, 0, i))]
-    sink_spec = pl.BlockSpec((bh,), lambda r, i, j: (i,))
+    common = dict(nb=ks, nb1=nb1, bk2=bk2, dv=dv, group=max(1, c["group"]), cdt=q.dtype, prec=prec)
+    head_specs = [pl.BlockSpec((None, bh, ks * bk2), lambda r, i, j, t: (r, i, t)),
+                  pl.BlockSpec((None, nb1p, bh), lambda r, i, j, t: (r, 0, i))]
+    sink_spec = pl.BlockSpec((bh,), lambda r, i, j, t: (i,))
     if stage:
         kernel = functools.partial(_pv_staged_kernel, **common)
-        specs = [*head_specs, pl.BlockSpec((None, kp, dv), lambda r, i, j: (r, 0, j)), sink_spec]
+        specs = [*head_specs, pl.BlockSpec((None, ks * bk2, dv), lambda r, i, j, t: (r, t, j)), sink_spec]
         args = (lg, bmax, vals[0], sinkf)
     else:
         kernel = functools.partial(_pv_gather_kernel, nwb2=nwb2, w_fp8=w_fp8, c_fp4=c_fp4, has_comp=has_comp, **common)
-        specs = [*head_specs, pl.BlockSpec((None, kp), lambda r, i, j: (r, 0)), *store_specs(3), sink_spec]
+        specs = [*head_specs, pl.BlockSpec((None, kp), lambda r, i, j, t: (r, 0)), *store_specs(4), sink_spec]
         args = (lg, bmax, idx, *stores, sinkf)
+    if splits == 1:
+        out_specs = pl.BlockSpec((None, bh, dv), lambda r, i, j, t: (r, i, j))
+        out_shape = jax.ShapeDtypeStruct((rows, hp, d), q.dtype)
+    else:  # each split's fp32 sums (the denominators once per column block: no two programs write one)
+        out_specs = (pl.BlockSpec((None, None, bh, dv), lambda r, i, j, t: (t, r, i, j)),
+                     pl.BlockSpec((None, None, None, bh), lambda r, i, j, t: (t, r, j, i)))
+        out_shape = (jax.ShapeDtypeStruct((splits, rows, hp, d), jnp.float32),
+                     jax.ShapeDtypeStruct((splits, rows, cb, hp), jnp.float32))
+    pv_params = pltriton.CompilerParams(num_warps=c["pv_warps"] or c["num_warps"], num_stages=1)
     out = pl.pallas_call(
         kernel,
-        grid=(rows, hp // bh, d // dv),
+        grid=(rows, hb, cb, splits),
         in_specs=specs,
-        out_specs=pl.BlockSpec((None, bh, dv), lambda r, i, j: (r, i, j)),
-        out_shape=jax.ShapeDtypeStruct((rows, hp, d), q.dtype),
-        compiler_params=params,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=pv_params,
         interpret=interpret,
         name="sparse_attention_pv",
     )(*args)
+    if splits > 1:
+        out = _finish_splits(out[0], out[1][:, :, 0], q.dtype)
     return out[:, :h].reshape(b, s, h, d)

@@ -736,6 +736,41 @@ def test_two_pass_load_groups_do_not_change_the_sums():
     check_close(jnp.asarray(outs[0], jnp.bfloat16), _ref(q, kv, widx, sink, ck, cidx, 0.125))
 
 
+@pytest.mark.parametrize("split", [1, 2, 64], ids=["three_splits", "two_splits_padded", "one_split"])
+def test_two_pass_key_splits(split):
+    """Pass 2 over key splits: each split's fp32 sums, added in XLA without rescaling (every split
+    uses the row maximum). The 3 key blocks of 32 (window 20 -> 32, compressed 40 -> 64) run in 3
+    splits, in 2 (the second with a padded block of -1 entries: its weights must be 0) or in 1;
+    every form within the reference's tolerance, and the splits agree with the one-split form to
+    the fp32 summation order. The no-valid-key row stays 0."""
+    q, kv, widx, sink, ck, cidx = make_case(None, dtype=jnp.bfloat16)
+    r = _ref(q, kv, widx, sink, ck, cidx, 0.125)
+    o = _two_pass(q, kv, widx, sink, ck, cidx, 0.125, config={**SMALL, "split": split})
+    check_close(o, r)
+    one = np.asarray(_two_pass(q, kv, widx, sink, ck, cidx, 0.125, config={**SMALL, "split": 64}), np.float32)
+    np.testing.assert_allclose(np.asarray(o, np.float32), one, rtol=2 ** -7, atol=1e-3 * np.abs(one).max())
+    assert np.all(np.asarray(o[0, 0], np.float32) == 0.0)
+
+
+def test_two_pass_key_split_choice():
+    """``split=None``: the fewest blocks per program that reach ``pv_programs`` programs, spread
+    evenly; an explicit split is kept (cut to the list); the gathering form refuses several splits."""
+    cfg = dict(pallas_triton_two_pass.DEFAULTS)
+    ks = pallas_triton_two_pass.key_splits
+    assert ks(1, 4, 8, 10, cfg) == 2  # batch 1, V4.1's 640 keys: 32 programs x 5 splits
+    assert ks(8, 4, 8, 10, cfg) == 10  # batch 8: 256 programs already, one split
+    assert ks(6, 4, 8, 10, cfg) == 5  # 6 verify rows: 192 programs x 2 splits
+    assert ks(1, 4, 8, 3, cfg) == 1  # a window-sized list
+    assert ks(1, 4, 8, 10, {**cfg, "split": 4}) == 4 and ks(1, 4, 8, 3, {**cfg, "split": 4}) == 3
+    q, kv, widx, sink, ck, cidx = make_case(0, b=1, s=1, h=16, d=64)
+    with pytest.raises(ValueError, match="split=1 over .* staged"):
+        pallas_triton_two_pass.sparse_attention(q, kv, widx, sink, scale=0.125, comp_kv=ck, comp_idx=cidx,
+                                                config=dict(SMALL, split=1, stage_values=False))
+    with pytest.raises(ValueError, match="pv_warps=3"):
+        pallas_triton_two_pass.sparse_attention(q, kv, widx, sink, scale=0.125, comp_kv=ck, comp_idx=cidx,
+                                                config=dict(pv_warps=3))
+
+
 def test_two_pass_default_tiles_window_only_and_padded_heads():
     """The default config (bk1 32, bk2 64, dc 128, dv 64) at D = 128 with 8 heads (padded to the
     16-row P.V tile) and 6 query rows; a layer without a compressed list (window only)."""
