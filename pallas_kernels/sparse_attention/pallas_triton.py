@@ -531,12 +531,18 @@ if COMBINE not in COMBINES:
 
 # How decode-sized calls (at most pallas_triton_two_pass.MAX_ROWS query rows) run when the caller
 # names no tiling (DSV41_SPARSE_DECODE, read at import): "flash" (this module's kernel with
-# flash-decoding splits) or "two_pass" (pallas_triton_two_pass: every logit, then P.V; no combine).
-# "two_pass" also makes 'auto' take the kernel for decode rows over V4.1's stores (auto_reason).
-DECODE_METHODS = ("flash", "two_pass")
-DECODE_METHOD = os.environ.get("DSV41_SPARSE_DECODE", "flash").lower()
+# flash-decoding splits), "two_pass" (pallas_triton_two_pass: every logit, then P.V over key splits;
+# no rescaling combine) or "auto" (the default: two-pass for calls of at most TWO_PASS_AUTO_ROWS rows
+# over V4.1's stores, else as "flash"). "two_pass" makes 'auto' dispatch take the kernel for every
+# decode row count over V4.1's stores, "auto" for TWO_PASS_AUTO_ROWS (auto_reason).
+DECODE_METHODS = ("auto", "flash", "two_pass")
+DECODE_METHOD = os.environ.get("DSV41_SPARSE_DECODE", "auto").lower()
 if DECODE_METHOD not in DECODE_METHODS:
     raise ValueError(f"DSV41_SPARSE_DECODE={DECODE_METHOD!r}: expected one of {', '.join(DECODE_METHODS)}")
+# The most query rows DECODE_METHOD "auto" gives the two-pass kernels, from the model on an H100
+# (64 routed experts, BENCHMARKS.md issue 5, session 47): batch 1 134.64 tok/s against 133.14 with
+# XLA's reference (+1.1 %), batch 8 360.05 against 364.33 (-1.2 %) though the kernels won each site.
+TWO_PASS_AUTO_ROWS = 1
 
 
 def _two_pass_module():
@@ -545,13 +551,24 @@ def _two_pass_module():
     return pallas_triton_two_pass
 
 
+def _v41_stores(kv, comp_kv) -> bool:
+    return isinstance(kv, Fp8Tensor) and (comp_kv is None or isinstance(comp_kv, Fp4Tensor))
+
+
+def _two_pass_rows(q, kv, comp_kv) -> bool:
+    """Whether :data:`DECODE_METHOD` gives a call of this many rows over these stores to the two-pass
+    kernels (their shape support aside)."""
+    rows = q.shape[0] * q.shape[1]
+    if DECODE_METHOD == "two_pass":
+        return rows <= _two_pass_module().MAX_ROWS
+    return DECODE_METHOD == "auto" and rows <= TWO_PASS_AUTO_ROWS and _v41_stores(kv, comp_kv)
+
+
 def takes_two_pass(q, kv, kv_idx, comp_kv, comp_idx) -> bool:
     """Whether a call that names no method or tiling runs the two-pass decode kernels:
-    :data:`DECODE_METHOD` is "two_pass", the call has at most ``MAX_ROWS`` query rows and those
-    kernels support its shapes."""
-    tp = _two_pass_module()
-    return (DECODE_METHOD == "two_pass" and q.shape[0] * q.shape[1] <= tp.MAX_ROWS
-            and tp.two_pass_reason(q, kv, kv_idx, comp_kv, comp_idx) is None)
+    :data:`DECODE_METHOD` gives them its row count (:func:`_two_pass_rows`) and those kernels
+    support its shapes."""
+    return _two_pass_rows(q, kv, comp_kv) and _two_pass_module().two_pass_reason(q, kv, kv_idx, comp_kv, comp_idx) is None
 
 
 def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None, interpret=False,
@@ -748,6 +765,10 @@ def auto_reason(q, kv=None, comp_kv=None, running_max_block=None):
       RoPE, wo_a) a tie, 32.4-32.6 against 32.9 us, and in the 40-layer model decode went 112.85 ->
       110.76 tok/s with it (the flash-decoding combine lands in wo_a's input fusion; session 15);
       batch 8: 46.5-46.9 us against 33.9-34.1 us;
+    * the two-pass kernels (:data:`DECODE_METHOD`, session 47, an H100): the site 28.0 / 67.9 / 52.1 us
+      at batch 1 / 8 / 6 verify rows against XLA's 35.7 / 70.2 / 60.5 (5,121-entry cache), and at the
+      model benchmark's short lists too; in the model batch 1 gained 1.1 % and batch 8 lost 1.2 %, so
+      "auto" takes them for :data:`TWO_PASS_AUTO_ROWS` row(s) over V4.1's stores;
     * row maximum, prefill rows (session 37, the kernel's arithmetic FP4 decode of the time): the site
       1.29-1.32x faster than XLA at 256, 1,024 and 4,096 rows with the default tiling (1.46-1.49x with
       64-key blocks), yet the model's 4,096-token prefill went 5,604 -> 5,388 tok/s with the kernel.
@@ -771,12 +792,11 @@ def auto_reason(q, kv=None, comp_kv=None, running_max_block=None):
             return None
         return (f"running-maximum rounding over {rows} query row(s): the one-split kernel is slower than the "
                 f"XLA emulation below {KERNEL_BLOCKS_MIN_ROWS} rows on the H200 (BENCHMARKS.md, issue 5, session 37)")
-    if DECODE_METHOD == "two_pass" and rows <= _two_pass_module().MAX_ROWS and isinstance(kv, Fp8Tensor) \
-            and (comp_kv is None or isinstance(comp_kv, Fp4Tensor)):
-        return None  # the two-pass decode kernels (session 46)
+    if _two_pass_rows(q, kv, comp_kv) and _v41_stores(kv, comp_kv):
+        return None  # the two-pass decode kernels (sessions 46-47)
     if rows == 1 and isinstance(kv, Fp8Tensor) and isinstance(comp_kv, Fp4Tensor):
-        return ("batch-1 decode: faster as an op but slower in the model than the XLA reference on the H200 "
-                "(BENCHMARKS.md, issue 5, session 15)")
+        return ("batch-1 decode with DSV41_SPARSE_DECODE=flash: the flash kernel is faster as an op but slower in "
+                "the model than the XLA reference on the H200 (BENCHMARKS.md, issue 5, session 15)")
     if rows >= KERNEL_BLOCKS_MIN_ROWS:
         if isinstance(kv, Fp8Tensor) and (comp_kv is None or isinstance(comp_kv, Fp4Tensor)):
             return None
