@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from dsv41_jax import attention
 from dsv41_jax.cache import init_cache
@@ -24,9 +25,11 @@ from pallas_kernels.testing import only_kernels
 from pallas_kernels.sparse_attention import pallas_triton
 
 
-def test_decode_step_runs_the_two_pass_kernels(monkeypatch):
+@pytest.mark.parametrize("method,B", [("two_pass", 2), ("auto", 1)], ids=["two_pass_b2", "auto_default_b1"])
+def test_decode_step_runs_the_two_pass_kernels(monkeypatch, method, B):
+    """``two_pass`` at batch 2, and the default ``auto`` at batch 1 (where it takes them)."""
     only_kernels(monkeypatch, lambda op: op == "sparse_attention")
-    monkeypatch.setattr(pallas_triton, "DECODE_METHOD", "two_pass")
+    monkeypatch.setattr(pallas_triton, "DECODE_METHOD", method)
     call_errors, stores = [], []
     real = attention.sparse_attention
 
@@ -42,7 +45,7 @@ def test_decode_step_runs_the_two_pass_kernels(monkeypatch):
     monkeypatch.setattr(attention, "sparse_attention", checked)
     cfg = dataclasses.replace(get_preset("tiny"), engram_layer_ids=(), engram_num_embeddings=())  # no Engram ids per step
     opts = RunOptions(dtype="float32", kv_cache_dtype="reference")
-    B, P = 2, 9
+    P = 9
     one = jnp.ones((B,), jnp.int32)
     params = init_params(cfg, seed=np.random.randint(1 << 30))
     rng = np.random.default_rng()
