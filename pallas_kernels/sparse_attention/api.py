@@ -58,7 +58,7 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     kernel, interpret = dispatch.choose(
         "sparse_attention", implementation, _kernel,
         lambda k: k.unsupported_reason(q, kv, kv_idx, comp_kv, comp_idx),
-        lambda k: k.auto_reason(q, kv, comp_kv, block))
+        lambda k: k.auto_reason(q, kv, comp_kv, block, kv_idx=kv_idx, comp_idx=comp_idx))
     if kernel is not None:
         cfg, width = _blocks(block, kw, has_comp, window_width)
         extra = () if width is None else (jnp.broadcast_to(jnp.asarray(width, jnp.int32), (q.shape[0],)),)

@@ -757,7 +757,7 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     return (out, parts) if return_partials else out
 
 
-def auto_reason(q, kv=None, comp_kv=None, running_max_block=None):
+def auto_reason(q, kv=None, comp_kv=None, running_max_block=None, kv_idx=None, comp_idx=None):
     """Why plain 'auto' dispatch does not pick this kernel on a GPU (None: pick it). Measured on the
     H200 by device time (profiler; BENCHMARKS.md, issue 5):
     * row-maximum rounding (the default), one query row (batch-1 decode) over V4.1's stores: the op
@@ -785,7 +785,8 @@ def auto_reason(q, kv=None, comp_kv=None, running_max_block=None):
       181.5 / 176.2 / 164.0 us at batch 1 / 8 / 32 against the emulation's 37.8 / 82.7 / 144.9 us
       (session 37).
     implementation='pallas' (argument, context or DSV41_KERNELS) still runs it for any supported
-    shape. ``kv`` / ``comp_kv`` let a rule depend on the stores."""
+    shape. ``kv`` / ``comp_kv`` let a rule depend on the stores, ``kv_idx`` / ``comp_idx`` on the
+    lists (a decode call the two-pass kernels cannot take keeps the reference)."""
     rows = q.shape[0] * q.shape[1]
     if running_max_block is not None:  # (the dispatch passes it only for bf16 q, where it rounds)
         if rows >= KERNEL_BLOCKS_MIN_ROWS:
@@ -793,7 +794,11 @@ def auto_reason(q, kv=None, comp_kv=None, running_max_block=None):
         return (f"running-maximum rounding over {rows} query row(s): the one-split kernel is slower than the "
                 f"XLA emulation below {KERNEL_BLOCKS_MIN_ROWS} rows on the H200 (BENCHMARKS.md, issue 5, session 37)")
     if _two_pass_rows(q, kv, comp_kv) and _v41_stores(kv, comp_kv):
-        return None  # the two-pass decode kernels (sessions 46-47)
+        why = None if kv_idx is None else _two_pass_module().two_pass_reason(q, kv, kv_idx, comp_kv, comp_idx)
+        if why is None:
+            return None  # the two-pass decode kernels (sessions 46-47)
+        return (f"{rows} decode row(s) over lists the two-pass kernels do not take ({why}); the flash kernel "
+                "they would fall back to was slower in the model than the XLA reference (BENCHMARKS.md, issue 5)")
     if rows == 1 and isinstance(kv, Fp8Tensor) and isinstance(comp_kv, Fp4Tensor):
         return ("batch-1 decode with DSV41_SPARSE_DECODE=flash: the flash kernel is faster as an op but slower in "
                 "the model than the XLA reference on the H200 (BENCHMARKS.md, issue 5, session 15)")

@@ -361,6 +361,11 @@ def test_auto_picks_by_the_measured_rules(monkeypatch):
     qp, kvp, widxp, _, ckp, cidxp = make_case(7, b=1, s=1, quant=False)
     assert "1 query row(s)" in pallas_triton.auto_reason(qp, kvp, ckp)
     assert not pallas_triton.takes_two_pass(qp, kvp, widxp, ckp, cidxp)
+    # a batch-1 list longer than the two-pass kernels take (an HCA layer near 1M tokens): the
+    # reference, not the flash kernel they would fall back to
+    long_list = SD((1, 1, 64 * pallas_triton_two_pass.MAX_BLOCKS), jnp.int32)
+    assert pallas_triton.auto_reason(q, kv, ck, kv_idx=widx, comp_idx=cidx) is None
+    assert "two-pass kernels do not take" in pallas_triton.auto_reason(q, kv, ck, kv_idx=widx, comp_idx=long_list)
     monkeypatch.setattr(pallas_triton, "DECODE_METHOD", "flash")
     assert "slower in the model" in pallas_triton.auto_reason(q, kv, ck)
     monkeypatch.setattr(pallas_triton, "DECODE_METHOD", "auto")
@@ -370,14 +375,16 @@ def test_auto_picks_by_the_measured_rules(monkeypatch):
     monkeypatch.setattr(dispatch, "resolve", lambda implementation=None, op=None: "interpret")
     asked, calls = [], []
     reason, kernel = pallas_triton.auto_reason, pallas_triton.sparse_attention
-    monkeypatch.setattr(pallas_triton, "auto_reason", lambda *a: asked.append(a) or reason(*a))
+    monkeypatch.setattr(pallas_triton, "auto_reason", lambda *a, **k: asked.append((a, k)) or reason(*a, **k))
     monkeypatch.setattr(pallas_triton, "sparse_attention", lambda *a, **k: calls.append(a[0].shape) or kernel(*a, **k))
     for args in ((q, kv, widx, sink, ck, cidx), (q8, kv8, widx8, sink8, ck8, cidx8)):
         jx = str(jax.make_jaxpr(lambda *a: api.sparse_attention(*a[:4], scale=0.125, comp_kv=a[4], comp_idx=a[5]))(*args))
         assert ("sparse_attention_pv" in jx) == (args[0] is q)
         o = jax.jit(lambda *a: api.sparse_attention(*a[:4], scale=0.125, comp_kv=a[4], comp_idx=a[5]))(*args)
         check_close(o, _ref(*args, 0.125))
-    assert q8.shape not in calls and q.shape in calls and isinstance(asked[0][2], Fp4Tensor)
+    a, k = asked[0]  # the stores and the lists
+    assert q8.shape not in calls and q.shape in calls and isinstance(a[2], Fp4Tensor)
+    assert (k["kv_idx"].shape, k["comp_idx"].shape) == (widx.shape, cidx.shape)
 
 
 SD = jax.ShapeDtypeStruct
@@ -527,7 +534,11 @@ def test_reference_casts_the_unnormalised_weights_as_deepseeks_kernel(keys):
     fp32 sum divided by the denominator at the end, as DeepSeek's kernel does. Before session 35 it cast
     the normalised probability, bf16(1 / den) at one key: ~2**-9 off in every output, which the
     cross-check against DeepSeek's V4.1 code on the CPU traced as the first layer's main difference.
-    At 1 and 2 keys the result is bit-exact; at 40, almost every element (fp32 exp and summation order)."""
+    At 1 key the result is bit-exact (the weight is exp(0) = 1); at 2, every element but the rare one
+    where XLA's and numpy's fp32 exp differ by an ulp across a bf16 rounding boundary of the second
+    weight (session 47: 1 of 3,072 elements one bf16 ulp off, 0.09912 against 0.09961, failed the old
+    exact bound in 2 of 22 runs of this file); at 40, almost every element (fp32 exp and summation
+    order)."""
     rng = np.random.default_rng()
     b, s, h, d, n = 2, 3, 8, 64, 48
     q = jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16)
@@ -536,8 +547,11 @@ def test_reference_casts_the_unnormalised_weights_as_deepseeks_kernel(keys):
     idx = np.stack([np.stack([rng.permutation(n)[:keys] for _ in range(s)]) for _ in range(b)]).astype(np.int32)
     got = np.asarray(reference.sparse_attention(q, kv, jnp.asarray(idx), sink, scale=d ** -0.5), np.float32)
     want = _deepseek_sparse_attn(q, kv, idx, sink, d ** -0.5)
-    if keys <= 2:
+    if keys == 1:
         np.testing.assert_array_equal(got, want)
+    elif keys == 2:
+        rel = np.abs(got - want) / np.abs(want).max(axis=-1, keepdims=True)
+        assert np.max(rel) <= 2.0 ** -6 and np.sum(got != want) <= 3, np.sum(got != want)
     else:
         # almost every element equal; the rest within 2**-6 of their head's largest element: XLA's and
         # numpy's exp can differ by an fp32 ulp, which flips a weight's bf16 rounding (2**-8 of that
