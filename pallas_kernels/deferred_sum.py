@@ -13,7 +13,7 @@ and every reference path, sees the same numbers as before). The value is
 * ``parts`` only: ``dtype(sum_p parts[p])``, the parts added in order (:func:`sum_splits`, as every
   kernel that sums them does) -- a split-K GEMV's output;
 * ``expert_rows`` only: ``sum_s rows[t*k + s]`` over the slots s with ``expert_index[t, s] >= 0``, in
-  float32 and in slot order (:func:`sum_splits`; ``dtype`` float32) -- the routed experts' output. The rows may themselves come unsummed,
+  float32 (``dtype`` float32) -- the routed experts' output. The rows may themselves come unsummed,
   as a split-K down kernel's fp32 sums ``[S, R, D]``: then each row is ``rows_dtype(sum_j rows[j])``
   (the splits in order, :func:`sum_splits`) before the slot sum;
 * both: ``dtype(routed + float32(dtype(sum_p parts[p])))`` -- the MoE's output (routed experts plus
