@@ -93,11 +93,7 @@ def slot_sum(rows, index):
     index [T, k]; slots with index < 0 (rows never written) count as 0. -> [T, D] float32."""
     n, k = index.shape
     r = rows[: n * k].reshape(n, k, -1).astype(jnp.float32)
-    # in slot order, as the kernels that take the rows add them (mhc's _f_values): a jnp.sum over the
-    # slots is XLA's reduction, whose order is its own; it flipped a bf16 rounding of the expanded
-    # streams against the fused mHC kernel's in-order sum in about 1 run in 3 of
-    # test_mhc_fused_collapse (session 47)
-    return sum_splits([jnp.where((index[:, s] >= 0)[:, None], r[:, s], 0.0) for s in range(k)])
+    return jnp.sum(jnp.where((index >= 0)[:, :, None], r, 0.0), axis=1)
 
 
 def _routed_plus_shared(routed, shared, dtype):
