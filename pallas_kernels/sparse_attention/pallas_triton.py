@@ -552,6 +552,7 @@ def _two_pass_module():
 
 
 def _v41_stores(kv, comp_kv) -> bool:
+    """V4.1's stores: the FP8 window and an FP4 compressed cache or none (the measured rules' case)."""
     return isinstance(kv, Fp8Tensor) and (comp_kv is None or isinstance(comp_kv, Fp4Tensor))
 
 
@@ -803,7 +804,7 @@ def auto_reason(q, kv=None, comp_kv=None, running_max_block=None, kv_idx=None, c
         return ("batch-1 decode with DSV41_SPARSE_DECODE=flash: the flash kernel is faster as an op but slower in "
                 "the model than the XLA reference on the H200 (BENCHMARKS.md, issue 5, session 15)")
     if rows >= KERNEL_BLOCKS_MIN_ROWS:
-        if isinstance(kv, Fp8Tensor) and (comp_kv is None or isinstance(comp_kv, Fp4Tensor)):
+        if _v41_stores(kv, comp_kv):
             return None
         return (f"{rows} query rows (prefill) over plain stores (V4's): the kernel's prefill gain was measured "
                 "over V4.1's FP8 / FP4 stores only (BENCHMARKS.md, issue 5, session 41)")
