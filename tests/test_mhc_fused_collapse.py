@@ -98,8 +98,13 @@ def test_fused_mhc_sites_calls_and_logits(monkeypatch):
         mixes within 2e-5. Both kernels write the same fp32 arithmetic, yet in interpret mode one
         stream element came out one ulp apart in about 1 run in 3 on session 47's host (0.0039, 0.0078
         and 0.0156: one bf16 ulp of elements between 0.5 and 4; one element of one call; once with f
-        a plain array, so not only where it comes as deferred sums); the cause is not found. Exact
-        equality was the bound before."""
+        a plain array). Cause (session 48, one such element captured with its inputs): XLA:CPU's LLVM
+        backend contracts a multiply into the add it feeds (``vfmadd213ss`` in the compiled interpret
+        program, even at -O0), and the expansion's first add has two products, ``post * f + comb[0] *
+        residual[0]``: one program computed fma(post, f, round(comb[0] * residual[0])), the other
+        rounded post * f instead. With the terms cancelling (0.35 - 0.13 - 0.11 - 0.10 - 0.008 ->
+        -0.0041) that moved the fp32 sum across a bf16 rounding midpoint. Triton contracts too, so the
+        GPU kernels may differ the same way. Exact equality was the bound before."""
         dh, dy, nh, ny, *mixes = e
         return dh <= 2.0**-7 and dy <= 2.0**-7 and nh <= 1e-3 and ny <= y_share and max(mixes) <= 2e-5
 
