@@ -89,6 +89,8 @@ def _attention(impl, q, kv, widx, sink, ck, cidx):
         *a[:4], scale=D ** -0.5, comp_kv=a[4], comp_idx=a[5], implementation=impl))(q, kv, widx, sink, ck, cidx)
 
 
+_F32_EPS = float(np.finfo(np.float32).eps) / 2  # float32 unit roundoff, 2**-24
+
 # (rows per sequence, batch, compressed entries on the GPU / on the CPU)
 ATT_SHAPES = {"decode": (1, 8, 16384, 96), "mtp_verify": (2, 4, 16384, 96), "prefill": (512, 1, 4096, 64)}
 
@@ -128,8 +130,6 @@ def test_sparse_attention_v4(preset, shape, layer, dtype):
         assert np.all(err <= bound), (f"{name}: float32 output off the float64 oracle by {err[worst]:.3g} at "
                                       f"{worst}, bound {bound[worst]:.3g}")
 
-
-_F32_EPS = 2.0**-24  # float32 unit roundoff
 
 
 def _attention_float64(q, kv, widx, sink, ck, cidx, *, scale):
