@@ -481,6 +481,73 @@ CHECK_PLAIN = (1024, 4096)  # a wo_a group, dequantized to bf16
 CHECK_TOL = 8e-3  # max|diff| / max|ref| for bf16 outputs (fp32 summation order vs cuBLAS, then bf16)
 
 
+READ_SIZES_MB = (113.0, 1024.0)  # one token's MoE bytes (6 experts), a large stream
+
+
+def read_ceiling_sweep(key, names=("wq_a", "idx_wq_b", "shared_w2", "wq_b", "wo_b"), sizes_mb=READ_SIZES_MB, reps=9):
+    """What a read of each FP8 projection's bytes costs (:mod:`pallas_kernels.read_ceiling`): the
+    default fma GEMV (M = 1), a read-only kernel in the GEMV's tile walk, the best of the read
+    variants around it, and XLA's sum of the same words, each by device time over ``reps``
+    distinct weight copies (L2 flushed; each read checked bit-exactly against XLA's sum first); then
+    contiguous word arrays of ``sizes_mb`` (K = 5,120 rows of 32-element groups) read by the same
+    variants and XLA. The GEMV's % of the best read is how close it is to what this toolchain can
+    stream at that size, beside the % of the 4.8 TB/s datasheet floor."""
+    from pallas_kernels import read_ceiling as rc
+    from pallas_kernels.quantized_matmul import pallas_triton_fma
+
+    rows = []
+    log("\n# read ceiling: device time per op (us), % of 4.8 TB/s; read configs (bn, kg, splits, warps, stages)")
+    log(f"{'case':22s} {'MB':>8s} {'floor':>7s} {'gemv':>7s} {'walk':>7s} {'best read':>9s} {'xla sum':>8s} "
+        f"{'%HBM gemv':>9s} {'%HBM best':>9s} {'gemv/best':>9s}  best config")
+    cases = []
+    for i, (name, n, k) in enumerate(PROJECTIONS):
+        if name in names:
+            cases.append((name, random_fp8(jax.random.fold_in(key, i), n, k)))
+    for mb in sizes_mb:
+        n = max(32, int(mb * 1e6 / 5120) // 32 * 32)
+        cases.append((f"stream {mb:g} MB", random_fp8(jax.random.fold_in(key, 100 + int(mb)), n, 5120)))
+    for label, w0 in cases:
+        n, k = w0.shape
+        words0 = rc.words_of(w0)
+        nbytes = words0.size * 4
+        copies = min(reps, max(2, -(-int(4 * 60e6) // nbytes)))
+        ws = [w0] + [distinct_copy(w0) for _ in range(copies - 1)]
+        wargs = [(rc.words_of(w),) for w in ws]
+        rec = dict(op="read_ceiling", case=label, N=n, K=k, bytes=nbytes, floor_s=nbytes / HBM_BYTES_PER_S)
+        fma_cfg = pallas_triton_fma.default_config(1, n, k, w0)
+        walk = rc.gemv_walk(fma_cfg)
+        rec["walk"] = list(walk)
+        try:
+            if not label.startswith("stream"):
+                xs = [(jax.random.normal(jax.random.fold_in(key, r), (1, k), jnp.bfloat16), w) for r, w in enumerate(ws)]
+                rec["gemv_s"] = device_time_op(lambda x, w: pallas_triton.quantized_matmul(x, w, config=fma_cfg), xs,
+                                               reps=copies)
+            reads = {}
+            for cfg in rc.variants(words0.shape, walk):
+                y = jax.jit(lambda a, c=cfg: rc.stream_read(a, c))(words0)
+                if not bool(jnp.all(y == rc.reference(words0, cfg[2]))):
+                    raise AssertionError(f"stream_read {cfg} differs from XLA's word sums")
+                reads[cfg] = device_time_op(lambda a, c=cfg: rc.stream_read(a, c), wargs, reps=copies)
+            rec["reads_s"] = {str(c): t for c, t in reads.items()}
+            rec["walk_s"] = reads[walk]
+            best = min(reads, key=reads.get)
+            rec["best_read"], rec["best_read_s"] = list(best), reads[best]
+            rec["xla_sum_s"] = device_time_op(lambda a: jnp.sum(a, dtype=jnp.uint32), wargs, reps=copies)
+        except Exception as e:  # keep going; report the failure
+            rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            log(f"{label} FAILED {rec['error']}")
+            rows.append(rec)
+            continue
+        rows.append(rec)
+        g = rec.get("gemv_s")
+        fl, br = rec["floor_s"], rec["best_read_s"]
+        us = lambda t: f"{t * 1e6:7.2f}" if t else "      -"  # noqa: E731
+        log(f"{label:22s} {nbytes / 1e6:8.1f} {us(fl)} {us(g)} {us(rec['walk_s'])} {br * 1e6:9.2f} {us(rec['xla_sum_s'])} "
+            f"{(f'{100 * fl / g:8.1f}%' if g else '        -')} {100 * fl / br:8.1f}% "
+            f"{(f'{100 * br / g:8.1f}%' if g else '        -')}  {best}")
+    return rows
+
+
 def check(only: str | None = None, with_mma8: bool = False):
     """Correctness only (no timing), every path at real shapes, fresh random inputs; PASS/FAIL
     lines. Run this first on a GPU; the 'auto' gates (auto_reason) can be lifted for what passes.
@@ -548,8 +615,15 @@ def main(argv=None):
     ap.add_argument("--pair", default=None, metavar="A,B",
                     help="two projections that read one input (e.g. wq_b,idx_wq_b): one fused launch vs one each: "
                          "check + device time")
+    ap.add_argument("--read-ceiling", action="store_true",
+                    help="what a read-only kernel streams at each FP8 projection's size and at larger sizes, beside "
+                         "the default fma GEMV and XLA's sum of the same bytes (device time), then exit")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
+    if a.read_ceiling:
+        rows = read_ceiling_sweep(jax.random.PRNGKey(19), **({"names": tuple(a.names.split(","))} if a.names else {}))
+        write_rows(a.out, "qmm_read_ceiling.json", rows)
+        return 0 if rows and not any("error" in r for r in rows) else 1
     if a.pair:
         names = tuple(a.pair.split(","))
         known = [name for name, _, _ in PROJECTIONS]

@@ -562,3 +562,26 @@ def test_sparse_attention_model_like_prefill_inputs():
     want = np.asarray(reference.sparse_attention(*args, **kw), np.float32)
     got = np.asarray(pallas_triton.sparse_attention(*args, **kw, interpret=True), np.float32)
     assert np.isfinite(want).all() and np.abs(got - want).max() <= 2 ** -6 * np.abs(want).max()
+
+
+def test_qmm_read_ceiling_sweep_runs_in_interpret_mode(monkeypatch):
+    """``quantized_matmul.benchmark --read-ceiling`` at small shapes (interpret mode, timing stubbed):
+    every read variant is checked against XLA's word sums and timed; a projection row has the GEMV
+    time, a stream row none; the walk is the GEMV's default config."""
+    import functools
+
+    import pallas_kernels.quantized_matmul.benchmark as bq
+    from pallas_kernels import read_ceiling as rc
+
+    monkeypatch.setattr(bq, "PROJECTIONS", [("wq_b", 64, 512)])
+    timed = []
+    monkeypatch.setattr(bq, "device_time_op", lambda fn, args, *a, **k: timed.append(len(args)) or 1e-6)
+    monkeypatch.setattr(bq.pallas_triton, "quantized_matmul",
+                        functools.partial(bq.pallas_triton.quantized_matmul, interpret=True))
+    monkeypatch.setattr(rc, "stream_read", functools.partial(rc.stream_read, interpret=True))
+    monkeypatch.setattr(bq, "log", lambda *a: None)
+    rows = bq.read_ceiling_sweep(__import__("jax").random.PRNGKey(0), names=("wq_b",), sizes_mb=(0.1,), reps=3)
+    assert [r["case"] for r in rows] == ["wq_b", "stream 0.1 MB"] and not any("error" in r for r in rows), rows
+    assert "gemv_s" in rows[0] and "gemv_s" not in rows[1]
+    assert all(r["walk"] == list(r["best_read"]) or r["walk_s"] >= r["best_read_s"] for r in rows)
+    assert all(len(r["reads_s"]) >= 4 for r in rows) and all(n == 3 for n in timed), timed
