@@ -618,10 +618,16 @@ def main(argv=None):
     ap.add_argument("--read-ceiling", action="store_true",
                     help="what a read-only kernel streams at each FP8 projection's size and at larger sizes, beside "
                          "the default fma GEMV and XLA's sum of the same bytes (device time), then exit")
+    ap.add_argument("--read-sizes", default=None, metavar="MB,MB",
+                    help="with --read-ceiling: the contiguous stream sizes in MB (default 113,1024; with --names - "
+                         "no projection)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
     if a.read_ceiling:
-        rows = read_ceiling_sweep(jax.random.PRNGKey(19), **({"names": tuple(a.names.split(","))} if a.names else {}))
+        kw = {"names": tuple(a.names.split(","))} if a.names else {}
+        if a.read_sizes:
+            kw["sizes_mb"] = tuple(float(v) for v in a.read_sizes.split(","))
+        rows = read_ceiling_sweep(jax.random.PRNGKey(19), **kw)
         write_rows(a.out, "qmm_read_ceiling.json", rows)
         return 0 if rows and not any("error" in r for r in rows) else 1
     if a.pair:
