@@ -624,9 +624,20 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args(argv)
     if a.read_ceiling:
-        kw = {"names": tuple(a.names.split(","))} if a.names else {}
+        kw = {}
+        if a.names:
+            known = [name for name, _, _ in PROJECTIONS]
+            names = () if a.names == "-" else tuple(a.names.split(","))
+            if any(n not in known for n in names):
+                ap.error(f"--names {a.names}: expected '-' or some of {', '.join(known)}")
+            kw["names"] = names
         if a.read_sizes:
-            kw["sizes_mb"] = tuple(float(v) for v in a.read_sizes.split(","))
+            try:
+                kw["sizes_mb"] = tuple(float(v) for v in a.read_sizes.split(","))
+            except ValueError:
+                ap.error(f"--read-sizes {a.read_sizes}: expected sizes in MB separated by commas, e.g. 112.9,722")
+            if any(v <= 0 for v in kw["sizes_mb"]):
+                ap.error(f"--read-sizes {a.read_sizes}: sizes must be positive")
         rows = read_ceiling_sweep(jax.random.PRNGKey(19), **kw)
         write_rows(a.out, "qmm_read_ceiling.json", rows)
         return 0 if rows and not any("error" in r for r in rows) else 1

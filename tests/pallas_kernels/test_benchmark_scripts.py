@@ -564,10 +564,11 @@ def test_sparse_attention_model_like_prefill_inputs():
     assert np.isfinite(want).all() and np.abs(got - want).max() <= 2 ** -6 * np.abs(want).max()
 
 
-def test_qmm_read_ceiling_sweep_runs_in_interpret_mode(monkeypatch):
+def test_qmm_read_ceiling_sweep_runs_in_interpret_mode(monkeypatch, capsys):
     """``quantized_matmul.benchmark --read-ceiling`` at small shapes (interpret mode, timing stubbed):
     every read variant is checked against XLA's word sums and timed; a projection row has the GEMV
-    time, a stream row none; the walk is the GEMV's default config."""
+    time, a stream row none; the walk is the GEMV's default config; bad --names / --read-sizes are
+    refused by name."""
     import functools
 
     import pallas_kernels.quantized_matmul.benchmark as bq
@@ -585,3 +586,8 @@ def test_qmm_read_ceiling_sweep_runs_in_interpret_mode(monkeypatch):
     assert "gemv_s" in rows[0] and "gemv_s" not in rows[1]
     assert all(r["walk"] == list(r["best_read"]) or r["walk_s"] >= r["best_read_s"] for r in rows)
     assert all(len(r["reads_s"]) >= 4 for r in rows) and all(n == 3 for n in timed), timed
+    for bad, why in ((["--names", "wq_x"], "--names wq_x"), (["--read-sizes", "1,a"], "--read-sizes 1,a"),
+                     (["--read-sizes", "0"], "must be positive")):
+        with pytest.raises(SystemExit):
+            bq.main(["--read-ceiling", *bad])
+        assert why in capsys.readouterr().err
