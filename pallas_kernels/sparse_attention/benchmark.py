@@ -169,6 +169,7 @@ SITE_VARIANTS = (("xla", None), ("pallas default", dict(combine="xla")), ("palla
 # overrides) against the XLA reference and the flash kernel, at decode and verify row counts
 DECODE_VARIANTS = (("xla", None), ("pallas flash", dict(method="flash")), ("two-pass", dict(two_pass={})),
                    ("two-pass one key split", dict(two_pass=dict(split=64))),
+                   ("two-pass 256 programs", dict(two_pass=dict(pv_programs=256))),
                    ("two-pass split 1 block", dict(two_pass=dict(split=1))),
                    ("two-pass split 5 blocks", dict(two_pass=dict(split=5))),
                    ("two-pass pv warps 2", dict(two_pass=dict(pv_warps=2))),
@@ -293,9 +294,9 @@ def main(argv=None):
     if args.decode:
         log(f"# sparse attention decode site, two-pass kernels, device time | {dev.device_kind} | jax {jax.__version__}")
         rows = site(log, contexts=(5121,), batches=(1, 8), variants=DECODE_VARIANTS, reps=args.reps)
-        rows += site(log, contexts=(5121,), batches=(1,), variants=DECODE_VARIANTS[:4], reps=args.reps, seq=6)
+        rows += site(log, contexts=(5121,), batches=(1,), variants=DECODE_VARIANTS[:5], reps=args.reps, seq=6)
         for label, nc, kc in DECODE_SHORT_LISTS:
-            rows += site(log, contexts=(nc,), batches=(1, 8), variants=DECODE_VARIANTS[:4], reps=args.reps,
+            rows += site(log, contexts=(nc,), batches=(1, 8), variants=DECODE_VARIANTS[:5], reps=args.reps,
                          inputs=functools.partial(make_inputs, kc=kc), label=label)
         write_rows(args.out, "sparse_attention_decode.json", rows)
         return 0 if rows and all(r["ok"] for r in rows) else 1

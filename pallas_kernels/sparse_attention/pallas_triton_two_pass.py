@@ -57,12 +57,17 @@ _NEG_INF = float("-inf")
 #   splits >= pv_programs programs; a list of nb2 blocks then runs in ceil(nb2 / split) key splits).
 #   One split per row was 15.7 us of pass 2 at batch 1 on the H200 (32 programs, 10 blocks each in a
 #   chain) against 16.5 us at batch 8 (256 programs): latency, not bytes (session 47);
+# * pv_programs: the programs split=None aims for. 512 since session 49: on two H100s (sessions 47
+#   and 49, the decode site by device time) the fastest split at V4.1's 640 keys was the one with
+#   about 512 programs at both batch sizes -- batch 1: 1 block a split (10 splits) 27.43 / 26.25 us
+#   against 28.00 / 26.88 for 2 blocks (256 programs, the rule before); batch 8: 5 blocks a split
+#   (2 splits) 64.96 / 63.43 against 67.94 / 66.37 for one split. Not measured on an H200 (same 132 SMs);
 # * pv_warps: pass 2's warps (None: num_warps). With bh = 16 query rows the MMA's A operand (the
 #   weights) is replicated in each warp, so 4 warps compute every exp 4 times (401 MUFU.EX2 a thread
 #   for 80 weights, sm_90 SASS, session 47).
-# At batch 1 with 64 heads x 512 and 640 keys: 20 pass-1 and 32 x 5 pass-2 programs.
+# At batch 1 with 64 heads x 512 and 640 keys: 20 pass-1 and 32 x 10 pass-2 programs.
 DEFAULTS = dict(bk1=32, dc=512, bk2=64, bh=16, dv=64, group=3, num_warps=4, stage_values=True, split=None,
-                pv_programs=256, pv_warps=None)
+                pv_programs=512, pv_warps=None)
 
 # The most query rows (B*S) this path serves when the caller does not pick a method: decode and
 # speculative-verify sizes, what it was built for.
@@ -203,7 +208,8 @@ def _pv_staged_kernel(lg_ref, bmax_ref, vals_ref, sink_ref, *out_refs, **kw):
 
 def key_splits(rows: int, head_blocks: int, col_blocks: int, nb2: int, cfg: dict) -> int:
     """bk2 blocks per pass-2 program: ``cfg['split']``, or (None) the fewest that give at least
-    ``pv_programs`` programs, spread evenly (10 blocks for 32 programs at 256: 2 blocks, 5 splits)."""
+    ``pv_programs`` programs, spread evenly (10 blocks for 32 programs: at 512, 1 block and 10 splits;
+    at 256, 2 blocks and 5 splits)."""
     if cfg["split"] is not None:
         return min(int(cfg["split"]), nb2)
     base = rows * head_blocks * col_blocks

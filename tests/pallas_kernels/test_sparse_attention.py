@@ -780,9 +780,11 @@ def test_two_pass_key_split_choice():
     evenly; an explicit split is kept (cut to the list); the gathering form refuses several splits."""
     cfg = dict(pallas_triton_two_pass.DEFAULTS)
     ks = pallas_triton_two_pass.key_splits
-    assert ks(1, 4, 8, 10, cfg) == 2  # batch 1, V4.1's 640 keys: 32 programs x 5 splits
-    assert ks(8, 4, 8, 10, cfg) == 10  # batch 8: 256 programs already, one split
-    assert ks(6, 4, 8, 10, cfg) == 5  # 6 verify rows: 192 programs x 2 splits
+    assert cfg["pv_programs"] == 512
+    assert ks(1, 4, 8, 10, cfg) == 1  # batch 1, V4.1's 640 keys: 32 programs x 10 splits
+    assert ks(8, 4, 8, 10, cfg) == 5  # batch 8: 256 programs x 2 splits
+    assert ks(6, 4, 8, 10, cfg) == 4  # 6 verify rows: 192 programs x 3 splits (the last padded)
+    assert ks(1, 4, 8, 10, {**cfg, "pv_programs": 256}) == 2 and ks(8, 4, 8, 10, {**cfg, "pv_programs": 256}) == 10
     assert ks(1, 4, 8, 3, cfg) == 1  # a window-sized list
     assert ks(1, 4, 8, 10, {**cfg, "split": 4}) == 4 and ks(1, 4, 8, 3, {**cfg, "split": 4}) == 3
     q, kv, widx, sink, ck, cidx = make_case(0, b=1, s=1, h=16, d=64)
