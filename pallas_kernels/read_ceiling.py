@@ -83,20 +83,12 @@ def reference(words, splits: int):
 
 
 def words_of(w):
-    """An FP8 or MXFP4 weight's codes as the [N, G, C] uint32 words the fma GEMV reads (its
-    ``weight_view`` in the word layout: G = K groups of one scale, C = words per group)."""
-    from dsv41_jax.quant import Fp4Tensor, Fp8Tensor
-    from dsv41_jax.quant.codecs import le_words
+    """An FP8 or MXFP4 weight's codes as the [N, G, C] uint32 words the fma GEMV reads: its
+    ``weight_view`` under the word route (G = K groups of one scale, C = words per group)."""
+    from pallas_kernels.quantized_matmul import pallas_triton_fma as fma
 
-    if isinstance(w, Fp8Tensor):
-        g = int(w.block[0])
-    elif isinstance(w, Fp4Tensor):
-        g = 16  # packed bytes per scale
-    else:
-        raise TypeError(f"words_of takes FP8 or MXFP4 weights, got {type(w).__name__}")
-    data = jax.lax.bitcast_convert_type(w.data, jnp.uint8) if w.data.dtype != jnp.uint8 else w.data
-    n, kb = data.shape[-2:]
-    return le_words(data.reshape(n, kb // g, g))
+    with fma.use_decode_route("f16w"):
+        return fma.weight_view(w)[0]
 
 
 def gemv_walk(fma_config) -> tuple:

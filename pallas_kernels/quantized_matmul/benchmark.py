@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.benchmarking import (
     HBM_BYTES_PER_S,
+    copies_for,
     device_time_op,
     distinct_copy,
     fmt_us,
@@ -51,6 +52,11 @@ PROJECTIONS = [
     ("dspark_main_proj", 5120, 15360),
 ]
 PREFILL_M = 4096
+
+
+def projection_names() -> list:
+    """The names of :data:`PROJECTIONS`, which ``--pair``, ``--names`` and ``--read-ceiling`` accept."""
+    return [name for name, _, _ in PROJECTIONS]
 PREFILL = ["wq_b", "wo_b", "shared_w2"]
 
 
@@ -502,15 +508,15 @@ def read_ceiling_sweep(key, names=("wq_a", "idx_wq_b", "shared_w2", "wq_b", "wo_
     cases = []
     for i, (name, n, k) in enumerate(PROJECTIONS):
         if name in names:
-            cases.append((name, random_fp8(jax.random.fold_in(key, i), n, k)))
+            cases.append((name, random_fp8(jax.random.fold_in(key, i), n, k), True))
     for mb in sizes_mb:
         n = max(32, int(mb * 1e6 / 5120) // 32 * 32)
-        cases.append((f"stream {mb:g} MB", random_fp8(jax.random.fold_in(key, 100 + int(mb)), n, 5120)))
-    for label, w0 in cases:
+        cases.append((f"stream {mb:g} MB", random_fp8(jax.random.fold_in(key, 100 + int(mb)), n, 5120), False))
+    for label, w0, with_gemv in cases:
         n, k = w0.shape
         words0 = rc.words_of(w0)
         nbytes = words0.size * 4
-        copies = min(reps, max(2, -(-int(4 * 60e6) // nbytes)))
+        copies = max(2, copies_for(nbytes, reps))
         ws = [w0] + [distinct_copy(w0) for _ in range(copies - 1)]
         wargs = [(rc.words_of(w),) for w in ws]
         rec = dict(op="read_ceiling", case=label, N=n, K=k, bytes=nbytes, floor_s=nbytes / HBM_BYTES_PER_S)
@@ -518,7 +524,7 @@ def read_ceiling_sweep(key, names=("wq_a", "idx_wq_b", "shared_w2", "wq_b", "wo_
         walk = rc.gemv_walk(fma_cfg)
         rec["walk"] = list(walk)
         try:
-            if not label.startswith("stream"):
+            if with_gemv:
                 xs = [(jax.random.normal(jax.random.fold_in(key, r), (1, k), jnp.bfloat16), w) for r, w in enumerate(ws)]
                 rec["gemv_s"] = device_time_op(lambda x, w: pallas_triton.quantized_matmul(x, w, config=fma_cfg), xs,
                                                reps=copies)
@@ -626,7 +632,7 @@ def main(argv=None):
     if a.read_ceiling:
         kw = {}
         if a.names:
-            known = [name for name, _, _ in PROJECTIONS]
+            known = projection_names()
             names = () if a.names == "-" else tuple(a.names.split(","))
             if any(n not in known for n in names):
                 ap.error(f"--names {a.names}: expected '-' or some of {', '.join(known)}")
@@ -643,7 +649,7 @@ def main(argv=None):
         return 0 if rows and not any("error" in r for r in rows) else 1
     if a.pair:
         names = tuple(a.pair.split(","))
-        known = [name for name, _, _ in PROJECTIONS]
+        known = projection_names()
         if len(names) != 2 or any(n not in known for n in names):
             ap.error(f"--pair {a.pair}: expected two of {', '.join(known)}")
         rows = pair_sweep(jax.random.PRNGKey(17), names=names)
