@@ -219,9 +219,22 @@ def fma_configs(w1, n, wide: bool = False):
     return out
 
 
+def f16acc_modes(text) -> tuple:
+    """``--f16acc`` -> the modes (None: the current one); a ValueError naming an unknown mode."""
+    from pallas_kernels.quantized_matmul import pallas_triton_fma
+
+    if not text:
+        return (None,)
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in modes if m not in pallas_triton_fma.F16ACC_MODES]
+    if bad or not modes:
+        raise ValueError(f"--f16acc {text!r}: expected a comma-separated list of {', '.join(pallas_triton_fma.F16ACC_MODES)}")
+    return modes
+
+
 def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = False, experts: int | None = None,
               mma_routes=None, act_block: int = 32, packings=("nibbles",), tc_only: bool = False,
-              tc_configs=()):
+              tc_configs=(), f16acc=(None,)):
     """Tensor-core kernels (default config) vs the vector-unit ("fma") kernels at decode sizes, MXFP4
     experts at the V4.1 shape; every config checked against the reference (rel err, share of
     elements off by > 1%) before it is timed (device time from the profiler, :func:`device_time_op`:
@@ -236,7 +249,9 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
     current one); ``act_block``: the activation's fake-quant block (V4.1 32, V4 128; the shapes are the
     module's ``E, I, D``, which ``--v4-flash`` sets to :data:`V4_SHAPE`); ``packings``: the experts' MXFP4
     packings to run every config with, on the same codes (:data:`dsv41_jax.quant.FP4_PACKINGS`; the
-    tensor-core config of "f16pairs" is its word-route tiling)."""
+    tensor-core config of "f16pairs" is its word-route tiling); ``f16acc``: the fma configs once per
+    float16-product mode (``pallas_triton_fma.F16ACC``: "off", "on", "ptx"; None: the current one),
+    side by side in this process."""
     from pallas_kernels.quantized_matmul import pallas_triton_fma
 
     vias = pallas_triton_fma.checked_routes(vias)
@@ -287,12 +302,16 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
                     mma = pallas_triton.default_tiling(n * TOPK, experts, ws[0])
                 more = [c for c in TC_DECODE_CONFIGS + TC_PHASE_CONFIGS if c != mma] if wide else []
                 more += [tuple(c) for c in tc_configs if tuple(c) != mma and tuple(c) not in more]
-                tc += [(c, vias[0], r) for c in [mma] + more]
-            for cfg, via, mroute in tc + ([] if tc_only else [(c, v, None) for v in vias for c in fmas]):
+                tc += [(c, vias[0], r, None) for c in [mma] + more]
+            fm = [] if tc_only else [(c, v, None, m) for m in f16acc for v in vias for c in fmas]
+            for cfg, via, mroute, mode in tc + fm:
                 try:
                     f = lambda x, w, idx, a, b, c, cfg=cfg: pallas_triton.moe_experts(  # noqa: E731
                         x, w, idx, a, b, c, swiglu_limit=LIMIT, config=cfg, act_block=act_block)
-                    with pallas_triton_fma.use_decode_route(via), pallas_triton.use_mma_fp4(mroute):  # traced here
+                    with (pallas_triton_fma.use_decode_route(via), pallas_triton.use_mma_fp4(mroute),
+                          pallas_triton_fma.use_f16acc(mode)):  # traced here
+                        mode = mode or ("ptx" if pallas_triton_fma.F16ACC["ptx"] else
+                                        "on" if pallas_triton_fma.F16ACC["on"] else "off")
                         y = jax.jit(f)(*args[0], *ws)
                         t = device_time_op(f, args, ws, reps=5)
                         read = None if cfg[0] == "fma" else pallas_triton.fp4_read_for(
@@ -300,10 +319,12 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
                     err, frac = max_rel_err(y, yr), frac_off(y, yr)
                     ok = frac <= TUNE_MAX_FRAC and err <= 8e-3
                     label = (f"mma {pk} {read} (route {mroute or pallas_triton.MMA_FP4['route']})" if cfg[0] != "fma"
-                             else f"decode {'f16pairs' if pk == 'f16pairs' else via or 'current'}")
+                             else f"decode {'f16pairs' if pk == 'f16pairs' else via or 'current'}"
+                             + ("" if mode == "off" else f" f16acc={mode}"))
                     log(f"  n={n} cfg={cfg} {label}: {fmt_us(t)} us ({100 * floor / t:5.1f}% of HBM), rel err "
                         f"{err:.2e}, {frac:.4f} of elements > 1%{'' if ok else '  WRONG'}")
                     rec = dict(op="fma_moe", tokens=n, experts=experts, config=cfg, via=via, mma_fp4=mroute,
+                               f16acc=mode if cfg[0] == "fma" else None,
                                packing=pk, pallas_s=t, floor_s=floor, rel_err=err, frac_gt_1pct=frac, ok=ok)
                     rows.append(rec)
                     results.append(rec)
@@ -312,9 +333,11 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
             good = [r for r in results if r["ok"]]
             base = min((r for r in good if r["config"][0] != "fma"), key=lambda r: r["pallas_s"], default=None)
             for via in vias:
-                best = min((r for r in good if r["config"][0] == "fma" and r["via"] == via),
-                           key=lambda r: r["pallas_s"], default=None)
-                summary.append((n, via if pk == "nibbles" else pk, floor, base, best))
+                for mode in sorted({r["f16acc"] for r in good if r["config"][0] == "fma"}) or [None]:
+                    best = min((r for r in good if r["config"][0] == "fma" and r["via"] == via and r["f16acc"] == mode),
+                               key=lambda r: r["pallas_s"], default=None)
+                    label = via if pk == "nibbles" else pk
+                    summary.append((n, label if mode in (None, "off") else f"{label} f16acc={mode}", floor, base, best))
     log("\n# MoE fma sweep summary: tokens, decode route, floor us, best tensor-core us, best fma us (config), % of HBM")
     for n, via, floor, base, best in summary:
         log(f"  {n:4d} {via or 'current':7s} {fmt_us(floor)} "
@@ -574,6 +597,8 @@ def main(argv=None):
     ap.add_argument("--mma-fp4", default=None, help="with --prefill or --fma: the tensor-core kernels' MXFP4 decode routes "
                                                             "to compare, e.g. bytes,f16w")
     ap.add_argument("--default-only", action="store_true", help="with --fma: only the default fma config")
+    ap.add_argument("--f16acc", default=None, help="with --fma: float16-product modes to time the fma configs with, "
+                    "side by side (comma-separated from off,on,ptx; pallas_triton_fma.F16ACC; default: the current one)")
     ap.add_argument("--tc-only", action="store_true", help="with --fma: only the tensor-core kernels (each --mma-fp4 route)")
     ap.add_argument("--tc-configs", default="", help="with --fma: more tensor-core tilings timed with each route, "
                     "bt,bi,bk_a,bd,bk_b,warps[,stages[,swap]] separated by ;")
@@ -609,7 +634,8 @@ def main(argv=None):
         rows = fma_sweep(sizes, wide=a.wide, vias=a.vias and a.vias.split(","), default_only=a.default_only,
                          experts=a.experts, mma_routes=a.mma_fp4 and a.mma_fp4.split(","),
                          act_block=128 if a.v4_flash else 32, packings=packings, tc_only=a.tc_only,
-                         tc_configs=[tuple(int(v) for v in c.split(",")) for c in a.tc_configs.split(";") if c.strip()])
+                         tc_configs=[tuple(int(v) for v in c.split(",")) for c in a.tc_configs.split(";") if c.strip()],
+                         f16acc=f16acc_modes(a.f16acc))
         write_rows(a.out, "moe_fma.json", rows)
         return 0
     run(quick=a.quick, out_dir=a.out, tune=a.tune)

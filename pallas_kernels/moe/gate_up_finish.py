@@ -54,7 +54,7 @@ def finish_reference(parts, weights, x_dtype, limit: float):
 FINISH = {"order": "uses", "warps": 1}
 
 
-def _finish_view_kernel(p_ref, wt_ref, *out_refs, splits, rows, nph, per, nb, x_dtype, limit):
+def _finish_view_kernel(p_ref, wt_ref, *out_refs, splits, rows, nph, per, nb, x_dtype, limit, f16=False):
     """Program (r, c): row r, K groups [c*nb, +nb) of the partials [S * 2 * R, I/G, G] (row
     ``(2 s + t) R + r``: split s, t = 0 gate / 1 up) -> h, then its act-quant per group, stored as
     the ``nph`` phases (as ``fma._act_quant_view_kernel``)."""
@@ -72,14 +72,13 @@ def _finish_view_kernel(p_ref, wt_ref, *out_refs, splits, rows, nph, per, nb, x_
     for i, c in enumerate(cols):
         gl, ul = loaded[i] if loaded is not None else load(c)
         phases.append(swiglu_h(sum_splits(gl), sum_splits(ul), w, x_dtype, limit))
-    for o_ref, q in zip(out_refs, fma.quant_phases(phases)):
-        o_ref[r, pl.ds(b0, nb), :] = q
+    fma.store_view(out_refs, r, b0, nb, fma.quant_phases(phases, f16=f16), f16)
 
 
-def finish_act_quant_view(parts, weights, w, *, x_dtype, limit: float, interpret=False):
+def finish_act_quant_view(parts, weights, w, *, x_dtype, limit: float, interpret=False, f16=False):
     """``fma.act_quant_view(finish_reference(parts, weights, ...), w)`` in one Pallas launch:
     ``parts [S, 2, R, I]`` f32, ``weights [R]`` f32 -> the act-quantized h as the down kernel's
-    phases (float32)."""
+    phases (float32; with ``f16`` the float16 view of ``fma.F16ACC``)."""
     splits, two, rows, i_dim = parts.shape
     if two != 2:
         raise ValueError(f"finish_act_quant_view: parts must be [splits, 2, rows, I], got {parts.shape}")
@@ -89,8 +88,8 @@ def finish_act_quant_view(parts, weights, w, *, x_dtype, limit: float, interpret
     nb = fma.view_groups_per_program(groups)
     outs = pl.pallas_call(
         functools.partial(_finish_view_kernel, splits=splits, rows=rows, nph=nph, per=per, nb=nb, x_dtype=x_dtype,
-                          limit=float(limit)),
-        out_shape=tuple(jax.ShapeDtypeStruct((rows, groups, per), jnp.float32) for _ in range(nph)),
+                          limit=float(limit), f16=f16),
+        out_shape=fma.view_shapes(rows, groups, nph, per, f16),
         grid=(rows, groups // nb),
         compiler_params=pltriton.CompilerParams(num_warps=FINISH["warps"], num_stages=1),
         interpret=interpret,

@@ -474,7 +474,7 @@ def _down_kernel(be_ref, pair_ref, h_ref, *refs, fmt, bt, bd, bk, steps, op_dtyp
 
 
 def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, g, x_dtype, limit, splits=1,
-                        route=None):
+                        route=None, f16=False):
     """Kernel A on the vector units (``"fma"`` configs): the block's ``bt`` rows share each decoded
     w1 / w3 tile; one fused multiply-add per weight element and row (:mod:`pallas_triton_fma`). Each
     step's x groups are loaded once for both tiles. With ``splits > 1`` (grid axis 2) a program
@@ -507,9 +507,9 @@ def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, 
         def compute(i, tiles, carry):
             gs, us = carry
             g0 = pl.multiple_of((i + step0) * kg, kg)
-            xs = fma.load_x(x_refs, toks, g0, kg)
-            pg = fma.partials(fmt, tiles[0], xs, route)
-            pu = fma.partials(fmt, tiles[1], xs, route)
+            xs = fma.load_x(x_refs, toks, g0, kg, f16=bool(f16))
+            pg = fma.partials(fmt, tiles[0], xs, route, ptx=f16 == "ptx")
+            pu = fma.partials(fmt, tiles[1], xs, route, ptx=f16 == "ptx")
             return tuple(a + p for a, p in zip(gs, pg)), tuple(a + p for a, p in zip(us, pu))
 
         z = tuple(jnp.zeros((bi, kg), jnp.float32) for _ in range(bt))
@@ -524,7 +524,7 @@ def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, 
                 out_ref[b * bt + r, pl.ds(row0, bi)] = h.astype(out_ref.dtype)
 
 
-def _down_fma_kernel(be_ref, pair_ref, *refs, fmt, bt, bd, kg, steps, g, splits=1, route=None):
+def _down_fma_kernel(be_ref, pair_ref, *refs, fmt, bt, bd, kg, steps, g, splits=1, route=None, f16=False):
     """Kernel B on the vector units: the block's ``bt`` h rows share each decoded w2 tile. With
     ``splits > 1`` (grid axis 2) a program runs ``steps`` of the K steps of its split and stores its
     fp32 sums to ``y[split]`` (:func:`_slots_out`: added in order and rounded by XLA, or with
@@ -546,7 +546,8 @@ def _down_fma_kernel(be_ref, pair_ref, *refs, fmt, bt, bd, kg, steps, g, splits=
             return fma.load_tile(fmt, w2_ref, s2_ref, (e,), row0, bd, pl.multiple_of((i + step0) * kg, kg), kg, g)
 
         def compute(i, tile, accs):
-            parts = fma.tile_partials(fmt, tile, h_refs, hrows, pl.multiple_of((i + step0) * kg, kg), kg, route=route)
+            parts = fma.tile_partials(fmt, tile, h_refs, hrows, pl.multiple_of((i + step0) * kg, kg), kg, route=route,
+                                      f16=f16)
             return tuple(a + p for a, p in zip(accs, parts))
 
         accs = fma.k_loop(steps, load, compute, tuple(jnp.zeros((bd, kg), jnp.float32) for _ in range(bt)))
@@ -752,7 +753,11 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
     nb = block_expert.shape[0]
     # "pallas": one Pallas launch per act-quant instead of two XLA ones (fma.moe_act_quant_site)
     prologue = fma.moe_act_quant_site(w1, act_block) == "pallas"
-    xs = fma.act_quant_view(x, w1, interpret=interpret) if prologue else fma.act_view(act_quant(x, act_block), w1)
+    f16 = fma.f16acc_for(w1, act_block, interpret)  # the float16-product route (fma.F16ACC): False, "on", "ptx"
+    if f16:
+        xs = fma.act_quant_view(x, w1, interpret=interpret, f16=True) if prologue else fma.act_view16(x, w1)
+    else:
+        xs = fma.act_quant_view(x, w1, interpret=interpret) if prologue else fma.act_view(act_quant(x, act_block), w1)
     (d1, s1), (d2, s2), (d3, s3) = (fma.weight_view(w) for w in (w1, w2, w3))
     params = pltriton.CompilerParams(num_warps=warps, num_stages=stages)
     a_params = pltriton.CompilerParams(num_warps=fma_gate_up_warps(cfg), num_stages=stages)
@@ -760,7 +765,7 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
              else jax.ShapeDtypeStruct((nb * bt, i_dim), x.dtype))
     h = pl.pallas_call(
         functools.partial(_gate_up_fma_kernel, fmt=fmt, bt=bt, bi=bi, kg=kg_a, steps=d // g // kg_a // splits, g=g,
-                          x_dtype=x.dtype, limit=limit, splits=splits, route=route),
+                          x_dtype=x.dtype, limit=limit, splits=splits, route=route, f16=f16),
         out_shape=a_out,
         grid=(nb, i_dim // bi, splits) if splits > 1 else (nb, i_dim // bi),
         compiler_params=a_params,
@@ -772,13 +777,16 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
     if DEBUG["return_h"]:  # as the tensor-core path: h after its act-quant
         return act_quant(h, act_block), block_pair
     if splits > 1 and prologue:  # the split's finish is the down kernel's act-quant prologue
-        hs = finish_act_quant_view(h, block_weight, w1, x_dtype=x.dtype, limit=limit, interpret=interpret)
+        hs = finish_act_quant_view(h, block_weight, w1, x_dtype=x.dtype, limit=limit, interpret=interpret,
+                                   f16=bool(f16))
+    elif f16:
+        hs = fma.act_quant_view(h, w1, interpret=interpret, f16=True) if prologue else fma.act_view16(h, w1)
     else:
         hs = fma.act_quant_view(h, w1, interpret=interpret) if prologue else fma.act_view(act_quant(h, act_block), w1)
     dsplits = fma_down_splits(cfg)
     y = pl.pallas_call(
         functools.partial(_down_fma_kernel, fmt=fmt, bt=bt, bd=bd, kg=kg_b, steps=i_dim // g // kg_b // dsplits, g=g,
-                          splits=dsplits, route=route),
+                          splits=dsplits, route=route, f16=f16),
         out_shape=(jax.ShapeDtypeStruct((dsplits, p + 1, d), jnp.float32) if dsplits > 1
                    else jax.ShapeDtypeStruct((p + 1, d), x.dtype)),
         grid=(nb, d // bd, dsplits) if dsplits > 1 else (nb, d // bd),

@@ -168,6 +168,67 @@ if FILL_SMS not in ("on", "off"):
     raise ValueError(f"DSV41_FMA_FILL_SMS={FILL_SMS!r}: expected on or off")
 
 
+# The fused MoE's MXFP4 products in float16 (read at trace time; DSV41_FMA_F16ACC, "on" / "off";
+# default "off"). "on": the activation (x before the gate/up kernel, h before the down kernel) goes
+# in as float16 ``q * 2**7`` (q its e4m3 value, exact: |q * 2**7| <= 57,344) with its block scale
+# ``2**(e - 7)`` beside it as a float32 array [M, K/32] (:func:`quant_phases` with ``f16``), and each
+# word's four placed f16 pairs (``e2m1 * 2**-14``, :func:`fp4_word_pairs_f16`) are multiplied by it
+# and summed in float16 over the word's four pairs (two chains of four products per word: codes
+# j and j + 4), then widened to float32, summed over the group and scaled as before. Every product
+# is exact in float16 (<= 6 significant bits, >= 2**-17: inside the subnormal grid of 2**-24); the
+# chains round to float16 (11 bits) where the float32 route rounds to 24 -- a different summation,
+# not the reference's fp32 one, hence opt-in (BENCHMARKS.md, issue 6, session 50: its error against
+# a float64 evaluation beside the float32 route's). Why: the float32 route spends one f16 -> f32
+# conversion and one FFMA per weight code (sm_90 SASS of the one-token gate/up loop: 128 HADD2 +
+# 116 FFMA of 538 instructions per step), and the MoE kernels are issue-bound (66 % of a pure read
+# of their bytes on the H100, session 49). MXFP4 experts read as words with V4.1's 32-element
+# activation blocks only (:func:`f16acc_for`).
+F16ACC_MODES = ("off", "on", "ptx")
+
+
+def _parse_f16acc(text: str) -> dict:
+    v = (text.strip() or "off").lower()
+    if v not in F16ACC_MODES:
+        raise ValueError(f"DSV41_FMA_F16ACC={text!r}: expected one of {', '.join(F16ACC_MODES)}")
+    return {"on": v != "off", "ptx": v == "ptx"}
+
+
+# "ptx": the same arithmetic with each word's f16x2 multiply-adds written as inline PTX
+# (``fma.rn.f16x2`` on the placed word and the activation pair word), an NVIDIA-only variant (the
+# portable form leaves the pairing to LLVM, which pairs halves of neighbouring words instead).
+F16ACC = _parse_f16acc(os.environ.get("DSV41_FMA_F16ACC", ""))
+F16_X_SHIFT = 7  # the activation's float16 form is q * 2**7 (q: its e4m3 value, |q| <= 448)
+
+
+@contextlib.contextmanager
+def use_f16acc(on):
+    """Within the block the fused MoE traces with :data:`F16ACC` ``on`` (a mode name or a bool; None:
+    as it is); restored after it, also on errors."""
+    saved = dict(F16ACC)
+    if on is not None:
+        F16ACC.update(_parse_f16acc(on) if isinstance(on, str) else {"on": bool(on), "ptx": False})
+    try:
+        yield
+    finally:
+        F16ACC.update(saved)
+
+
+def f16acc_for(w, act_block: int, interpret: bool = False):
+    """The fused MoE kernels' float16-product mode for expert weight ``w``: False (the float32 route),
+    "on" or "ptx" (:data:`F16ACC`; MXFP4 read as words with activation blocks of one K group only).
+    "ptx" is inline NVIDIA PTX: in interpret mode it runs its portable twin ("on", the same
+    arithmetic), and on a ROCm device it is refused with the flag to use instead."""
+    if not (F16ACC["on"] and isinstance(w, Fp4Tensor) and fp4_words(w) and act_block == group_size(w)):
+        return False
+    if not F16ACC["ptx"] or interpret:
+        return "on"
+    version = str(getattr(jax.devices()[0].client, "platform_version", "")).lower()
+    if "rocm" in version or "hip" in version:
+        raise ValueError("DSV41_FMA_F16ACC=ptx is inline NVIDIA PTX and cannot run on this ROCm device "
+                         f"({version}); use DSV41_FMA_F16ACC=on (the same arithmetic, portable) or off")
+    return "ptx"
+
+
 def moe_act_quant_site(w, act_block: int) -> str:
     """Where the fused MoE's activations for expert weights ``w`` are fake-quantized: "pallas" (the
     prologue kernel) or "xla" (see :data:`MOE_ACT_QUANT`); "xla" where an activation block is not
@@ -323,34 +384,78 @@ def view_groups_per_program(groups: int) -> int:
     return nb
 
 
-def _act_quant_view_kernel(x_ref, *out_refs, nph, per, nb):
-    """Program (r, c): row r, K groups [c*nb, +nb) of x [M, K/G, G] -> act_quant of each group,
-    stored as the ``nph`` phases (:func:`phase_cols`)."""
-    r = pl.program_id(0)
-    b0 = pl.multiple_of(pl.program_id(1) * nb, nb)
-    phases = [x_ref[r, pl.ds(b0, nb), c].astype(jnp.float32) for c in phase_cols(nph, per)]
-    for o_ref, q in zip(out_refs, quant_phases(phases)):
+def store_view(out_refs, r, b0, nb, quantized, f16: bool):
+    """Store one row's quantized phases (:func:`quant_phases`) of K groups [b0, b0+nb). With ``f16``
+    the float16 view: phases j and j + 4 as the halves of uint32 words ([K/G, 4]) in the first 4
+    refs, the block scales [M, K/G] (float32) in the last."""
+    if f16:
+        *q, scale = quantized
+        out_refs[-1][r, pl.ds(b0, nb)] = scale[:, 0]
+        for j in range(4):
+            out_refs[j][r, pl.ds(b0, nb), :] = f16_pair_word(q[j], q[j + 4])
+        return
+    for o_ref, q in zip(out_refs, quantized):
         o_ref[r, pl.ds(b0, nb), :] = q
 
 
-def act_quant_view(x2, w, *, interpret=False):
+def view_shapes(m: int, groups: int, nph: int, per: int, f16: bool) -> tuple:
+    """The out shapes of a view-writing kernel: ``nph`` phases [M, K/G, per] float32, or with ``f16``
+    (MXFP4 words: 8 phases of 4) the 4 phase-pair words [M, K/G, 4] (uint32: float16 phase j low,
+    j + 4 high) and the block scales [M, K/G] float32."""
+    if f16:
+        return (tuple(jax.ShapeDtypeStruct((m, groups, per), jnp.uint32) for _ in range(nph // 2))
+                + (jax.ShapeDtypeStruct((m, groups), jnp.float32),))
+    return tuple(jax.ShapeDtypeStruct((m, groups, per), jnp.float32) for _ in range(nph))
+
+
+def _act_quant_view_kernel(x_ref, *out_refs, nph, per, nb, f16=False):
+    """Program (r, c): row r, K groups [c*nb, +nb) of x [M, K/G, G] -> act_quant of each group,
+    stored as the ``nph`` phases (:func:`phase_cols`; with ``f16`` their float16 form and scales)."""
+    r = pl.program_id(0)
+    b0 = pl.multiple_of(pl.program_id(1) * nb, nb)
+    phases = [x_ref[r, pl.ds(b0, nb), c].astype(jnp.float32) for c in phase_cols(nph, per)]
+    store_view(out_refs, r, b0, nb, quant_phases(phases, f16=f16), f16)
+
+
+def act_quant_view(x2, w, *, interpret=False, f16=False):
     """``act_view(act_quant(x2, G), w)`` in one Pallas launch (ACT_QUANT "pallas"; the activation
     block must be the K group G of ``w``): each program quantizes up to 32 K groups of one row,
-    read from memory (so a bf16 input is its stored value) and written as float32 phases."""
+    read from memory (so a bf16 input is its stored value) and written as float32 phases; with
+    ``f16`` (:data:`F16ACC`) as float16 ``q * 2**7`` phases and the block scales after them
+    (:func:`act_view16` is its XLA twin)."""
     m, k = x2.shape
     g = group_size(w)
     nph, per = _phase_layout(w)
     groups = k // g
     nb = view_groups_per_program(groups)
     outs = pl.pallas_call(
-        functools.partial(_act_quant_view_kernel, nph=nph, per=per, nb=nb),
-        out_shape=tuple(jax.ShapeDtypeStruct((m, groups, per), jnp.float32) for _ in range(nph)),
+        functools.partial(_act_quant_view_kernel, nph=nph, per=per, nb=nb, f16=f16),
+        out_shape=view_shapes(m, groups, nph, per, f16),
         grid=(m, groups // nb),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="fma_act_quant",
     )(x2.reshape(m, groups, g))
     return tuple(outs)
+
+
+def act_view16(x2, w):
+    """XLA: the activation [M, K] fake-quantized per K group of ``w`` in the float16 form of
+    :data:`F16ACC` -- phases j and j + 4 of ``q * 2**7`` (float16) as the low / high halves of 4
+    uint32 arrays [M, K/32, 4], and the block scales [M, K/32] (float32 ``2**(e - 7)``); the same
+    values as :func:`act_quant_view` with ``f16``."""
+    m, k = x2.shape
+    nph, per = _phase_layout(w)
+    xr = exact_f32(x2).reshape(m, k // (nph * per), per, nph)
+    *q, scale = quant_phases([xr[..., j] for j in range(nph)], f16=True)
+    return tuple(f16_pair_word(q[j], q[j + 4]) for j in range(nph // 2)) + (scale[..., 0],)
+
+
+def f16_pair_word(lo, hi):
+    """Two float16 arrays -> uint32 words with ``lo`` in bits 0..15 and ``hi`` in bits 16..31."""
+    def bits(h):
+        return jax.lax.bitcast_convert_type(h, jnp.uint16).astype(jnp.uint32)
+    return bits(lo) | (bits(hi) << np.uint32(16))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -378,6 +483,44 @@ def fp4_word_pairs_f32(w, packing: str = "nibbles"):
     (:func:`~dsv41_jax.quant.codecs.repack_f16pairs`): 11 per word."""
     at = zip(*FP4_WORD_BITS[packing])
     return [(_f16_bits_to_f32(t), _f16_bits_to_f32(t >> 16)) for t in (_f16_pair_bits(w, s, m) for s, m in at)]
+
+
+def fp4_placed_words(w, packing: str = "nibbles"):
+    """uint32 words of eight e2m1 codes -> the four placed words of :func:`fp4_word_pairs_f16`
+    (each an f16x2: element j low, element j + 4 high, ``e2m1 * 2**-14``), still as uint32."""
+    return [_f16_pair_bits(w, s, m) for s, m in zip(*FP4_WORD_BITS[packing])]
+
+
+def _half(t):
+    return jax.lax.bitcast_convert_type(t.astype(jnp.uint16), jnp.float16)
+
+
+def f16x2_dot4(words, xwords, ptx: bool = False):
+    """Four weight f16x2 words [bn, kg, 4] against four activation f16x2 words [kg, 4] (uint32 bit
+    patterns): per word position the float16 chains ``lo = sum_j w_j.lo * x_j.lo`` and ``hi`` alike
+    (four products each, in order j = 0..3, each add rounded to float16), returned as the float32
+    ``lo + hi``. ``ptx`` (:data:`F16ACC` "ptx"): the chains as ``mul`` / ``fma.rn.f16x2`` inline PTX
+    on the words (NVIDIA only), else float16 jnp arithmetic on the halves (products exact, each add
+    rounded: the same values)."""
+    if ptx:
+        acc = None
+        for w, x in zip(words, xwords):
+            w = jax.lax.bitcast_convert_type(w, jnp.int32)  # (the op's results are signless integers)
+            xb = jnp.broadcast_to(jax.lax.bitcast_convert_type(x, jnp.int32)[None], w.shape)
+            out = [jax.ShapeDtypeStruct(w.shape, jnp.int32)]
+            if acc is None:
+                acc, = pltriton.elementwise_inline_asm("mul.rn.f16x2 $0, $1, $2;", args=[w, xb], constraints="=r,r,r",
+                                                       pack=1, result_shape_dtypes=out)
+            else:
+                acc, = pltriton.elementwise_inline_asm("fma.rn.f16x2 $0, $1, $2, $3;", args=[w, xb, acc],
+                                                       constraints="=r,r,r,r", pack=1, result_shape_dtypes=out)
+        acc = jax.lax.bitcast_convert_type(acc, jnp.uint32)
+        return _half(acc).astype(jnp.float32) + _half(acc >> np.uint32(16)).astype(jnp.float32)
+    lo = hi = None
+    for w, x in zip(words, xwords):
+        pl_, ph = _half(w) * _half(x)[None], _half(w >> np.uint32(16)) * _half(x >> np.uint32(16))[None]
+        lo, hi = (pl_, ph) if lo is None else (lo + pl_, hi + ph)
+    return lo.astype(jnp.float32) + hi.astype(jnp.float32)
 
 
 def fp4_word_pairs_f16(w, packing: str = "nibbles"):
@@ -423,11 +566,15 @@ def fp8_tile_partial(raw, sraw, xs):
     return [jnp.sum(w * x[0][None], axis=2) * sf for x in xs]
 
 
-def fp4_tile_partial(raw, sraw, xs, route=None):
+def fp4_tile_partial(raw, sraw, xs, route=None, ptx=False):
     """MXFP4 tile: packed bytes [bn, kg, 16] (or words [bn, kg, 4], routes "f16w" / "f16pairs") with
     scale bytes [bn, kg]; ``xs`` each activation row's phases (:func:`act_view`). Returns the scaled
     partial sums [bn, kg] per row. ``route``: :func:`fp4_route` of the weight (None: FMA_DECODE's)."""
     route = route or FMA_DECODE["fp4"]
+    if route in ("f16w", "f16pairs") and xs and len(xs[0]) == 5:  # the float16 view (F16ACC)
+        words = fp4_placed_words(raw, "f16pairs" if route == "f16pairs" else "nibbles")
+        sf = e8m0_f32(sraw, 14)
+        return [jnp.sum(f16x2_dot4(words, x[:4], ptx), axis=2) * (sf * x[4][None]) for x in xs]
     if route in ("f16w", "f16pairs"):
         pairs = fp4_word_pairs_f32(raw, "f16pairs" if route == "f16pairs" else "nibbles")
         sf = e8m0_f32(sraw, 14)
@@ -443,39 +590,48 @@ def fp4_tile_partial(raw, sraw, xs, route=None):
     return [jnp.sum(lo * x[0][None] + hi * x[1][None], axis=2) * sf for x in xs]
 
 
-def quant_phases(phases):
+def quant_phases(phases, f16: bool = False):
     """DeepSeek's activation fake-quant (:func:`dsv41_jax.quant.act_quant`) of one row's loaded
     phases (:func:`act_view`, each [kg, L]; together they hold whole blocks, one per K group):
     ``s = 2**ceil(log2(max(amax, 1e-4) / 448))``, ``q = e4m3(clip(x / s, ±448)) * s``, bit-exact:
     the scale exponent is the quantizer's own (``fp8_block_scale``, read from amax's bits without a
-    division); the e4m3 rounding is the converts, which round inside a Triton kernel (session 17)."""
+    division); the e4m3 rounding is the converts, which round inside a Triton kernel (session 17).
+    With ``f16`` (:data:`F16ACC`): the phases as float16 ``q * 2**7`` and, after them, the block
+    scales ``s * 2**-7`` [kg, 1] (float32); their product is the same fake-quantized value."""
     amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(p), axis=-1, keepdims=True) for p in phases])
     e = fp8_block_scale(amax)
     inv, fwd = pow2(-e), pow2(e)
-    return [jnp.clip(p * inv, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32) * fwd
-            for p in phases]
+    qs = [jnp.clip(p * inv, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32) for p in phases]
+    if f16:
+        return [(q * float(2 ** F16_X_SHIFT)).astype(jnp.float16) for q in qs] + [pow2(e - F16_X_SHIFT)]
+    return [q * fwd for q in qs]
 
 
-def load_x(x_refs, rows, g0, kg, quant=False):
+def load_x(x_refs, rows, g0, kg, quant=False, f16=False):
     """Each activation row's phases of K groups [g0, g0+kg) (``rows``: indices into ``x_refs``, the
-    phases of :func:`act_view`), fake-quantized here when ``quant`` (:func:`act_quant_site` "kernel")."""
+    phases of :func:`act_view`), fake-quantized here when ``quant`` (:func:`act_quant_site` "kernel").
+    With ``f16`` (:data:`F16ACC`) ``x_refs`` is the float16 view (phases, then the block scales) and
+    each row's list is its 4 phase-pair words [kg, 4] (uint32) followed by its scales [kg]."""
+    if f16:
+        return [[xr[r, pl.ds(g0, kg), :] for xr in x_refs[:-1]] + [x_refs[-1][r, pl.ds(g0, kg)]] for r in rows]
     xs = [[xr[r, pl.ds(g0, kg), :].astype(jnp.float32) for xr in x_refs] for r in rows]
     return [quant_phases(x) for x in xs] if quant else xs
 
 
-def partials(fmt, tile, xs, route=None):
+def partials(fmt, tile, xs, route=None, ptx=False):
     """The scaled partial sums [bn, kg] of one loaded tile against each row's phases ``xs``;
-    ``route``: an MXFP4 weight's :func:`fp4_route` (None: FMA_DECODE's)."""
-    return fp8_tile_partial(*tile, xs) if fmt == "fp8" else fp4_tile_partial(*tile, xs, route)
+    ``route``: an MXFP4 weight's :func:`fp4_route` (None: FMA_DECODE's); ``ptx``: with the float16
+    view (:data:`F16ACC`), its inline-PTX form."""
+    return fp8_tile_partial(*tile, xs) if fmt == "fp8" else fp4_tile_partial(*tile, xs, route, ptx)
 
 
-def tile_partials(fmt, tile, x_refs, rows, g0, kg, quant=False, route=None):
+def tile_partials(fmt, tile, x_refs, rows, g0, kg, quant=False, route=None, f16=False):
     """The scaled partial sums [bn, kg] (one per weight row and K group) of one loaded tile
     (:func:`load_tile`) against each activation row in ``rows`` (indices into ``x_refs``, the phases
     of :func:`act_view`; K groups [g0, g0+kg)); the decoded tile is shared by all rows. The kernels
     add them up over the K steps and sum over the kg groups once, after the loop: a sum over kg
     inside the loop is a reduction across warps (shared memory and barriers) every step."""
-    return partials(fmt, tile, load_x(x_refs, rows, g0, kg, quant), route)
+    return partials(fmt, tile, load_x(x_refs, rows, g0, kg, quant, bool(f16)), route, ptx=f16 == "ptx")
 
 
 def k_loop(steps, load, compute, init):
