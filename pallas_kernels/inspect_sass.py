@@ -5,6 +5,11 @@ CPU (no GPU), capture the Triton IR of each ``pallas_call``, compile it for sm_9
     PYTHONPATH=. python -m pallas_kernels.inspect_sass moe [--decode fp4=e4m3]
     PYTHONPATH=. python -m pallas_kernels.inspect_sass moe --tokens 4096 --experts 96 --config "(128, 128, 64, 128, 64, 8)"
     PYTHONPATH=. python -m pallas_kernels.inspect_sass gemv
+    PYTHONPATH=. python -m pallas_kernels.inspect_sass moe --target rocm   # gfx950 (MI350X) AMDGCN
+
+With ``--target rocm`` the kernels are lowered for ROCm and compiled by Triton's AMD backend for
+gfx950 (no ROCm install or AMD GPU needed): the innermost loops' AMDGCN instruction counts, VGPRs
+and occupancy -- what the target hardware would run, which no device here has.
 
 Why: the fma decode kernels are bound by their integer and conversion work per weight code, not by
 HBM (BENCHMARKS.md, session 7), so the instruction mix of one K step predicts a variant's speed
@@ -145,6 +150,71 @@ def compile_sass(ttir: str, num_warps: int, num_stages: int, arch: int = 90) -> 
         return f"{RESOURCES} regs={m.group(1) if m else -1} shared={int(k.metadata.shared)}\n" + sass
 
 
+def compile_amdgcn(ttir: str, num_warps: int, num_stages: int, arch: str = "gfx950") -> str:
+    """Triton IR text (lowered for ``rocm``) -> the AMDGCN assembly Triton's AMD backend makes for
+    ``arch`` (MI350X: gfx950), offline (needs ``triton``; no ROCm install, no GPU): the MI350X
+    counterpart of :func:`compile_sass`, for the target hardware no device here has."""
+    ttir = strip_cache_policy(ttir)
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+    except ImportError as e:
+        raise RuntimeError(TRITON_HINT) from e
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "kernel.ttir")
+        with open(path, "w") as f:
+            f.write(ttir)
+        target = GPUTarget("hip", arch, 64)
+        options = dict(num_warps=num_warps, num_stages=num_stages)
+        from triton._C.libtriton import ir
+        from triton.backends.amd.compiler import HIPBackend
+
+        backend = HIPBackend(target)
+        ctx = ir.context()
+        ir.load_dialects(ctx)
+        backend.load_dialects(ctx)
+        mod = ir.parse_mlir_module(path, ctx)
+        mod.context = ctx
+        mod = backend.make_ttir(mod, {}, backend.parse_options(options))  # as compile_sass: XLA runs make_ttir
+        with open(path, "w") as f:
+            f.write(str(mod))
+        return triton.compile(path, target=target, options=options).asm["amdgcn"]
+
+
+_GCN_INSTR = re.compile(r"^\s+((?:[sv]|ds|buffer|global|flat|scratch)_[a-z0-9_]+)")
+
+
+def gcn_loop_mix(asm: str) -> list[dict]:
+    """Instruction counts of every loop in AMDGCN assembly (:func:`compile_amdgcn`): from a label that
+    LLVM marks as a loop header to the branch back to it. One dict per loop, as :func:`loop_mix`."""
+    lines = asm.splitlines()
+    loops = []
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\.LBB\w+):.*Loop Header", line)
+        if not m:
+            continue
+        body = collections.Counter()
+        for later in lines[i + 1:]:
+            ins = _GCN_INSTR.match(later)
+            if ins:
+                body[ins.group(1)] += 1
+                if ins.group(1).startswith("s_cbranch") or ins.group(1) == "s_branch":
+                    if later.rstrip().endswith(m.group(1)):
+                        loops.append(dict(label=m.group(1), total=sum(body.values()), counts=dict(body)))
+                        break
+    return loops
+
+
+def gcn_resources(asm: str) -> dict:
+    """VGPRs / AGPRs / scratch bytes per thread (work-item) and LDS bytes per program, as the AMDGPU
+    backend reports them in the assembly's comments (-1 where absent)."""
+    def field(name):
+        m = re.search(rf";\s*{name}:\s*(\d+)", asm)
+        return int(m.group(1)) if m else -1
+    return {"vgprs": field("NumVgprs"), "agprs": field("NumAgprs"), "scratch": field("ScratchSize"),
+            "lds": field("LDSByteSize"), "occupancy": field("Occupancy")}
+
+
 RESOURCES = "// dsv41 resources:"
 SM90_REGS, SM90_SMEM, SM90_MAX_WARPS = 65536, 232448, 64
 
@@ -275,6 +345,8 @@ def main(argv=None) -> int:
                     help="moe: how the experts' MXFP4 codes are stored (dsv41_jax.quant.codecs)")
     ap.add_argument("--config", default=None, help="the op's config tuple, e.g. \"(128, 128, 64, 128, 64, 8)\"; "
                     "sparse-attn, indexer, route: keyword arguments, e.g. \"{'block_h': 32, 'num_warps': 4}\"")
+    ap.add_argument("--target", default="cuda", choices=["cuda", "rocm"],
+                    help="cuda: sm_90 SASS (H100/H200); rocm: gfx950 AMDGCN (MI350X), both compiled offline")
     ap.add_argument("--python", default=None, help="an interpreter with triton installed, for the SASS step")
     ap.add_argument("--out", default=None, help="also write each kernel's .ttir and .sass here")
     a = ap.parse_args(argv)
@@ -299,24 +371,36 @@ def main(argv=None) -> int:
     if a.decode:
         fma.FMA_DECODE.update(fma._parse_fma_decode(a.decode))
     fn, *specs = _cases(a.case, a.tokens, a.experts, config, a.packing)
-    for k in triton_kernels(fn, *specs):
+    rocm = a.target == "rocm"
+    compiler = "compile_amdgcn" if rocm else "compile_sass"
+    for k in triton_kernels(fn, *specs, target=a.target):
         if a.python:  # compile in the other interpreter
             with tempfile.NamedTemporaryFile("w", suffix=".ttir", delete=False) as f:
                 f.write(k["ttir"])
-            code = ("import sys; sys.path.insert(0, %r); from pallas_kernels.inspect_sass import compile_sass; "
-                    "print(compile_sass(open(%r).read(), %d, %d))" % (os.getcwd(), f.name, k["num_warps"], k["num_stages"]))
+            code = ("import sys; sys.path.insert(0, %r); from pallas_kernels.inspect_sass import %s; "
+                    "print(%s(open(%r).read(), %d, %d))" % (os.getcwd(), compiler, compiler, f.name, k["num_warps"],
+                                                            k["num_stages"]))
             res = subprocess.run([a.python, "-c", code], capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
             if res.returncode:
                 print(f"{k['name']}: SASS step failed: {res.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
                 return 1
             sass = res.stdout
         else:
-            sass = compile_sass(k["ttir"], k["num_warps"], k["num_stages"])
+            sass = (compile_amdgcn if rocm else compile_sass)(k["ttir"], k["num_warps"], k["num_stages"])
         if a.out:
             os.makedirs(a.out, exist_ok=True)
-            for ext, txt in (("ttir", k["ttir"]), ("sass", sass)):
+            for ext, txt in (("ttir", k["ttir"]), ("amdgcn" if rocm else "sass", sass)):
                 with open(os.path.join(a.out, f"{k['name']}.{ext}"), "w") as f:
                     f.write(txt)
+        if rocm:
+            r = gcn_resources(sass)
+            print(f"{k['name']}: {r['vgprs']} VGPRs, {r['agprs']} AGPRs, {r['scratch']} scratch bytes per work-item, "
+                  f"{r['lds']} LDS bytes per program, occupancy {r['occupancy']} waves per SIMD (gfx950)")
+            for lp in gcn_loop_mix(sass):
+                top = ", ".join(f"{op} {n}" for op, n in sorted(lp["counts"].items(), key=lambda t: -t[1])[:12])
+                print(f"{k['name']} (warps {k['num_warps']}, stages {k['num_stages']}) loop {lp['label']}: "
+                      f"{lp['total']} instructions per work-item and step: {top}")
+            continue
         res = resources(sass, k["num_warps"])
         if res:
             print(f"{k['name']}: {res['regs']} registers per thread, {res['shared']} shared bytes per program -> "

@@ -1,5 +1,5 @@
-"""pallas_kernels.inspect_sass: the Triton IR capture (CPU lowering for cuda), the SASS loop parser
-and the error without triton. (The SASS compile itself needs the optional triton package; its
+"""pallas_kernels.inspect_sass: the Triton IR capture (CPU lowering for cuda), the SASS and AMDGCN
+loop parsers and the error without triton. (The SASS compile itself needs the optional triton package; its
 output for the fma kernels is quoted in BENCHMARKS.md, session 7.)"""
 
 import builtins
@@ -48,7 +48,42 @@ def test_loop_mix_counts_the_loop_body():
     assert lp["counts"] == {"LDG": 1, "LOP3": 1, "HADD2": 1, "FFMA": 2, "BRA": 1}
 
 
-def test_compile_without_triton_names_the_fix(monkeypatch):
+GCN = """
+	s_branch .LBB0_1
+.LBB0_1:                                ; %outer
+	v_mov_b32_e32 v0, 0
+.LBB0_2:                                ; =>This Inner Loop Header: Depth=1
+	global_load_dwordx4 v[4:7], v[2:3], off
+	s_waitcnt vmcnt(0)
+	v_and_b32_e32 v8, 0x8e008e00, v4
+	v_pk_fma_f16 v9, v8, v10, v9
+	v_pk_fma_f16 v9, v8, v11, v9
+	s_add_i32 s4, s4, 1
+	s_cmp_lg_u32 s4, 10
+	s_cbranch_scc1 .LBB0_2
+; %bb.3:
+	s_endpgm
+	.section	.AMDGPU.csdata
+; Kernel info:
+; NumVgprs: 81
+; NumAgprs: 0
+; ScratchSize: 0
+; Occupancy: 5
+"""
+
+
+def test_gcn_loop_mix_counts_the_loop_body():
+    """The AMDGCN parser (gfx950, MI350X): only the LLVM-marked loop header, up to its back branch."""
+    (lp,) = inspect_sass.gcn_loop_mix(GCN)
+    assert lp["label"] == ".LBB0_2" and lp["total"] == 8
+    assert lp["counts"] == {"global_load_dwordx4": 1, "s_waitcnt": 1, "v_and_b32_e32": 1, "v_pk_fma_f16": 2,
+                            "s_add_i32": 1, "s_cmp_lg_u32": 1, "s_cbranch_scc1": 1}
+    r = inspect_sass.gcn_resources(GCN)
+    assert (r["vgprs"], r["agprs"], r["scratch"], r["occupancy"], r["lds"]) == (81, 0, 0, 5, -1)
+
+
+@pytest.mark.parametrize("compile_fn", ["compile_sass", "compile_amdgcn"])
+def test_compile_without_triton_names_the_fix(monkeypatch, compile_fn):
     real_import = builtins.__import__
 
     def no_triton(name, *a, **k):
@@ -58,7 +93,7 @@ def test_compile_without_triton_names_the_fix(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_triton)
     with pytest.raises(RuntimeError, match="pip install triton"):
-        inspect_sass.compile_sass("module {}", 4, 3)
+        getattr(inspect_sass, compile_fn)("module {}", 4, 3)
 
 
 def test_prefill_case_takes_its_config():
