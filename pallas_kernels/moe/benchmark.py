@@ -250,7 +250,7 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
     module's ``E, I, D``, which ``--v4-flash`` sets to :data:`V4_SHAPE`); ``packings``: the experts' MXFP4
     packings to run every config with, on the same codes (:data:`dsv41_jax.quant.FP4_PACKINGS`; the
     tensor-core config of "f16pairs" is its word-route tiling); ``f16acc``: the fma configs once per
-    float16-product mode (``pallas_triton_fma.F16ACC``: "off", "on", "ptx"; None: the current one),
+    float16-product mode (``pallas_triton_fma.F16ACC``: "off", "on", "ptx", "gcn"; None: the current one),
     side by side in this process."""
     from pallas_kernels.quantized_matmul import pallas_triton_fma
 
@@ -310,8 +310,8 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
                         x, w, idx, a, b, c, swiglu_limit=LIMIT, config=cfg, act_block=act_block)
                     with (pallas_triton_fma.use_decode_route(via), pallas_triton.use_mma_fp4(mroute),
                           pallas_triton_fma.use_f16acc(mode)):  # traced here
-                        mode = mode or ("ptx" if pallas_triton_fma.F16ACC["ptx"] else
-                                        "on" if pallas_triton_fma.F16ACC["on"] else "off")
+                        mode = mode or (pallas_triton_fma.F16ACC["asm"] or
+                                        ("on" if pallas_triton_fma.F16ACC["on"] else "off"))
                         y = jax.jit(f)(*args[0], *ws)
                         t = device_time_op(f, args, ws, reps=5)
                         read = None if cfg[0] == "fma" else pallas_triton.fp4_read_for(
@@ -598,7 +598,7 @@ def main(argv=None):
                                                             "to compare, e.g. bytes,f16w")
     ap.add_argument("--default-only", action="store_true", help="with --fma: only the default fma config")
     ap.add_argument("--f16acc", default=None, help="with --fma: float16-product modes to time the fma configs with, "
-                    "side by side (comma-separated from off,on,ptx; pallas_triton_fma.F16ACC; default: the current one)")
+                    "side by side (comma-separated from off,on,ptx,gcn; pallas_triton_fma.F16ACC; default: the current one)")
     ap.add_argument("--tc-only", action="store_true", help="with --fma: only the tensor-core kernels (each --mma-fp4 route)")
     ap.add_argument("--tc-configs", default="", help="with --fma: more tensor-core tilings timed with each route, "
                     "bt,bi,bk_a,bd,bk_b,warps[,stages[,swap]] separated by ;")

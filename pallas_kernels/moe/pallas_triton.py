@@ -508,8 +508,8 @@ def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, 
             gs, us = carry
             g0 = pl.multiple_of((i + step0) * kg, kg)
             xs = fma.load_x(x_refs, toks, g0, kg, f16=bool(f16))
-            pg = fma.partials(fmt, tiles[0], xs, route, ptx=f16 == "ptx")
-            pu = fma.partials(fmt, tiles[1], xs, route, ptx=f16 == "ptx")
+            pg = fma.partials(fmt, tiles[0], xs, route, asm=fma.f16acc_asm(f16))
+            pu = fma.partials(fmt, tiles[1], xs, route, asm=fma.f16acc_asm(f16))
             return tuple(a + p for a, p in zip(gs, pg)), tuple(a + p for a, p in zip(us, pu))
 
         z = tuple(jnp.zeros((bi, kg), jnp.float32) for _ in range(bt))
@@ -753,7 +753,7 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
     nb = block_expert.shape[0]
     # "pallas": one Pallas launch per act-quant instead of two XLA ones (fma.moe_act_quant_site)
     prologue = fma.moe_act_quant_site(w1, act_block) == "pallas"
-    f16 = fma.f16acc_for(w1, act_block, interpret)  # the float16-product route (fma.F16ACC): False, "on", "ptx"
+    f16 = fma.f16acc_for(w1, act_block, interpret)  # the float16-product route (fma.F16ACC): False, "on", "ptx", "gcn"
     if f16:
         xs = fma.act_quant_view(x, w1, interpret=interpret, f16=True) if prologue else fma.act_view16(x, w1)
     else:

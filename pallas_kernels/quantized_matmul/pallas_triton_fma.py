@@ -183,19 +183,24 @@ if FILL_SMS not in ("on", "off"):
 # 116 FFMA of 538 instructions per step), and the MoE kernels are issue-bound (66 % of a pure read
 # of their bytes on the H100, session 49). MXFP4 experts read as words with V4.1's 32-element
 # activation blocks only (:func:`f16acc_for`).
-F16ACC_MODES = ("off", "on", "ptx")
+F16ACC_MODES = ("off", "on", "ptx", "gcn")
+F16ACC_ASM = {"ptx": ("mul.rn.f16x2 $0, $1, $2;", "fma.rn.f16x2 $0, $1, $2, $3;", "r"),
+              "gcn": ("v_pk_mul_f16 $0, $1, $2", "v_pk_fma_f16 $0, $1, $2, $3", "v")}
 
 
 def _parse_f16acc(text: str) -> dict:
     v = (text.strip() or "off").lower()
     if v not in F16ACC_MODES:
         raise ValueError(f"DSV41_FMA_F16ACC={text!r}: expected one of {', '.join(F16ACC_MODES)}")
-    return {"on": v != "off", "ptx": v == "ptx"}
+    return {"on": v != "off", "asm": v if v in F16ACC_ASM else None}
 
 
-# "ptx": the same arithmetic with each word's f16x2 multiply-adds written as inline PTX
-# (``fma.rn.f16x2`` on the placed word and the activation pair word), an NVIDIA-only variant (the
-# portable form leaves the pairing to LLVM, which pairs halves of neighbouring words instead).
+# "ptx" / "gcn": the same arithmetic with each word's f16x2 multiply-adds written as inline assembly
+# on the placed word and the activation pair word -- ``fma.rn.f16x2`` (NVIDIA PTX) or
+# ``v_pk_fma_f16`` (AMD gfx9 / gfx950, the MI350X) -- one vendor each. The portable form leaves the
+# pairing to LLVM, which pairs halves of neighbouring words instead and spends a byte permute per
+# pair (PRMT / v_perm_b32: sm_90 462 against 382 instructions per gate/up step, gfx950 250 against
+# the asm form's count in BENCHMARKS.md, issue 6, session 50).
 F16ACC = _parse_f16acc(os.environ.get("DSV41_FMA_F16ACC", ""))
 F16_X_SHIFT = 7  # the activation's float16 form is q * 2**7 (q: its e4m3 value, |q| <= 448)
 
@@ -206,7 +211,7 @@ def use_f16acc(on):
     as it is); restored after it, also on errors."""
     saved = dict(F16ACC)
     if on is not None:
-        F16ACC.update(_parse_f16acc(on) if isinstance(on, str) else {"on": bool(on), "ptx": False})
+        F16ACC.update(_parse_f16acc(on) if isinstance(on, str) else {"on": bool(on), "asm": None})
     try:
         yield
     finally:
@@ -215,18 +220,21 @@ def use_f16acc(on):
 
 def f16acc_for(w, act_block: int, interpret: bool = False):
     """The fused MoE kernels' float16-product mode for expert weight ``w``: False (the float32 route),
-    "on" or "ptx" (:data:`F16ACC`; MXFP4 read as words with activation blocks of one K group only).
-    "ptx" is inline NVIDIA PTX: in interpret mode it runs its portable twin ("on", the same
-    arithmetic), and on a ROCm device it is refused with the flag to use instead."""
+    "on", "ptx" or "gcn" (:data:`F16ACC`; MXFP4 read as words with activation blocks of one K group
+    only). The assembly modes run their portable twin ("on", the same arithmetic) in interpret mode,
+    and are refused on the other vendor's device with the flag to use instead."""
     if not (F16ACC["on"] and isinstance(w, Fp4Tensor) and fp4_words(w) and act_block == group_size(w)):
         return False
-    if not F16ACC["ptx"] or interpret:
+    asm = F16ACC["asm"]
+    if asm is None or interpret:
         return "on"
     version = str(getattr(jax.devices()[0].client, "platform_version", "")).lower()
-    if "rocm" in version or "hip" in version:
-        raise ValueError("DSV41_FMA_F16ACC=ptx is inline NVIDIA PTX and cannot run on this ROCm device "
-                         f"({version}); use DSV41_FMA_F16ACC=on (the same arithmetic, portable) or off")
-    return "ptx"
+    amd = "rocm" in version or "hip" in version
+    if amd != (asm == "gcn") and version and "cpu" not in version:
+        raise ValueError(f"DSV41_FMA_F16ACC={asm} is inline {'AMD gfx9' if asm == 'gcn' else 'NVIDIA PTX'} assembly "
+                         f"and cannot run on this device ({version}); use DSV41_FMA_F16ACC=on (the same arithmetic, "
+                         f"portable){'' if amd else ' or ptx'} or off")
+    return asm
 
 
 def moe_act_quant_site(w, act_block: int) -> str:
@@ -495,25 +503,26 @@ def _half(t):
     return jax.lax.bitcast_convert_type(t.astype(jnp.uint16), jnp.float16)
 
 
-def f16x2_dot4(words, xwords, ptx: bool = False):
+def f16x2_dot4(words, xwords, asm: str | None = None):
     """Four weight f16x2 words [bn, kg, 4] against four activation f16x2 words [kg, 4] (uint32 bit
     patterns): per word position the float16 chains ``lo = sum_j w_j.lo * x_j.lo`` and ``hi`` alike
     (four products each, in order j = 0..3, each add rounded to float16), returned as the float32
-    ``lo + hi``. ``ptx`` (:data:`F16ACC` "ptx"): the chains as ``mul`` / ``fma.rn.f16x2`` inline PTX
-    on the words (NVIDIA only), else float16 jnp arithmetic on the halves (products exact, each add
-    rounded: the same values)."""
-    if ptx:
+    ``lo + hi``. ``asm`` ("ptx" / "gcn", :data:`F16ACC_ASM`): the chains as packed multiply(-add)
+    inline assembly on the words (one vendor each), else float16 jnp arithmetic on the halves
+    (products exact, each add rounded: the same values)."""
+    if asm is not None:
+        mul, fma_, reg = F16ACC_ASM[asm]
         acc = None
         for w, x in zip(words, xwords):
             w = jax.lax.bitcast_convert_type(w, jnp.int32)  # (the op's results are signless integers)
             xb = jnp.broadcast_to(jax.lax.bitcast_convert_type(x, jnp.int32)[None], w.shape)
             out = [jax.ShapeDtypeStruct(w.shape, jnp.int32)]
             if acc is None:
-                acc, = pltriton.elementwise_inline_asm("mul.rn.f16x2 $0, $1, $2;", args=[w, xb], constraints="=r,r,r",
+                acc, = pltriton.elementwise_inline_asm(mul, args=[w, xb], constraints=f"={reg},{reg},{reg}",
                                                        pack=1, result_shape_dtypes=out)
             else:
-                acc, = pltriton.elementwise_inline_asm("fma.rn.f16x2 $0, $1, $2, $3;", args=[w, xb, acc],
-                                                       constraints="=r,r,r,r", pack=1, result_shape_dtypes=out)
+                acc, = pltriton.elementwise_inline_asm(fma_, args=[w, xb, acc], constraints=f"={reg},{reg},{reg},{reg}",
+                                                       pack=1, result_shape_dtypes=out)
         acc = jax.lax.bitcast_convert_type(acc, jnp.uint32)
         return _half(acc).astype(jnp.float32) + _half(acc >> np.uint32(16)).astype(jnp.float32)
     lo = hi = None
@@ -566,7 +575,7 @@ def fp8_tile_partial(raw, sraw, xs):
     return [jnp.sum(w * x[0][None], axis=2) * sf for x in xs]
 
 
-def fp4_tile_partial(raw, sraw, xs, route=None, ptx=False):
+def fp4_tile_partial(raw, sraw, xs, route=None, asm=None):
     """MXFP4 tile: packed bytes [bn, kg, 16] (or words [bn, kg, 4], routes "f16w" / "f16pairs") with
     scale bytes [bn, kg]; ``xs`` each activation row's phases (:func:`act_view`). Returns the scaled
     partial sums [bn, kg] per row. ``route``: :func:`fp4_route` of the weight (None: FMA_DECODE's)."""
@@ -574,7 +583,7 @@ def fp4_tile_partial(raw, sraw, xs, route=None, ptx=False):
     if route in ("f16w", "f16pairs") and xs and len(xs[0]) == 5:  # the float16 view (F16ACC)
         words = fp4_placed_words(raw, "f16pairs" if route == "f16pairs" else "nibbles")
         sf = e8m0_f32(sraw, 14)
-        return [jnp.sum(f16x2_dot4(words, x[:4], ptx), axis=2) * (sf * x[4][None]) for x in xs]
+        return [jnp.sum(f16x2_dot4(words, x[:4], asm), axis=2) * (sf * x[4][None]) for x in xs]
     if route in ("f16w", "f16pairs"):
         pairs = fp4_word_pairs_f32(raw, "f16pairs" if route == "f16pairs" else "nibbles")
         sf = e8m0_f32(sraw, 14)
@@ -618,11 +627,11 @@ def load_x(x_refs, rows, g0, kg, quant=False, f16=False):
     return [quant_phases(x) for x in xs] if quant else xs
 
 
-def partials(fmt, tile, xs, route=None, ptx=False):
+def partials(fmt, tile, xs, route=None, asm=None):
     """The scaled partial sums [bn, kg] of one loaded tile against each row's phases ``xs``;
-    ``route``: an MXFP4 weight's :func:`fp4_route` (None: FMA_DECODE's); ``ptx``: with the float16
-    view (:data:`F16ACC`), its inline-PTX form."""
-    return fp8_tile_partial(*tile, xs) if fmt == "fp8" else fp4_tile_partial(*tile, xs, route, ptx)
+    ``route``: an MXFP4 weight's :func:`fp4_route` (None: FMA_DECODE's); ``asm``: with the float16
+    view (:data:`F16ACC`), its inline-assembly form ("ptx" / "gcn"; None: portable)."""
+    return fp8_tile_partial(*tile, xs) if fmt == "fp8" else fp4_tile_partial(*tile, xs, route, asm)
 
 
 def tile_partials(fmt, tile, x_refs, rows, g0, kg, quant=False, route=None, f16=False):
@@ -631,7 +640,12 @@ def tile_partials(fmt, tile, x_refs, rows, g0, kg, quant=False, route=None, f16=
     of :func:`act_view`; K groups [g0, g0+kg)); the decoded tile is shared by all rows. The kernels
     add them up over the K steps and sum over the kg groups once, after the loop: a sum over kg
     inside the loop is a reduction across warps (shared memory and barriers) every step."""
-    return partials(fmt, tile, load_x(x_refs, rows, g0, kg, quant, bool(f16)), route, ptx=f16 == "ptx")
+    return partials(fmt, tile, load_x(x_refs, rows, g0, kg, quant, bool(f16)), route, asm=f16acc_asm(f16))
+
+
+def f16acc_asm(mode):
+    """The inline-assembly form of an :func:`f16acc_for` mode (None: portable or off)."""
+    return mode if mode in F16ACC_ASM else None
 
 
 def k_loop(steps, load, compute, init):

@@ -3,7 +3,7 @@ the activation's float16 view equals DeepSeek's fake-quant bit for bit (values a
 prologue and finish kernels equal their XLA twin, the word arithmetic equals a float16 emulation in
 numpy bit for bit, the whole MoE stays within a stated tolerance of the reference in interpret mode
 (fresh random inputs, every element), and the kernels lower for cuda (portable and PTX forms) and
-rocm (portable form) at the real V4.1 expert shapes. Bad flag values are refused by name."""
+rocm (portable and gfx9 assembly forms) at the real V4.1 expert shapes. Bad flag values are refused by name."""
 
 import dsv41_jax  # noqa: F401  (import order: dsv41_jax before pallas_kernels)
 import jax
@@ -151,9 +151,10 @@ def test_moe_f16acc_within_tolerance_of_the_reference(n, dtype, packing, monkeyp
     assert np.all(np.isfinite(y)) and np.std(y) > 0
     assert np.max(np.abs(y - yr)) <= 1e-2 * scale
     assert np.mean(np.abs(y - yr) > 1e-2 * scale) <= 0.02
-    # "ptx" in interpret mode runs its portable twin: the same values
-    monkeypatch.setattr(fma, "F16ACC", fma._parse_f16acc("ptx"))
-    np.testing.assert_array_equal(np.asarray(run(pallas_triton.moe_experts, x, wts, idx, *ws, **kw), np.float64), y)
+    # the assembly modes in interpret mode run their portable twin: the same values
+    for mode in ("ptx", "gcn"):
+        monkeypatch.setattr(fma, "F16ACC", fma._parse_f16acc(mode))
+        np.testing.assert_array_equal(np.asarray(run(pallas_triton.moe_experts, x, wts, idx, *ws, **kw), np.float64), y)
 
 
 def _views_built(monkeypatch, mode, x, wts, idx, ws):
@@ -185,7 +186,7 @@ def test_off_is_the_float32_route(monkeypatch):
     assert fma.f16acc_for(ws[0], 32) == "on" and fma.f16acc_for(ws[0], 128) is False
 
 
-@pytest.mark.parametrize("target,mode", [("cuda", "on"), ("cuda", "ptx"), ("rocm", "on")])
+@pytest.mark.parametrize("target,mode", [("cuda", "on"), ("cuda", "ptx"), ("rocm", "on"), ("rocm", "gcn")])
 def test_f16acc_cross_lowering_real_shapes(target, mode, monkeypatch):
     e, i, d = 384, 2304, 5120
     w1 = Fp4Tensor(S((e, i, d // 2), jnp.uint8), S((e, i, d // 32), jnp.float8_e8m0fnu), 32, "f16pairs")
@@ -199,43 +200,51 @@ def test_f16acc_cross_lowering_real_shapes(target, mode, monkeypatch):
             assert txt.count(f'name = "{name}"') == 1, (n, name)
 
 
-def test_ptx_form_in_the_kernel_source(monkeypatch):
-    """The "ptx" mode writes the f16x2 multiply-adds as inline PTX; "on" does not."""
+def test_asm_forms_in_the_kernel_source(monkeypatch):
+    """"ptx" writes the f16x2 multiply-adds as inline PTX, "gcn" as gfx9 ``v_pk_fma_f16``; "on" neither."""
     from pallas_kernels.inspect_sass import triton_kernels
 
     x, wts, idx, *ws = make(6, 1, jnp.bfloat16)
     specs = [S(a.shape, a.dtype) if not isinstance(a, Fp4Tensor) else a for a in (x, wts, idx)]
     found = {}
-    for mode in ("on", "ptx"):
+    for mode, target in (("on", "cuda"), ("on", "rocm"), ("ptx", "cuda"), ("gcn", "rocm")):
         monkeypatch.setattr(fma, "F16ACC", fma._parse_f16acc(mode))
         # a new function per mode: jax.jit caches the trace of one function object (the flag is read
         # at trace time)
         fn = lambda x, w, idx, a, b, c: pallas_triton.moe_experts(x, w, idx, a, b, c, swiglu_limit=1.0)  # noqa: E731
-        ks = triton_kernels(fn, *specs, *ws)
-        found[mode] = sum(k["ttir"].count("fma.rn.f16x2") for k in ks if "fma_fp4" in k["name"])
-    assert found["on"] == 0 and found["ptx"] > 0, found
+        ks = [k for k in triton_kernels(fn, *specs, *ws, target=target) if "fma_fp4" in k["name"]]
+        found[mode, target] = [sum(k["ttir"].count(op) for k in ks) for op in ("fma.rn.f16x2", "v_pk_fma_f16")]
+    assert found["on", "cuda"] == found["on", "rocm"] == [0, 0], found
+    assert found["ptx", "cuda"][0] > 0 and found["ptx", "cuda"][1] == 0, found
+    assert found["gcn", "rocm"][1] > 0 and found["gcn", "rocm"][0] == 0, found
 
 
-def test_ptx_refused_on_rocm(monkeypatch):
+@pytest.mark.parametrize("mode,version,ok", [("ptx", "rocm 7.0", False), ("gcn", "cuda 13000", False),
+                                             ("ptx", "cuda 13000", True), ("gcn", "rocm 7.0", True)])
+def test_asm_refused_on_the_other_vendor(mode, version, ok, monkeypatch):
     class Client:
-        platform_version = "rocm 7.0"
+        platform_version = version
 
     class Dev:
         client = Client()
 
     w1 = make(7, 1, jnp.float32)[3]
-    monkeypatch.setattr(fma, "F16ACC", fma._parse_f16acc("ptx"))
+    monkeypatch.setattr(fma, "F16ACC", fma._parse_f16acc(mode))
     monkeypatch.setattr(jax, "devices", lambda *a: [Dev()])
-    with pytest.raises(ValueError, match="DSV41_FMA_F16ACC=on"):
-        fma.f16acc_for(w1, 32)
+    if ok:
+        assert fma.f16acc_for(w1, 32) == mode
+    else:
+        with pytest.raises(ValueError, match=f"DSV41_FMA_F16ACC={mode} is inline.*DSV41_FMA_F16ACC=on"):
+            fma.f16acc_for(w1, 32)
     assert fma.f16acc_for(w1, 32, interpret=True) == "on"
     assert fma.f16acc_for(w1, 128) is False  # V4's activation blocks: the float32 route
 
 
 def test_flag_values_are_checked():
-    assert fma._parse_f16acc("") == {"on": False, "ptx": False}
-    assert fma._parse_f16acc(" PTX ") == {"on": True, "ptx": True}
-    with pytest.raises(ValueError, match="DSV41_FMA_F16ACC='fast'.*off, on, ptx"):
+    assert fma._parse_f16acc("") == {"on": False, "asm": None}
+    assert fma._parse_f16acc(" PTX ") == {"on": True, "asm": "ptx"}
+    assert fma._parse_f16acc("on") == {"on": True, "asm": None}
+    with pytest.raises(ValueError, match="DSV41_FMA_F16ACC='fast'.*off, on, ptx, gcn"):
         fma._parse_f16acc("fast")
     assert moe_benchmark.f16acc_modes("off,ptx") == ("off", "ptx")
     with pytest.raises(ValueError, match="--f16acc"):
