@@ -109,36 +109,47 @@ def strip_cache_policy(ttir: str) -> str:
     return re.sub(r" \{cachePolicy = #tt.cache_policy<[^>]*>\}", "", ttir)
 
 
-def compile_sass(ttir: str, num_warps: int, num_stages: int, arch: int = 90) -> str:
-    """Triton IR text -> ``nvdisasm -c`` text of its sm_``arch`` cubin (needs ``triton``)."""
+def _triton_compile(ttir: str, backend: str, arch, warp_size: int, num_warps: int, num_stages: int, d: str):
+    """Compile Triton IR text with the installed ``triton`` for ``backend`` ("cuda" / "hip") and
+    ``arch`` in directory ``d``; returns the compiled kernel (its ``asm`` and ``metadata``)."""
     ttir = strip_cache_policy(ttir)
     try:
         import triton
+        from triton._C.libtriton import ir
         from triton.backends.compiler import GPUTarget
     except ImportError as e:
         raise RuntimeError(TRITON_HINT) from e
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "kernel.ttir")
-        with open(path, "w") as f:
-            f.write(ttir)
-        target = GPUTarget("cuda", arch, 32)
-        options = dict(num_warps=num_warps, num_stages=num_stages)
-        # triton.compile starts an IR file after its own stage, so a .ttir source would skip make_ttir
-        # (inliner, canonicalizer, combine: e.g. acc + dot(a, b, 0) -> dot(a, b, acc)), which XLA's
-        # Triton pipeline does run on the device: run it here first.
-        from triton._C.libtriton import ir
-        from triton.backends.nvidia.compiler import CUDABackend
+    if backend == "cuda":
+        from triton.backends.nvidia.compiler import CUDABackend as Backend
+    else:
+        from triton.backends.amd.compiler import HIPBackend as Backend
+    path = os.path.join(d, "kernel.ttir")
+    with open(path, "w") as f:
+        f.write(ttir)
+    target = GPUTarget(backend, arch, warp_size)
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    # triton.compile starts an IR file after its own stage, so a .ttir source would skip make_ttir
+    # (inliner, canonicalizer, combine: e.g. acc + dot(a, b, 0) -> dot(a, b, acc)), which XLA's
+    # Triton pipeline does run on the device: run it here first.
+    be = Backend(target)
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    be.load_dialects(ctx)
+    mod = ir.parse_mlir_module(path, ctx)
+    mod.context = ctx  # as triton.compile does for an IR source
+    extra = (arch,) if backend == "cuda" else ()
+    mod = be.make_ttir(mod, {}, be.parse_options(options), *extra)
+    with open(path, "w") as f:
+        f.write(str(mod))
+    return triton.compile(path, target=target, options=options)
 
-        backend = CUDABackend(target)
-        ctx = ir.context()
-        ir.load_dialects(ctx)
-        backend.load_dialects(ctx)
-        mod = ir.parse_mlir_module(path, ctx)
-        mod.context = ctx  # as triton.compile does for an IR source
-        mod = backend.make_ttir(mod, {}, backend.parse_options(options), arch)
-        with open(path, "w") as f:
-            f.write(str(mod))
-        k = triton.compile(path, target=target, options=options)
+
+def compile_sass(ttir: str, num_warps: int, num_stages: int, arch: int = 90) -> str:
+    """Triton IR text -> ``nvdisasm -c`` text of its sm_``arch`` cubin (needs ``triton``)."""
+    with tempfile.TemporaryDirectory() as d:
+        k = _triton_compile(ttir, "cuda", arch, 32, num_warps, num_stages, d)
+        import triton
+
         cubin = os.path.join(d, "kernel.cubin")
         with open(cubin, "wb") as f:
             f.write(k.asm["cubin"])
@@ -154,31 +165,8 @@ def compile_amdgcn(ttir: str, num_warps: int, num_stages: int, arch: str = "gfx9
     """Triton IR text (lowered for ``rocm``) -> the AMDGCN assembly Triton's AMD backend makes for
     ``arch`` (MI350X: gfx950), offline (needs ``triton``; no ROCm install, no GPU): the MI350X
     counterpart of :func:`compile_sass`, for the target hardware no device here has."""
-    ttir = strip_cache_policy(ttir)
-    try:
-        import triton
-        from triton.backends.compiler import GPUTarget
-    except ImportError as e:
-        raise RuntimeError(TRITON_HINT) from e
     with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "kernel.ttir")
-        with open(path, "w") as f:
-            f.write(ttir)
-        target = GPUTarget("hip", arch, 64)
-        options = dict(num_warps=num_warps, num_stages=num_stages)
-        from triton._C.libtriton import ir
-        from triton.backends.amd.compiler import HIPBackend
-
-        backend = HIPBackend(target)
-        ctx = ir.context()
-        ir.load_dialects(ctx)
-        backend.load_dialects(ctx)
-        mod = ir.parse_mlir_module(path, ctx)
-        mod.context = ctx
-        mod = backend.make_ttir(mod, {}, backend.parse_options(options))  # as compile_sass: XLA runs make_ttir
-        with open(path, "w") as f:
-            f.write(str(mod))
-        return triton.compile(path, target=target, options=options).asm["amdgcn"]
+        return _triton_compile(ttir, "hip", arch, 64, num_warps, num_stages, d).asm["amdgcn"]
 
 
 _GCN_INSTR = re.compile(r"^\s+((?:[sv]|ds|buffer|global|flat|scratch)_[a-z0-9_]+)")
