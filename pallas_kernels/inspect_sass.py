@@ -82,25 +82,33 @@ def triton_kernels(fn, *specs, target: str = "cuda") -> list[dict]:
 _INSTR = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
 
 
-def loop_mix(sass: str) -> list[dict]:
-    """Instruction counts of every loop in ``nvdisasm -c`` output: the instructions from a label to
-    the branch back to it. One dict per loop: label, total, counts (opcode without modifiers -> n)."""
-    lines = sass.splitlines()
+def _loops(text: str, header: str, instr, op_group: int, back) -> list[dict]:
+    """Every loop of an assembly listing: from a line matching ``header`` (its group 1 the label) to
+    the instruction ``back(op, line, label)`` says branches back to it, counting the opcodes that
+    ``instr`` matches (group ``op_group``)."""
+    lines = text.splitlines()
     loops = []
     for i, line in enumerate(lines):
-        m = re.match(r"^(\.L_x_\d+):", line)
+        m = re.match(header, line)
         if not m:
             continue
         body = collections.Counter()
         for later in lines[i + 1:]:
-            ins = _INSTR.match(later)
+            ins = instr.match(later)
             if ins:
-                body[ins.group(2)] += 1
-                if ins.group(2) == "BRA" and f"({m.group(1)})" in later:
-                    if sum(body.values()) > 1:  # not the trailing self-branch after EXIT
+                op = ins.group(op_group)
+                body[op] += 1
+                if back(op, later, m.group(1)):
+                    if sum(body.values()) > 1:  # not a trailing self-branch
                         loops.append(dict(label=m.group(1), total=sum(body.values()), counts=dict(body)))
                     break
     return loops
+
+
+def loop_mix(sass: str) -> list[dict]:
+    """Instruction counts of every loop in ``nvdisasm -c`` output: the instructions from a label to
+    the branch back to it. One dict per loop: label, total, counts (opcode without modifiers -> n)."""
+    return _loops(sass, r"^(\.L_x_\d+):", _INSTR, 2, lambda op, line, label: op == "BRA" and f"({label})" in line)
 
 
 def strip_cache_policy(ttir: str) -> str:
@@ -175,22 +183,8 @@ _GCN_INSTR = re.compile(r"^\s+((?:[sv]|ds|buffer|global|flat|scratch)_[a-z0-9_]+
 def gcn_loop_mix(asm: str) -> list[dict]:
     """Instruction counts of every loop in AMDGCN assembly (:func:`compile_amdgcn`): from a label that
     LLVM marks as a loop header to the branch back to it. One dict per loop, as :func:`loop_mix`."""
-    lines = asm.splitlines()
-    loops = []
-    for i, line in enumerate(lines):
-        m = re.match(r"^(\.LBB\w+):.*Loop Header", line)
-        if not m:
-            continue
-        body = collections.Counter()
-        for later in lines[i + 1:]:
-            ins = _GCN_INSTR.match(later)
-            if ins:
-                body[ins.group(1)] += 1
-                if ins.group(1).startswith("s_cbranch") or ins.group(1) == "s_branch":
-                    if later.rstrip().endswith(m.group(1)):
-                        loops.append(dict(label=m.group(1), total=sum(body.values()), counts=dict(body)))
-                        break
-    return loops
+    return _loops(asm, r"^(\.LBB\w+):.*Loop Header", _GCN_INSTR, 1,
+                  lambda op, line, label: op.startswith(("s_cbranch", "s_branch")) and line.rstrip().endswith(label))
 
 
 def gcn_resources(asm: str) -> dict:
