@@ -480,6 +480,8 @@ def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, 
     step's x groups are loaded once for both tiles. With ``splits > 1`` (grid axis 2) a program
     runs ``steps`` of the K steps of its split and stores the fp32 gate / up sums to
     ``[splits, 2, rows, I]``; :mod:`gate_up_finish` then adds the splits and applies the activation.
+    ``f16`` (an :func:`fma.f16acc_for` mode, default False): x is the float16 view and each word's
+    products are summed in float16 (``fma.F16ACC``, opt-in).
 
     The activation fake-quant stays an XLA op before the kernel even with
     ``DSV41_FMA_ACT_QUANT=kernel``: done here (``fma.quant_phases``) it took the sm_90 loop from 596
@@ -528,7 +530,7 @@ def _down_fma_kernel(be_ref, pair_ref, *refs, fmt, bt, bd, kg, steps, g, splits=
     """Kernel B on the vector units: the block's ``bt`` h rows share each decoded w2 tile. With
     ``splits > 1`` (grid axis 2) a program runs ``steps`` of the K steps of its split and stores its
     fp32 sums to ``y[split]`` (:func:`_slots_out`: added in order and rounded by XLA, or with
-    ``defer`` by the mHC expansion kernel)."""
+    ``defer`` by the mHC expansion kernel). ``f16``: as kernel A's (h in the float16 view)."""
     h_refs = refs[:-3]
     w2_ref, s2_ref, y_ref = refs[-3:]
     b = pl.program_id(0)
