@@ -174,7 +174,12 @@ def compile_amdgcn(ttir: str, num_warps: int, num_stages: int, arch: str = "gfx9
     ``arch`` (MI350X: gfx950), offline (needs ``triton``; no ROCm install, no GPU): the MI350X
     counterpart of :func:`compile_sass`, for the target hardware no device here has."""
     with tempfile.TemporaryDirectory() as d:
-        return _triton_compile(ttir, "hip", arch, 64, num_warps, num_stages, d).asm["amdgcn"]
+        k = _triton_compile(ttir, "hip", arch, 64, num_warps, num_stages, d)
+        # Triton allocates its shared memory (LDS) at launch: the assembly's own LDS field is 0
+        return f"{GCN_RESOURCES} lds={int(k.metadata.shared)}\n" + k.asm["amdgcn"]
+
+
+GCN_RESOURCES = "; dsv41 resources:"
 
 
 _GCN_INSTR = re.compile(r"^\s+((?:[sv]|ds|buffer|global|flat|scratch)_[a-z0-9_]+)")
@@ -188,13 +193,15 @@ def gcn_loop_mix(asm: str) -> list[dict]:
 
 
 def gcn_resources(asm: str) -> dict:
-    """VGPRs / AGPRs / scratch bytes per thread (work-item) and LDS bytes per program, as the AMDGPU
-    backend reports them in the assembly's comments (-1 where absent)."""
+    """VGPRs / AGPRs / scratch bytes per thread (work-item), as the AMDGPU backend reports them in the
+    assembly's comments, and LDS bytes per program from :func:`compile_amdgcn`'s first line (Triton's
+    launch-time allocation); -1 where absent."""
     def field(name):
         m = re.search(rf";\s*{name}:\s*(\d+)", asm)
         return int(m.group(1)) if m else -1
+    lds = re.match(re.escape(GCN_RESOURCES) + r" lds=(\d+)", asm)
     return {"vgprs": field("NumVgprs"), "agprs": field("NumAgprs"), "scratch": field("ScratchSize"),
-            "lds": field("LDSByteSize"), "occupancy": field("Occupancy")}
+            "lds": int(lds.group(1)) if lds else -1, "occupancy": field("Occupancy")}
 
 
 RESOURCES = "// dsv41 resources:"

@@ -80,6 +80,7 @@ def test_gcn_loop_mix_counts_the_loop_body():
                             "s_add_i32": 1, "s_cmp_lg_u32": 1, "s_cbranch_scc1": 1}
     r = inspect_sass.gcn_resources(GCN)
     assert (r["vgprs"], r["agprs"], r["scratch"], r["occupancy"], r["lds"]) == (81, 0, 0, 5, -1)
+    assert inspect_sass.gcn_resources(f"{inspect_sass.GCN_RESOURCES} lds=16384\n" + GCN)["lds"] == 16384
 
 
 @pytest.mark.parametrize("compile_fn", ["compile_sass", "compile_amdgcn"])
