@@ -168,8 +168,8 @@ if FILL_SMS not in ("on", "off"):
     raise ValueError(f"DSV41_FMA_FILL_SMS={FILL_SMS!r}: expected on or off")
 
 
-# The fused MoE's MXFP4 products in float16 (read at trace time; DSV41_FMA_F16ACC, "on" / "off";
-# default "off"). "on": the activation (x before the gate/up kernel, h before the down kernel) goes
+# The fused MoE's MXFP4 products in float16 (read at trace time; DSV41_FMA_F16ACC, "off" (the
+# default), "on", "ptx" or "gcn"). "on": the activation (x before the gate/up kernel, h before the down kernel) goes
 # in as float16 ``q * 2**7`` (q its e4m3 value, exact: |q * 2**7| <= 57,344) with its block scale
 # ``2**(e - 7)`` beside it as a float32 array [M, K/32] (:func:`quant_phases` with ``f16``), and each
 # word's four placed f16 pairs (``e2m1 * 2**-14``, :func:`fp4_word_pairs_f16`) are multiplied by it
@@ -578,7 +578,9 @@ def fp8_tile_partial(raw, sraw, xs):
 def fp4_tile_partial(raw, sraw, xs, route=None, asm=None):
     """MXFP4 tile: packed bytes [bn, kg, 16] (or words [bn, kg, 4], routes "f16w" / "f16pairs") with
     scale bytes [bn, kg]; ``xs`` each activation row's phases (:func:`act_view`). Returns the scaled
-    partial sums [bn, kg] per row. ``route``: :func:`fp4_route` of the weight (None: FMA_DECODE's)."""
+    partial sums [bn, kg] per row. ``route``: :func:`fp4_route` of the weight (None: FMA_DECODE's).
+    Rows in the float16 view of :data:`F16ACC` (5 entries: 4 phase-pair words and the block scales;
+    the float32 views have 8 or 2) take the float16 products (:func:`f16x2_dot4`, ``asm`` its form)."""
     route = route or FMA_DECODE["fp4"]
     if route in ("f16w", "f16pairs") and xs and len(xs[0]) == 5:  # the float16 view (F16ACC)
         words = fp4_placed_words(raw, "f16pairs" if route == "f16pairs" else "nibbles")
