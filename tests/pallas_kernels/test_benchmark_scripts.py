@@ -89,6 +89,14 @@ def test_moe_fma_sweep_runs_in_interpret_mode(monkeypatch):
     downs = sorted((r["config"][5], bm.pallas_triton.fma_down_splits(r["config"])) for r in rows if r["config"][0] == "fma")
     assert downs == [(1, 1), (1, 2), (1, 3), (1, 6), (2, 1), (2, 3)] and all(r["ok"] for r in rows), \
         [(r["config"], r["rel_err"]) for r in rows]
+    # --f16acc: the fma configs in the float16-product mode (fma.F16ACC, opt-in), recorded as such and
+    # within the sweep's tolerance of the reference; the tensor-core row has no mode
+    monkeypatch.setattr(bm, "I", 64)
+    rows = bm.fma_sweep((1,), default_only=True, f16acc=("on",))
+    fma16 = [r for r in rows if r["config"][0] == "fma"]
+    assert fma16 and {r["f16acc"] for r in fma16} == {"on"} and all(r["ok"] for r in rows), \
+        [(r["config"], r["f16acc"], r["rel_err"]) for r in rows]
+    assert all(r["f16acc"] is None for r in rows if r["config"][0] != "fma")
     # V4's activation blocks of 128 (--v4-flash): the reference and every kernel config take them
     monkeypatch.setattr(bm, "I", 128)
     rows = bm.fma_sweep((1,), default_only=True, act_block=128)
