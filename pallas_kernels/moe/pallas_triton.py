@@ -756,10 +756,13 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
     # "pallas": one Pallas launch per act-quant instead of two XLA ones (fma.moe_act_quant_site)
     prologue = fma.moe_act_quant_site(w1, act_block) == "pallas"
     f16 = fma.f16acc_for(w1, act_block, interpret)  # the float16-product route (fma.F16ACC): False, "on", "ptx", "gcn"
-    if f16:
-        xs = fma.act_quant_view(x, w1, interpret=interpret, f16=True) if prologue else fma.act_view16(x, w1)
-    else:
-        xs = fma.act_quant_view(x, w1, interpret=interpret) if prologue else fma.act_view(act_quant(x, act_block), w1)
+
+    def view(a):  # an activation (x, or h unsplit) as the kernels read it
+        if prologue:
+            return fma.act_quant_view(a, w1, interpret=interpret, f16=bool(f16))
+        return fma.act_view16(a, w1) if f16 else fma.act_view(act_quant(a, act_block), w1)
+
+    xs = view(x)
     (d1, s1), (d2, s2), (d3, s3) = (fma.weight_view(w) for w in (w1, w2, w3))
     params = pltriton.CompilerParams(num_warps=warps, num_stages=stages)
     a_params = pltriton.CompilerParams(num_warps=fma_gate_up_warps(cfg), num_stages=stages)
@@ -781,10 +784,8 @@ def _moe_fma(x, weights, indices, w1, w2, w3, *, limit, act_block, interpret, cf
     if splits > 1 and prologue:  # the split's finish is the down kernel's act-quant prologue
         hs = finish_act_quant_view(h, block_weight, w1, x_dtype=x.dtype, limit=limit, interpret=interpret,
                                    f16=bool(f16))
-    elif f16:
-        hs = fma.act_quant_view(h, w1, interpret=interpret, f16=True) if prologue else fma.act_view16(h, w1)
     else:
-        hs = fma.act_quant_view(h, w1, interpret=interpret) if prologue else fma.act_view(act_quant(h, act_block), w1)
+        hs = view(h)
     dsplits = fma_down_splits(cfg)
     y = pl.pallas_call(
         functools.partial(_down_fma_kernel, fmt=fmt, bt=bt, bd=bd, kg=kg_b, steps=i_dim // g // kg_b // dsplits, g=g,

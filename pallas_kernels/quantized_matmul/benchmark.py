@@ -57,6 +57,8 @@ PREFILL_M = 4096
 def projection_names() -> list:
     """The names of :data:`PROJECTIONS`, which ``--pair``, ``--names`` and ``--read-ceiling`` accept."""
     return [name for name, _, _ in PROJECTIONS]
+
+
 PREFILL = ["wq_b", "wo_b", "shared_w2"]
 
 

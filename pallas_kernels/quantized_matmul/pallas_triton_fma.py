@@ -277,8 +277,13 @@ def use_decode_route(via):
         FMA_DECODE.update(saved)
 
 
+def _half(t):
+    """The low 16 bits of integer ``t`` as float16."""
+    return jax.lax.bitcast_convert_type(t.astype(jnp.uint16), jnp.float16)
+
+
 def _f16_bits_to_f32(t):
-    return jax.lax.bitcast_convert_type(t.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+    return _half(t).astype(jnp.float32)
 
 
 def _e4m3_bits_to_f32(t):
@@ -452,11 +457,8 @@ def act_view16(x2, w):
     :data:`F16ACC` -- phases j and j + 4 of ``q * 2**7`` (float16) as the low / high halves of 4
     uint32 arrays [M, K/32, 4], and the block scales [M, K/32] (float32 ``2**(e - 7)``); the same
     values as :func:`act_quant_view` with ``f16``."""
-    m, k = x2.shape
-    nph, per = _phase_layout(w)
-    xr = exact_f32(x2).reshape(m, k // (nph * per), per, nph)
-    *q, scale = quant_phases([xr[..., j] for j in range(nph)], f16=True)
-    return tuple(f16_pair_word(q[j], q[j + 4]) for j in range(nph // 2)) + (scale[..., 0],)
+    *q, scale = quant_phases(list(act_view(x2, w)), f16=True)  # act_view: the raw 8 phases, widened exactly
+    return tuple(f16_pair_word(q[j], q[j + 4]) for j in range(len(q) // 2)) + (scale[..., 0],)
 
 
 def f16_pair_word(lo, hi):
@@ -489,18 +491,20 @@ def fp4_word_pairs_f32(w, packing: str = "nibbles"):
     into the f16 halves of a word (sign to bit 15 / 31, magnitude to bits 11..9 / 27..25).
     ``packing`` "nibbles": code j in nibble j (15 integer ops per word); "f16pairs"
     (:func:`~dsv41_jax.quant.codecs.repack_f16pairs`): 11 per word."""
-    at = zip(*FP4_WORD_BITS[packing])
-    return [(_f16_bits_to_f32(t), _f16_bits_to_f32(t >> 16)) for t in (_f16_pair_bits(w, s, m) for s, m in at)]
+    return [(_f16_bits_to_f32(t), _f16_bits_to_f32(t >> 16)) for t in _placed(w, packing)]
+
+
+def _placed(w, packing: str):
+    """The four placed words of ``w``, one at a time (a generator: the pair readers convert each word
+    right after placing it, the program order the kernels were tuned with)."""
+    return (_f16_pair_bits(w, s, m) for s, m in zip(*FP4_WORD_BITS[packing]))
 
 
 def fp4_placed_words(w, packing: str = "nibbles"):
-    """uint32 words of eight e2m1 codes -> the four placed words of :func:`fp4_word_pairs_f16`
-    (each an f16x2: element j low, element j + 4 high, ``e2m1 * 2**-14``), still as uint32."""
-    return [_f16_pair_bits(w, s, m) for s, m in zip(*FP4_WORD_BITS[packing])]
-
-
-def _half(t):
-    return jax.lax.bitcast_convert_type(t.astype(jnp.uint16), jnp.float16)
+    """uint32 words of eight e2m1 codes -> the four placed words (each an f16x2: element j low,
+    element j + 4 high, ``e2m1 * 2**-14``), still as uint32: what :func:`fp4_word_pairs_f32` and
+    :func:`fp4_word_pairs_f16` read their halves from."""
+    return list(_placed(w, packing))
 
 
 def f16x2_dot4(words, xwords, asm: str | None = None):
@@ -536,12 +540,7 @@ def fp4_word_pairs_f16(w, packing: str = "nibbles"):
     """:func:`fp4_word_pairs_f32` without the conversion to float32: the four (element j, element
     j + 4) pairs as float16 ``e2m1 * 2**-14`` (the low / high halves of each placed word; code +-1 is
     an f16 subnormal, which f16 arithmetic and the tensor cores keep)."""
-    at = zip(*FP4_WORD_BITS[packing])
-
-    def half(t):
-        return jax.lax.bitcast_convert_type(t.astype(jnp.uint16), jnp.float16)
-
-    return [(half(t), half(t >> 16)) for t in (_f16_pair_bits(w, s, m) for s, m in at)]
+    return [(_half(t), _half(t >> 16)) for t in _placed(w, packing)]
 
 
 def fp8_word_pairs_f32(w):
