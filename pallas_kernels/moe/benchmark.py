@@ -219,6 +219,18 @@ def fma_configs(w1, n, wide: bool = False):
     return out
 
 
+def int_tuples(text: str, flag: str) -> list[tuple]:
+    """``"a,b,c;d,e,f"`` -> [(a, b, c), (d, e, f)]; a ValueError naming ``flag`` and the bad entry."""
+    out = []
+    for c in (text or "").split(";"):
+        if c.strip():
+            try:
+                out.append(tuple(int(v) for v in c.split(",")))
+            except ValueError:
+                raise ValueError(f"{flag}: {c.strip()!r} is not a comma-separated list of integers") from None
+    return out
+
+
 def f16acc_modes(text) -> tuple:
     """``--f16acc`` -> the modes (None: the current one); a ValueError naming an unknown mode."""
     from pallas_kernels.quantized_matmul import pallas_triton_fma
@@ -234,7 +246,7 @@ def f16acc_modes(text) -> tuple:
 
 def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = False, experts: int | None = None,
               mma_routes=None, act_block: int = 32, packings=("nibbles",), tc_only: bool = False,
-              tc_configs=(), f16acc=(None,)):
+              tc_configs=(), f16acc=(None,), fma_extra=()):
     """Tensor-core kernels (default config) vs the vector-unit ("fma") kernels at decode sizes, MXFP4
     experts at the V4.1 shape; every config checked against the reference (rel err, share of
     elements off by > 1%) before it is timed (device time from the profiler, :func:`device_time_op`:
@@ -251,7 +263,10 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
     packings to run every config with, on the same codes (:data:`dsv41_jax.quant.FP4_PACKINGS`; the
     tensor-core config of "f16pairs" is its word-route tiling); ``f16acc``: the fma configs once per
     float16-product mode (``pallas_triton_fma.F16ACC``: "off", "on", "ptx", "gcn"; None: the current one),
-    side by side in this process."""
+    side by side in this process; ``fma_extra``: more fma configs (full tuples after "fma", as
+    :func:`pallas_triton.default_fma_config` writes them, split entries included) timed at every size
+    beside the others, each refused with :func:`pallas_triton.fma_reason`'s words where it does not fit
+    (logged, not timed)."""
     from pallas_kernels.quantized_matmul import pallas_triton_fma
 
     vias = pallas_triton_fma.checked_routes(vias)
@@ -283,6 +298,13 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
         auto = pallas_triton.default_fma_config(w1, pallas_triton.rows_per_expert(n * TOPK, experts), routing_shape=(n, TOPK),
                                                 act_block=act_block)
         fmas += [auto] if auto not in fmas else []
+        for c in fma_extra:
+            c = ("fma",) + tuple(c)
+            reason = pallas_triton.fma_reason(w1, c)
+            if reason is not None:
+                log(f"  n={n} cfg={c} refused: {reason}")
+            elif c not in fmas:
+                fmas.append(c)
         # the down kernel's K splits around the dispatch's choice (session 31: 3 at one and two tokens):
         # every split that divides its K steps, with the dispatch's K step and with half of it
         same = {pallas_triton.with_down_splits(c, pallas_triton.fma_down_splits(c)) for c in fmas}
@@ -599,6 +621,8 @@ def main(argv=None):
     ap.add_argument("--default-only", action="store_true", help="with --fma: only the default fma config")
     ap.add_argument("--f16acc", default=None, help="with --fma: float16-product modes to time the fma configs with, "
                     "side by side (comma-separated from off,on,ptx,gcn; pallas_triton_fma.F16ACC; default: the current one)")
+    ap.add_argument("--fma-configs", default="", help="with --fma: more fma configs timed at every size, "
+                    "bt,bi,kg_a,bd,kg_b,warps,stages[,splits,gate/up warps[,down splits]] separated by ;")
     ap.add_argument("--tc-only", action="store_true", help="with --fma: only the tensor-core kernels (each --mma-fp4 route)")
     ap.add_argument("--tc-configs", default="", help="with --fma: more tensor-core tilings timed with each route, "
                     "bt,bi,bk_a,bd,bk_b,warps[,stages[,swap]] separated by ;")
@@ -631,11 +655,19 @@ def main(argv=None):
         if a.v4_flash:
             globals().update(zip(("E", "I", "D"), V4_SHAPE))
         sizes = tuple(int(v) for v in a.sizes.split(",")) if a.sizes else (1,) if a.quick else (1, 8)
+        try:
+            tcs, extra = int_tuples(a.tc_configs, "--tc-configs"), int_tuples(a.fma_configs, "--fma-configs")
+        except ValueError as e:
+            ap.error(str(e))
+        bad = [c for c in extra if not 7 <= len(c) <= 10]
+        if bad:
+            ap.error(f"--fma-configs: {bad[0]} has {len(bad[0])} entries; expected 7 to 10 "
+                     "(bt,bi,kg_a,bd,kg_b,warps,stages[,splits,gate/up warps[,down splits]])")
         rows = fma_sweep(sizes, wide=a.wide, vias=a.vias and a.vias.split(","), default_only=a.default_only,
                          experts=a.experts, mma_routes=a.mma_fp4 and a.mma_fp4.split(","),
                          act_block=128 if a.v4_flash else 32, packings=packings, tc_only=a.tc_only,
-                         tc_configs=[tuple(int(v) for v in c.split(",")) for c in a.tc_configs.split(";") if c.strip()],
-                         f16acc=f16acc_modes(a.f16acc))
+                         tc_configs=tcs,
+                         f16acc=f16acc_modes(a.f16acc), fma_extra=extra)
         write_rows(a.out, "moe_fma.json", rows)
         return 0
     run(quick=a.quick, out_dir=a.out, tune=a.tune)

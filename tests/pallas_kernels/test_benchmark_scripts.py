@@ -91,11 +91,15 @@ def test_moe_fma_sweep_runs_in_interpret_mode(monkeypatch):
         [(r["config"], r["rel_err"]) for r in rows]
     # --f16acc: the fma configs in the float16-product mode (fma.F16ACC, opt-in), recorded as such and
     # within the sweep's tolerance of the reference; the tensor-core row has no mode
+    # (with --fma-configs: one more config, 2 warps for both kernels, timed and checked in the mode; one
+    # whose gate/up split does not divide its K steps refused, not timed)
     monkeypatch.setattr(bm, "I", 64)
-    rows = bm.fma_sweep((1,), default_only=True, f16acc=("on",))
+    extra = (1, 16, 8, 16, 2, 2, 3, 1, 2)
+    rows = bm.fma_sweep((1,), default_only=True, f16acc=("on",), fma_extra=[extra, (1, 16, 8, 16, 2, 4, 3, 3)])
     fma16 = [r for r in rows if r["config"][0] == "fma"]
     assert fma16 and {r["f16acc"] for r in fma16} == {"on"} and all(r["ok"] for r in rows), \
         [(r["config"], r["f16acc"], r["rel_err"]) for r in rows]
+    assert ("fma",) + extra in [r["config"] for r in fma16] and all(len(r["config"]) != 9 or r["config"][8] != 3 for r in rows)
     assert all(r["f16acc"] is None for r in rows if r["config"][0] != "fma")
     # V4's activation blocks of 128 (--v4-flash): the reference and every kernel config take them
     monkeypatch.setattr(bm, "I", 128)
@@ -134,6 +138,20 @@ def test_moe_fma_sweep_runs_in_interpret_mode(monkeypatch):
     assert len(fit) == 3 and [m for m, _ in tc] == ["bytes"] * 4 + ["f16w"] * 4, tc
     assert [r["config"][1] for r in rows if r["config"][0] == "fma"] == [1, 4, 4, 4] and {r["experts"] for r in rows} == {2}
     assert all(r["ok"] for r in rows) and bm.pallas_triton.MMA_FP4["route"] == route
+
+
+def test_moe_fma_config_flags_are_checked(capsys):
+    """``--fma-configs`` / ``--tc-configs``: a non-integer entry or a config of the wrong length is a
+    usage error naming the flag, before anything is built."""
+    import pallas_kernels.moe.benchmark as bm
+
+    assert bm.int_tuples(" 1,16,8 ; 2,3 ;", "--x") == [(1, 16, 8), (2, 3)]
+    for argv, words in ((["--fma", "--fma-configs", "1,16,x,64,8,4,3"], "--fma-configs: '1,16,x,64,8,4,3' is not"),
+                        (["--fma", "--fma-configs", "1,16,8,64,8,4"], "has 6 entries; expected 7 to 10"),
+                        (["--fma", "--tc-configs", "16,64;a"], "--tc-configs: 'a' is not")):
+        with pytest.raises(SystemExit):
+            bm.main(argv)
+        assert words in capsys.readouterr().err
 
 
 def test_qmm_fma_sweep_runs_in_interpret_mode(monkeypatch):

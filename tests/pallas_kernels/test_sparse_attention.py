@@ -777,13 +777,19 @@ def test_two_pass_key_splits(split):
 
 def test_two_pass_key_split_choice():
     """``split=None``: the fewest blocks per program that reach ``pv_programs`` programs, spread
-    evenly; an explicit split is kept (cut to the list); the gathering form refuses several splits."""
+    evenly, or an even split of at least half as many splits where that count would pad the last
+    split; an explicit split is kept (cut to the list); the gathering form refuses several splits."""
     cfg = dict(pallas_triton_two_pass.DEFAULTS)
     ks = pallas_triton_two_pass.key_splits
     assert cfg["pv_programs"] == 512
     assert ks(1, 4, 8, 10, cfg) == 1  # batch 1, V4.1's 640 keys: 32 programs x 10 splits
     assert ks(8, 4, 8, 10, cfg) == 5  # batch 8: 256 programs x 2 splits
-    assert ks(6, 4, 8, 10, cfg) == 4  # 6 verify rows: 192 programs x 3 splits (the last padded)
+    # 6 verify rows (192 programs): 3 splits would take 4, 4 and 2 blocks padded to 4 (12 blocks of
+    # work); 2 even splits of 5 instead. Batch 4 likewise (4 splits of 3 -> 2 of 5).
+    assert ks(6, 4, 8, 10, cfg) == 5 and ks(4, 4, 8, 10, cfg) == 5
+    assert ks(3, 4, 8, 10, cfg) == 2  # 96 programs: 5 even splits of 2, the ceil rule's own
+    # no divisor of 7 blocks within half of 4 splits: the ceil rule's 4 splits of 2, the last padded
+    assert ks(4, 4, 8, 7, cfg) == 2
     assert ks(1, 4, 8, 10, {**cfg, "pv_programs": 256}) == 2 and ks(8, 4, 8, 10, {**cfg, "pv_programs": 256}) == 10
     assert ks(1, 4, 8, 3, cfg) == 1  # a window-sized list
     assert ks(1, 4, 8, 10, {**cfg, "split": 4}) == 4 and ks(1, 4, 8, 3, {**cfg, "split": 4}) == 3
