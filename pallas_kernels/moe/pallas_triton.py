@@ -510,8 +510,8 @@ def _gate_up_fma_kernel(be_ref, tok_ref, wt_ref, *refs, fmt, bt, bi, kg, steps, 
             gs, us = carry
             g0 = pl.multiple_of((i + step0) * kg, kg)
             xs = fma.load_x(x_refs, toks, g0, kg, f16=bool(f16))
-            pg = fma.partials(fmt, tiles[0], xs, route, asm=fma.f16acc_asm(f16))
-            pu = fma.partials(fmt, tiles[1], xs, route, asm=fma.f16acc_asm(f16))
+            pg = fma.partials(fmt, tiles[0], xs, route, f16)
+            pu = fma.partials(fmt, tiles[1], xs, route, f16)
             return tuple(a + p for a, p in zip(gs, pg)), tuple(a + p for a, p in zip(us, pu))
 
         z = tuple(jnp.zeros((bi, kg), jnp.float32) for _ in range(bt))

@@ -574,14 +574,18 @@ def fp8_tile_partial(raw, sraw, xs):
     return [jnp.sum(w * x[0][None], axis=2) * sf for x in xs]
 
 
-def fp4_tile_partial(raw, sraw, xs, route=None, asm=None):
+def fp4_tile_partial(raw, sraw, xs, route=None, asm=None, f16=False):
     """MXFP4 tile: packed bytes [bn, kg, 16] (or words [bn, kg, 4], routes "f16w" / "f16pairs") with
     scale bytes [bn, kg]; ``xs`` each activation row's phases (:func:`act_view`). Returns the scaled
     partial sums [bn, kg] per row. ``route``: :func:`fp4_route` of the weight (None: FMA_DECODE's).
-    Rows in the float16 view of :data:`F16ACC` (5 entries: 4 phase-pair words and the block scales;
-    the float32 views have 8 or 2) take the float16 products (:func:`f16x2_dot4`, ``asm`` its form)."""
+    With ``f16`` the rows are the float16 view of :data:`F16ACC` (:func:`load_x`: 4 phase-pair words
+    and the block scales) and take the float16 products (:func:`f16x2_dot4`, ``asm`` its form); a
+    word route is required (the caller's :func:`f16acc_for` checks it)."""
     route = route or FMA_DECODE["fp4"]
-    if route in ("f16w", "f16pairs") and xs and len(xs[0]) == 5:  # the float16 view (F16ACC)
+    if f16:
+        if route not in ("f16w", "f16pairs") or any(len(x) != 5 for x in xs):
+            raise ValueError(f"the float16 products take a word route (f16w / f16pairs) and rows of 4 words + scales; "
+                             f"got route {route!r} and rows of {sorted({len(x) for x in xs})} entries")
         words = fp4_placed_words(raw, "f16pairs" if route == "f16pairs" else "nibbles")
         sf = e8m0_f32(sraw, 14)
         return [jnp.sum(f16x2_dot4(words, x[:4], asm), axis=2) * (sf * x[4][None]) for x in xs]
@@ -628,11 +632,16 @@ def load_x(x_refs, rows, g0, kg, quant=False, f16=False):
     return [quant_phases(x) for x in xs] if quant else xs
 
 
-def partials(fmt, tile, xs, route=None, asm=None):
+def partials(fmt, tile, xs, route=None, f16=False):
     """The scaled partial sums [bn, kg] of one loaded tile against each row's phases ``xs``;
-    ``route``: an MXFP4 weight's :func:`fp4_route` (None: FMA_DECODE's); ``asm``: with the float16
-    view (:data:`F16ACC`), its inline-assembly form ("ptx" / "gcn"; None: portable)."""
-    return fp8_tile_partial(*tile, xs) if fmt == "fp8" else fp4_tile_partial(*tile, xs, route, asm)
+    ``route``: an MXFP4 weight's :func:`fp4_route` (None: FMA_DECODE's); ``f16``: an
+    :func:`f16acc_for` mode, the rows then being the float16 view (:data:`F16ACC`, MXFP4 only)
+    multiplied in its form (:func:`f16acc_asm`: "ptx" / "gcn" inline assembly, else portable)."""
+    if fmt == "fp8":
+        if f16:
+            raise ValueError("the float16 products (DSV41_FMA_F16ACC) take MXFP4 weights only")
+        return fp8_tile_partial(*tile, xs)
+    return fp4_tile_partial(*tile, xs, route, f16acc_asm(f16), bool(f16))
 
 
 def tile_partials(fmt, tile, x_refs, rows, g0, kg, quant=False, route=None, f16=False):
@@ -641,7 +650,7 @@ def tile_partials(fmt, tile, x_refs, rows, g0, kg, quant=False, route=None, f16=
     of :func:`act_view`; K groups [g0, g0+kg)); the decoded tile is shared by all rows. The kernels
     add them up over the K steps and sum over the kg groups once, after the loop: a sum over kg
     inside the loop is a reduction across warps (shared memory and barriers) every step."""
-    return partials(fmt, tile, load_x(x_refs, rows, g0, kg, quant, bool(f16)), route, asm=f16acc_asm(f16))
+    return partials(fmt, tile, load_x(x_refs, rows, g0, kg, quant, bool(f16)), route, f16)
 
 
 def f16acc_asm(mode):

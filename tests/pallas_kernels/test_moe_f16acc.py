@@ -134,9 +134,13 @@ def test_word_arithmetic_matches_a_float16_emulation():
 
 # Tolerance of the route: products exact, each word's two chains of four rounded to float16 (11
 # bits), so h moves by ~1e-4 relative and some of its FP8 roundings flip (one e4m3 step of one h
-# entry), which the down projection spreads over the output row: max error <= 1e-2 of max|y|, at most
-# 2 % of the elements off by more than 1 % of max|y| (CPU probe, session 50: 2.1e-3 .. 3.1e-3 and up
-# to 0 %; the H100 benchmark at the real shapes: 3.4e-3 at 1 token, 6.5e-3 at 8).
+# entry), which the down projection spreads over the whole output row (at I = 64 one flip is a
+# large share of a row): max error <= 3e-2 of max|y| and mean error <= 1e-2. Session 51's CPU probe
+# over 180 draws of these cases (seeds 0-59): max error 1.0e-4 .. 1.76e-2 (4 draws above session 50's
+# 1e-2 bound, which this test then failed on now and then), mean error at most 4.1e-3 (one token,
+# where one flip moves 9 % of the row's elements by over 1 %, so no per-element share is asserted);
+# the H100 benchmark at the real shapes: 3.4e-3 at 1 token, 6.5e-3 at 8. A wrong scale or pairing
+# is off by O(max|y|).
 @pytest.mark.parametrize("n,dtype,packing", [(1, jnp.bfloat16, "f16pairs"), (2, jnp.float32, "f16pairs"),
                                              (9, jnp.bfloat16, "f16pairs"), (1, jnp.float32, "nibbles")])
 def test_moe_f16acc_within_tolerance_of_the_reference(n, dtype, packing, monkeypatch):
@@ -149,8 +153,7 @@ def test_moe_f16acc_within_tolerance_of_the_reference(n, dtype, packing, monkeyp
     yr = np.asarray(_reference(x, wts, idx, *ws, swiglu_limit=1.0), np.float64)
     scale = float(np.max(np.abs(yr)))
     assert np.all(np.isfinite(y)) and np.std(y) > 0
-    assert np.max(np.abs(y - yr)) <= 1e-2 * scale
-    assert np.mean(np.abs(y - yr) > 1e-2 * scale) <= 0.02
+    assert np.max(np.abs(y - yr)) <= 3e-2 * scale and np.mean(np.abs(y - yr)) <= 1e-2 * scale
     # the assembly modes in interpret mode run their portable twin: the same values
     for mode in ("ptx", "gcn"):
         monkeypatch.setattr(fma, "F16ACC", fma._parse_f16acc(mode))
@@ -249,3 +252,16 @@ def test_flag_values_are_checked():
     assert moe_benchmark.f16acc_modes("off,ptx") == ("off", "ptx")
     with pytest.raises(ValueError, match="--f16acc"):
         moe_benchmark.f16acc_modes("off,half")
+
+
+def test_float16_rows_are_named_not_inferred():
+    """The tile arithmetic takes the float16 view because the caller says so (``f16``), not from its
+    rows' entry count; FP8 tiles, non-word MXFP4 routes and rows that are not the view refuse it by
+    name. (The default route's Triton IR is the same as before the flag, checked at the change.)"""
+    rows = [[jnp.zeros((2, 4), jnp.uint32)] * 4 + [jnp.ones((2,), jnp.float32)]]
+    with pytest.raises(ValueError, match="MXFP4 weights only"):
+        fma.partials("fp8", (None, None), rows, f16="on")
+    with pytest.raises(ValueError, match="word route .* got route 'e4m3'"):
+        fma.partials("fp4", (None, None), rows, route="e4m3", f16="ptx")
+    with pytest.raises(ValueError, match=r"rows of \[8\] entries"):
+        fma.partials("fp4", (None, None), [[None] * 8], route="f16pairs", f16="on")
