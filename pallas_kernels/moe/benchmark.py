@@ -332,8 +332,7 @@ def fma_sweep(sizes=(1, 8), wide: bool = False, vias=None, default_only: bool = 
                         x, w, idx, a, b, c, swiglu_limit=LIMIT, config=cfg, act_block=act_block)
                     with (pallas_triton_fma.use_decode_route(via), pallas_triton.use_mma_fp4(mroute),
                           pallas_triton_fma.use_f16acc(mode)):  # traced here
-                        mode = mode or (pallas_triton_fma.F16ACC["asm"] or
-                                        ("on" if pallas_triton_fma.F16ACC["on"] else "off"))
+                        mode = mode or pallas_triton_fma.F16ACC["mode"]
                         y = jax.jit(f)(*args[0], *ws)
                         t = device_time_op(f, args, ws, reps=5)
                         read = None if cfg[0] == "fma" else pallas_triton.fp4_read_for(

@@ -189,10 +189,11 @@ F16ACC_ASM = {"ptx": ("mul.rn.f16x2 $0, $1, $2;", "fma.rn.f16x2 $0, $1, $2, $3;"
 
 
 def _parse_f16acc(text: str) -> dict:
+    """``DSV41_FMA_F16ACC`` -> ``{"mode": one of F16ACC_MODES}``; a ValueError naming the flag."""
     v = (text.strip() or "off").lower()
     if v not in F16ACC_MODES:
         raise ValueError(f"DSV41_FMA_F16ACC={text!r}: expected one of {', '.join(F16ACC_MODES)}")
-    return {"on": v != "off", "asm": v if v in F16ACC_ASM else None}
+    return {"mode": v}
 
 
 # "ptx" / "gcn": the same arithmetic with each word's f16x2 multiply-adds written as inline assembly
@@ -211,7 +212,7 @@ def use_f16acc(on):
     as it is); restored after it, also on errors."""
     saved = dict(F16ACC)
     if on is not None:
-        F16ACC.update(_parse_f16acc(on) if isinstance(on, str) else {"on": bool(on), "asm": None})
+        F16ACC.update(_parse_f16acc(on if isinstance(on, str) else "on" if on else "off"))
     try:
         yield
     finally:
@@ -223,11 +224,12 @@ def f16acc_for(w, act_block: int, interpret: bool = False):
     "on", "ptx" or "gcn" (:data:`F16ACC`; MXFP4 read as words with activation blocks of one K group
     only). The assembly modes run their portable twin ("on", the same arithmetic) in interpret mode,
     and are refused on the other vendor's device with the flag to use instead."""
-    if not (F16ACC["on"] and isinstance(w, Fp4Tensor) and fp4_words(w) and act_block == group_size(w)):
+    mode = F16ACC["mode"]
+    if not (mode != "off" and isinstance(w, Fp4Tensor) and fp4_words(w) and act_block == group_size(w)):
         return False
-    asm = F16ACC["asm"]
-    if asm is None or interpret:
+    if mode == "on" or interpret:
         return "on"
+    asm = mode
     version = str(getattr(jax.devices()[0].client, "platform_version", "")).lower()
     amd = "rocm" in version or "hip" in version
     if amd != (asm == "gcn") and version and "cpu" not in version:

@@ -5,6 +5,8 @@ numpy bit for bit, the whole MoE stays within a stated tolerance of the referenc
 (fresh random inputs, every element), and the kernels lower for cuda (portable and PTX forms) and
 rocm (portable and gfx9 assembly forms) at the real V4.1 expert shapes. Bad flag values are refused by name."""
 
+import os
+
 import dsv41_jax  # noqa: F401  (import order: dsv41_jax before pallas_kernels)
 import jax
 import jax.numpy as jnp
@@ -244,9 +246,13 @@ def test_asm_refused_on_the_other_vendor(mode, version, ok, monkeypatch):
 
 
 def test_flag_values_are_checked():
-    assert fma._parse_f16acc("") == {"on": False, "asm": None}
-    assert fma._parse_f16acc(" PTX ") == {"on": True, "asm": "ptx"}
-    assert fma._parse_f16acc("on") == {"on": True, "asm": None}
+    assert fma._parse_f16acc("") == {"mode": "off"} and fma._parse_f16acc(" PTX ") == {"mode": "ptx"}
+    with fma.use_f16acc(True):
+        assert fma.F16ACC == {"mode": "on"}
+        with fma.use_f16acc("gcn"):
+            assert fma.F16ACC == {"mode": "gcn"}
+        assert fma.F16ACC == {"mode": "on"}
+    assert fma.F16ACC == fma._parse_f16acc(os.environ.get("DSV41_FMA_F16ACC", ""))  # restored
     with pytest.raises(ValueError, match="DSV41_FMA_F16ACC='fast'.*off, on, ptx, gcn"):
         fma._parse_f16acc("fast")
     assert moe_benchmark.f16acc_modes("off,ptx") == ("off", "ptx")
