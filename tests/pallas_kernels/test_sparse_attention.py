@@ -788,6 +788,7 @@ def test_two_pass_key_split_choice():
     # work); 2 even splits of 5 instead. Batch 4 likewise (4 splits of 3 -> 2 of 5).
     assert ks(6, 4, 8, 10, cfg) == 5 and ks(4, 4, 8, 10, cfg) == 5
     assert ks(3, 4, 8, 10, cfg) == 2  # 96 programs: 5 even splits of 2, the ceil rule's own
+    assert ks(8, 4, 8, 3, cfg) == 3  # batch 8 over an HCA list (3 blocks): one split, not 2 of 2 padded
     # no divisor of 7 blocks within half of 4 splits: the ceil rule's 4 splits of 2, the last padded
     assert ks(4, 4, 8, 7, cfg) == 2
     assert ks(1, 4, 8, 10, {**cfg, "pv_programs": 256}) == 2 and ks(8, 4, 8, 10, {**cfg, "pv_programs": 256}) == 10
