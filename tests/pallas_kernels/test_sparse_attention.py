@@ -750,10 +750,13 @@ def test_two_pass_load_groups_do_not_change_the_sums():
     values come from: groups of 1, 2 (a remainder over the 3 key blocks) and 4, staged or gathered,
     give the same bits; and 3 key blocks of pass 1 (not a power of two) leave
     unwritten rows in the padded block-maxima array, which pass 2 must mask (a wrong row maximum
-    would move every weight)."""
+    would move every weight). One key split for both (the gathering form has no other): with the
+    staged form's default 3 splits, XLA's sum of the splits at -O0 rounded one element of 1 in ~40
+    draws one bf16 ulp away from the in-kernel sum (session 51, a fresh-clone CI run; seed 33 of
+    make_case) -- the splits' own test is test_two_pass_key_splits."""
     q, kv, widx, sink, ck, cidx = make_case(None, dtype=jnp.bfloat16)
     outs = [np.asarray(_two_pass(q, kv, widx, sink, ck, cidx, 0.125,
-                                 config={**SMALL, "bk1": 32, "group": g, "stage_values": st}), np.float32)
+                                 config={**SMALL, "bk1": 32, "group": g, "stage_values": st, "split": 64}), np.float32)
             for g in (1, 2, 4) for st in (True, False)]
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
     check_close(jnp.asarray(outs[0], jnp.bfloat16), _ref(q, kv, widx, sink, ck, cidx, 0.125))
