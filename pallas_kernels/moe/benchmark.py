@@ -644,8 +644,10 @@ def main(argv=None):
         debug()
         return 0
     if a.prefill:
-        cfgs = ([tuple(int(v) for v in c.split(",")) for c in a.configs.split(";")] if a.configs
-                else [(128, 128, 64, 128, 64, 8)] if a.quick else None)
+        try:
+            cfgs = int_tuples(a.configs, "--configs") or ([(128, 128, 64, 128, 64, 8)] if a.quick else None)
+        except ValueError as e:
+            ap.error(str(e))
         rows = prefill_sweep(a.tokens, a.experts or 96, routes=a.mma_fp4 and a.mma_fp4.split(","), configs=cfgs,
                              plain=a.plain, packings=packings)
         write_rows(a.out, "moe_prefill.json", rows)

@@ -229,14 +229,13 @@ def f16acc_for(w, act_block: int, interpret: bool = False):
         return False
     if mode == "on" or interpret:
         return "on"
-    asm = mode
     version = str(getattr(jax.devices()[0].client, "platform_version", "")).lower()
     amd = "rocm" in version or "hip" in version
-    if amd != (asm == "gcn") and version and "cpu" not in version:
-        raise ValueError(f"DSV41_FMA_F16ACC={asm} is inline {'AMD gfx9' if asm == 'gcn' else 'NVIDIA PTX'} assembly "
+    if amd != (mode == "gcn") and version and "cpu" not in version:
+        raise ValueError(f"DSV41_FMA_F16ACC={mode} is inline {'AMD gfx9' if mode == 'gcn' else 'NVIDIA PTX'} assembly "
                          f"and cannot run on this device ({version}); use DSV41_FMA_F16ACC=on (the same arithmetic, "
                          f"portable){'' if amd else ' or ptx'} or off")
-    return asm
+    return mode
 
 
 def moe_act_quant_site(w, act_block: int) -> str:
@@ -576,13 +575,14 @@ def fp8_tile_partial(raw, sraw, xs):
     return [jnp.sum(w * x[0][None], axis=2) * sf for x in xs]
 
 
-def fp4_tile_partial(raw, sraw, xs, route=None, asm=None, f16=False):
+def fp4_tile_partial(raw, sraw, xs, route=None, f16=False):
     """MXFP4 tile: packed bytes [bn, kg, 16] (or words [bn, kg, 4], routes "f16w" / "f16pairs") with
     scale bytes [bn, kg]; ``xs`` each activation row's phases (:func:`act_view`). Returns the scaled
     partial sums [bn, kg] per row. ``route``: :func:`fp4_route` of the weight (None: FMA_DECODE's).
-    With ``f16`` the rows are the float16 view of :data:`F16ACC` (:func:`load_x`: 4 phase-pair words
-    and the block scales) and take the float16 products (:func:`f16x2_dot4`, ``asm`` its form); a
-    word route is required (the caller's :func:`f16acc_for` checks it)."""
+    With ``f16`` (an :func:`f16acc_for` mode) the rows are the float16 view of :data:`F16ACC`
+    (:func:`load_x`: 4 phase-pair words and the block scales) and take the float16 products
+    (:func:`f16x2_dot4`, in the mode's :func:`f16acc_asm` form); a word route is required (the
+    caller's :func:`f16acc_for` checks it)."""
     route = route or FMA_DECODE["fp4"]
     if f16:
         if route not in ("f16w", "f16pairs") or any(len(x) != 5 for x in xs):
@@ -590,6 +590,7 @@ def fp4_tile_partial(raw, sraw, xs, route=None, asm=None, f16=False):
                              f"got route {route!r} and rows of {sorted({len(x) for x in xs})} entries")
         words = fp4_placed_words(raw, "f16pairs" if route == "f16pairs" else "nibbles")
         sf = e8m0_f32(sraw, 14)
+        asm = f16acc_asm(f16)
         return [jnp.sum(f16x2_dot4(words, x[:4], asm), axis=2) * (sf * x[4][None]) for x in xs]
     if route in ("f16w", "f16pairs"):
         pairs = fp4_word_pairs_f32(raw, "f16pairs" if route == "f16pairs" else "nibbles")
@@ -643,7 +644,7 @@ def partials(fmt, tile, xs, route=None, f16=False):
         if f16:
             raise ValueError("the float16 products (DSV41_FMA_F16ACC) take MXFP4 weights only")
         return fp8_tile_partial(*tile, xs)
-    return fp4_tile_partial(*tile, xs, route, f16acc_asm(f16), bool(f16))
+    return fp4_tile_partial(*tile, xs, route, f16)
 
 
 def tile_partials(fmt, tile, x_refs, rows, g0, kg, quant=False, route=None, f16=False):

@@ -219,11 +219,10 @@ def key_splits(rows: int, head_blocks: int, col_blocks: int, nb2: int, cfg: dict
         return min(int(cfg["split"]), nb2)
     base = rows * head_blocks * col_blocks
     want = min(nb2, max(1, -(-int(cfg["pv_programs"]) // base)))
-    ks = -(-nb2 // want)
-    even = max(n for n in range(1, want + 1) if nb2 % n == 0)  # the most splits <= want that divide nb2
-    if -(-nb2 // ks) * ks != nb2 and 2 * even >= want:  # the ceil rule pads the last split
-        return nb2 // even
-    return ks
+    # the most splits <= want that divide nb2: where the ceil rule does not pad, its own split count
+    # (and >= want / 2); where it pads, the even split if it keeps at least half the programs
+    even = max(n for n in range(1, want + 1) if nb2 % n == 0)
+    return nb2 // even if 2 * even >= want else -(-nb2 // want)
 
 
 def _finish_splits(acc, den, dtype):
