@@ -198,6 +198,107 @@ PREFILL_VARIANTS = (("xla, row max", None),
                     ("pallas, 64-key blocks, 32 heads", dict(block_k=64, num_splits=1, block_h=32)))
 
 
+# The --table variants: the op alone (no site around it) for the issue-5 table, by device time
+TABLE_VARIANTS = (("xla", None), ("pallas flash", dict(method="flash")), ("two-pass", dict(two_pass={})))
+TABLE_CASES = tuple((nc, b, 1) for nc in (4096, 65536, 1 << 20) for b in (1, 8, 64)) + ((65536, 1, 6),)
+
+
+@functools.cache
+def _table_rep_jit():
+    """Rep r's own query rows, window and sorted compressed picks (distinct per rep; the compressed
+    cache is shared, so a 1M-entry cache at batch 64 (19 GB) is built once per row)."""
+    import jax
+    import jax.numpy as jnp
+
+    import dsv41_jax.quant as quant
+
+    def rep(key, b, s, nc, kw, kc, h, d):
+        ks = jax.random.split(key, 4)
+        q = jax.random.normal(ks[0], (b, s, h, d), jnp.float32).astype(jnp.bfloat16)
+        win = quant.quantize_fp8(jax.random.normal(ks[1], (b, kw, d), jnp.float32), (1, 32))
+        widx = jnp.broadcast_to(jnp.arange(kw, dtype=jnp.int32), (b, s, kw))
+        # kc distinct positions per query row: a random offset into each of kc equal strides, sorted
+        stride = nc // kc
+        off = jax.random.randint(ks[2], (b, s, kc), 0, stride)
+        cidx = (jnp.arange(kc, dtype=jnp.int32) * stride + off).astype(jnp.int32)
+        sink = jax.random.normal(ks[3], (h,), jnp.float32)
+        return q, win, widx, sink, cidx
+
+    return jax.jit(rep, static_argnums=tuple(range(1, 8)))
+
+
+def op_table(log, cases=TABLE_CASES, variants=TABLE_VARIANTS, reps=3, kw=128, kc=512, h=64, d=512):
+    """The issue-5 table by device time (:func:`device_time_op`: the sum of the op's kernels over
+    ``reps`` distinct query / window / pick sets sharing one compressed cache, L2 flushed): the op
+    alone for each (context, batch, rows per batch element) case and variant (the XLA reference, the
+    flash kernel, the two-pass kernels), each checked against the XLA output first (rel err < 2e-2),
+    beside the byte floor (:func:`floor_bytes` at 4.8 TB/s) and a read anchor (XLA's sum over that
+    many distinct bytes, by the same device time). Returns the rows."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.benchmarking import device_time_op
+    from pallas_kernels.sparse_attention import pallas_triton as pt
+    from pallas_kernels.sparse_attention import pallas_triton_two_pass as tp
+    from pallas_kernels.sparse_attention import reference as ref
+
+    scale = d ** -0.5
+
+    def op(cfg):
+        def f(q, win, widx, sink, cidx, ck):
+            kw_ = dict(scale=scale, comp_kv=ck, comp_idx=cidx)
+            if cfg is None:
+                return ref.sparse_attention(q, win, widx, sink, **kw_)
+            if "two_pass" in cfg:
+                return tp.sparse_attention(q, win, widx, sink, **kw_, config=cfg["two_pass"])
+            return pt.sparse_attention(q, win, widx, sink, **kw_, **cfg)
+        return f
+
+    rows = []
+    for nc, b, s in cases:
+        if nc < kc:
+            raise ValueError(f"op_table: context {nc} holds fewer than the {kc} compressed picks a row takes")
+        ck = make_inputs(jax.random.PRNGKey(nc + b), b, 1, nc, kw=kw, kc=kc, h=h, d=d)[4]
+        args = [_table_rep_jit()(jax.random.PRNGKey(1000 * r + b + s), b, s, nc, kw, kc, h, d) for r in range(reps)]
+        fb = floor_bytes(b, s, h=h, d=d, kw=kw, kc=kc)
+        words = [(jax.random.bits(jax.random.PRNGKey(7 + r), (max(fb // 4, 1),), jnp.uint32),) for r in range(reps)]
+        t_a = device_time_op(lambda w: jnp.sum(w, dtype=jnp.uint32), words, reps=reps)
+        del words
+        y0 = np.asarray(jax.jit(op(None))(*args[0], ck).astype(jnp.float32))
+        row = dict(context=nc, batch=b, seq=s, bytes=fb, floor_us=fb / HBM_BYTES_PER_S * 1e6, anchor_us=t_a * 1e6,
+                   variants={})
+        for name, cfg in variants:
+            try:
+                y = np.asarray(jax.jit(op(cfg))(*args[0], ck).astype(jnp.float32))
+                rel = float(np.linalg.norm(y - y0) / np.linalg.norm(y0))
+                kernels = []
+                t = device_time_op(op(cfg), args, (ck,), reps=reps, kernels=kernels)
+                row["variants"][name] = dict(us=t * 1e6, kernels=len(kernels), rel_err=rel, ok=rel < 2e-2)
+                log(f"table ctx={nc} B={b} S={s} {name}: {t*1e6:8.2f} us in {len(kernels)} kernels, rel {rel:.2e}"
+                    f"{'' if rel < 2e-2 else '  WRONG'}  floor {row['floor_us']:.2f} us, read anchor {t_a*1e6:.2f} us")
+            except Exception as e:  # noqa: BLE001
+                row["variants"][name] = dict(us=float("nan"), kernels=0, rel_err=float("nan"), ok=False,
+                                             error=f"{type(e).__name__}: {str(e)[:200]}")
+                log(f"table ctx={nc} B={b} S={s} {name}: FAILED {type(e).__name__}: {str(e)[:200]}")
+        rows.append(row)
+        del ck, args
+    names = [n for n, _ in variants]
+    log("")
+    log("| context | batch × rows | " + " | ".join(f"{n} µs" for n in names)
+        + " | byte floor µs (4.8 TB/s) | read anchor µs | best Pallas / XLA | floor / best Pallas | anchor / best Pallas |")
+    log("|---:|---:|" + "---:|" * (len(names) + 5))
+    for r in rows:
+        v = r["variants"]
+        pal = [v[n]["us"] for n in names[1:] if v[n]["ok"]]
+        best = min(pal) if pal else float("nan")
+        x = v[names[0]]["us"]
+        log(f"| {r['context']:,} | {r['batch']} × {r['seq']} | " + " | ".join(f"{v[n]['us']:.2f}" for n in names)
+            + f" | {r['floor_us']:.2f} | {r['anchor_us']:.2f} | {best / x:.3f} | {r['floor_us'] / best * 100:.1f} % | "
+              f"{r['anchor_us'] / best * 100:.1f} % |")
+    return rows
+
+
 def site(log, contexts=(2560, 5121), batches=(1,), variants=SITE_VARIANTS, reps=5, seq=1, inputs=None, label=""):
     """The model's attention site at decode (sparse attention -> inverse RoPE -> wo_a, the grouped FP8
     GEMV of 8 groups x 1024 rows), by device time (:func:`device_time_op`: the sum of the site's
@@ -267,6 +368,10 @@ def main(argv=None):
     ap.add_argument("--prefill", action="store_true",
                     help="the site at prefill row counts (256 to 4096 rows; then a first 4096-token chunk laid out "
                          "as the model lays it out, compressed ratios 2 and 1), XLA against Pallas tilings, then exit")
+    ap.add_argument("--table", action="store_true",
+                    help="the issue-5 table by device time: the op alone at contexts 4K / 64K / 1M x batch 1 / 8 / 64 "
+                         "and 6 verify rows, XLA against the flash and two-pass kernels, with the byte floor and a read "
+                         "anchor, then exit (--quick: contexts 4K and 64K)")
     ap.add_argument("--decode", action="store_true",
                     help="the decode site at batch 1, 8 and 6 verify rows: XLA, the flash kernel and the two-pass "
                          "kernels (with tile variants) by device time, then exit")
@@ -291,6 +396,14 @@ def main(argv=None):
         rows = site(log, batches=(1,) if args.quick else (1, 8))
         write_rows(args.out, "sparse_attention_site.json", rows)
         return 0 if rows and all(r["ok"] for r in rows) else 1
+    if args.table:
+        log(f"# sparse attention op, device time | {dev.device_kind} | jax {jax.__version__} | reps={args.reps}")
+        cases = [c for c in TABLE_CASES if not (args.quick and c[0] > 65536)]
+        rows = op_table(log, cases, reps=args.reps)
+        write_rows(args.out, "sparse_attention_table.json", rows)
+        with open(os.path.join(args.out, "sparse_attention_table.log"), "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+        return 0 if rows and all(v["ok"] for r in rows for v in r["variants"].values()) else 1
     if args.decode:
         log(f"# sparse attention decode site, two-pass kernels, device time | {dev.device_kind} | jax {jax.__version__}")
         rows = site(log, contexts=(5121,), batches=(1, 8), variants=DECODE_VARIANTS, reps=args.reps)

@@ -902,3 +902,30 @@ def test_two_pass_cross_lowering(target, shape):
             *a[:4], scale=512 ** -0.5, comp_kv=a[4], comp_idx=a[5], config=dict(stage_values=False)),
             *_real_specs(*shape)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+def test_op_table_runs_and_checks_each_variant(monkeypatch):
+    """benchmark.op_table (``--table``: the op alone by device time, the issue-5 table) on the CPU:
+    the kernels in interpret mode, the profiler timing stubbed; each variant is checked against the
+    XLA output (the flash and two-pass kernels within the bf16 tolerance, the reference exactly), and
+    the table's floor is the op's bytes at 4.8 TB/s."""
+    import functools
+
+    import pallas_kernels.benchmarking as bm
+    from pallas_kernels.sparse_attention import benchmark
+    from pallas_kernels.sparse_attention import pallas_triton_two_pass as tp
+
+    monkeypatch.setattr(bm, "device_time_op", lambda fn, args, shared=(), reps=5, kernels=None: 1e-5)
+    monkeypatch.setattr(pallas_triton, "sparse_attention", functools.partial(pallas_triton.sparse_attention, interpret=True))
+    monkeypatch.setattr(tp, "sparse_attention", functools.partial(tp.sparse_attention, interpret=True))
+    lines = []
+    rows = benchmark.op_table(lines.append, cases=((1100, 2, 1), (600, 1, 6)), reps=2)
+    assert [(r["context"], r["batch"], r["seq"]) for r in rows] == [(1100, 2, 1), (600, 1, 6)]
+    for r in rows:
+        v = r["variants"]
+        assert list(v) == ["xla", "pallas flash", "two-pass"], lines
+        assert v["xla"]["rel_err"] == 0.0 and all(0.0 < v[n]["rel_err"] < 2e-2 for n in ("pallas flash", "two-pass")), lines
+        assert all(x["ok"] for x in v.values()) and r["floor_us"] == benchmark.floor_bytes(r["batch"], r["seq"]) / 4.8e6
+    assert lines[-1].startswith("| 600 | 1 × 6 |"), lines[-3:]
+    with pytest.raises(ValueError, match="fewer than the 512 compressed picks"):
+        benchmark.op_table(lines.append, cases=((300, 1, 1),), reps=1)
