@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.quant import Fp4Tensor
+from pallas_kernels.scaled_dot import mx_dot
 
 from dsv41_jax.quant.codecs import le_words
 from pallas_kernels.quantized_matmul.pallas_triton_fma import (
@@ -85,7 +87,7 @@ DEFAULTS = dict(
     # (the reference 30.7 / 67.4 / 75.4); +1.3 % batch-1 decode in the model
     decode_path="direct",
 )
-FP4_READS = ("phases", "f16phases", "bytes")
+FP4_READS = ("phases", "f16phases", "bytes", "mx")
 DECODE_PATHS = ("pipeline", "direct")
 # DSV41_INDEXER_DECODE=pipeline (read at import) makes "pipeline" the default decode path again, and
 # 'auto' then keeps the XLA reference below DECODE_MIN_ENTRIES: for A/B runs of the model (bench)
@@ -93,6 +95,36 @@ DEFAULTS["decode_path"] = os.environ.get("DSV41_INDEXER_DECODE", DEFAULTS["decod
 if DEFAULTS["decode_path"] not in DECODE_PATHS:
     raise ValueError(f"DSV41_INDEXER_DECODE={DEFAULTS['decode_path']!r}: expected one of {', '.join(DECODE_PATHS)}")
 WORD_READS = ("phases", "f16phases")  # the routes that read the codes as 32-bit words
+
+
+# Devices with a block-scaled MX matrix instruction, where the "mx" read (one tt.dot_scaled, no decode of
+# ours) is the default: gfx950 (MI350X / MI355X, v_mfma_scale_f32_*_f8f6f4). Chosen offline (BENCHMARKS.md,
+# issue 5, session 52: the score kernel's loop 411 -> 156 instructions per work-item and step for gfx950,
+# 119 -> 71 VGPRs, 3 -> 5 waves per SIMD); no AMD device has run it. On sm_90 Triton decomposes the MX dot
+# into its own upcast (856 -> 1,126 instructions per step), so NVIDIA keeps DEFAULTS["fp4_read"].
+MX_DEVICE_MARKS = ("gfx950", "mi350", "mi355")
+
+
+def has_mx_dot(device=None) -> bool:
+    """Whether ``device`` (default: JAX's first) has a block-scaled MX matrix instruction
+    (:data:`MX_DEVICE_MARKS` in its kind or compute capability)."""
+    dev = device or jax.devices()[0]
+    text = f"{getattr(dev, 'device_kind', '')} {getattr(dev, 'compute_capability', '')}".lower()
+    return any(m in text for m in MX_DEVICE_MARKS)
+
+
+def default_fp4_read(interpret: bool = False) -> str:
+    """The MXFP4 read a call that names none takes: "mx" on a device with MX matrix instructions
+    (:func:`has_mx_dot`), else ``DEFAULTS["fp4_read"]`` (interpret mode: always the latter)."""
+    return "mx" if not interpret and has_mx_dot() else DEFAULTS["fp4_read"]
+
+
+class MxRows(NamedTuple):
+    """Rows of an MXFP4 store as :func:`pallas_kernels.scaled_dot.mx_dot` takes them (``fp4_read="mx"``):
+    the packed codes [N, d2] uint8 and their e8m0 scales [N, d2/16] uint8."""
+
+    data: jax.Array
+    scale: jax.Array
 DOT_ORDERS = ("keys", "q")
 
 
@@ -177,9 +209,16 @@ def _load_rows(data_ref, scale_ref, rows, d2, fp4, cdt, read=None):
       s >= t - 23 (a block at most 2**23 below the row's largest; below that its values round to
       f16 subnormals or 0, an error under 2**-24 of the row's largest element, smaller than the
       fp32 sum's own rounding of that element).
+    * "mx": the codes and scales as stored (:class:`MxRows`), which :func:`_scores` hands to one
+      ``tt.dot_scaled`` (:func:`pallas_kernels.scaled_dot.mx_dot`): gfx950's block-scaled MFMA
+      (``v_mfma_scale_f32_32x32x64_f8f6f4``, offline) with no decode instruction of ours; on sm_90
+      Triton's own upcast to bf16 and a bf16 dot.
 
     Every route's values are exact on the sm_90 / CDNA tensor cores (f16 and bf16 products of e2m1
     values in fp32): the dots differ only in fp32 summation order."""
+    if fp4 and read == "mx":  # the codes and scales as stored: one MX dot (tt.dot_scaled) decodes them
+        return [MxRows(data_ref[_grid2(rows, jnp.arange(d2, dtype=jnp.int32))],
+                       scale_ref[_grid2(rows, jnp.arange(d2 // 16, dtype=jnp.int32))])], None
     if fp4 and read in WORD_READS:
         nw = d2 // 4
         w = data_ref[_grid2(rows, jnp.arange(nw, dtype=jnp.int32))]  # [N, d2/4] uint32, whole rows
@@ -213,11 +252,14 @@ def _scores(q_tiles, k_tiles, w, keys_first=True, k_scale=None):
     from registers (offline SASS: 640 -> 482 instructions per score step and 83 -> 80 registers, 3
     programs per SM instead of 2, against q first, whose [HI, N] dots are mma.sync HMMAs; session 38,
     not timed: the register-operand wgmma of the fused MoE's prefill was slower, session 12)."""
-    prec = jax.lax.Precision.HIGHEST if q_tiles[0].dtype == jnp.float32 else None
+    prec = jax.lax.Precision.HIGHEST if getattr(q_tiles[0], "dtype", None) == jnp.float32 else None
     l = None
     for qt, kt in zip(q_tiles, k_tiles, strict=True):
         a, b = (kt, qt) if keys_first else (qt, kt)
-        d = jnp.dot(a, b.T, preferred_element_type=jnp.float32, precision=prec)
+        if isinstance(a, MxRows):
+            d = mx_dot(a.data, a.scale, b.data, b.scale)
+        else:
+            d = jnp.dot(a, b.T, preferred_element_type=jnp.float32, precision=prec)
         l = d if l is None else l + d
     if keys_first:
         out = jnp.sum(jnp.maximum(l, 0.0) * w[None, :], axis=1)
@@ -543,7 +585,7 @@ def lightning_indexer(q, weights, keys, visible, *, top_k, candidate_blocks=None
         return _prefill_indexer(q, weights, keys, visible, top_k=top_k, candidate_blocks=candidate_blocks,
                                 block_size=block_size, want_block_scores=want_block_scores, interpret=interpret,
                                 config=config)
-    cfg = dict(DEFAULTS)
+    cfg = dict(DEFAULTS, fp4_read=default_fp4_read(interpret))
     cfg.update(config or {})
     cfg["block_size"] = block_size
     for key, choices in (("fp4_read", FP4_READS), ("dot_order", DOT_ORDERS), ("decode_path", DECODE_PATHS)):

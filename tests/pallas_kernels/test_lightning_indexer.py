@@ -174,9 +174,10 @@ def test_random_mxfp4_and_top_k_not_pow2():
 
 @pytest.mark.parametrize("s,di,fp4_read,dot_order", [
     (1, 64, "phases", "keys"), (2, 64, "phases", "keys"), (1, 128, "phases", "keys"), (2, 128, "phases", "keys"),
-    (1, 128, "bytes", "keys"), (2, 128, "phases", "q"), (1, 128, "f16phases", "keys"), (2, 128, "f16phases", "q")],
+    (1, 128, "bytes", "keys"), (2, 128, "phases", "q"), (1, 128, "f16phases", "keys"), (2, 128, "f16phases", "q"),
+    (1, 128, "mx", "keys"), (2, 64, "mx", "q")],
     ids=["decode_q_once", "rows", "words_decode", "words_rows", "bytes_128", "words_q_first", "f16_decode",
-         "f16_rows_q_first"])
+         "f16_rows_q_first", "mx_decode", "mx_rows_q_first"])
 def test_every_fp4_code_block_maxima(s, di, fp4_read, dot_order, monkeypatch):
     """q and keys from random bytes (all 16 e2m1 codes in both nibbles, -0 included) and random e8m0
     scales: the kernels' decode (q decoded once per program at S = 1) gives the reference's block
@@ -184,7 +185,8 @@ def test_every_fp4_code_block_maxima(s, di, fp4_read, dot_order, monkeypatch):
     ``fp4_read="bytes"``) and the word decode into 8 phase dots (128-wide heads: phase dots of K >= 16),
     with the keys or q as the dots' first operand; and the same words left in float16 with each row's
     largest scale factored out (``f16phases``; these scales lie 18 binades apart at most, inside its
-    exact range)."""
+    exact range); and the codes as stored, handed to one MX dot (``mx``: tt.dot_scaled on the GPU, the
+    float32 decode of ``pallas_kernels.scaled_dot`` here)."""
     calls = []
     real = pallas_triton._load_rows
     monkeypatch.setattr(pallas_triton, "_load_rows", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
@@ -197,7 +199,7 @@ def test_every_fp4_code_block_maxima(s, di, fp4_read, dot_order, monkeypatch):
     r, scores = _ref_and_scores(q, w, k, vis, None, 32, True)
     o = _pal(q, w, k, vis, None, 32, True, cfg=dict(tile_n=128, chunk=64, fp4_read=fp4_read, dot_order=dot_order))
     # the route taken (word reads need phase dots of K >= 16)
-    assert set(calls) == {fp4_read if fp4_read in pallas_triton.WORD_READS and di == 128 else None}
+    assert set(calls) == {fp4_read if (fp4_read in pallas_triton.WORD_READS and di == 128) or fp4_read == "mx" else None}
     rb, ob = np.asarray(r.block_scores), np.asarray(o.block_scores)
     np.testing.assert_allclose(ob, rb, rtol=1e-5, atol=1e-5 * np.abs(rb[np.isfinite(rb)]).max())
     check_result(o, r, scores, 32)

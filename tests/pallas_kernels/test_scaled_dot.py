@@ -1,0 +1,133 @@
+"""pallas_kernels.scaled_dot.mx_dot: the MX (OCP microscaling) dot inside Pallas-Triton kernels --
+its CPU form against a float64 numpy decode, its refusals, and its lowering to one tt.dot_scaled for
+cuda and rocm; the lightning indexer's "mx" read as gfx950's default."""
+
+import dsv41_jax  # noqa: F401  (import order: dsv41_jax before pallas_kernels)
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import scaled_dot
+from pallas_kernels.inspect_sass import triton_kernels
+from pallas_kernels.scaled_dot import mx_dot
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
+
+
+def _np_decode(x, scale, fmt):
+    x = np.asarray(x)
+    if fmt == "e2m1":
+        v = np.stack([E2M1[x & 15], E2M1[x >> 4]], axis=-1).reshape(x.shape[0], -1)
+    else:
+        v = np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+    s = np.exp2(np.asarray(scale, np.float64) - 127)
+    return (v.reshape(v.shape[0], -1, 32) * s[:, :, None]).reshape(v.shape)
+
+
+def _operand(rng, rows, k, fmt, scales):
+    if fmt == "e2m1":
+        x = jnp.asarray(rng.integers(0, 256, (rows, k // 2), dtype=np.uint8))  # every code in both nibbles, -0 too
+    else:
+        x = jnp.asarray(rng.standard_normal((rows, k)) * 40, jnp.float32).astype(jnp.float8_e4m3fn)
+    return x, jnp.asarray(rng.integers(*scales, (rows, k // 32), dtype=np.uint8))
+
+
+def _kernel_call(m, n, a_format, b_format, interpret):
+    def kern(a_ref, as_ref, b_ref, bs_ref, o_ref):
+        o_ref[...] = mx_dot(a_ref[...], as_ref[...], b_ref[...], bs_ref[...], a_format=a_format, b_format=b_format)
+
+    def call(a, asc, b, bsc):
+        return pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+                              compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+                              interpret=interpret, name="mx_dot_test")(a, asc, b, bsc)
+    return call
+
+
+@pytest.mark.parametrize("a_format,b_format,k", [("e2m1", "e2m1", 128), ("e4m3", "e2m1", 64), ("e2m1", "e4m3", 256)])
+def test_mx_dot_in_a_kernel_equals_the_float64_decode(a_format, b_format, k):
+    """In interpret mode (the CPU's form) every output element equals the float64 dot of the decoded
+    operands to float32 summation (fresh random codes, all 16 e2m1 codes in both nibbles, scales over
+    40 binades; the products are exact in float32, so the bound is the sum's own rounding)."""
+    rng = np.random.default_rng()
+    m, n = 64, 32
+    a, asc = _operand(rng, m, k, a_format, (107, 147))
+    b, bsc = _operand(rng, n, k, b_format, (107, 147))
+    got = np.asarray(_kernel_call(m, n, a_format, b_format, True)(a, asc, b, bsc), np.float64)
+    da, db = _np_decode(a, asc, a_format), _np_decode(b, bsc, b_format)
+    want = da @ db.T
+    bound = (np.abs(da) @ np.abs(db).T) * k * 2.0**-24
+    assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) - bound))
+    assert np.abs(want).max() > 0
+
+
+@pytest.mark.parametrize("case,match", [
+    (dict(k_b=96), "a holds K=128 elements a row and b K=96"),
+    (dict(k_a=48, k_b=48), "K=48 is not a multiple of the MX block of 32"),
+    (dict(scale_a=(8, 3)), r"a_scale: expected uint8\[8, 4\]"),
+    (dict(a_format="e3m2"), "a_format='e3m2': expected one of e2m1, e4m3"),
+    (dict(b_dtype=jnp.int8), "b: expected a 2-D uint8 array for e2m1"),
+])
+def test_mx_dot_refuses_what_it_cannot_take(case, match):
+    k_a, k_b = case.get("k_a", 128), case.get("k_b", 128)
+    a = jnp.zeros((8, k_a // 2), jnp.uint8)
+    b = jnp.zeros((4, k_b // 2), case.get("b_dtype", jnp.uint8))
+    asc = jnp.zeros(case.get("scale_a", (8, max(k_a // 32, 1))), jnp.uint8)
+    bsc = jnp.zeros((4, max(k_b // 32, 1)), jnp.uint8)
+    with pytest.raises(ValueError, match=match):
+        mx_dot(a, asc, b, bsc, a_format=case.get("a_format", "e2m1"))
+
+
+@pytest.mark.parametrize("target", ["cuda", "rocm"])
+@pytest.mark.parametrize("a_format", ["e2m1", "e4m3"])
+def test_mx_dot_lowers_to_one_dot_scaled(target, a_format):
+    """Inside a kernel the op is one ``tt.dot_scaled`` (MXFP4 operands packed along K, both scales),
+    and the module passes the MLIR verifier (``lower_for``) for cuda and rocm."""
+    assert scaled_dot.TRITON_RULE
+    a_spec = ((64, 64), jnp.uint8) if a_format == "e2m1" else ((64, 128), jnp.float8_e4m3fn)
+    specs = [jax.ShapeDtypeStruct(s, d) for s, d in (a_spec, ((64, 4), jnp.uint8), ((32, 64), jnp.uint8),
+                                                      ((32, 4), jnp.uint8))]
+    [k] = triton_kernels(_kernel_call(64, 32, a_format, "e2m1", False), *specs, target=target)
+    ops = [line for line in k["ttir"].splitlines() if "tt.dot_scaled" in line]
+    assert len(ops) == 1 and f"lhs = {a_format} rhs = e2m1" in ops[0], ops
+
+
+def test_has_mx_dot_by_device():
+    from pallas_kernels.lightning_indexer import pallas_triton as ix
+
+    class Dev:
+        def __init__(self, kind, cc=""):
+            self.device_kind, self.compute_capability = kind, cc
+
+    assert ix.has_mx_dot(Dev("AMD Instinct MI355X")) and ix.has_mx_dot(Dev("AMD Instinct MI350X"))
+    assert ix.has_mx_dot(Dev("", "gfx950"))
+    assert not ix.has_mx_dot(Dev("AMD Instinct MI300X", "gfx942")) and not ix.has_mx_dot(Dev("NVIDIA H200", "9.0"))
+    assert not ix.has_mx_dot()  # this CPU
+    assert ix.default_fp4_read() == ix.default_fp4_read(interpret=True) == ix.DEFAULTS["fp4_read"] == "phases"
+
+
+@pytest.mark.parametrize("mx_device", [True, False])
+def test_indexer_takes_the_mx_read_on_gfx950(monkeypatch, mx_device):
+    """A lightning_indexer call that names no read lowers (rocm) its score kernel to tt.dot_scaled where
+    the device has MX matrix instructions (gfx950), and to the phase dots elsewhere; interpret mode keeps
+    the default read (its values: test_lightning_indexer's every-code test, ``mx`` rows)."""
+    from dsv41_jax.quant import Fp4Tensor
+    from pallas_kernels.lightning_indexer import pallas_triton as ix
+
+    sd = jax.ShapeDtypeStruct
+    b, s, hi, di, nc = 1, 1, 32, 128, 1280
+    specs = [Fp4Tensor(sd((b, s, hi, di // 2), jnp.uint8), sd((b, s, hi, di // 32), jnp.float8_e8m0fnu), block=32),
+             sd((b, s, hi), jnp.float32),
+             Fp4Tensor(sd((b, nc, di // 2), jnp.uint8), sd((b, nc, di // 32), jnp.float8_e8m0fnu), block=32),
+             sd((b, s), jnp.int32)]
+    monkeypatch.setattr(ix, "has_mx_dot", lambda device=None: mx_device)
+    assert ix.default_fp4_read(interpret=True) == "phases"
+
+    def f(q, w, k, v):
+        return ix.lightning_indexer(q, w, k, v, top_k=512).topk
+
+    kernels = triton_kernels(f, *specs, target="rocm")
+    scores = [k for k in kernels if k["name"].startswith("indexer_block_maxima")]
+    assert scores and all(("tt.dot_scaled" in k["ttir"]) == mx_device for k in scores), [k["name"] for k in kernels]
