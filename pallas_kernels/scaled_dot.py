@@ -71,17 +71,18 @@ def decode(x, scale, fmt: str):
     return (v.reshape(x.shape[0], -1, BLOCK) * s[:, :, None]).reshape(v.shape)
 
 
-def reference(a, a_scale, b, b_scale, *, a_format: str, b_format: str):
-    """float32 [M, N]: the operands decoded (:func:`decode`) and one float32 dot."""
-    return jnp.dot(decode(a, a_scale, a_format), decode(b, b_scale, b_format).T,
-                   precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+def reference(a, a_scale, b, b_scale, acc=None, *, a_format: str, b_format: str):
+    """float32 [M, N]: the operands decoded (:func:`decode`) and one float32 dot, plus ``acc``."""
+    d = jnp.dot(decode(a, a_scale, a_format), decode(b, b_scale, b_format).T,
+                precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return d if acc is None else acc + d
 
 
 mx_dot_p = Primitive("dsv41_mx_dot")
 
 
 @mx_dot_p.def_abstract_eval
-def _abstract(a, a_scale, b, b_scale, *, a_format, b_format):
+def _abstract(a, a_scale, b, b_scale, acc, *, a_format, b_format):
     return jax.core.ShapedArray((a.shape[0], b.shape[0]), jnp.float32)
 
 
@@ -89,26 +90,29 @@ mx_dot_p.def_impl(functools.partial(jax._src.dispatch.apply_primitive, mx_dot_p)
 mlir.register_lowering(mx_dot_p, mlir.lower_fun(reference, multiple_results=False))
 
 
-def mx_dot(a, a_scale, b, b_scale, *, a_format: str = "e2m1", b_format: str = "e2m1"):
-    """float32 [M, N] = dq(a) @ dq(b).T for MX operands (module docstring); one ``tt.dot_scaled``
-    inside a Pallas-Triton kernel, :func:`reference` elsewhere. Raises ValueError naming the operand
-    for shapes or dtypes it cannot take."""
+def mx_dot(a, a_scale, b, b_scale, *, a_format: str = "e2m1", b_format: str = "e2m1", acc=None):
+    """float32 [M, N] = dq(a) @ dq(b).T (+ ``acc``, float32 [M, N]) for MX operands (module docstring);
+    one ``tt.dot_scaled`` inside a Pallas-Triton kernel (``acc`` its accumulator operand: the sum is
+    the instruction's own, no separate add), :func:`reference` elsewhere. Raises ValueError naming the
+    operand for shapes or dtypes it cannot take."""
     reason = unsupported_reason(a, a_scale, b, b_scale, a_format, b_format)
+    if reason is None and acc is not None and (acc.dtype != jnp.float32 or acc.shape != (a.shape[0], b.shape[0])):
+        reason = f"acc: expected float32{[a.shape[0], b.shape[0]]}, got {acc.dtype}{list(acc.shape)}"
     if reason is not None:
         raise ValueError(f"mx_dot: {reason}")
-    return mx_dot_p.bind(a, a_scale, b, b_scale, a_format=a_format, b_format=b_format)
+    if acc is None:
+        acc = jnp.zeros((a.shape[0], b.shape[0]), jnp.float32)
+    return mx_dot_p.bind(a, a_scale, b, b_scale, acc, a_format=a_format, b_format=b_format)
 
 
-def _triton_rule(ctx, a, a_scale, b, b_scale, *, a_format, b_format):
-    """``tt.dot_scaled(a, b^T)`` with both scales: a [M, K(/2)] and b^T [K(/2), N], packed along K."""
+def _triton_rule(ctx, a, a_scale, b, b_scale, acc, *, a_format, b_format):
+    """``tt.dot_scaled(a, b^T, acc)`` with both scales: a [M, K(/2)] and b^T [K(/2), N], packed along K."""
     from jax._src.lib.mlir import ir  # noqa: PLC2701
     from jax._src.lib.triton import dialect as tt_dialect  # noqa: PLC2701
-    from jax._src.pallas.triton import lowering as tl  # noqa: PLC2701
 
     elem = {"e2m1": tt_dialect.ScaleDotElemType.E2M1, "e4m3": tt_dialect.ScaleDotElemType.E4M3}
     [out_aval] = ctx.avals_out
     acc_type = ir.RankedTensorType.get(list(out_aval.shape), ir.F32Type.get())
-    acc = tl._zeros(acc_type)  # noqa: SLF001
     b_t = tt_dialect.trans(b, (1, 0))
     return tt_dialect.dot_scaled(acc_type, a, b_t, acc, elem[a_format], elem[b_format], False,
                                  a_scale=a_scale, b_scale=b_scale,

@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, act_quant, is_quantized
+from pallas_kernels.scaled_dot import mx_dot
 
 warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*", category=DeprecationWarning)
 
@@ -57,7 +58,10 @@ ACT_BLOCKS = (32, 128)  # activation fake-quant blocks (V4.1 / V4); done by XLA 
 # [bn, bk/B, B] view, B = the weight block or bk if smaller), "mma8" (experimental, 32x32 blocks
 # only: e4m3 tensor-core dots per 32-wide K block, scales on the partials), "mma8t" (the same with
 # the weight tile as the dot's first operand, for decode sizes: weight rows fill the MMA's M
-# dimension, the few activation rows its N; experimental); fp4 "expand" / "view3d"
+# dimension, the few activation rows its N; experimental); fp4 "expand" / "view3d"; both "mx": the
+# activation's e4m3 codes and the weight's codes with their e8m0 scales as stored, one OCP MX dot a
+# K tile (pallas_kernels.scaled_dot.mx_dot: tt.dot_scaled, gfx950's block-scaled MFMA, no decode of
+# ours; the default on such devices, see default_scale_mode)
 SCALE_MODE = {"fp8": "expand", "fp4": "expand"}
 MMA8_MODES = ("mma8", "mma8t")
 N_SM_DEFAULT = 132
@@ -458,6 +462,57 @@ def _mm8_kernel(x8_ref, xs_ref, w_ref, s_ref, o_ref, *, bm, bn, bk, steps, split
         o_ref[out] = acc.astype(o_ref.dtype)
 
 
+def _mx_kernel(x8_ref, xs_ref, w_ref, s_ref, o_ref, *, fmt, bm, bn, bk, steps, split, wblock=32):
+    """SCALE_MODE "mx": per K tile one MX dot (:func:`pallas_kernels.scaled_dot.mx_dot`) of the
+    activation's e4m3 codes ``x8`` with their e8m0 scale bytes ``xs`` [M, K/32] and the weight's codes
+    (FP8 e4m3 [N, K], or MXFP4 bytes [N, K/2]) with their e8m0 bytes: MXFP4's [N, K/32] as stored,
+    FP8's square ``wblock`` blocks [N/wb, K/wb] widened here to one scale per row and 32 columns."""
+    i_n = pl.program_id(0)
+    i_m = pl.program_id(1)
+    i_s = pl.program_id(2)
+    row0 = pl.multiple_of(i_n * bn, bn)
+    rows = pl.ds(row0, bn)
+    mrows = pl.ds(pl.multiple_of(i_m * bm, bm), bm)
+    kbase = i_s * (steps * bk)
+
+    def body(i, acc):
+        k0 = pl.multiple_of(kbase + i * bk, bk)
+        xt, xs = x8_ref[mrows, pl.ds(k0, bk)], xs_ref[mrows, pl.ds(k0 // 32, bk // 32)]
+        if fmt == "fp4":
+            wt, ws = w_ref[rows, pl.ds(k0 // 2, bk // 2)], s_ref[rows, pl.ds(k0 // 32, bk // 32)]
+        else:
+            wb = wblock
+            wt = w_ref[rows, pl.ds(k0, bk)]
+            s = s_ref[pl.ds(row0 // wb, max(bn // wb, 1)), pl.ds(k0 // wb, max(bk // wb, 1))]
+            r_rep, c_rep = min(bn, wb), min(bk, wb) // 32
+            ws = jnp.broadcast_to(s[:, None, :, None], (s.shape[0], r_rep, s.shape[1], c_rep)).reshape(bn, bk // 32)
+        return mx_dot(xt, xs, wt, ws, a_format="e4m3", b_format="e2m1" if fmt == "fp4" else "e4m3", acc=acc)
+
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
+    if split:
+        o_ref[i_s, mrows, rows] = acc
+    else:
+        o_ref[mrows, rows] = acc.astype(o_ref.dtype)
+
+
+def _mx_act_operands(x2, block=32):
+    """act_quant as MX operands: e4m3 codes [M, K] and e8m0 scale bytes [M, K/32] (a coarser
+    ``block`` repeated: its scale holds for each of its 32-wide parts)."""
+    x8, xs = _act_quant_codes(x2, block)
+    e = (jnp.round(jnp.log2(xs)) + 127).astype(jnp.uint8)  # exact: xs is a power of two in e8m0's range
+    return x8, jnp.repeat(e, block // 32, axis=1) if block > 32 else e
+
+
+def default_scale_mode(fmt: str) -> str:
+    """The scale mode of ``fmt`` ("fp8" / "fp4") weights: :data:`SCALE_MODE`'s, except "mx" where that
+    is left at "expand" and the device has MX matrix instructions (gfx950: chosen offline, BENCHMARKS.md
+    issue 6, session 52; no AMD device has run it)."""
+    from pallas_kernels.lightning_indexer.pallas_triton import has_mx_dot
+
+    mode = SCALE_MODE[fmt]
+    return "mx" if mode == "expand" and has_mx_dot() else mode
+
+
 def _act_quant_codes(x2, block=32):
     """act_quant split into e4m3 codes [M, K] and fp32 power-of-two scales [M, K/block]:
     codes * scales == act_quant(x2) exactly."""
@@ -568,7 +623,8 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, con
     kernel = functools.partial(_mm_kernel, fmt=fmt, bm=bm, bn=bn, bk=bk, steps=steps, op_dtype=op,
                                split=splits > 1, wblock=fp8_block(w))
     operands = (xq, data, scale)
-    mma8 = fmt == "fp8" and SCALE_MODE["fp8"] in MMA8_MODES
+    mode = default_scale_mode(fmt) if fmt in ("fp8", "fp4") and not interpret else SCALE_MODE.get(fmt)
+    mma8 = fmt == "fp8" and mode in MMA8_MODES
     transposed = mma8 and SCALE_MODE["fp8"] == "mma8t"
     if mma8:
         x8, xs = _act_quant_codes(x2, act_block)
@@ -577,6 +633,17 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, con
             xs = jnp.pad(xs, ((0, mp - m), (0, 0)), constant_values=1.0)
         kernel = functools.partial(_mm8_kernel, bm=bm, bn=bn, bk=bk, steps=steps, split=splits > 1, swap=transposed)
         operands = (x8, xs.T if transposed else xs, data, scale)
+    elif mode == "mx":
+        if bk % 64:
+            raise ValueError(f"quantized_matmul (pallas): scale mode 'mx' needs K tiles that are multiples of 64 "
+                             f"(two MX blocks: one packed MXFP4 byte row of 32), got bk={bk} (config {config})")
+        x8, xs = _mx_act_operands(x2, act_block)
+        if mp != m:
+            x8 = jnp.pad(x8, ((0, mp - m), (0, 0)))
+            xs = jnp.pad(xs, ((0, mp - m), (0, 0)), constant_values=127)
+        kernel = functools.partial(_mx_kernel, fmt=fmt, bm=bm, bn=bn, bk=bk, steps=steps, split=splits > 1,
+                                   wblock=fp8_block(w))
+        operands = (x8, xs, data, scale)
     out_rows = (n, mp) if transposed else (mp, n)
     out_shape = (jax.ShapeDtypeStruct((splits, *out_rows), jnp.float32) if splits > 1
                  else jax.ShapeDtypeStruct(out_rows, out_dtype))
@@ -586,7 +653,7 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, con
         grid=(n // bn, mp // bm, splits),
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
-        name=f"qmm_{fmt}_{SCALE_MODE['fp8']}" if mma8 else f"qmm_{fmt}",
+        name=f"qmm_{fmt}_{mode}" if mma8 or mode == "mx" else f"qmm_{fmt}",
     )(*operands)
     if splits > 1:
         y = sum_splits(y)  # the K parts in order: the one definition of a split-K sum

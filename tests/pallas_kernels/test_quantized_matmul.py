@@ -78,7 +78,8 @@ def test_parity_interpret(fmt, dtype, m, n, k, decode_gemv, monkeypatch):
     check_close(y, _reference(x, w))
 
 
-@pytest.mark.parametrize("fmt,mode", [("fp8", "gather"), ("fp8", "mma8"), ("fp8", "mma8t"), ("fp4", "view3d")])
+@pytest.mark.parametrize("fmt,mode", [("fp8", "gather"), ("fp8", "mma8"), ("fp8", "mma8t"), ("fp4", "view3d"),
+                                      ("fp8", "mx"), ("fp4", "mx")])
 def test_split_k_leading_dims_scale_modes(fmt, mode, monkeypatch):
     monkeypatch.setitem(pallas_triton.SCALE_MODE, fmt, mode)
     rng = np.random.default_rng()
@@ -185,7 +186,8 @@ def test_cross_lowering_experimental_modes(target, monkeypatch):
     """The opt-in scale modes lower for both targets at real shapes too."""
     for fmt, mode, spec in (("fp8", "gather", fp8_spec(5120, 8192)), ("fp8", "mma8", fp8_spec(5120, 8192)),
                             ("fp8", "mma8t", fp8_spec(5120, 8192)),
-                            ("fp4", "view3d", fp4_spec(2304, 5120))):
+                            ("fp4", "view3d", fp4_spec(2304, 5120)), ("fp8", "mx", fp8_spec(5120, 8192)),
+                            ("fp4", "mx", fp4_spec(2304, 5120))):
         monkeypatch.setitem(pallas_triton.SCALE_MODE, fmt, mode)
         for m in (1, 4096):
             _lower(target, m, spec)

@@ -92,10 +92,11 @@ def test_configs_cover_both_scale_tilings():
     assert {(False, True, False), (False, True, True), (True, False, False), (False, False, False)} <= seen, seen
 
 
-@pytest.mark.parametrize("mode", ["gather", "expand"])
+@pytest.mark.parametrize("mode", ["gather", "expand", "mx"])
 def test_scale_modes_split_k_leading_dims(mode, monkeypatch):
     """Explicit configs: 32-row tiles with 2 K splits of 2 steps of 64 (both K tiles inside one block
-    column), and 256-row tiles with K tiles of 256 (two block columns); leading dims, f32 output."""
+    column), and 256-row tiles with K tiles of 256 (two block columns); leading dims, f32 output.
+    "mx": the 128-wide scales widened to MX's 32 (activation and weight alike)."""
     monkeypatch.setitem(pallas_triton.SCALE_MODE, "fp8", mode)
     x = jnp.asarray(np.random.default_rng().standard_normal((2, 3, 512), np.float32).astype(jnp.bfloat16))
     w = make_weight(None, 384, 512)

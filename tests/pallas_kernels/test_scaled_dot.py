@@ -131,3 +131,36 @@ def test_indexer_takes_the_mx_read_on_gfx950(monkeypatch, mx_device):
     kernels = triton_kernels(f, *specs, target="rocm")
     scores = [k for k in kernels if k["name"].startswith("indexer_block_maxima")]
     assert scores and all(("tt.dot_scaled" in k["ttir"]) == mx_device for k in scores), [k["name"] for k in kernels]
+
+
+def test_mx_dot_accumulates_into_acc():
+    """``acc`` is the dot's accumulator operand: the result is acc + the dot (the reference here; on the
+    GPU tt.dot_scaled's C operand), and a wrong accumulator shape is refused."""
+    rng = np.random.default_rng()
+    a, asc = _operand(rng, 16, 64, "e2m1", (120, 134))
+    b, bsc = _operand(rng, 16, 64, "e4m3", (120, 134))
+    acc = jnp.asarray(rng.standard_normal((16, 16)), jnp.float32)
+    got = np.asarray(mx_dot(a, asc, b, bsc, b_format="e4m3", acc=acc), np.float64)
+    want = np.asarray(acc, np.float64) + _np_decode(a, asc, "e2m1") @ _np_decode(b, bsc, "e4m3").T
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    with pytest.raises(ValueError, match=r"acc: expected float32\[16, 16\], got float32\[16, 8\]"):
+        mx_dot(a, asc, b, bsc, b_format="e4m3", acc=acc[:, :8])
+
+
+@pytest.mark.parametrize("mx_device", [True, False])
+def test_prefill_gemm_takes_the_mx_mode_on_gfx950(monkeypatch, mx_device):
+    """A tiled FP8 GEMM (wq_b at 4,096 rows) lowers (rocm) to the MX kernel -- one tt.dot_scaled a K tile,
+    e4m3 x e4m3 -- where the device has MX matrix instructions, and to the bf16 "expand" kernel elsewhere;
+    a scale mode named in SCALE_MODE other than "expand" is kept either way."""
+    from dsv41_jax.quant import Fp8Tensor
+    from pallas_kernels.lightning_indexer import pallas_triton as ix
+    from pallas_kernels.quantized_matmul import pallas_triton as qmm
+
+    monkeypatch.setattr(ix, "has_mx_dot", lambda device=None: mx_device)
+    sd = jax.ShapeDtypeStruct
+    w = Fp8Tensor(sd((32768, 1280), jnp.float8_e4m3fn), sd((1024, 40), jnp.float8_e8m0fnu), block=(32, 32))
+    [k] = triton_kernels(lambda x, w: qmm.quantized_matmul(x, w), sd((4096, 1280), jnp.bfloat16), w, target="rocm")
+    assert k["name"] == ("qmm_fp8_mx" if mx_device else "qmm_fp8")
+    assert ("lhs = e4m3 rhs = e4m3" in k["ttir"]) == mx_device
+    monkeypatch.setitem(qmm.SCALE_MODE, "fp8", "gather")
+    assert qmm.default_scale_mode("fp8") == "gather" and qmm.default_scale_mode("fp4") == ("mx" if mx_device else "expand")
