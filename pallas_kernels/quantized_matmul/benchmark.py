@@ -166,7 +166,7 @@ def tune_gemv(key):
     cfgs = [(16, 128, 256, 1, 4, 3), (16, 64, 512, 1, 4, 3), (16, 128, 256, 1, 8, 4)]
     for label, w0, m in cases:
         fmt = "fp4" if "mxfp4" in label else "fp8"
-        modes = ["expand", "view3d"] if fmt == "fp4" else ["expand", "gather", "mma8"]
+        modes = ["expand", "view3d", "mx"] if fmt == "fp4" else ["expand", "gather", "mma8", "mx"]
         for mode in modes:
             pallas_triton.SCALE_MODE[fmt] = mode
             for cfg in [None] + cfgs:
@@ -576,9 +576,9 @@ def check(only: str | None = None, with_mma8: bool = False):
     cases += [(f"plain bf16 {n}x{k}", wb, m, 32) for m in (1, 256)]
     if only:
         cases = [c for c in cases if only in c[0]]
-    fp8_modes = ["expand", "gather"] + (["mma8"] if with_mma8 else [])
+    fp8_modes = ["expand", "gather", "mx"] + (["mma8"] if with_mma8 else [])
     for label, w, m, ab in cases:
-        for mode in (fp8_modes if label.startswith("fp8") else ["expand", "view3d"] if label.startswith("mxfp4") else ["-"]):
+        for mode in (fp8_modes if label.startswith("fp8") else ["expand", "view3d", "mx"] if label.startswith("mxfp4") else ["-"]):
             fmt = "fp8" if label.startswith("fp8") else "fp4"
             if mode != "-":
                 pallas_triton.SCALE_MODE[fmt] = mode
