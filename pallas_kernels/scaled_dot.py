@@ -22,6 +22,7 @@ callers pass scales of real data (the quantizers write 0..254).
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,29 @@ from jax.interpreters import mlir
 
 FORMATS = ("e2m1", "e4m3")
 BLOCK = 32  # MX block: elements of K sharing one e8m0 scale
+
+# Devices with a block-scaled MX matrix instruction: gfx950 (MI350X / MI355X, v_mfma_scale_f32_*_f8f6f4).
+MX_DEVICE_MARKS = ("gfx950", "mi350", "mi355")
+# Where the kernels take MX dots by default (DSV41_MX_DOT, read at import): "auto" (on devices with MX
+# matrix instructions, has_mx_dot), "off" (nowhere: each kernel's decode route) or "on" (everywhere,
+# for A/B runs: on sm_90 Triton lowers the MX dot to its own upcast and a bf16 dot).
+MX_DOT_CHOICES = ("auto", "off", "on")
+MX_DOT = os.environ.get("DSV41_MX_DOT", "auto").lower()
+if MX_DOT not in MX_DOT_CHOICES:
+    raise ValueError(f"DSV41_MX_DOT={MX_DOT!r}: expected one of {', '.join(MX_DOT_CHOICES)}")
+
+
+def has_mx_dot(device=None) -> bool:
+    """Whether ``device`` (default: JAX's first) has a block-scaled MX matrix instruction
+    (:data:`MX_DEVICE_MARKS` in its kind or compute capability)."""
+    dev = device or jax.devices()[0]
+    text = f"{getattr(dev, 'device_kind', '')} {getattr(dev, 'compute_capability', '')}".lower()
+    return any(m in text for m in MX_DEVICE_MARKS)
+
+
+def mx_default() -> bool:
+    """Whether kernels that can take MX dots do so by default (:data:`MX_DOT`)."""
+    return MX_DOT == "on" or (MX_DOT == "auto" and has_mx_dot())
 
 
 def _k_of(x, fmt: str) -> int:

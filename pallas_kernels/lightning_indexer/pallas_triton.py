@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.quant import Fp4Tensor
-from pallas_kernels.scaled_dot import mx_dot
+from pallas_kernels.scaled_dot import mx_default, mx_dot
 
 from dsv41_jax.quant.codecs import le_words
 from pallas_kernels.quantized_matmul.pallas_triton_fma import (
@@ -97,26 +97,13 @@ if DEFAULTS["decode_path"] not in DECODE_PATHS:
 WORD_READS = ("phases", "f16phases")  # the routes that read the codes as 32-bit words
 
 
-# Devices with a block-scaled MX matrix instruction, where the "mx" read (one tt.dot_scaled, no decode of
-# ours) is the default: gfx950 (MI350X / MI355X, v_mfma_scale_f32_*_f8f6f4). Chosen offline (BENCHMARKS.md,
-# issue 5, session 52: the score kernel's loop 411 -> 156 instructions per work-item and step for gfx950,
-# 119 -> 71 VGPRs, 3 -> 5 waves per SIMD); no AMD device has run it. On sm_90 Triton decomposes the MX dot
-# into its own upcast (856 -> 1,126 instructions per step), so NVIDIA keeps DEFAULTS["fp4_read"].
-MX_DEVICE_MARKS = ("gfx950", "mi350", "mi355")
-
-
-def has_mx_dot(device=None) -> bool:
-    """Whether ``device`` (default: JAX's first) has a block-scaled MX matrix instruction
-    (:data:`MX_DEVICE_MARKS` in its kind or compute capability)."""
-    dev = device or jax.devices()[0]
-    text = f"{getattr(dev, 'device_kind', '')} {getattr(dev, 'compute_capability', '')}".lower()
-    return any(m in text for m in MX_DEVICE_MARKS)
-
-
 def default_fp4_read(interpret: bool = False) -> str:
-    """The MXFP4 read a call that names none takes: "mx" on a device with MX matrix instructions
-    (:func:`has_mx_dot`), else ``DEFAULTS["fp4_read"]`` (interpret mode: always the latter)."""
-    return "mx" if not interpret and has_mx_dot() else DEFAULTS["fp4_read"]
+    """The MXFP4 read a call that names none takes: "mx" where MX dots are the default
+    (:func:`pallas_kernels.scaled_dot.mx_default`: gfx950; BENCHMARKS.md issue 5, session 52, offline:
+    the score loop 411 -> 156 instructions per work-item and step, 119 -> 71 VGPRs, 3 -> 5 waves per
+    SIMD; on sm_90 Triton's own upcast makes it 856 -> 1,126), else ``DEFAULTS["fp4_read"]``; interpret
+    mode: always the latter."""
+    return "mx" if not interpret and mx_default() else DEFAULTS["fp4_read"]
 
 
 class MxRows(NamedTuple):

@@ -46,7 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.quant import Fp4Tensor, Fp8Tensor, act_quant, is_quantized
-from pallas_kernels.scaled_dot import mx_dot
+from pallas_kernels.scaled_dot import mx_default, mx_dot
 
 warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*", category=DeprecationWarning)
 
@@ -505,12 +505,10 @@ def _mx_act_operands(x2, block=32):
 
 def default_scale_mode(fmt: str) -> str:
     """The scale mode of ``fmt`` ("fp8" / "fp4") weights: :data:`SCALE_MODE`'s, except "mx" where that
-    is left at "expand" and the device has MX matrix instructions (gfx950: chosen offline, BENCHMARKS.md
-    issue 6, session 52; no AMD device has run it)."""
-    from pallas_kernels.lightning_indexer.pallas_triton import has_mx_dot
-
+    is left at "expand" and MX dots are the default (:func:`pallas_kernels.scaled_dot.mx_default`:
+    gfx950, chosen offline, BENCHMARKS.md issue 6, session 52; no AMD device has run it)."""
     mode = SCALE_MODE[fmt]
-    return "mx" if mode == "expand" and has_mx_dot() else mode
+    return "mx" if mode == "expand" and mx_default() else mode
 
 
 def _act_quant_codes(x2, block=32):

@@ -94,18 +94,23 @@ def test_mx_dot_lowers_to_one_dot_scaled(target, a_format):
     assert len(ops) == 1 and f"lhs = {a_format} rhs = e2m1" in ops[0], ops
 
 
-def test_has_mx_dot_by_device():
+def test_has_mx_dot_by_device(monkeypatch):
     from pallas_kernels.lightning_indexer import pallas_triton as ix
 
     class Dev:
         def __init__(self, kind, cc=""):
             self.device_kind, self.compute_capability = kind, cc
 
-    assert ix.has_mx_dot(Dev("AMD Instinct MI355X")) and ix.has_mx_dot(Dev("AMD Instinct MI350X"))
-    assert ix.has_mx_dot(Dev("", "gfx950"))
-    assert not ix.has_mx_dot(Dev("AMD Instinct MI300X", "gfx942")) and not ix.has_mx_dot(Dev("NVIDIA H200", "9.0"))
-    assert not ix.has_mx_dot()  # this CPU
+    has = scaled_dot.has_mx_dot
+    assert has(Dev("AMD Instinct MI355X")) and has(Dev("AMD Instinct MI350X")) and has(Dev("", "gfx950"))
+    assert not has(Dev("AMD Instinct MI300X", "gfx942")) and not has(Dev("NVIDIA H200", "9.0"))
+    assert not has() and not scaled_dot.mx_default()  # this CPU, DSV41_MX_DOT=auto
     assert ix.default_fp4_read() == ix.default_fp4_read(interpret=True) == ix.DEFAULTS["fp4_read"] == "phases"
+    monkeypatch.setattr(scaled_dot, "MX_DOT", "on")  # DSV41_MX_DOT=on: everywhere but interpret mode
+    assert ix.default_fp4_read() == "mx" and ix.default_fp4_read(interpret=True) == "phases"
+    monkeypatch.setattr(scaled_dot, "MX_DOT", "off")
+    monkeypatch.setattr(scaled_dot, "has_mx_dot", lambda device=None: True)
+    assert not scaled_dot.mx_default()
 
 
 @pytest.mark.parametrize("mx_device", [True, False])
@@ -122,7 +127,7 @@ def test_indexer_takes_the_mx_read_on_gfx950(monkeypatch, mx_device):
              sd((b, s, hi), jnp.float32),
              Fp4Tensor(sd((b, nc, di // 2), jnp.uint8), sd((b, nc, di // 32), jnp.float8_e8m0fnu), block=32),
              sd((b, s), jnp.int32)]
-    monkeypatch.setattr(ix, "has_mx_dot", lambda device=None: mx_device)
+    monkeypatch.setattr(scaled_dot, "has_mx_dot", lambda device=None: mx_device)
     assert ix.default_fp4_read(interpret=True) == "phases"
 
     def f(q, w, k, v):
@@ -153,10 +158,9 @@ def test_prefill_gemm_takes_the_mx_mode_on_gfx950(monkeypatch, mx_device):
     e4m3 x e4m3 -- where the device has MX matrix instructions, and to the bf16 "expand" kernel elsewhere;
     a scale mode named in SCALE_MODE other than "expand" is kept either way."""
     from dsv41_jax.quant import Fp8Tensor
-    from pallas_kernels.lightning_indexer import pallas_triton as ix
     from pallas_kernels.quantized_matmul import pallas_triton as qmm
 
-    monkeypatch.setattr(ix, "has_mx_dot", lambda device=None: mx_device)
+    monkeypatch.setattr(scaled_dot, "has_mx_dot", lambda device=None: mx_device)
     sd = jax.ShapeDtypeStruct
     w = Fp8Tensor(sd((32768, 1280), jnp.float8_e4m3fn), sd((1024, 40), jnp.float8_e8m0fnu), block=(32, 32))
     [k] = triton_kernels(lambda x, w: qmm.quantized_matmul(x, w), sd((4096, 1280), jnp.bfloat16), w, target="rocm")
