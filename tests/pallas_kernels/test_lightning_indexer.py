@@ -418,11 +418,13 @@ def _causal_vis(b, s, nc, ratio=1, offsets=(0, 37)):
     return jnp.asarray(np.minimum((pos + 1) // ratio, nc).astype(np.int32))
 
 
-@pytest.mark.parametrize("quant", [True, False], ids=["mxfp4", "f32"])
-def test_prefill_tile_scores_equal_float64(quant):
-    """The tile kernel's masked scores on fresh random inputs (MXFP4 -> bf16 dots; float32 -> IEEE
-    fp32 dots) against sum_h w_h relu(q_h . k_j) in float64, every element; tiles past every row's
-    causal limit are -inf without their dots; rows and keys not multiples of the tile."""
+@pytest.mark.parametrize("quant,mx", [(True, False), (True, True), (False, False)], ids=["mxfp4", "mxfp4_mx", "f32"])
+def test_prefill_tile_scores_equal_float64(quant, mx):
+    """The tile kernel's masked scores on fresh random inputs (MXFP4 -> bf16 dots, or with ``mx`` the
+    codes and scales as stored into one MX dot a head; float32 -> IEEE fp32 dots) against
+    sum_h w_h relu(q_h . k_j) in float64, every element; tiles past every row's causal limit are -inf
+    without their dots; rows and keys not multiples of the tile (the MX operands padded with code 0
+    and scale 2**0)."""
     rng = np.random.default_rng()
     b, s, hi, di, nc = 2, S_PRE, 16, 64, 333
     q = jnp.asarray(rng.normal(size=(b, s, hi, di)), jnp.float32)
@@ -438,7 +440,10 @@ def test_prefill_tile_scores_equal_float64(quant):
     want = np.einsum("bsh,bshn->bsn", np.asarray(w, np.float64), np.maximum(np.einsum("bshd,bnd->bshn", qf, kf), 0))
     want = np.where(np.arange(nc)[None, None] < np.asarray(vis)[..., None], want, -np.inf)
     got = np.asarray(jax.jit(lambda *a: pallas_triton_prefill.index_scores(
-        *a, interpret=True, config=dict(block_s=32, block_n=64)))(q, w, k, vis))
+        *a, interpret=True, config=dict(block_s=32, block_n=64, mx=mx)))(q, w, k, vis))
+    jaxpr = str(jax.make_jaxpr(lambda *a: pallas_triton_prefill.index_scores(
+        *a, interpret=True, config=dict(block_s=32, block_n=64, mx=mx)))(q, w, k, vis))
+    assert ("dsv41_mx_dot" in jaxpr) == mx
     assert got.shape == (b, s, nc) and got.dtype == np.float32
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
     fin = np.isfinite(want)

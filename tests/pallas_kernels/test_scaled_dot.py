@@ -136,6 +136,12 @@ def test_indexer_takes_the_mx_read_on_gfx950(monkeypatch, mx_device):
     kernels = triton_kernels(f, *specs, target="rocm")
     scores = [k for k in kernels if k["name"].startswith("indexer_block_maxima")]
     assert scores and all(("tt.dot_scaled" in k["ttir"]) == mx_device for k in scores), [k["name"] for k in kernels]
+    # a prefill chunk (4,096 rows): the tile score kernel reads q and the keys as stored on gfx950
+    pre = [sd((b, 4096, hi, di // 2), jnp.uint8), sd((b, 4096, hi, di // 32), jnp.float8_e8m0fnu)]
+    specs_pre = [Fp4Tensor(*pre, block=32), sd((b, 4096, hi), jnp.float32), specs[2], sd((b, 4096), jnp.int32)]
+    [k] = [k for k in triton_kernels(f, *specs_pre, target="rocm") if k["name"].startswith("indexer_prefill_scores")]
+    assert k["name"] == ("indexer_prefill_scores_mx" if mx_device else "indexer_prefill_scores")
+    assert ("tt.dot_scaled" in k["ttir"]) == mx_device
 
 
 def test_mx_dot_accumulates_into_acc():
