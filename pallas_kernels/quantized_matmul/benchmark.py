@@ -575,7 +575,7 @@ def check(only: str | None = None, with_mma8: bool = False):
     wb = (jax.random.normal(key, (n, k), jnp.float32) * 0.05).astype(jnp.bfloat16)
     cases += [(f"plain bf16 {n}x{k}", wb, m, 32) for m in (1, 256)]
     if only:
-        cases = [c for c in cases if only in c[0]]
+        cases = [c for c in cases if any(o and o in c[0] for o in only.split(","))]
     fp8_modes = ["expand", "gather", "mx"] + (["mma8"] if with_mma8 else [])
     for label, w, m, ab in cases:
         for mode in (fp8_modes if label.startswith("fp8") else ["expand", "view3d", "mx"] if label.startswith("mxfp4") else ["-"]):
@@ -606,7 +606,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--check", action="store_true", help="correctness only, every path, then exit")
-    ap.add_argument("--only", default=None, help="with --check: only cases whose label contains this (e.g. fp8-128)")
+    ap.add_argument("--only", default=None, help="with --check: only cases whose label contains one of these (comma-separated, e.g. fp8-128,mxfp4)")
     ap.add_argument("--with-mma8", action="store_true",
                     help="with --check or --prefill: also the experimental mma8 FP8 mode (32x32 blocks)")
     ap.add_argument("--fma", action="store_true", help="tensor-core vs vector-unit (fma) GEMV sweep, then exit")
