@@ -377,10 +377,14 @@ def _config(m: int, n: int, k: int, fmt: str):
     return bm, bn, bk, 1, 8 if bn >= 128 else 4, 3
 
 
-def _mm_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt, bm, bn, bk, steps, op_dtype, split, wblock=32):
-    # All refs are whole arrays (x padded to a multiple of bm rows by the wrapper): no partial
-    # blocks, no bounds masks, no squeezed block dims. (Partial-block masked BlockSpecs and squeezed
-    # output blocks gave wrong results on the H200 with jax 0.11.2, see BENCHMARKS.md.)
+def _tiled(o_ref, step, *, bm, bn, bk, steps, split, swap=False):
+    """The tiled GEMMs' program: output tile (program ids 1, 0) over its K split (program id 2), ``steps``
+    K tiles of ``bk`` from ``kbase``; ``step(k0, row0, rows, mrows, acc) -> acc`` adds one K tile's
+    product to the fp32 accumulator [bm, bn] ([bn, bm] with ``swap``), which is stored as the split's
+    fp32 part or, unsplit, in the output's dtype. All refs are whole arrays (x padded to a multiple of
+    bm rows by the wrapper): no partial blocks, no bounds masks, no squeezed block dims. (Partial-block
+    masked BlockSpecs and squeezed output blocks gave wrong results on the H200 with jax 0.11.2, see
+    BENCHMARKS.md.)"""
     i_n = pl.program_id(0)
     i_m = pl.program_id(1)
     i_s = pl.program_id(2)
@@ -390,16 +394,23 @@ def _mm_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt, bm, bn, bk, steps, op_dtype, 
     kbase = i_s * (steps * bk)
 
     def body(i, acc):
-        k0 = pl.multiple_of(kbase + i * bk, bk)
+        return step(pl.multiple_of(kbase + i * bk, bk), row0, rows, mrows, acc)
+
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
+    out = (rows, mrows) if swap else (mrows, rows)
+    if split:
+        o_ref[(i_s, *out)] = acc
+    else:
+        o_ref[out] = acc.astype(o_ref.dtype)
+
+
+def _mm_kernel(x_ref, w_ref, s_ref, o_ref, *, fmt, bm, bn, bk, steps, op_dtype, split, wblock=32):
+    def step(k0, row0, rows, mrows, acc):
         xt = x_ref[mrows, pl.ds(k0, bk)]
         wts = load_weight_tiles(fmt, w_ref, s_ref, (), rows, row0, bn, k0, bk, op_dtype, wblock)
         return acc + tile_dot(fmt, xt, wts, op_dtype)
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
-    if split:
-        o_ref[i_s, mrows, rows] = acc
-    else:
-        o_ref[mrows, rows] = acc.astype(o_ref.dtype)
+    _tiled(o_ref, step, bm=bm, bn=bn, bk=bk, steps=steps, split=split)
 
 
 def unsupported_reason(x, w, *, act_block=32):
@@ -430,17 +441,9 @@ def _mm8_kernel(x8_ref, xs_ref, w_ref, s_ref, o_ref, *, bm, bn, bk, steps, split
     scales transposed by XLA ([K/32, M]) and the output [N, M]. At decode sizes the weight rows, not
     the padded activation rows, fill the tensor-core tiles, and the loads feed dots, so Triton's
     pipeliner keeps ``stages`` of them in flight (measured slower than the fma GEMV: BENCHMARKS.md)."""
-    i_n = pl.program_id(0)
-    i_m = pl.program_id(1)
-    i_s = pl.program_id(2)
-    row0 = pl.multiple_of(i_n * bn, bn)
-    rows = pl.ds(row0, bn)
-    mrows = pl.ds(pl.multiple_of(i_m * bm, bm), bm)
-    kbase = i_s * (steps * bk)
     dims = (((1,), (1,)), ((), ()))
 
-    def body(i, acc):
-        k0 = pl.multiple_of(kbase + i * bk, bk)
+    def step(k0, row0, rows, mrows, acc):
         for j in range(bk // 32):
             kk = k0 + 32 * j
             xt, wt = x8_ref[mrows, pl.ds(kk, 32)], w_ref[rows, pl.ds(kk, 32)]
@@ -454,12 +457,7 @@ def _mm8_kernel(x8_ref, xs_ref, w_ref, s_ref, o_ref, *, bm, bn, bk, steps, split
                 acc = acc + part * xs_ref[mrows, pl.ds(kk // 32, 1)] * sw.reshape(1, bn)
         return acc
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
-    out = (rows, mrows) if swap else (mrows, rows)
-    if split:
-        o_ref[(i_s, *out)] = acc
-    else:
-        o_ref[out] = acc.astype(o_ref.dtype)
+    _tiled(o_ref, step, bm=bm, bn=bn, bk=bk, steps=steps, split=split, swap=swap)
 
 
 def _mx_kernel(x8_ref, xs_ref, w_ref, s_ref, o_ref, *, fmt, bm, bn, bk, steps, split, wblock=32):
@@ -467,16 +465,7 @@ def _mx_kernel(x8_ref, xs_ref, w_ref, s_ref, o_ref, *, fmt, bm, bn, bk, steps, s
     activation's e4m3 codes ``x8`` with their e8m0 scale bytes ``xs`` [M, K/32] and the weight's codes
     (FP8 e4m3 [N, K], or MXFP4 bytes [N, K/2]) with their e8m0 bytes: MXFP4's [N, K/32] as stored,
     FP8's square ``wblock`` blocks [N/wb, K/wb] widened here to one scale per row and 32 columns."""
-    i_n = pl.program_id(0)
-    i_m = pl.program_id(1)
-    i_s = pl.program_id(2)
-    row0 = pl.multiple_of(i_n * bn, bn)
-    rows = pl.ds(row0, bn)
-    mrows = pl.ds(pl.multiple_of(i_m * bm, bm), bm)
-    kbase = i_s * (steps * bk)
-
-    def body(i, acc):
-        k0 = pl.multiple_of(kbase + i * bk, bk)
+    def step(k0, row0, rows, mrows, acc):
         xt, xs = x8_ref[mrows, pl.ds(k0, bk)], xs_ref[mrows, pl.ds(k0 // 32, bk // 32)]
         if fmt == "fp4":
             wt, ws = w_ref[rows, pl.ds(k0 // 2, bk // 2)], s_ref[rows, pl.ds(k0 // 32, bk // 32)]
@@ -488,11 +477,7 @@ def _mx_kernel(x8_ref, xs_ref, w_ref, s_ref, o_ref, *, fmt, bm, bn, bk, steps, s
             ws = jnp.broadcast_to(s[:, None, :, None], (s.shape[0], r_rep, s.shape[1], c_rep)).reshape(bn, bk // 32)
         return mx_dot(xt, xs, wt, ws, a_format="e4m3", b_format="e2m1" if fmt == "fp4" else "e4m3", acc=acc)
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
-    if split:
-        o_ref[i_s, mrows, rows] = acc
-    else:
-        o_ref[mrows, rows] = acc.astype(o_ref.dtype)
+    _tiled(o_ref, step, bm=bm, bn=bn, bk=bk, steps=steps, split=split)
 
 
 def _mx_act_operands(x2, block=32):

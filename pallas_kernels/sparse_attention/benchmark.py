@@ -198,6 +198,23 @@ PREFILL_VARIANTS = (("xla, row max", None),
                     ("pallas, 64-key blocks, 32 heads", dict(block_k=64, num_splits=1, block_h=32)))
 
 
+def checked_device_time(fn, args, shared, y0, reps):
+    """(seconds, kernels, rel err) of ``fn``: its output on ``args[0]`` (+ ``shared``) compared with
+    ``y0`` first (relative Frobenius error), then its device time over ``args``
+    (:func:`~pallas_kernels.benchmarking.device_time_op`, with the list of its kernels)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels import benchmarking
+
+    y = np.asarray(jax.jit(fn)(*args[0], *shared).astype(jnp.float32))
+    rel = float(np.linalg.norm(y - y0) / np.linalg.norm(y0))
+    kernels = []
+    t = benchmarking.device_time_op(fn, args, shared, reps=reps, kernels=kernels)
+    return t, kernels, rel
+
+
 # The --table variants: the op alone (no site around it) for the issue-5 table, by device time
 TABLE_VARIANTS = (("xla", None), ("pallas flash", dict(method="flash")), ("two-pass", dict(two_pass={})))
 TABLE_CASES = tuple((nc, b, 1) for nc in (4096, 65536, 1 << 20) for b in (1, 8, 64)) + ((65536, 1, 6),)
@@ -270,10 +287,7 @@ def op_table(log, cases=TABLE_CASES, variants=TABLE_VARIANTS, reps=3, kw=128, kc
                    variants={})
         for name, cfg in variants:
             try:
-                y = np.asarray(jax.jit(op(cfg))(*args[0], ck).astype(jnp.float32))
-                rel = float(np.linalg.norm(y - y0) / np.linalg.norm(y0))
-                kernels = []
-                t = device_time_op(op(cfg), args, (ck,), reps=reps, kernels=kernels)
+                t, kernels, rel = checked_device_time(op(cfg), args, (ck,), y0, reps)
                 row["variants"][name] = dict(us=t * 1e6, kernels=len(kernels), rel_err=rel, ok=rel < 2e-2)
                 log(f"table ctx={nc} B={b} S={s} {name}: {t*1e6:8.2f} us in {len(kernels)} kernels, rel {rel:.2e}"
                     f"{'' if rel < 2e-2 else '  WRONG'}  floor {row['floor_us']:.2f} us, read anchor {t_a*1e6:.2f} us")
@@ -312,7 +326,7 @@ def site(log, contexts=(2560, 5121), batches=(1,), variants=SITE_VARIANTS, reps=
     import numpy as np
 
     from dsv41_jax.rope import apply_rope
-    from pallas_kernels.benchmarking import device_time_op, random_fp8
+    from pallas_kernels.benchmarking import random_fp8
     from pallas_kernels.quantized_matmul.api import grouped_matmul
     from pallas_kernels.sparse_attention import pallas_triton as pt
     from pallas_kernels.sparse_attention import pallas_triton_two_pass as tp
@@ -343,10 +357,7 @@ def site(log, contexts=(2560, 5121), batches=(1,), variants=SITE_VARIANTS, reps=
             t_x = None
             for name, cfg in variants:
                 try:
-                    y = np.asarray(jax.jit(site_fn(cfg))(*args[0], w).astype(jnp.float32))
-                    rel = float(np.linalg.norm(y - y0) / np.linalg.norm(y0))
-                    kernels = []
-                    t = device_time_op(site_fn(cfg), args, (w,), reps=reps, kernels=kernels)
+                    t, kernels, rel = checked_device_time(site_fn(cfg), args, (w,), y0, reps)
                     t_x = t if cfg is None else t_x
                     rows.append(dict(context=nc, batch=b, seq=seq, variant=name, inputs=label or "uniform",
                                      site_us=t * 1e6, kernels=len(kernels), rel_err=rel, ok=rel < 2e-2))

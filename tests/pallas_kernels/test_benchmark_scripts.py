@@ -304,8 +304,8 @@ def test_moe_tc_only_sweep_times_each_route_and_extra_tiling(monkeypatch):
 
 def test_indexer_check_covers_every_decode_route(monkeypatch):
     """``lightning_indexer.benchmark``'s GPU check (small cases, interpret mode): every case passes
-    with every MXFP4 decode route (words into bf16 phase dots, the same in float16, bytes), and a
-    wrong word decode in either word route would fail it."""
+    with every MXFP4 decode route (words into bf16 phase dots, the same in float16, bytes, and the
+    codes as stored into one MX dot), and a wrong word decode in either word route would fail it."""
     import functools
 
     import pallas_kernels.lightning_indexer.benchmark as bm
@@ -314,14 +314,14 @@ def test_indexer_check_covers_every_decode_route(monkeypatch):
     monkeypatch.setattr(pt, "lightning_indexer", functools.partial(pt.lightning_indexer, interpret=True))
     lines = []
     assert bm.check(lines.append, cases=[(2, 1, 3000, True, False), (1, 2, 2500, False, True)])
-    assert [ln.split("fp4_read=")[1].split(":")[0] for ln in lines] == ["phases", "f16phases", "bytes"] * 2, lines
+    assert [ln.split("fp4_read=")[1].split(":")[0] for ln in lines] == ["phases", "f16phases", "bytes", "mx"] * 2, lines
     for name in ("fp4_word_pairs_f32", "fp4_word_pairs_f16"):
         real = getattr(pt, name)
         with monkeypatch.context() as m:
             m.setattr(pt, name, lambda w, real=real: [(lo, lo) for lo, _ in real(w)])  # codes j + 4 lost
             lines = []
             assert not bm.check(lines.append, cases=[(1, 1, 3000, True, False)])
-            assert [("OK" in ln) for ln in lines] == [name.endswith("f16"), name.endswith("f32"), True], lines
+            assert [("OK" in ln) for ln in lines] == [name.endswith("f16"), name.endswith("f32"), True, True], lines
 
 
 def test_indexer_prefill_and_decode_topk_run_in_interpret_mode(monkeypatch, tmp_path):

@@ -212,7 +212,7 @@ def test_cross_lowering_fp8_128_gather_and_partial_block(target, monkeypatch):
 
 
 def test_benchmark_check_list_runs_in_interpret_mode(monkeypatch):
-    """The GPU ``--check`` includes the V4 128x128 cases (expand and gather; mma8 reported as SKIP
+    """The GPU ``--check`` includes the V4 128x128 cases (expand, gather and mx; mma8 reported as SKIP
     with its reason). Run that code path here on a tiny shape in interpret mode."""
     import pallas_kernels.quantized_matmul.benchmark as bm
 
@@ -227,8 +227,12 @@ def test_benchmark_check_list_runs_in_interpret_mode(monkeypatch):
     monkeypatch.setattr(bm, "log", lambda *a: lines.append(" ".join(map(str, a))))
     assert bm.check(with_mma8=True)
     v4 = [s for s in lines if "fp8-128" in s]
-    assert sum(s.startswith("PASS") for s in v4) == 8  # 4 row counts x expand/gather
+    assert sum(s.startswith("PASS") for s in v4) == 12  # 4 row counts x expand/gather/mx
+    assert sum(s.startswith("PASS") and "mode=mx" in s for s in v4) == 4
     assert sum(s.startswith("SKIP") and "mma8" in s for s in v4) == 4
     lines.clear()  # --only picks cases by label; mma8 runs only when asked for
     assert bm.check(only="fp8-128")
-    assert len(lines) == 9 and all("fp8-128" in s for s in lines[:-1]) and not any("mma8" in s for s in lines)
+    assert len(lines) == 13 and all("fp8-128" in s for s in lines[:-1]) and not any("mma8" in s for s in lines)
+    lines.clear()  # comma-separated label parts: either
+    assert bm.check(only="fp8-128,plain")
+    assert len(lines) == 15 and sum("plain" in s for s in lines) == 2
