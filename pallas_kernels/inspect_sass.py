@@ -186,10 +186,27 @@ _GCN_INSTR = re.compile(r"^\s+((?:[sv]|ds|buffer|global|flat|scratch)_[a-z0-9_]+
 
 
 def gcn_loop_mix(asm: str) -> list[dict]:
-    """Instruction counts of every loop in AMDGCN assembly (:func:`compile_amdgcn`): from a label that
-    LLVM marks as a loop header to the branch back to it. One dict per loop, as :func:`loop_mix`."""
-    return _loops(asm, r"^(\.LBB\w+):.*Loop Header", _GCN_INSTR, 1,
-                  lambda op, line, label: op.startswith(("s_cbranch", "s_branch")) and line.rstrip().endswith(label))
+    """Instruction counts of every innermost loop in AMDGCN assembly (:func:`compile_amdgcn`): the block
+    LLVM marks as a loop header and every block it marks as in that loop (``in Loop: Header=...``:
+    latches, pipelined parts and conditional blocks alike, wherever they sit in the listing). One dict
+    per loop, as :func:`loop_mix`."""
+    blocks, header_of, cur = {}, {}, None
+    for line in asm.splitlines():
+        m = re.match(r"^(\.LBB\w+|; %bb\.\d+):(.*)", line)
+        if m:
+            cur, note = m.group(1), m.group(2)
+            blocks[cur] = collections.Counter()
+            inner = re.search(r"in Loop: Header=(BB\w+)", note)
+            header_of[cur] = cur if "Loop Header" in note else (".L" + inner.group(1) if inner else None)
+            continue
+        ins = _GCN_INSTR.match(line)
+        if cur and ins:
+            blocks[cur][ins.group(1)] += 1
+    loops = []
+    for h in [b for b, head in header_of.items() if head == b]:
+        body = sum((blocks[b] for b, head in header_of.items() if head == h), collections.Counter())
+        loops.append(dict(label=h, total=sum(body.values()), counts=dict(body)))
+    return loops
 
 
 def gcn_resources(asm: str) -> dict:
@@ -338,6 +355,9 @@ def main(argv=None) -> int:
                     help="cuda: sm_90 SASS (H100/H200); rocm: gfx950 AMDGCN (MI350X), both compiled offline")
     ap.add_argument("--python", default=None, help="an interpreter with triton installed, for the SASS step")
     ap.add_argument("--out", default=None, help="also write each kernel's .ttir and .sass here")
+    ap.add_argument("--mx", choices=["auto", "off", "on"], default=None,
+                    help="DSV41_MX_DOT for this run: 'on' lowers the kernels that can take MX dots (the indexer, "
+                         "the tiled GEMMs, e.g. gemv --tokens 4096) as they run on gfx950, whatever the target")
     a = ap.parse_args(argv)
     config = None
     if a.config:
@@ -359,6 +379,10 @@ def main(argv=None) -> int:
 
     if a.decode:
         fma.FMA_DECODE.update(fma._parse_fma_decode(a.decode))
+    if a.mx:
+        from pallas_kernels import scaled_dot
+
+        scaled_dot.MX_DOT = a.mx
     fn, *specs = _cases(a.case, a.tokens, a.experts, config, a.packing)
     rocm = a.target == "rocm"
     compiler = "compile_amdgcn" if rocm else "compile_sass"

@@ -72,12 +72,36 @@ GCN = """
 """
 
 
+GCN_LATCH = """
+	s_branch .LBB0_4
+.LBB0_3:                                ;   in Loop: Header=BB0_4 Depth=1
+	s_add_i32 s4, s4, 1
+	s_cmp_lg_u32 s4, 10
+	s_cbranch_scc0 .LBB0_6
+.LBB0_4:                                ; =>This Inner Loop Header: Depth=1
+	global_load_dwordx4 v[4:7], v[2:3], off
+	v_mfma_scale_f32_32x32x64_f8f6f4 v[0:15], v[4:11], v[12:19], v[0:15], v20, v21
+	s_cbranch_execz .LBB0_3
+; %bb.5:                                ;   in Loop: Header=BB0_4 Depth=1
+	v_max_f32_e32 v30, v31, v30
+	s_branch .LBB0_3
+.LBB0_6:                                ; %.loopexit
+	s_endpgm
+"""
+
+
 def test_gcn_loop_mix_counts_the_loop_body():
-    """The AMDGCN parser (gfx950, MI350X): only the LLVM-marked loop header, up to its back branch."""
+    """The AMDGCN parser (gfx950, MI350X): the LLVM-marked loop header and every block marked as in its
+    loop -- a latch placed before the header and an unlabelled block included, the exit left out."""
     (lp,) = inspect_sass.gcn_loop_mix(GCN)
     assert lp["label"] == ".LBB0_2" and lp["total"] == 8
     assert lp["counts"] == {"global_load_dwordx4": 1, "s_waitcnt": 1, "v_and_b32_e32": 1, "v_pk_fma_f16": 2,
                             "s_add_i32": 1, "s_cmp_lg_u32": 1, "s_cbranch_scc1": 1}
+    (lp,) = inspect_sass.gcn_loop_mix(GCN_LATCH)
+    assert lp["label"] == ".LBB0_4" and lp["total"] == 8
+    assert lp["counts"] == {"s_add_i32": 1, "s_cmp_lg_u32": 1, "s_cbranch_scc0": 1, "global_load_dwordx4": 1,
+                            "v_mfma_scale_f32_32x32x64_f8f6f4": 1, "s_cbranch_execz": 1, "v_max_f32_e32": 1,
+                            "s_branch": 1}
     r = inspect_sass.gcn_resources(GCN)
     assert (r["vgprs"], r["agprs"], r["scratch"], r["occupancy"], r["lds"]) == (81, 0, 0, 5, -1)
     assert inspect_sass.gcn_resources(f"{inspect_sass.GCN_RESOURCES} lds=16384\n" + GCN)["lds"] == 16384
@@ -193,3 +217,17 @@ def test_qnorm_case_lowers():
     assert set(ks) == {"qmm_fma_fp8_x2", "qmm_split_finish"}
     fin = lc.count(ks["qmm_split_finish"]["ttir"])
     assert fin["ops"]["tt.store"] == 6 and fin["masked_stores"] == 0 and fin["masked_loads"] == 0
+
+
+@pytest.mark.parametrize("mx", ["on", "off"])
+def test_mx_flag_reaches_the_lowering(monkeypatch, capsys, mx):
+    """--mx sets DSV41_MX_DOT for the run: with "on" the tiled GEMM (gemv at 4,096 rows) is lowered as on
+    gfx950, one tt.dot_scaled a K tile, whatever the target; the compile step is stubbed here."""
+    from pallas_kernels import scaled_dot
+
+    seen = []
+    monkeypatch.setattr(scaled_dot, "MX_DOT", scaled_dot.MX_DOT)  # restored after the test
+    monkeypatch.setattr(inspect_sass, "compile_amdgcn", lambda ttir, w, s: seen.append(ttir) or "")
+    assert inspect_sass.main(["gemv", "--tokens", "4096", "--mx", mx, "--target", "rocm"]) == 0
+    assert len(seen) == 1 and ("tt.dot_scaled" in seen[0]) == (mx == "on")
+    assert ("qmm_fp8_mx" in capsys.readouterr().out) == (mx == "on")
