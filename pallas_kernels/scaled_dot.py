@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
+from dsv41_jax.quant.codecs import e2m1_decode, e8m0_decode, unpack_nibbles
+
 FORMATS = ("e2m1", "e4m3")
 BLOCK = 32  # MX block: elements of K sharing one e8m0 scale
 
@@ -82,17 +84,10 @@ def unsupported_reason(a, a_scale, b, b_scale, a_format: str, b_format: str) -> 
 
 
 def decode(x, scale, fmt: str):
-    """MX operand [R, K(/2)] with its e8m0 scales [R, K/32] -> float32 [R, K]."""
-    if fmt == "e2m1":
-        lo = (x & 0xF).astype(jnp.int32)
-        hi = (x >> 4).astype(jnp.int32)
-        codes = jnp.stack([lo, hi], axis=-1).reshape(x.shape[0], -1)
-        mag = jnp.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], jnp.float32)[codes & 7]
-        v = jnp.where(codes >= 8, -mag, mag)
-    else:
-        v = x.astype(jnp.float32)
-    s = jnp.exp2(scale.astype(jnp.float32) - 127.0)
-    return (v.reshape(x.shape[0], -1, BLOCK) * s[:, :, None]).reshape(v.shape)
+    """MX operand [R, K(/2)] with its e8m0 scales [R, K/32] -> float32 [R, K] (the codecs of
+    ``dsv41_jax.quant``: nibbles low first, e2m1 and e8m0 values)."""
+    v = e2m1_decode(unpack_nibbles(x)) if fmt == "e2m1" else x.astype(jnp.float32)
+    return (v.reshape(x.shape[0], -1, BLOCK) * e8m0_decode(scale)[:, :, None]).reshape(v.shape)
 
 
 def reference(a, a_scale, b, b_scale, acc=None, *, a_format: str, b_format: str):

@@ -331,3 +331,16 @@ def test_act_quant_is_fp8_per_32_along_k():
         scaled = np.asarray(y)[:, b * 32 : (b + 1) * 32] / np.ldexp(1.0, e.astype(int))[:, None]
         # values / scale are e4m3 numbers
         np.testing.assert_array_equal(scaled.astype(ml_dtypes.float8_e4m3fn).astype(np.float32), scaled)
+
+
+def test_as_uint8_bitcasts_one_byte_dtypes():
+    """codecs.as_uint8: the bytes of uint8 / int8 / float8 / e8m0 arrays unchanged, bit for bit; a wider
+    dtype is refused by name."""
+    from dsv41_jax.quant.codecs import as_uint8
+
+    raw = np.random.default_rng().integers(0, 255, 64, dtype=np.uint8)  # 255 (e8m0 NaN) left out
+    for dt in (jnp.uint8, jnp.int8, jnp.float8_e4m3fn, jnp.float8_e8m0fnu):
+        x = jax.lax.bitcast_convert_type(jnp.asarray(raw), dt)
+        np.testing.assert_array_equal(np.asarray(as_uint8(x)), raw)
+    with pytest.raises(ValueError, match="one-byte dtype, got bfloat16"):
+        as_uint8(jnp.zeros(4, jnp.bfloat16))

@@ -40,6 +40,13 @@ def e8m0_decode(scale: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def as_uint8(x: jax.Array) -> jax.Array:
+    """The bytes of a one-byte array (uint8, int8, float8 codes or e8m0 scales) as uint8 (a bitcast)."""
+    if x.dtype.itemsize != 1:
+        raise ValueError(f"as_uint8: expected a one-byte dtype, got {x.dtype}")
+    return x if x.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(x, jnp.uint8)
+
+
 def e8m0_encode_exponent(exponent: jax.Array) -> jax.Array:
     """Unbiased integer exponent e (scale = 2**e) -> float8_e8m0fnu byte ``e + 127``."""
     b = jnp.clip(exponent + 127, 0, 254).astype(jnp.uint8)

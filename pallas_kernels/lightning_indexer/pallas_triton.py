@@ -46,7 +46,7 @@ from jax.experimental.pallas import triton as pltriton
 from dsv41_jax.quant import Fp4Tensor
 from pallas_kernels.scaled_dot import mx_default, mx_dot
 
-from dsv41_jax.quant.codecs import le_words
+from dsv41_jax.quant.codecs import as_uint8, le_words
 from pallas_kernels.quantized_matmul.pallas_triton_fma import (
     e8m0_f32,
     fp4_byte_decode_f32,
@@ -95,6 +95,7 @@ DEFAULTS["decode_path"] = os.environ.get("DSV41_INDEXER_DECODE", DEFAULTS["decod
 if DEFAULTS["decode_path"] not in DECODE_PATHS:
     raise ValueError(f"DSV41_INDEXER_DECODE={DEFAULTS['decode_path']!r}: expected one of {', '.join(DECODE_PATHS)}")
 WORD_READS = ("phases", "f16phases")  # the routes that read the codes as 32-bit words
+DOT_ORDERS = ("keys", "q")
 
 
 def default_fp4_read(interpret: bool = False) -> str:
@@ -112,7 +113,6 @@ class MxRows(NamedTuple):
 
     data: jax.Array
     scale: jax.Array
-DOT_ORDERS = ("keys", "q")
 
 
 def _is_pow2(n: int) -> bool:
@@ -324,21 +324,20 @@ def _prep(q, keys, weights, visible, candidate_blocks, block_size, fp4_read="pha
         dts = [x.dtype for x in (q, keys) if not isinstance(x, Fp4Tensor)]
         cdt = jnp.float32 if any(d == jnp.float32 for d in dts) else jnp.bfloat16
 
-    def bytes_(x):
-        return jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype != jnp.uint8 else x
-
     # word reads: MXFP4 q and keys, phase dots of K >= 16
     read = fp4_read if q_fp4 and k_fp4 and (fp4_read not in WORD_READS or di % 128 == 0) else None
     read = None if read == "bytes" else read
 
     def codes(x):
-        return le_words(bytes_(x)) if read in WORD_READS else x
+        if read in WORD_READS:
+            return le_words(as_uint8(x))
+        return as_uint8(x) if read == "mx" else x
 
     if q_fp4:
-        qa = (codes(q.data.reshape(b * s * hi, di // 2)), bytes_(q.scale).reshape(b * s * hi, di // 32))
+        qa = (codes(q.data.reshape(b * s * hi, di // 2)), as_uint8(q.scale).reshape(b * s * hi, di // 32))
     else:
         qa = (q.reshape(b * s * hi, di),)
-    ka = (codes(keys.data), bytes_(keys.scale)) if k_fp4 else (keys,)
+    ka = (codes(keys.data), as_uint8(keys.scale)) if k_fp4 else (keys,)
     w = weights.astype(jnp.float32).reshape(b * s * hi)
     vis = visible.astype(jnp.int32).reshape(b * s)
     cb = None

@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv41_jax.quant import Fp4Tensor, dequantize, exact_in_bf16
+from dsv41_jax.quant.codecs import as_uint8
 
 from .reference import topk_by_groups  # noqa: F401  (re-exported: the prefill path's top-k)
 
@@ -116,9 +117,9 @@ def index_scores(q, weights, keys, visible, *, interpret=False, config=None):
         return x if to == n else jnp.pad(x, ((0, 0), (0, to - n)) + ((0, 0),) * (x.ndim - 2), constant_values=value)
 
     if mx:  # codes and scales as stored (padded codes are 0, padded scales 2**0)
-        qa = [pad_rows(_bytes(q.data).reshape(b, s, hi * di // 2), s, sp),
-              pad_rows(_bytes(q.scale).reshape(b, s, hi * di // 32), s, sp, 127)]
-        ka = [pad_rows(_bytes(keys.data), nc, np_), pad_rows(_bytes(keys.scale), nc, np_, 127)]
+        qa = [pad_rows(as_uint8(q.data).reshape(b, s, hi * di // 2), s, sp),
+              pad_rows(as_uint8(q.scale).reshape(b, s, hi * di // 32), s, sp, 127)]
+        ka = [pad_rows(as_uint8(keys.data), nc, np_), pad_rows(as_uint8(keys.scale), nc, np_, 127)]
         prec = None
     else:
         low = exact_in_bf16(q) and exact_in_bf16(keys)
@@ -148,7 +149,4 @@ def index_scores(q, weights, keys, visible, *, interpret=False, config=None):
     )(*qa, w, vis, *ka)
     return out[:, :s, :nc]
 
-
-def _bytes(x):
-    return x if x.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(x, jnp.uint8)
 
