@@ -53,9 +53,10 @@ def has_mx_dot(device=None) -> bool:
     return any(m in text for m in MX_DEVICE_MARKS)
 
 
-def mx_default() -> bool:
-    """Whether kernels that can take MX dots do so by default (:data:`MX_DOT`)."""
-    return MX_DOT == "on" or (MX_DOT == "auto" and has_mx_dot())
+def mx_default(interpret: bool = False) -> bool:
+    """Whether kernels that can take MX dots do so by default (:data:`MX_DOT`); never in interpret mode,
+    where every kernel keeps its decode route (the MX dot there is the float32 reference)."""
+    return not interpret and (MX_DOT == "on" or (MX_DOT == "auto" and has_mx_dot()))
 
 
 def _k_of(x, fmt: str) -> int:

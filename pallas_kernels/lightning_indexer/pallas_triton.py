@@ -104,7 +104,7 @@ def default_fp4_read(interpret: bool = False) -> str:
     the score loop 411 -> 156 instructions per work-item and step, 119 -> 71 VGPRs, 3 -> 5 waves per
     SIMD; on sm_90 Triton's own upcast makes it 856 -> 1,126), else ``DEFAULTS["fp4_read"]``; interpret
     mode: always the latter."""
-    return "mx" if not interpret and mx_default() else DEFAULTS["fp4_read"]
+    return "mx" if mx_default(interpret) else DEFAULTS["fp4_read"]
 
 
 class MxRows(NamedTuple):

@@ -106,7 +106,7 @@ def index_scores(q, weights, keys, visible, *, interpret=False, config=None):
     if reason is not None:
         raise ValueError(f"lightning_indexer prefill scores (pallas): {reason}")
     mx = isinstance(q, Fp4Tensor) and isinstance(keys, Fp4Tensor) and di % 64 == 0 and (
-        mx_default() and not interpret if cfg["mx"] is None else bool(cfg["mx"]))
+        mx_default(interpret) if cfg["mx"] is None else bool(cfg["mx"]))
     w = weights.astype(jnp.float32)
     vis = visible.astype(jnp.int32)
     bs = min(cfg["block_s"], max(16, 1 << max(0, (s - 1).bit_length())))

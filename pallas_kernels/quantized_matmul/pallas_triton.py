@@ -473,8 +473,7 @@ def _mx_kernel(x8_ref, xs_ref, w_ref, s_ref, o_ref, *, fmt, bm, bn, bk, steps, s
             wb = wblock
             wt = w_ref[rows, pl.ds(k0, bk)]
             s = s_ref[pl.ds(row0 // wb, max(bn // wb, 1)), pl.ds(k0 // wb, max(bk // wb, 1))]
-            r_rep, c_rep = min(bn, wb), min(bk, wb) // 32
-            ws = jnp.broadcast_to(s[:, None, :, None], (s.shape[0], r_rep, s.shape[1], c_rep)).reshape(bn, bk // 32)
+            ws = _expand_rows_cols(s, min(bn, wb), min(bk, wb) // 32)  # [bn, bk/32]
         return mx_dot(xt, xs, wt, ws, a_format="e4m3", b_format="e2m1" if fmt == "fp4" else "e4m3", acc=acc)
 
     _tiled(o_ref, step, bm=bm, bn=bn, bk=bk, steps=steps, split=split)
@@ -483,22 +482,24 @@ def _mx_kernel(x8_ref, xs_ref, w_ref, s_ref, o_ref, *, fmt, bm, bn, bk, steps, s
 def _mx_act_operands(x2, block=32):
     """act_quant as MX operands: e4m3 codes [M, K] and e8m0 scale bytes [M, K/32] (a coarser
     ``block`` repeated: its scale holds for each of its 32-wide parts)."""
-    x8, xs = _act_quant_codes(x2, block)
-    e = (jnp.round(jnp.log2(xs)) + 127).astype(jnp.uint8)  # exact: xs is a power of two in e8m0's range
-    return x8, jnp.repeat(e, block // 32, axis=1) if block > 32 else e
+    from dsv41_jax.quant.codecs import as_uint8, e8m0_encode_exponent
+
+    x8, e = _act_quant_exponents(x2, block)
+    sb = as_uint8(e8m0_encode_exponent(e))
+    return x8, jnp.repeat(sb, block // 32, axis=1) if block > 32 else sb
 
 
-def default_scale_mode(fmt: str) -> str:
+def default_scale_mode(fmt: str, interpret: bool = False) -> str:
     """The scale mode of ``fmt`` ("fp8" / "fp4") weights: :data:`SCALE_MODE`'s, except "mx" where that
     is left at "expand" and MX dots are the default (:func:`pallas_kernels.scaled_dot.mx_default`:
     gfx950, chosen offline, BENCHMARKS.md issue 6, session 52; no AMD device has run it)."""
     mode = SCALE_MODE[fmt]
-    return "mx" if mode == "expand" and mx_default() else mode
+    return "mx" if mode == "expand" and mx_default(interpret) else mode
 
 
-def _act_quant_codes(x2, block=32):
-    """act_quant split into e4m3 codes [M, K] and fp32 power-of-two scales [M, K/block]:
-    codes * scales == act_quant(x2) exactly."""
+def _act_quant_exponents(x2, block=32):
+    """act_quant split into e4m3 codes [M, K] and the int exponents e [M, K/block] of its power-of-two
+    scales: codes * 2**e == act_quant(x2) exactly."""
     from dsv41_jax.quant.codecs import E4M3_MAX, e4m3_round, pow2
     from dsv41_jax.quant.fake_quant import fp8_block_scale
 
@@ -506,7 +507,16 @@ def _act_quant_codes(x2, block=32):
     xb = x2.astype(jnp.float32).reshape(m, k // block, block)
     e = fp8_block_scale(jnp.max(jnp.abs(xb), axis=-1))
     q = e4m3_round(jnp.clip(xb * pow2(-e[..., None]), -E4M3_MAX, E4M3_MAX)).astype(jnp.float8_e4m3fn)
-    return q.reshape(m, k), pow2(e)
+    return q.reshape(m, k), e
+
+
+def _act_quant_codes(x2, block=32):
+    """act_quant split into e4m3 codes [M, K] and fp32 power-of-two scales [M, K/block]:
+    codes * scales == act_quant(x2) exactly."""
+    from dsv41_jax.quant.codecs import pow2
+
+    q, e = _act_quant_exponents(x2, block)
+    return q, pow2(e)
 
 
 def auto_reason(x, w):
@@ -606,7 +616,7 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, con
     kernel = functools.partial(_mm_kernel, fmt=fmt, bm=bm, bn=bn, bk=bk, steps=steps, op_dtype=op,
                                split=splits > 1, wblock=fp8_block(w))
     operands = (xq, data, scale)
-    mode = default_scale_mode(fmt) if fmt in ("fp8", "fp4") and not interpret else SCALE_MODE.get(fmt)
+    mode = default_scale_mode(fmt, interpret) if fmt in ("fp8", "fp4") else None
     mma8 = fmt == "fp8" and mode in MMA8_MODES
     transposed = mma8 and SCALE_MODE["fp8"] == "mma8t"
     if mma8:

@@ -52,12 +52,10 @@ def _make_inputs(key, b, s, nc, kw, kc, h, d, dtype, pad_frac):
 
     import dsv41_jax.quant as quant
     ks = jax.random.split(key, 8)
-    q = jax.random.normal(ks[0], (b, s, h, d), jnp.float32).astype(dtype)
-    win = quant.quantize_fp8(jax.random.normal(ks[1], (b, kw, d), jnp.float32), (1, 32))
+    q, win, widx, sink = _query_side(ks[0], ks[1], ks[6], b, s, kw, h, d, dtype)
     data = jax.random.bits(ks[2], (b, nc, d // 2), jnp.uint8)
     sc = (jax.random.uniform(ks[3], (b, nc, d // 16), jnp.float32, 0.05, 0.5)).astype(jnp.float8_e4m3fn)
     ck = quant.Fp4Tensor(data=data, scale=sc, block=16)
-    widx = jnp.broadcast_to(jnp.arange(kw, dtype=jnp.int32), (b, s, kw))
     # distinct random picks per query, sorted (as the indexer returns them)
     r = jax.random.uniform(ks[4], (b, s, nc))
     cidx = jnp.sort(jax.lax.top_k(r, kc)[1], axis=-1).astype(jnp.int32) if nc <= (1 << 16) else jnp.sort(
@@ -65,8 +63,21 @@ def _make_inputs(key, b, s, nc, kw, kc, h, d, dtype, pad_frac):
     if pad_frac:
         drop = jax.random.bernoulli(ks[5], pad_frac, cidx.shape)
         cidx = jnp.where(drop, -1, cidx)
-    sink = jax.random.normal(ks[6], (h,), jnp.float32)
     return q, win, widx, sink, ck, cidx
+
+
+def _query_side(kq, kwin, ksink, b, s, kw, h, d, dtype):
+    """The inputs besides the compressed cache and its picks: query rows [b, s, h, d], the FP8 window
+    [b, kw, d] (all valid: widx 0..kw-1 for every row) and the sinks [h]."""
+    import jax
+    import jax.numpy as jnp
+
+    import dsv41_jax.quant as quant
+
+    q = jax.random.normal(kq, (b, s, h, d), jnp.float32).astype(dtype)
+    win = quant.quantize_fp8(jax.random.normal(kwin, (b, kw, d), jnp.float32), (1, 32))
+    widx = jnp.broadcast_to(jnp.arange(kw, dtype=jnp.int32), (b, s, kw))
+    return q, win, widx, jax.random.normal(ksink, (h,), jnp.float32)
 
 
 def make_prefill_inputs(key, s, ratio, *, window=128, kc=512, h=64, d=512):
@@ -227,18 +238,13 @@ def _table_rep_jit():
     import jax
     import jax.numpy as jnp
 
-    import dsv41_jax.quant as quant
-
     def rep(key, b, s, nc, kw, kc, h, d):
         ks = jax.random.split(key, 4)
-        q = jax.random.normal(ks[0], (b, s, h, d), jnp.float32).astype(jnp.bfloat16)
-        win = quant.quantize_fp8(jax.random.normal(ks[1], (b, kw, d), jnp.float32), (1, 32))
-        widx = jnp.broadcast_to(jnp.arange(kw, dtype=jnp.int32), (b, s, kw))
+        q, win, widx, sink = _query_side(ks[0], ks[1], ks[3], b, s, kw, h, d, jnp.bfloat16)
         # kc distinct positions per query row: a random offset into each of kc equal strides, sorted
         stride = nc // kc
         off = jax.random.randint(ks[2], (b, s, kc), 0, stride)
         cidx = (jnp.arange(kc, dtype=jnp.int32) * stride + off).astype(jnp.int32)
-        sink = jax.random.normal(ks[3], (h,), jnp.float32)
         return q, win, widx, sink, cidx
 
     return jax.jit(rep, static_argnums=tuple(range(1, 8)))
