@@ -55,8 +55,111 @@ def has_mx_dot(device=None) -> bool:
 
 def mx_default(interpret: bool = False) -> bool:
     """Whether kernels that can take MX dots do so by default (:data:`MX_DOT`); never in interpret mode,
-    where every kernel keeps its decode route (the MX dot there is the float32 reference)."""
-    return not interpret and (MX_DOT == "on" or (MX_DOT == "auto" and has_mx_dot()))
+    where every kernel keeps its decode route (the MX dot there is the float32 reference). Under "auto"
+    a device with MX matrix instructions must also pass :func:`probe` (once per device): a Triton that
+    cannot compile ``tt.dot_scaled``, or computes it wrongly, leaves the decode routes in place with a
+    warning instead of failing or corrupting the model's first kernel."""
+    if interpret or MX_DOT == "off":
+        return False
+    if MX_DOT == "on":
+        return True
+    if not has_mx_dot():
+        return False
+    return probe_passed()
+
+
+# The operand formats the kernels give mx_dot (the indexer's q x k, the FP8 GEMM, the MXFP4 GEMM), each
+# at K = 256 (8 MX blocks) with a 64 x 32 output: the probe's cases.
+PROBE_CASES = (("e2m1", "e2m1"), ("e4m3", "e4m3"), ("e4m3", "e2m1"))
+PROBE_SHAPE = (64, 32, 256)  # M, N, K
+_PROBED: dict = {}  # (platform, device kind, id) -> probe's reason (None: passed)
+
+
+def probe_kernel(m: int, n: int, a_format: str, b_format: str, *, interpret: bool = False):
+    """A one-program Pallas-Triton kernel holding one ``mx_dot`` ([m, n] float32 out): the probe's and
+    the tests' smallest use of the op."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    def kern(a_ref, as_ref, b_ref, bs_ref, o_ref):
+        o_ref[...] = mx_dot(a_ref[...], as_ref[...], b_ref[...], bs_ref[...], a_format=a_format, b_format=b_format)
+
+    def call(a, a_scale, b, b_scale):
+        return pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+                              compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+                              interpret=interpret, name=f"mx_dot_probe_{a_format}_{b_format}")(a, a_scale, b, b_scale)
+    return call
+
+
+def random_operand(rng, rows: int, k: int, fmt: str, scales=(107, 147)):
+    """Fresh MX operand [rows, K(/2)] with e8m0 scales [rows, K/32] drawn from ``scales`` (every e2m1
+    code in both nibbles, -0 too; e4m3 values over its range)."""
+    import numpy as np
+
+    if fmt == "e2m1":
+        x = jnp.asarray(rng.integers(0, 256, (rows, k // 2), dtype=np.uint8))
+    else:
+        x = jnp.asarray(rng.standard_normal((rows, k)) * 40, jnp.float32).astype(jnp.float8_e4m3fn)
+    return x, jnp.asarray(rng.integers(*scales, (rows, k // BLOCK), dtype=np.uint8))
+
+
+def probe(device=None, *, interpret: bool = False, seed: int | None = None) -> str | None:
+    """Run ``mx_dot`` in a Pallas-Triton kernel on ``device`` (default: JAX's first) for every format
+    pair of :data:`PROBE_CASES` on fresh random operands, and compare each output element with
+    :func:`reference` computed by XLA on the same device (bound: the float32 summation error of the
+    exact products, K * 2**-23 of the row's |a| . |b|). Returns None if every case compiles and agrees,
+    else why not (the case and the error, or the worst element). It runs in a thread of its own, so
+    that a call made while a jitted function is being traced (``mx_default`` is called from a
+    kernel's dispatch) evaluates eagerly instead of entering the traced program (JAX's trace state is
+    per thread)."""
+    import concurrent.futures
+
+    dev = device or jax.devices()[0]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(_probe, dev, interpret, seed).result()
+
+
+def _probe(dev, interpret: bool, seed: int | None) -> str | None:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    m, n, k = PROBE_SHAPE
+    for a_format, b_format in PROBE_CASES:
+        case = f"mx_dot {a_format} x {b_format} on {dev.platform}:{getattr(dev, 'device_kind', '')}"
+        args = [jax.device_put(v, dev) for v in (*random_operand(rng, m, k, a_format),
+                                                 *random_operand(rng, n, k, b_format))]
+        try:
+            got = np.asarray(jax.jit(probe_kernel(m, n, a_format, b_format, interpret=interpret))(*args))
+        except Exception as e:  # noqa: BLE001 (any compile or launch failure disables the route)
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            return f"{case}: {type(e).__name__}: {first}"
+        ref = functools.partial(reference, a_format=a_format, b_format=b_format)
+        want = np.asarray(jax.jit(ref)(*args), np.float64)
+        da, db = (np.abs(np.asarray(jax.jit(decode, static_argnums=2)(x, s, f), np.float64))
+                  for x, s, f in ((args[0], args[1], a_format), (args[2], args[3], b_format)))
+        bound = (da @ db.T) * k * 2.0**-23
+        err = np.abs(got.astype(np.float64) - want) - bound
+        if not np.all(err <= 0):  # NaN-safe: a NaN fails too
+            i = np.unravel_index(np.argmax(np.where(np.isnan(err), np.inf, err)), err.shape)
+            return (f"{case}: output [{i[0]}, {i[1]}] = {float(got[i])!r}, the decoded operands' dot gives "
+                    f"{float(want[i])!r} (bound {bound[i]:.3g})")
+    return None
+
+
+def probe_passed(device=None) -> bool:
+    """:func:`probe` once per device (cached); a failure warns once, naming the reason and
+    ``DSV41_MX_DOT``."""
+    import warnings
+
+    dev = device or jax.devices()[0]
+    key = (dev.platform, getattr(dev, "device_kind", ""), dev.id)
+    if key not in _PROBED:
+        _PROBED[key] = reason = probe(dev)
+        if reason is not None:
+            warnings.warn(f"MX dots disabled on this device, the kernels keep their decode routes: {reason} "
+                          "(DSV41_MX_DOT=on forces them, DSV41_MX_DOT=off skips this check)", RuntimeWarning,
+                          stacklevel=3)
+    return _PROBED[key] is None
 
 
 def _k_of(x, fmt: str) -> int:

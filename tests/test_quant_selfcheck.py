@@ -59,3 +59,20 @@ def test_a_quantizer_that_differs_on_the_device_fails_the_check(monkeypatch):
     bad = selfcheck.run(log=lines.append)
     differs = [line.split("  ")[0] for line in lines if line.endswith("DIFFERS")]
     assert bad == len(differs) >= 2 and {"e4m3_round", "bf16_round"} <= set(differs), lines
+
+
+def test_selfcheck_reports_the_mx_dot_probe(monkeypatch):
+    """The last row: the MX dot probe on a GPU (agrees, or FAILS with its reason and the decode routes
+    kept), a dash on the CPU."""
+    from pallas_kernels import scaled_dot
+
+    class Dev:
+        platform, device_kind, id = "rocm", "AMD Instinct MI355X", 0
+
+    assert selfcheck.mx_dot_line(jax.devices("cpu")[0]).rstrip().endswith("(no Pallas-Triton on the CPU)")
+    monkeypatch.setattr(scaled_dot, "probe", lambda device=None, **k: None)
+    line = selfcheck.mx_dot_line(Dev())
+    assert "agrees" in line and "the kernels' default here" in line, line
+    monkeypatch.setattr(scaled_dot, "probe", lambda device=None, **k: "mx_dot e2m1 x e2m1 on rocm:x: RuntimeError: no")
+    line = selfcheck.mx_dot_line(Dev())
+    assert "FAILS" in line and "decode routes" in line and line.endswith("RuntimeError: no"), line

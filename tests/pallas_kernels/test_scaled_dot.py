@@ -7,8 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import scaled_dot
 from pallas_kernels.inspect_sass import triton_kernels
@@ -28,22 +26,11 @@ def _np_decode(x, scale, fmt):
 
 
 def _operand(rng, rows, k, fmt, scales):
-    if fmt == "e2m1":
-        x = jnp.asarray(rng.integers(0, 256, (rows, k // 2), dtype=np.uint8))  # every code in both nibbles, -0 too
-    else:
-        x = jnp.asarray(rng.standard_normal((rows, k)) * 40, jnp.float32).astype(jnp.float8_e4m3fn)
-    return x, jnp.asarray(rng.integers(*scales, (rows, k // 32), dtype=np.uint8))
+    return scaled_dot.random_operand(rng, rows, k, fmt, scales)
 
 
 def _kernel_call(m, n, a_format, b_format, interpret):
-    def kern(a_ref, as_ref, b_ref, bs_ref, o_ref):
-        o_ref[...] = mx_dot(a_ref[...], as_ref[...], b_ref[...], bs_ref[...], a_format=a_format, b_format=b_format)
-
-    def call(a, asc, b, bsc):
-        return pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
-                              compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-                              interpret=interpret, name="mx_dot_test")(a, asc, b, bsc)
-    return call
+    return scaled_dot.probe_kernel(m, n, a_format, b_format, interpret=interpret)
 
 
 @pytest.mark.parametrize("a_format,b_format,k", [("e2m1", "e2m1", 128), ("e4m3", "e2m1", 64), ("e2m1", "e4m3", 256)])
@@ -128,6 +115,7 @@ def test_indexer_takes_the_mx_read_on_gfx950(monkeypatch, mx_device):
              Fp4Tensor(sd((b, nc, di // 2), jnp.uint8), sd((b, nc, di // 32), jnp.float8_e8m0fnu), block=32),
              sd((b, s), jnp.int32)]
     monkeypatch.setattr(scaled_dot, "has_mx_dot", lambda device=None: mx_device)
+    monkeypatch.setattr(scaled_dot, "probe_passed", lambda device=None: True)  # the device's Triton takes the op
     assert ix.default_fp4_read(interpret=True) == "phases"
 
     def f(q, w, k, v):
@@ -167,6 +155,7 @@ def test_prefill_gemm_takes_the_mx_mode_on_gfx950(monkeypatch, mx_device):
     from pallas_kernels.quantized_matmul import pallas_triton as qmm
 
     monkeypatch.setattr(scaled_dot, "has_mx_dot", lambda device=None: mx_device)
+    monkeypatch.setattr(scaled_dot, "probe_passed", lambda device=None: True)  # the device's Triton takes the op
     sd = jax.ShapeDtypeStruct
     w = Fp8Tensor(sd((32768, 1280), jnp.float8_e4m3fn), sd((1024, 40), jnp.float8_e8m0fnu), block=(32, 32))
     [k] = triton_kernels(lambda x, w: qmm.quantized_matmul(x, w), sd((4096, 1280), jnp.bfloat16), w, target="rocm")
@@ -174,3 +163,72 @@ def test_prefill_gemm_takes_the_mx_mode_on_gfx950(monkeypatch, mx_device):
     assert ("lhs = e4m3 rhs = e4m3" in k["ttir"]) == mx_device
     monkeypatch.setitem(qmm.SCALE_MODE, "fp8", "gather")
     assert qmm.default_scale_mode("fp8") == "gather" and qmm.default_scale_mode("fp4") == ("mx" if mx_device else "expand")
+
+
+def test_probe_passes_in_interpret_mode_even_inside_a_trace(monkeypatch):
+    """``probe`` runs every format pair the kernels use (q x k, FP8 and MXFP4 GEMMs) in a kernel and checks
+    each element against the decoded dot; on the CPU (interpret mode) all agree. Called while a jitted
+    function is traced (as ``mx_default`` is, from a kernel's dispatch) it still evaluates eagerly:
+    nothing of it enters the traced program."""
+    assert scaled_dot.probe(interpret=True) is None
+    seen = []
+
+    def f(x):
+        seen.append(scaled_dot.probe(interpret=True))
+        return x + 1.0
+
+    jaxpr = jax.make_jaxpr(f)(1.0)
+    assert seen == [None] and len(jaxpr.eqns) == 1, jaxpr
+
+
+def test_probe_names_a_wrong_result_and_a_compile_failure(monkeypatch):
+    """A Triton that reads MXFP4 nibbles high first (or fails to compile the op) fails the probe, which
+    names the format pair, the device and the first wrong element (or the error)."""
+    real = scaled_dot.probe_kernel
+
+    def high_nibble_first(m, n, a_format, b_format, *, interpret=False):
+        call = real(m, n, a_format, b_format, interpret=interpret)
+
+        def swapped(a, asc, b, bsc):
+            if a_format == "e2m1":
+                a = (a >> 4) | (a << 4)
+            return call(a, asc, b, bsc)
+        return swapped
+
+    monkeypatch.setattr(scaled_dot, "probe_kernel", high_nibble_first)
+    reason = scaled_dot.probe(interpret=True)
+    assert reason and reason.startswith("mx_dot e2m1 x e2m1 on cpu:") and "the decoded operands' dot gives" in reason, reason
+
+    def no_dot_scaled(*a, **k):
+        def call(*args):
+            raise RuntimeError("failed to legalize operation 'tt.dot_scaled'\nmore lines")
+        return call
+
+    monkeypatch.setattr(scaled_dot, "probe_kernel", no_dot_scaled)
+    reason = scaled_dot.probe(interpret=True)
+    assert reason.endswith("RuntimeError: failed to legalize operation 'tt.dot_scaled'"), reason
+
+
+def test_mx_default_probes_an_mx_device_once_and_falls_back_with_a_warning(monkeypatch):
+    """Under DSV41_MX_DOT=auto an MX device takes MX dots only if the probe passed (once per device,
+    cached); a failed probe warns once with its reason and the variable, and the decode routes stay.
+    ``on`` skips the probe, interpret mode and ``off`` never use MX dots."""
+    from pallas_kernels.lightning_indexer import pallas_triton as ix
+
+    calls = []
+    result = {"reason": "mx_dot e2m1 x e2m1 on rocm:gfx950: RuntimeError: no tt.dot_scaled"}
+    monkeypatch.setattr(scaled_dot, "has_mx_dot", lambda device=None: True)
+    monkeypatch.setattr(scaled_dot, "probe", lambda device=None, **k: calls.append(device) or result["reason"])
+    monkeypatch.setattr(scaled_dot, "_PROBED", {})
+    with pytest.warns(RuntimeWarning, match="MX dots disabled on this device.*no tt.dot_scaled.*DSV41_MX_DOT=on"):
+        assert not scaled_dot.mx_default()
+    assert ix.default_fp4_read() == "phases" and not scaled_dot.mx_default() and len(calls) == 1  # cached
+    monkeypatch.setattr(scaled_dot, "_PROBED", {})
+    result["reason"] = None
+    assert scaled_dot.mx_default() and ix.default_fp4_read() == "mx" and len(calls) == 2
+    assert not scaled_dot.mx_default(interpret=True)
+    monkeypatch.setattr(scaled_dot, "MX_DOT", "on")
+    monkeypatch.setattr(scaled_dot, "_PROBED", {})
+    assert scaled_dot.mx_default() and len(calls) == 2  # forced: not probed
+    monkeypatch.setattr(scaled_dot, "MX_DOT", "off")
+    assert not scaled_dot.mx_default() and len(calls) == 2
