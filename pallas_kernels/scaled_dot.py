@@ -72,6 +72,13 @@ def mx_default(interpret: bool = False) -> bool:
 # at K = 256 (8 MX blocks) with a 64 x 32 output: the probe's cases.
 PROBE_CASES = (("e2m1", "e2m1"), ("e4m3", "e4m3"), ("e4m3", "e2m1"))
 PROBE_SHAPE = (64, 32, 256)  # M, N, K
+# The probe's bound on |kernel - exact| per output element, relative to that element's sum of |a_k b_k|.
+# It checks the formats' semantics (nibble order, code tables, where each scale applies): on the probe's
+# operands, e2m1's +-0.5 read as 0 (the subtlest flaw tests/pallas_kernels/test_scaled_dot.py injects) is
+# off by at least 2**-4 of that sum at its worst element (300 draws). It does not check the accumulator's
+# precision, which MX hardware need not keep at float32 (Hopper's FP8 MMA keeps about 14 bits, DeepSeek-V3's
+# report, section 3.3.2); float32 accumulation is within K * 2**-24 of the sum.
+PROBE_REL_BOUND = 2.0**-10
 _PROBED: dict = {}  # (platform, device kind, id) -> probe's reason (None: passed)
 
 
@@ -105,9 +112,9 @@ def random_operand(rng, rows: int, k: int, fmt: str, scales=(107, 147)):
 
 def probe(device=None, *, interpret: bool = False, seed: int | None = None) -> str | None:
     """Run ``mx_dot`` in a Pallas-Triton kernel on ``device`` (default: JAX's first) for every format
-    pair of :data:`PROBE_CASES` on fresh random operands, and compare each output element with
-    :func:`reference` computed by XLA on the same device (bound: the float32 summation error of the
-    exact products, K * 2**-23 of the row's |a| . |b|). Returns None if every case compiles and agrees,
+    pair of :data:`PROBE_CASES` on fresh random operands, and compare each output element with the
+    float64 dot of the decoded operands (:func:`decode`, exact) on the host (bound:
+    :data:`PROBE_REL_BOUND` of |a| . |b|). Returns None if every case compiles and agrees,
     else why not (the case and the error, or the worst element). It runs in a thread of its own, so
     that a call made while a jitted function is being traced (``mx_default`` is called from a
     kernel's dispatch) evaluates eagerly instead of entering the traced program (JAX's trace state is
@@ -133,11 +140,10 @@ def _probe(dev, interpret: bool, seed: int | None) -> str | None:
         except Exception as e:  # noqa: BLE001 (any compile or launch failure disables the route)
             first = (str(e).strip().splitlines() or [""])[0][:300]
             return f"{case}: {type(e).__name__}: {first}"
-        ref = functools.partial(reference, a_format=a_format, b_format=b_format)
-        want = np.asarray(jax.jit(ref)(*args), np.float64)
-        da, db = (np.abs(np.asarray(jax.jit(decode, static_argnums=2)(x, s, f), np.float64))
+        da, db = (np.asarray(jax.jit(decode, static_argnums=2)(x, s, f), np.float64)  # exact decodes
                   for x, s, f in ((args[0], args[1], a_format), (args[2], args[3], b_format)))
-        bound = (da @ db.T) * k * 2.0**-23
+        want = da @ db.T  # float64 on the host: whatever the device's own dot precision
+        bound = (np.abs(da) @ np.abs(db).T) * PROBE_REL_BOUND
         err = np.abs(got.astype(np.float64) - want) - bound
         if not np.all(err <= 0):  # NaN-safe: a NaN fails too
             i = np.unravel_index(np.argmax(np.where(np.isnan(err), np.inf, err)), err.shape)

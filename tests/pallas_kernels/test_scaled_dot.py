@@ -182,22 +182,38 @@ def test_probe_passes_in_interpret_mode_even_inside_a_trace(monkeypatch):
 
 
 def test_probe_names_a_wrong_result_and_a_compile_failure(monkeypatch):
-    """A Triton that reads MXFP4 nibbles high first (or fails to compile the op) fails the probe, which
-    names the format pair, the device and the first wrong element (or the error)."""
+    """A Triton that reads MXFP4 nibbles high first, or one that decodes e2m1's +-0.5 (the one subnormal
+    code) as 0, or applies a block's scale to the next block, or fails to compile the op, fails the probe,
+    which names the format pair, the device and the worst element (or the error); the operands' own
+    decode passes (the bound leaves room for an accumulator below float32, PROBE_REL_BOUND)."""
     real = scaled_dot.probe_kernel
 
-    def high_nibble_first(m, n, a_format, b_format, *, interpret=False):
-        call = real(m, n, a_format, b_format, interpret=interpret)
+    def flawed(flaw):
+        def kernel(m, n, a_format, b_format, *, interpret=False):
+            call = real(m, n, a_format, b_format, interpret=interpret)
 
-        def swapped(a, asc, b, bsc):
-            if a_format == "e2m1":
-                a = (a >> 4) | (a << 4)
-            return call(a, asc, b, bsc)
-        return swapped
+            def wrong(a, asc, b, bsc):
+                if flaw == "high_first" and a_format == "e2m1":
+                    a = (a >> 4) | (a << 4)
+                if flaw == "no_subnormal" and b_format == "e2m1":
+                    lo, hi = b & 15, b >> 4
+                    lo, hi = (jnp.where((v & 7) == 1, v & 8, v) for v in (lo, hi))
+                    b = lo | (hi << 4)
+                if flaw == "scale_shift":
+                    asc = jnp.roll(asc, 1, axis=1)
+                return call(a, asc, b, bsc)
+            return wrong
+        return kernel
 
-    monkeypatch.setattr(scaled_dot, "probe_kernel", high_nibble_first)
-    reason = scaled_dot.probe(interpret=True)
-    assert reason and reason.startswith("mx_dot e2m1 x e2m1 on cpu:") and "the decoded operands' dot gives" in reason, reason
+    for flaw, pair in (("high_first", "e2m1 x e2m1"), ("no_subnormal", "e2m1 x e2m1"), ("scale_shift", "e2m1 x e2m1"),
+                       ("none", None)):
+        monkeypatch.setattr(scaled_dot, "probe_kernel", flawed(flaw))
+        reason = scaled_dot.probe(interpret=True)
+        if pair is None:
+            assert reason is None, reason
+        else:
+            assert reason and reason.startswith(f"mx_dot {pair} on cpu:") and "the decoded operands' dot gives" in reason, \
+                (flaw, reason)
 
     def no_dot_scaled(*a, **k):
         def call(*args):
