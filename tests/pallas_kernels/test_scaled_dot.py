@@ -25,14 +25,6 @@ def _np_decode(x, scale, fmt):
     return (v.reshape(v.shape[0], -1, 32) * s[:, :, None]).reshape(v.shape)
 
 
-def _operand(rng, rows, k, fmt, scales):
-    return scaled_dot.random_operand(rng, rows, k, fmt, scales)
-
-
-def _kernel_call(m, n, a_format, b_format, interpret):
-    return scaled_dot.probe_kernel(m, n, a_format, b_format, interpret=interpret)
-
-
 @pytest.mark.parametrize("a_format,b_format,k", [("e2m1", "e2m1", 128), ("e4m3", "e2m1", 64), ("e2m1", "e4m3", 256)])
 def test_mx_dot_in_a_kernel_equals_the_float64_decode(a_format, b_format, k):
     """In interpret mode (the CPU's form) every output element equals the float64 dot of the decoded
@@ -40,9 +32,9 @@ def test_mx_dot_in_a_kernel_equals_the_float64_decode(a_format, b_format, k):
     40 binades; the products are exact in float32, so the bound is the sum's own rounding)."""
     rng = np.random.default_rng()
     m, n = 64, 32
-    a, asc = _operand(rng, m, k, a_format, (107, 147))
-    b, bsc = _operand(rng, n, k, b_format, (107, 147))
-    got = np.asarray(_kernel_call(m, n, a_format, b_format, True)(a, asc, b, bsc), np.float64)
+    a, asc = scaled_dot.random_operand(rng, m, k, a_format, (107, 147))
+    b, bsc = scaled_dot.random_operand(rng, n, k, b_format, (107, 147))
+    got = np.asarray(scaled_dot.probe_kernel(m, n, a_format, b_format, interpret=True)(a, asc, b, bsc), np.float64)
     da, db = _np_decode(a, asc, a_format), _np_decode(b, bsc, b_format)
     want = da @ db.T
     bound = (np.abs(da) @ np.abs(db).T) * k * 2.0**-24
@@ -76,7 +68,7 @@ def test_mx_dot_lowers_to_one_dot_scaled(target, a_format):
     a_spec = ((64, 64), jnp.uint8) if a_format == "e2m1" else ((64, 128), jnp.float8_e4m3fn)
     specs = [jax.ShapeDtypeStruct(s, d) for s, d in (a_spec, ((64, 4), jnp.uint8), ((32, 64), jnp.uint8),
                                                       ((32, 4), jnp.uint8))]
-    [k] = triton_kernels(_kernel_call(64, 32, a_format, "e2m1", False), *specs, target=target)
+    [k] = triton_kernels(scaled_dot.probe_kernel(64, 32, a_format, "e2m1"), *specs, target=target)
     ops = [line for line in k["ttir"].splitlines() if "tt.dot_scaled" in line]
     assert len(ops) == 1 and f"lhs = {a_format} rhs = e2m1" in ops[0], ops
 
@@ -136,8 +128,8 @@ def test_mx_dot_accumulates_into_acc():
     """``acc`` is the dot's accumulator operand: the result is acc + the dot (the reference here; on the
     GPU tt.dot_scaled's C operand), and a wrong accumulator shape is refused."""
     rng = np.random.default_rng()
-    a, asc = _operand(rng, 16, 64, "e2m1", (120, 134))
-    b, bsc = _operand(rng, 16, 64, "e4m3", (120, 134))
+    a, asc = scaled_dot.random_operand(rng, 16, 64, "e2m1", (120, 134))
+    b, bsc = scaled_dot.random_operand(rng, 16, 64, "e4m3", (120, 134))
     acc = jnp.asarray(rng.standard_normal((16, 16)), jnp.float32)
     got = np.asarray(mx_dot(a, asc, b, bsc, b_format="e4m3", acc=acc), np.float64)
     want = np.asarray(acc, np.float64) + _np_decode(a, asc, "e2m1") @ _np_decode(b, bsc, "e4m3").T
