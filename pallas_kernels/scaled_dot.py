@@ -79,7 +79,7 @@ PROBE_SHAPE = (64, 32, 256)  # M, N, K
 # precision, which MX hardware need not keep at float32 (Hopper's FP8 MMA keeps about 14 bits, DeepSeek-V3's
 # report, section 3.3.2); float32 accumulation is within K * 2**-24 of the sum.
 PROBE_REL_BOUND = 2.0**-10
-_PROBED: dict = {}  # (platform, device kind, id) -> probe's reason (None: passed)
+_PROBED: dict = {}  # device -> probe's reason (None: passed)
 
 
 def probe_kernel(m: int, n: int, a_format: str, b_format: str, *, interpret: bool = False):
@@ -115,7 +115,7 @@ def probe(device=None, *, interpret: bool = False, seed: int | None = None) -> s
     pair of :data:`PROBE_CASES` on fresh random operands, and compare each output element with the
     float64 dot of the decoded operands (:func:`decode`, exact) on the host (bound:
     :data:`PROBE_REL_BOUND` of |a| . |b|). Returns None if every case compiles and agrees,
-    else why not (the case and the error, or the worst element). It runs in a thread of its own, so
+    else why not (the case and the error, or the worst element); ``seed`` fixes the operands. It runs in a thread of its own, so
     that a call made while a jitted function is being traced (``mx_default`` is called from a
     kernel's dispatch) evaluates eagerly instead of entering the traced program (JAX's trace state is
     per thread)."""
@@ -158,14 +158,13 @@ def probe_passed(device=None) -> bool:
     import warnings
 
     dev = device or jax.devices()[0]
-    key = (dev.platform, getattr(dev, "device_kind", ""), dev.id)
-    if key not in _PROBED:
-        _PROBED[key] = reason = probe(dev)
+    if dev not in _PROBED:
+        _PROBED[dev] = reason = probe(dev)
         if reason is not None:
             warnings.warn(f"MX dots disabled on this device, the kernels keep their decode routes: {reason} "
                           "(DSV41_MX_DOT=on forces them, DSV41_MX_DOT=off skips this check)", RuntimeWarning,
                           stacklevel=3)
-    return _PROBED[key] is None
+    return _PROBED[dev] is None
 
 
 def _k_of(x, fmt: str) -> int:

@@ -120,20 +120,20 @@ def run(device=None, seed: int | None = None, log=print) -> int:
     n = _mismatches(f(xd), f(xc))
     log(f"{'canary: astype(e4m3).astype(f32), naive':40s} {n:>22,d}   "
         f"({'folded away by this backend' if n else 'kept by this backend'}; not used by the quantizers)")
-    log(mx_dot_line(device))
+    log(mx_dot_line(device, seed))
     return bad
 
 
-def mx_dot_line(device) -> str:
-    """The MX dot (``tt.dot_scaled`` in a Pallas-Triton kernel, ``pallas_kernels.scaled_dot.probe``) on
-    ``device``: agrees with the decoded dot, or why not. Not counted as a quantizer difference: where
+def mx_dot_line(device, seed: int | None = None) -> str:
+    """The MX dot (``tt.dot_scaled`` in a Pallas-Triton kernel, ``pallas_kernels.scaled_dot.probe``, on
+    operands from ``seed``) on ``device``: agrees with the decoded dot, or why not. Not counted as a quantizer difference: where
     it fails, the kernels keep their decode routes (``DSV41_MX_DOT``)."""
     from pallas_kernels import scaled_dot
 
     name = "mx_dot (tt.dot_scaled) in a kernel"
     if device.platform == "cpu":
         return f"{name:40s} {'-':>22s}   (no Pallas-Triton on the CPU)"
-    reason = scaled_dot.probe(device)
+    reason = scaled_dot.probe(device, seed=seed)
     used = "the kernels' default here" if scaled_dot.has_mx_dot(device) else "opt-in here (DSV41_MX_DOT=on)"
     if reason is None:
         return f"{name:40s} {'agrees':>22s}   ({used})"

@@ -510,15 +510,6 @@ def _act_quant_exponents(x2, block=32):
     return q.reshape(m, k), e
 
 
-def _act_quant_codes(x2, block=32):
-    """act_quant split into e4m3 codes [M, K] and fp32 power-of-two scales [M, K/block]:
-    codes * scales == act_quant(x2) exactly."""
-    from dsv41_jax.quant.codecs import pow2
-
-    q, e = _act_quant_exponents(x2, block)
-    return q, pow2(e)
-
-
 def auto_reason(x, w):
     """Why plain 'auto' dispatch should not pick this kernel on a GPU yet (None: pick it). The FP8
     weight-streaming GEMV (<= 64 rows) has been checked against the reference on an H200 with V4.1's
@@ -620,7 +611,10 @@ def quantized_matmul(x, w, *, act_block=32, out_dtype=None, interpret=False, con
     mma8 = fmt == "fp8" and mode in MMA8_MODES
     transposed = mma8 and SCALE_MODE["fp8"] == "mma8t"
     if mma8:
-        x8, xs = _act_quant_codes(x2, act_block)
+        from dsv41_jax.quant.codecs import pow2
+
+        x8, e = _act_quant_exponents(x2, act_block)
+        xs = pow2(e)  # fp32 power-of-two scales [M, K/act_block]: x8 * xs == act_quant(x2)
         if mp != m:
             x8 = jnp.pad(x8, ((0, mp - m), (0, 0)))
             xs = jnp.pad(xs, ((0, mp - m), (0, 0)), constant_values=1.0)
