@@ -68,7 +68,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, make_single_device_sharding
 
 from sharding.mesh import mesh_sizes
 from sharding.rules import cache_shardings, init_cache_sharded, shard_params, use_mesh
@@ -571,7 +571,7 @@ class Engine:
         # would compile every program a second time.
         self.mesh = mesh
         if mesh is None:
-            self._rows = self._rep = SingleDeviceSharding(jax.devices()[0])
+            self._rows = self._rep = make_single_device_sharding(jax.devices()[0])
         else:
             self._rows, self._rep = batch_sharding(mesh, self.B), NamedSharding(mesh, PartitionSpec())
         self.expert_packing = expert_packing_for(expert_packing)

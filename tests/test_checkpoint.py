@@ -321,7 +321,7 @@ _MESH_SCRIPT = textwrap.dedent(
     assert all(x.sharding == s for x, s in zip(leaves, shs))
     assert r["layers"]["0"]["ffn"]["experts"]["w1"].data.sharding.spec == P("d", None, None)
     # and onto a single device
-    r1 = restore_params(out, cfg, shardings=jax.sharding.SingleDeviceSharding(jax.devices()[5]))
+    r1 = restore_params(out, cfg, shardings=jax.sharding.make_single_device_sharding(jax.devices()[5]))
     same(ref, r1)
     assert r1["head"]["weight"].devices() == {jax.devices()[5]}
     # onto a (4, 2) mesh split along the last axis (reads a box, slices it per device), and the

@@ -310,7 +310,7 @@ def _sharding_for(e: LeafEntry, shardings, mesh, flat_sh):
             return s
     if mesh is not None:
         return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.sharding.make_single_device_sharding(jax.devices()[0])
 
 
 def flatten_shardings(shardings, treedef, n: int):

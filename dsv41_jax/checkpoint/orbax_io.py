@@ -438,7 +438,7 @@ def _restore_direct(ckpt_dir: str, abstract: dict, budget: int, *, direct: bool,
         mk = x.sharding.memory_kind
         for buf, devs, idxs in units:
             for d, idx in zip(devs, idxs):
-                target = jax.sharding.SingleDeviceSharding(d, memory_kind=mk)
+                target = jax.sharding.make_single_device_sharding(d, memory_kind=mk)
                 shards.append(jax.device_put(buf if idx is None else buf[idx], target))
         arr = jax.make_array_from_single_device_arrays(tuple(x.shape), x.sharding, shards)
         out[i] = arr
@@ -513,7 +513,7 @@ def _row_blocks(i, x, box, devs, read, chunk) -> jax.Array:
         buf = _aligned_empty((r1 - r0, *shape[1:]), x.dtype)
         for f in read(i, (slice(r0, r1), *box[1:]), buf)[0]:
             f.result()
-        targets = [jax.sharding.SingleDeviceSharding(d, memory_kind=x.sharding.memory_kind) for d in devs]
+        targets = [jax.sharding.make_single_device_sharding(d, memory_kind=x.sharding.memory_kind) for d in devs]
         piece = jax.make_array_from_single_device_arrays(buf.shape, x.sharding, [jax.device_put(buf, t) for t in targets])
         jax.block_until_ready(piece)
         pieces.append(piece)
