@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from dsv41_jax.quant.codecs import e2m1_decode, e8m0_decode, unpack_nibbles
+from dsv41_jax.quant.codecs import E2M1_VALUES, e2m1_decode, e8m0_decode, unpack_nibbles
 
 FORMATS = ("e2m1", "e4m3")
 BLOCK = 32  # MX block: elements of K sharing one e8m0 scale
@@ -113,7 +113,7 @@ def random_operand(rng, rows: int, k: int, fmt: str, scales=(107, 147)):
 def probe(device=None, *, interpret: bool = False, seed: int | None = None) -> str | None:
     """Run ``mx_dot`` in a Pallas-Triton kernel on ``device`` (default: JAX's first) for every format
     pair of :data:`PROBE_CASES` on fresh random operands, and compare each output element with the
-    float64 dot of the decoded operands (:func:`decode`, exact) on the host (bound:
+    float64 dot of the decoded operands (:func:`decode_host`, exact) on the host (bound:
     :data:`PROBE_REL_BOUND` of |a| . |b|). Returns None if every case compiles and agrees,
     else why not (the case and the error, or the worst element); ``seed`` fixes the operands. It runs in a thread of its own, so
     that a call made while a jitted function is being traced (``mx_default`` is called from a
@@ -140,9 +140,9 @@ def _probe(dev, interpret: bool, seed: int | None) -> str | None:
         except Exception as e:  # noqa: BLE001 (any compile or launch failure disables the route)
             first = (str(e).strip().splitlines() or [""])[0][:300]
             return f"{case}: {type(e).__name__}: {first}"
-        da, db = (np.asarray(jax.jit(decode, static_argnums=2)(x, s, f), np.float64)  # exact decodes
-                  for x, s, f in ((args[0], args[1], a_format), (args[2], args[3], b_format)))
-        want = da @ db.T  # float64 on the host: whatever the device's own dot precision
+        # exact decodes and their dot in float64 on the host: neither the device's XLA nor its dot precision
+        da, db = decode_host(*args[:2], a_format), decode_host(*args[2:], b_format)
+        want = da @ db.T
         bound = (np.abs(da) @ np.abs(db).T) * PROBE_REL_BOUND
         err = np.abs(got.astype(np.float64) - want) - bound
         if not np.all(err <= 0):  # NaN-safe: a NaN fails too
@@ -197,6 +197,22 @@ def decode(x, scale, fmt: str):
     ``dsv41_jax.quant``: nibbles low first, e2m1 and e8m0 values)."""
     v = e2m1_decode(unpack_nibbles(x)) if fmt == "e2m1" else x.astype(jnp.float32)
     return (v.reshape(x.shape[0], -1, BLOCK) * e8m0_decode(scale)[:, :, None]).reshape(v.shape)
+
+
+def decode_host(x, scale, fmt: str):
+    """:func:`decode` in float64 numpy on the host, by table (``codecs.E2M1_VALUES`` and their negatives
+    by code, e8m0 as 2**(s - 127)), independent of XLA on any device: the probe's and the tests' exact
+    reference."""
+    import numpy as np
+
+    x = np.asarray(x)
+    if fmt == "e2m1":
+        table = np.concatenate([E2M1_VALUES, -E2M1_VALUES]).astype(np.float64)
+        v = np.stack([table[x & 15], table[x >> 4]], axis=-1).reshape(x.shape[0], -1)
+    else:
+        v = x.astype(np.float64)
+    s = np.exp2(np.asarray(scale, np.float64) - 127)
+    return (v.reshape(v.shape[0], -1, BLOCK) * s[:, :, None]).reshape(v.shape)
 
 
 def reference(a, a_scale, b, b_scale, acc=None, *, a_format: str, b_format: str):

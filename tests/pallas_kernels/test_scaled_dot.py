@@ -12,18 +12,6 @@ from pallas_kernels import scaled_dot
 from pallas_kernels.inspect_sass import triton_kernels
 from pallas_kernels.scaled_dot import mx_dot
 
-E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
-
-
-def _np_decode(x, scale, fmt):
-    x = np.asarray(x)
-    if fmt == "e2m1":
-        v = np.stack([E2M1[x & 15], E2M1[x >> 4]], axis=-1).reshape(x.shape[0], -1)
-    else:
-        v = np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
-    s = np.exp2(np.asarray(scale, np.float64) - 127)
-    return (v.reshape(v.shape[0], -1, 32) * s[:, :, None]).reshape(v.shape)
-
 
 @pytest.mark.parametrize("a_format,b_format,k", [("e2m1", "e2m1", 128), ("e4m3", "e2m1", 64), ("e2m1", "e4m3", 256)])
 def test_mx_dot_in_a_kernel_equals_the_float64_decode(a_format, b_format, k):
@@ -35,7 +23,7 @@ def test_mx_dot_in_a_kernel_equals_the_float64_decode(a_format, b_format, k):
     a, asc = scaled_dot.random_operand(rng, m, k, a_format, (107, 147))
     b, bsc = scaled_dot.random_operand(rng, n, k, b_format, (107, 147))
     got = np.asarray(scaled_dot.probe_kernel(m, n, a_format, b_format, interpret=True)(a, asc, b, bsc), np.float64)
-    da, db = _np_decode(a, asc, a_format), _np_decode(b, bsc, b_format)
+    da, db = scaled_dot.decode_host(a, asc, a_format), scaled_dot.decode_host(b, bsc, b_format)
     want = da @ db.T
     bound = (np.abs(da) @ np.abs(db).T) * k * 2.0**-24
     assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) - bound))
@@ -132,7 +120,7 @@ def test_mx_dot_accumulates_into_acc():
     b, bsc = scaled_dot.random_operand(rng, 16, 64, "e4m3", (120, 134))
     acc = jnp.asarray(rng.standard_normal((16, 16)), jnp.float32)
     got = np.asarray(mx_dot(a, asc, b, bsc, b_format="e4m3", acc=acc), np.float64)
-    want = np.asarray(acc, np.float64) + _np_decode(a, asc, "e2m1") @ _np_decode(b, bsc, "e4m3").T
+    want = np.asarray(acc, np.float64) + scaled_dot.decode_host(a, asc, "e2m1") @ scaled_dot.decode_host(b, bsc, "e4m3").T
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
     with pytest.raises(ValueError, match=r"acc: expected float32\[16, 16\], got float32\[16, 8\]"):
         mx_dot(a, asc, b, bsc, b_format="e4m3", acc=acc[:, :8])
