@@ -93,7 +93,10 @@ def default_config(batch_rows: int, heads: int, kw: int, kc: int, vendor: str | 
     blocks with 4 warps by ~4x at batch 1 (one gather of each key row instead of two). When the grid
     is still one program per flash-decoding split (batch 1), eight column blocks with 4 warps
     (``d_split`` 8) ran 28.6 -> 16.7 us (session 13); at batch 8 the best split gained 8 % and at
-    batch 64 every split lost, so only the smallest grids use it. A ``d_split`` given by the caller
+    batch 64 every split lost, so only the smallest grids took it until session 55; since then (an
+    H100, the op alone by device time) grids of 4+ key splits over more than 16 programs (batch 8 and
+    32, 6 verify rows) take 2 column blocks with 4 warps: batch 8 46.5 -> 27.4-27.7 us, batch 32 132.5
+    -> 63.4-64.7, while batch 64 (2 splits) ran 112.2 that way against 89.6-92.3 as before. A ``d_split`` given by the caller
     is kept, with 4 warps when it splits (better in 5 of the 6 measured split and batch cases) and
     8 when it does not. From :data:`KERNEL_BLOCKS_MIN_ROWS` rows (prefill chunks, one split) the
     blocks are 64 keys, DeepSeek's: the site ran 1.46-1.49x XLA's with them against 1.29-1.32x with
@@ -113,7 +116,12 @@ def default_config(batch_rows: int, heads: int, kw: int, kc: int, vendor: str | 
     cfg.update(_VENDOR_CONFIG.get(vendor, _VENDOR_CONFIG["cuda"]))
     if d_split is None:
         small = block_h >= 64 and programs * num_splits <= 16 and d % 8 == 0 and (d // 8) % 32 == 0
-        d_split = 8 if small else 1
+        # 4+ splits over more than 16 programs (batch 8 and 32 at V4.1's lists: 16 and 4 splits):
+        # two column blocks with 4 warps; 64 heads with 8 warps and one column block took 46.5 / 132.5 us
+        # there against 27.4-27.7 / 63.4-64.7 (H100, op alone, session 55). Batch 64 (2 splits) keeps
+        # one column block with 8 warps: 89.6-92.3 us against 112.2 for two with 4 warps.
+        wide = block_h >= 64 and num_splits >= 4 and programs * num_splits > 16 and d % 64 == 0
+        d_split = 8 if small else 2 if wide else 1
     cfg["d_split"] = d_split
     if block_h >= 64:
         cfg["num_warps"] = 4 if cfg["d_split"] > 1 else 8
@@ -540,9 +548,12 @@ DECODE_METHOD = os.environ.get("DSV41_SPARSE_DECODE", "auto").lower()
 if DECODE_METHOD not in DECODE_METHODS:
     raise ValueError(f"DSV41_SPARSE_DECODE={DECODE_METHOD!r}: expected one of {', '.join(DECODE_METHODS)}")
 # The most query rows DECODE_METHOD "auto" gives the two-pass kernels, from the model on an H100
-# (64 routed experts, BENCHMARKS.md issue 5, session 47): batch 1 134.64 tok/s against 133.14 with
-# XLA's reference (+1.1 %), batch 8 360.05 against 364.33 (-1.2 %) though the kernels won each site.
-TWO_PASS_AUTO_ROWS = 1
+# (64 routed experts, BENCHMARKS.md issue 5): session 47, batch 1 134.64 tok/s against 133.14 with
+# XLA's reference (+1.1 %), batch 8 360.05 against 364.33 (-1.2 %) though the kernels won each site
+# (then 1 row); session 55, with the wider pass-2 tiles (dv 256, group 1), batch 8 365.13 against
+# 363.06 (+0.6 %) and the site 58.5 against 70.6 us. Batches 32 and 64 win the site too (94.3 / 133.0
+# against 113.1 / 180.8 us) but have not run in the model, so they keep XLA's reference.
+TWO_PASS_AUTO_ROWS = 8
 
 
 def _two_pass_module():
@@ -768,8 +779,10 @@ def auto_reason(q, kv=None, comp_kv=None, running_max_block=None, kv_idx=None, c
       batch 8: 46.5-46.9 us against 33.9-34.1 us;
     * the two-pass kernels (:data:`DECODE_METHOD`, session 47, an H100): the site 28.0 / 67.9 / 52.1 us
       at batch 1 / 8 / 6 verify rows against XLA's 35.7 / 70.2 / 60.5 (5,121-entry cache), and at the
-      model benchmark's short lists too; in the model batch 1 gained 1.1 % and batch 8 lost 1.2 %, so
-      "auto" takes them for :data:`TWO_PASS_AUTO_ROWS` row(s) over V4.1's stores;
+      model benchmark's short lists too; in the model batch 1 gained 1.1 % and batch 8 lost 1.2 %; with
+      session 55's tiles (dv 256, group 1) the site at batch 8 took 58.5 against 70.6 us and the batch-8
+      model gained 0.6 % (365.13 against 363.06 tok/s), so "auto" takes them for up to
+      :data:`TWO_PASS_AUTO_ROWS` rows over V4.1's stores (batch 1 to 8, and 6 verify rows);
     * row maximum, prefill rows (session 37, the kernel's arithmetic FP4 decode of the time): the site
       1.29-1.32x faster than XLA at 256, 1,024 and 4,096 rows with the default tiling (1.46-1.49x with
       64-key blocks), yet the model's 4,096-token prefill went 5,604 -> 5,388 tok/s with the kernel.

@@ -57,17 +57,25 @@ _NEG_INF = float("-inf")
 #   splits >= pv_programs programs; a list of nb2 blocks then runs in ceil(nb2 / split) key splits).
 #   One split per row was 15.7 us of pass 2 at batch 1 on the H200 (32 programs, 10 blocks each in a
 #   chain) against 16.5 us at batch 8 (256 programs): latency, not bytes (session 47);
-# * pv_programs: the programs split=None aims for. 512 since session 49: on two H100s (sessions 47
-#   and 49, the decode site by device time) the fastest split at V4.1's 640 keys was the one with
-#   about 512 programs at both batch sizes -- batch 1: 1 block a split (10 splits) 27.43 / 26.25 us
-#   against 28.00 / 26.88 for 2 blocks (256 programs, the rule before); batch 8: 5 blocks a split
-#   (2 splits) 64.96 / 63.43 against 67.94 / 66.37 for one split. Not measured on an H200 (same 132 SMs);
+# * pv_programs: the programs split=None aims for. 512 in sessions 49-54: on two H100s (sessions 47
+#   and 49, the decode site by device time, dv = 64) the fastest split at V4.1's 640 keys was the one
+#   with about 512 programs at both batch sizes -- batch 1: 1 block a split (10 splits) 27.43 / 26.25 us
+#   against 28.00 / 26.88 for 2 blocks (256 programs); batch 8: 5 blocks a split (2 splits) 64.96 /
+#   63.43 against 67.94 / 66.37 for one split. 256 since session 55 (with dv 256 and group 1, below);
+# * dv 256, group 1, pv_programs 256 since session 55 (dv 64, group 3, pv_programs 512 before). The op
+#   alone by device time on an H100 (BENCHMARKS.md, issue 5, session 55), 64 heads x 512, 128 window
+#   + 512 compressed keys, batch 1 / 6 verify rows / 8 / 32 / 64: 11.3 / 15.8 / 20.6 / 55.8 / 91.5 us
+#   against 11.3-11.8 / 18.5 / 25.4 / 78.3 / 145.3 with the old tiles. Wider value columns halve
+#   and quarter pass 2's programs and re-reads of the weights; with 10 blocks in a program (batch
+#   >= 32, one split) a group of 3 [64, 256] tiles loaded ahead spilled (group 1: 108.2 -> 91.1 us at
+#   batch 64), while at batch 8 (2 blocks a program) the group made no clear difference (21.1-22.5).
 # * pv_warps: pass 2's warps (None: num_warps). With bh = 16 query rows the MMA's A operand (the
 #   weights) is replicated in each warp, so 4 warps compute every exp 4 times (401 MUFU.EX2 a thread
 #   for 80 weights, sm_90 SASS, session 47).
-# At batch 1 with 64 heads x 512 and 640 keys: 20 pass-1 and 32 x 10 pass-2 programs.
-DEFAULTS = dict(bk1=32, dc=512, bk2=64, bh=16, dv=64, group=3, num_warps=4, stage_values=True, split=None,
-                pv_programs=512, pv_warps=None)
+# At batch 1 with 64 heads x 512 and 640 keys: 20 pass-1 and 8 x 10 pass-2 programs (4 head blocks x
+# 2 column blocks x 10 key splits of one block).
+DEFAULTS = dict(bk1=32, dc=512, bk2=64, bh=16, dv=256, group=1, num_warps=4, stage_values=True, split=None,
+                pv_programs=256, pv_warps=None)
 
 # The most query rows (B*S) this path serves when the caller does not pick a method: decode and
 # speculative-verify sizes, what it was built for.

@@ -30,6 +30,9 @@ def _ref(q, kv, widx, sink, ck, cidx, scale):
 
 
 def _kernel(q, kv, widx, sink, ck, cidx, scale, **cfg):
+    """The flash kernel unless ``cfg`` names a method (decode-sized calls of up to
+    ``TWO_PASS_AUTO_ROWS`` rows would otherwise take the two-pass kernels, tested on their own)."""
+    cfg.setdefault("method", "flash")
     f = jax.jit(lambda *a: pallas_triton.sparse_attention(*a[:4], scale=scale, comp_kv=a[4], comp_idx=a[5],
                                                           interpret=True, **cfg))
     return f(q, kv, widx, sink, ck, cidx)
@@ -283,15 +286,20 @@ def test_in_kernel_combine_is_the_env_default_when_asked(monkeypatch):
     assert out.returncode != 0 and "DSV41_SPARSE_COMBINE='tree': expected one of xla, pallas, kernel" in out.stderr
 
 
-def test_default_config_splits_columns_only_for_the_smallest_grids():
+def test_default_config_splits_columns_by_grid():
     """Batch-1 decode (one program per flash-decoding split) takes eight column blocks with 4 warps
-    (H200, session 13: 28.6 -> 16.7 us); batch 8 and 64, prefill rows, tiny head counts and a D whose
-    eighth is not a multiple of 32 keep one column block."""
+    (H200, session 13: 28.6 -> 16.7 us); 6, 8 and 32 rows (16, 16 and 4 key splits) two with 4 warps
+    (H100, session 55: 46.5 -> 27.4-27.7 us at batch 8, 132.5 -> 63.4-64.7 at 32); batch 64 (2 splits),
+    prefill rows, tiny head counts and a D whose eighth is not a multiple of 32 keep one column block."""
     cfg = pallas_triton.default_config(1, 64, 128, 512, "cuda")
     assert (cfg["d_split"], cfg["num_warps"], cfg["num_splits"]) == (8, 4, 16)
-    for rows, h, d in [(8, 64, 512), (64, 64, 512), (2048, 64, 512), (1, 4, 512), (1, 64, 128)]:
+    for rows, splits in [(6, 16), (8, 16), (32, 4)]:
+        cfg = pallas_triton.default_config(rows, 64, 128, 512, "cuda")
+        assert (cfg["d_split"], cfg["num_warps"], cfg["num_splits"]) == (2, 4, splits), (rows, cfg)
+    for rows, h, d in [(64, 64, 512), (2048, 64, 512), (1, 4, 512), (8, 16, 512), (1, 64, 128)]:
         cfg = pallas_triton.default_config(rows, h, 128, 512, "cuda", d)
         assert cfg["d_split"] == 1, (rows, h, d, cfg)
+    assert pallas_triton.default_config(64, 64, 128, 512, "cuda")["num_warps"] == 8
     # a caller's d_split is kept, with its measured warps (one column block at batch 1: 8 warps, as before)
     assert pallas_triton.default_config(1, 64, 128, 512, "cuda", 512, 1)["num_warps"] == 8
     assert [pallas_triton.default_config(64, 64, 128, 512, "cuda", 512, 4)[k] for k in ("d_split", "num_warps")] == [4, 4]
@@ -347,17 +355,22 @@ def test_api_routes_and_reasons():
 
 
 def test_auto_picks_by_the_measured_rules(monkeypatch):
-    """'auto' on a GPU at decode (DSV41_SPARSE_DECODE "auto", the default): batch 1 over V4.1's stores
-    takes the kernel, which runs the two passes (the model gained 1.1 % on an H100, session 47); 8
-    rows keep the XLA reference (the model lost 1.2 %); V4's plain stores keep it at batch 1 too
-    (not measured); with "flash" batch 1 keeps it (the flash kernel was slower in the model, session
-    15). The dispatch passes the stores."""
+    """'auto' on a GPU at decode (DSV41_SPARSE_DECODE "auto", the default): up to
+    TWO_PASS_AUTO_ROWS = 8 rows over V4.1's stores take the kernel, which runs the two passes (the
+    model gained 1.1 % at batch 1, session 47, and 0.6 % at batch 8 with session 55's tiles, H100);
+    9 rows keep the XLA reference (batch 32 and 64 not run in the model); V4's plain stores keep it
+    at batch 1 too (not measured); with "flash" batch 1 keeps it (the flash kernel was slower in the
+    model, session 15). The dispatch passes the stores."""
     q, kv, widx, sink, ck, cidx = make_case(4, b=1, s=1)
     assert pallas_triton.DECODE_METHOD == "auto" and pallas_triton.auto_reason(q, kv, ck) is None
     assert pallas_triton.takes_two_pass(q, kv, widx, ck, cidx)
-    q8, kv8, widx8, sink8, ck8, cidx8 = make_case(5, b=8, s=1)
-    assert "8 query row(s)" in pallas_triton.auto_reason(q8, kv8, ck8)
-    assert not pallas_triton.takes_two_pass(q8, kv8, widx8, ck8, cidx8)
+    assert pallas_triton.TWO_PASS_AUTO_ROWS == 8
+    q8, kv8, widx8, _, ck8, cidx8 = make_case(5, b=8, s=1)
+    assert pallas_triton.auto_reason(q8, kv8, ck8, kv_idx=widx8, comp_idx=cidx8) is None
+    assert pallas_triton.takes_two_pass(q8, kv8, widx8, ck8, cidx8)
+    q9, kv9, widx9, sink9, ck9, cidx9 = make_case(6, b=3, s=3)  # 9 rows
+    assert "9 query row(s)" in pallas_triton.auto_reason(q9, kv9, ck9)
+    assert not pallas_triton.takes_two_pass(q9, kv9, widx9, ck9, cidx9)
     qp, kvp, widxp, _, ckp, cidxp = make_case(7, b=1, s=1, quant=False)
     assert "1 query row(s)" in pallas_triton.auto_reason(qp, kvp, ckp)
     assert not pallas_triton.takes_two_pass(qp, kvp, widxp, ckp, cidxp)
@@ -377,13 +390,13 @@ def test_auto_picks_by_the_measured_rules(monkeypatch):
     reason, kernel = pallas_triton.auto_reason, pallas_triton.sparse_attention
     monkeypatch.setattr(pallas_triton, "auto_reason", lambda *a, **k: asked.append((a, k)) or reason(*a, **k))
     monkeypatch.setattr(pallas_triton, "sparse_attention", lambda *a, **k: calls.append(a[0].shape) or kernel(*a, **k))
-    for args in ((q, kv, widx, sink, ck, cidx), (q8, kv8, widx8, sink8, ck8, cidx8)):
+    for args in ((q, kv, widx, sink, ck, cidx), (q9, kv9, widx9, sink9, ck9, cidx9)):
         jx = str(jax.make_jaxpr(lambda *a: api.sparse_attention(*a[:4], scale=0.125, comp_kv=a[4], comp_idx=a[5]))(*args))
         assert ("sparse_attention_pv" in jx) == (args[0] is q)
         o = jax.jit(lambda *a: api.sparse_attention(*a[:4], scale=0.125, comp_kv=a[4], comp_idx=a[5]))(*args)
         check_close(o, _ref(*args, 0.125))
     a, k = asked[0]  # the stores and the lists
-    assert q8.shape not in calls and q.shape in calls and isinstance(a[2], Fp4Tensor)
+    assert q9.shape not in calls and q.shape in calls and isinstance(a[2], Fp4Tensor)
     assert (k["kv_idx"].shape, k["comp_idx"].shape) == (widx.shape, cidx.shape)
 
 
@@ -782,9 +795,14 @@ def test_two_pass_key_split_choice():
     """``split=None``: the fewest blocks per program that reach ``pv_programs`` programs, spread
     evenly, or an even split of at least half as many splits where that count would pad the last
     split; an explicit split is kept (cut to the list); the gathering form refuses several splits."""
-    cfg = dict(pallas_triton_two_pass.DEFAULTS)
     ks = pallas_triton_two_pass.key_splits
-    assert cfg["pv_programs"] == 512
+    cfg = dict(pallas_triton_two_pass.DEFAULTS)
+    # the defaults at V4.1's shapes (64 heads in blocks of 16, D 512 in 2 column blocks of dv 256, 10
+    # key blocks; session 55): batch 1 10 splits of one block, 6 verify rows 5 of 2, batch 8 2 of 5,
+    # batch 32 and 64 one split
+    assert (cfg["pv_programs"], 512 // cfg["dv"], 64 // cfg["bh"]) == (256, 2, 4)
+    assert [ks(r, 4, 2, 10, cfg) for r in (1, 6, 8, 32, 64)] == [1, 2, 5, 10, 10]
+    cfg["pv_programs"] = 512  # the rule at sessions 49-54's 512 programs and 8 column blocks of 64
     assert ks(1, 4, 8, 10, cfg) == 1  # batch 1, V4.1's 640 keys: 32 programs x 10 splits
     assert ks(8, 4, 8, 10, cfg) == 5  # batch 8: 256 programs x 2 splits
     # 6 verify rows (192 programs): 3 splits would take 4, 4 and 2 blocks padded to 4 (12 blocks of
@@ -807,7 +825,7 @@ def test_two_pass_key_split_choice():
 
 
 def test_two_pass_default_tiles_window_only_and_padded_heads():
-    """The default config (bk1 32, bk2 64, dc 128, dv 64) at D = 128 with 8 heads (padded to the
+    """The default config (bk1 32, bk2 64; dc 512 and dv 256 cut to D: 128) at D = 128 with 8 heads (padded to the
     16-row P.V tile) and 6 query rows; a layer without a compressed list (window only)."""
     q, kv, widx, sink, ck, cidx = make_case(None, b=1, s=6, h=8, d=128, nw=70, nc=300, kw=70, kc=130)
     scale = 128 ** -0.5
