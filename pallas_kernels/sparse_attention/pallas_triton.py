@@ -95,11 +95,11 @@ def default_config(batch_rows: int, heads: int, kw: int, kc: int, vendor: str | 
     (``d_split`` 8) ran 28.6 -> 16.7 us (session 13); at batch 8 the best split gained 8 % and at
     batch 64 every split lost, so only the smallest grids took it until session 55; since then (an
     H100, the op alone by device time) grids of 4+ key splits over more than 16 programs (batch 8 and
-    32, 6 verify rows) take 2 column blocks with 4 warps: batch 8 46.5 -> 27.4-27.7 us, batch 32 132.5
-    -> 63.4-64.7, while batch 64 (2 splits) ran 112.2 that way against 89.6-92.3 as before. A ``d_split`` given by the caller
-    is kept, with 4 warps when it splits (better in 5 of the 6 measured split and batch cases) and
-    8 when it does not. From :data:`KERNEL_BLOCKS_MIN_ROWS` rows (prefill chunks, one split) the
-    blocks are 64 keys, DeepSeek's: the site ran 1.46-1.49x XLA's with them against 1.29-1.32x with
+    32, 6 verify rows) take 2 column blocks with 4 warps: batch 8 46.5 -> 27.7 us, batch 32 132.5
+    -> 64.4-64.7, while batch 64 (2 splits) ran 112.2 that way against 89.6-92.3 as before. A
+    ``d_split`` given by the caller is kept, with 4 warps when it splits (better in 5 of the 6
+    measured split and batch cases) and 8 when it does not. From :data:`KERNEL_BLOCKS_MIN_ROWS` rows
+    (prefill chunks, one split) the blocks are 64 keys, DeepSeek's: the site ran 1.46-1.49x XLA's with them against 1.29-1.32x with
     32 (H200, session 37), and in the model's 4,096-token prefill the kernel took 153.1 ms in 64-key
     blocks (with DeepSeek's shifted window blocks) against 162.3 ms in 32-key ones (H100, session 41);
     predicted -9 ms per such prompt, not yet timed as this default."""
@@ -118,7 +118,7 @@ def default_config(batch_rows: int, heads: int, kw: int, kc: int, vendor: str | 
         small = block_h >= 64 and programs * num_splits <= 16 and d % 8 == 0 and (d // 8) % 32 == 0
         # 4+ splits over more than 16 programs (batch 8 and 32 at V4.1's lists: 16 and 4 splits):
         # two column blocks with 4 warps; 64 heads with 8 warps and one column block took 46.5 / 132.5 us
-        # there against 27.4-27.7 / 63.4-64.7 (H100, op alone, session 55). Batch 64 (2 splits) keeps
+        # there against 27.7 / 64.4-64.7 (H100, op alone, session 55). Batch 64 (2 splits) keeps
         # one column block with 8 warps: 89.6-92.3 us against 112.2 for two with 4 warps.
         wide = block_h >= 64 and num_splits >= 4 and programs * num_splits > 16 and d % 64 == 0
         d_split = 8 if small else 2 if wide else 1

@@ -289,7 +289,7 @@ def test_in_kernel_combine_is_the_env_default_when_asked(monkeypatch):
 def test_default_config_splits_columns_by_grid():
     """Batch-1 decode (one program per flash-decoding split) takes eight column blocks with 4 warps
     (H200, session 13: 28.6 -> 16.7 us); 6, 8 and 32 rows (16, 16 and 4 key splits) two with 4 warps
-    (H100, session 55: 46.5 -> 27.4-27.7 us at batch 8, 132.5 -> 63.4-64.7 at 32); batch 64 (2 splits),
+    (H100, session 55: 46.5 -> 27.7 us at batch 8, 132.5 -> 64.4-64.7 at 32); batch 64 (2 splits),
     prefill rows, tiny head counts and a D whose eighth is not a multiple of 32 keep one column block."""
     cfg = pallas_triton.default_config(1, 64, 128, 512, "cuda")
     assert (cfg["d_split"], cfg["num_warps"], cfg["num_splits"]) == (8, 4, 16)
