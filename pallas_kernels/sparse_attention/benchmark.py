@@ -230,6 +230,19 @@ def checked_device_time(fn, args, shared, y0, reps):
 TABLE_VARIANTS = (("xla", None), ("pallas flash", dict(method="flash")), ("two-pass", dict(two_pass={})))
 TABLE_CASES = tuple((nc, b, 1) for nc in (4096, 65536, 1 << 20) for b in (1, 8, 64)) + ((65536, 1, 6),)
 
+# The --tiles variants (session 55's sweep, H100: BENCHMARKS.md issue 5): the defaults beside the
+# tiles they replaced and the alternatives that lost, at every decode size of one context.
+TILE_VARIANTS = TABLE_VARIANTS + (
+    ("two-pass, session 54 tiles", dict(two_pass=dict(dv=64, group=3, pv_programs=512))),
+    ("two-pass dv 128", dict(two_pass=dict(dv=128))),
+    ("two-pass group 3", dict(two_pass=dict(group=3))),
+    ("two-pass 512 programs", dict(two_pass=dict(pv_programs=512))),
+    ("two-pass unstaged", dict(two_pass=dict(stage_values=False))),
+    ("flash, 1 column block, 8 warps", dict(method="flash", d_split=1, num_warps=8)),
+    ("flash, 2 column blocks, 4 warps", dict(method="flash", d_split=2, num_warps=4)),
+)
+TILE_CASES = ((65536, 1, 1), (65536, 1, 6), (65536, 8, 1), (65536, 32, 1), (65536, 64, 1))
+
 
 @functools.cache
 def _table_rep_jit():
@@ -295,8 +308,10 @@ def op_table(log, cases=TABLE_CASES, variants=TABLE_VARIANTS, reps=3, kw=128, kc
             try:
                 t, kernels, rel = checked_device_time(op(cfg), args, (ck,), y0, reps)
                 row["variants"][name] = dict(us=t * 1e6, kernels=len(kernels), rel_err=rel, ok=rel < 2e-2)
+                top = ", ".join(f"{k[:24]} {kt * 1e6:.1f}" for k, kt in kernels[:3])
                 log(f"table ctx={nc} B={b} S={s} {name}: {t*1e6:8.2f} us in {len(kernels)} kernels, rel {rel:.2e}"
-                    f"{'' if rel < 2e-2 else '  WRONG'}  floor {row['floor_us']:.2f} us, read anchor {t_a*1e6:.2f} us")
+                    f"{'' if rel < 2e-2 else '  WRONG'}  floor {row['floor_us']:.2f} us, read anchor {t_a*1e6:.2f} us"
+                    f"  [{top}]")
             except Exception as e:  # noqa: BLE001
                 row["variants"][name] = dict(us=float("nan"), kernels=0, rel_err=float("nan"), ok=False,
                                              error=f"{type(e).__name__}: {str(e)[:200]}")
@@ -389,6 +404,10 @@ def main(argv=None):
                     help="the issue-5 table by device time: the op alone at contexts 4K / 64K / 1M x batch 1 / 8 / 64 "
                          "and 6 verify rows, XLA against the flash and two-pass kernels, with the byte floor and a read "
                          "anchor, then exit (--quick: contexts 4K and 64K)")
+    ap.add_argument("--tiles", action="store_true",
+                    help="the op alone at 64K context and every decode size (batch 1 / 6 verify rows / 8 / 32 / "
+                         "64): XLA, the flash and two-pass defaults and the tiles session 55 compared them with "
+                         "(TILE_VARIANTS), with each variant's kernels, then exit")
     ap.add_argument("--decode", action="store_true",
                     help="the decode site at batch 1, 8 and 6 verify rows: XLA, the flash kernel and the two-pass "
                          "kernels (with tile variants) by device time, then exit")
@@ -413,12 +432,15 @@ def main(argv=None):
         rows = site(log, batches=(1,) if args.quick else (1, 8))
         write_rows(args.out, "sparse_attention_site.json", rows)
         return 0 if rows and all(r["ok"] for r in rows) else 1
-    if args.table:
+    if args.table or args.tiles:
         log(f"# sparse attention op, device time | {dev.device_kind} | jax {jax.__version__} | reps={args.reps}")
-        cases = [c for c in TABLE_CASES if not (args.quick and c[0] > 65536)]
-        rows = op_table(log, cases, reps=args.reps)
-        write_rows(args.out, "sparse_attention_table.json", rows)
-        with open(os.path.join(args.out, "sparse_attention_table.log"), "w") as fh:
+        if args.tiles:
+            rows = op_table(log, TILE_CASES, variants=TILE_VARIANTS, reps=args.reps)
+        else:
+            rows = op_table(log, [c for c in TABLE_CASES if not (args.quick and c[0] > 65536)], reps=args.reps)
+        name = "sparse_attention_tiles" if args.tiles else "sparse_attention_table"
+        write_rows(args.out, f"{name}.json", rows)
+        with open(os.path.join(args.out, f"{name}.log"), "w") as fh:
             fh.write("\n".join(lines) + "\n")
         return 0 if rows and all(v["ok"] for r in rows for v in r["variants"].values()) else 1
     if args.decode:

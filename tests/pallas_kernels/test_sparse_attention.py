@@ -922,6 +922,30 @@ def test_two_pass_cross_lowering(target, shape):
         assert text.count("__gpu$xla.gpu.triton") == 2
 
 
+def test_tile_variants_take_every_decode_case():
+    """``--tiles`` (session 55's sweep): every variant accepts every case at V4.1's real shapes (64
+    heads x 512, 128 window + 512 compressed picks; traced abstractly, nothing runs), and the two-pass
+    variants differ from the defaults only where their names say."""
+    from pallas_kernels.sparse_attention import benchmark
+    from pallas_kernels.sparse_attention import pallas_triton_two_pass as tp
+
+    names = [n for n, _ in benchmark.TILE_VARIANTS]
+    assert names[:3] == [n for n, _ in benchmark.TABLE_VARIANTS] and len(set(names)) == len(names)
+    assert {b * s for _, b, s in benchmark.TILE_CASES} == {1, 6, 8, 32, 64}
+    old = dict(benchmark.TILE_VARIANTS)["two-pass, session 54 tiles"]["two_pass"]
+    assert {k: tp.DEFAULTS[k] for k in old} == dict(dv=256, group=1, pv_programs=256)
+    for nc, b, s in benchmark.TILE_CASES:
+        specs = _real_specs(b, s, 128, nc, 128, 512)
+        for name, cfg in benchmark.TILE_VARIANTS[1:]:
+            def f(q, win, widx, sink, ck, cidx, cfg=cfg):
+                kw = dict(scale=512 ** -0.5, comp_kv=ck, comp_idx=cidx)
+                if "two_pass" in cfg:
+                    return tp.sparse_attention(q, win, widx, sink, **kw, config=cfg["two_pass"])
+                return pallas_triton.sparse_attention(q, win, widx, sink, **kw, **cfg)
+            out = jax.eval_shape(f, *specs)
+            assert (out.shape, out.dtype) == ((b, s, 64, 512), jnp.bfloat16), (name, b, s)
+
+
 def test_op_table_runs_and_checks_each_variant(monkeypatch):
     """benchmark.op_table (``--table``: the op alone by device time, the issue-5 table) on the CPU:
     the kernels in interpret mode, the profiler timing stubbed; each variant is checked against the
