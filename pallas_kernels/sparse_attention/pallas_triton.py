@@ -99,8 +99,8 @@ def default_config(batch_rows: int, heads: int, kw: int, kc: int, vendor: str | 
     -> 64.4-64.7, while batch 64 (2 splits) ran 112.2 that way against 89.6-92.3 as before. A
     ``d_split`` given by the caller is kept, with 4 warps when it splits (better in 5 of the 6
     measured split and batch cases) and 8 when it does not. From :data:`KERNEL_BLOCKS_MIN_ROWS` rows
-    (prefill chunks, one split) the blocks are 64 keys, DeepSeek's: the site ran 1.46-1.49x XLA's with them against 1.29-1.32x with
-    32 (H200, session 37), and in the model's 4,096-token prefill the kernel took 153.1 ms in 64-key
+    (prefill chunks, one split) the blocks are 64 keys, DeepSeek's: the site ran 1.46-1.49x XLA's
+    with them against 1.29-1.32x with 32 (H200, session 37), and in the model's 4,096-token prefill the kernel took 153.1 ms in 64-key
     blocks (with DeepSeek's shifted window blocks) against 162.3 ms in 32-key ones (H100, session 41);
     predicted -9 ms per such prompt, not yet timed as this default."""
     vendor = vendor or _gpu_vendor()

@@ -65,10 +65,11 @@ _NEG_INF = float("-inf")
 # * dv 256, group 1, pv_programs 256 since session 55 (dv 64, group 3, pv_programs 512 before). The op
 #   alone by device time on an H100 (BENCHMARKS.md, issue 5, session 55), 64 heads x 512, 128 window
 #   + 512 compressed keys, batch 1 / 6 verify rows / 8 / 32 / 64: 11.3 / 15.8 / 20.6 / 55.8 / 91.5 us
-#   against 11.3-11.8 / 18.5 / 25.4 / 78.3 / 145.3 with the old tiles. Wider value columns halve
-#   and quarter pass 2's programs and re-reads of the weights; with 10 blocks in a program (batch
-#   >= 32, one split) a group of 3 [64, 256] tiles loaded ahead spilled (group 1: 108.2 -> 91.1 us at
-#   batch 64), while at batch 8 (2 blocks a program) the group made no clear difference (21.1-22.5).
+#   against 11.3-11.8 / 18.5 / 25.4 / 78.3 / 145.3 with the old tiles. Wider value columns cut
+#   pass 2's column blocks from 8 to 2, and with them its programs and the re-reads and exps of the
+#   weights; with 10 blocks in a program (batch >= 32, one split) a group of 3 [64, 256] tiles loaded
+#   ahead spilled (group 1: 108.2 -> 91.1 us at batch 64), while at batch 8 (2 blocks a program) the
+#   group made no clear difference (21.1-22.5).
 # * pv_warps: pass 2's warps (None: num_warps). With bh = 16 query rows the MMA's A operand (the
 #   weights) is replicated in each warp, so 4 warps compute every exp 4 times (401 MUFU.EX2 a thread
 #   for 80 weights, sm_90 SASS, session 47).
