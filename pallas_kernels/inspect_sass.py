@@ -275,6 +275,12 @@ def _cases(which: str, tokens: int = 1, experts: int = 384, config=None, packing
                  Fp4Tensor(S((b, nc, d // 2), jnp.uint8), S((b, nc, d // 16), jnp.float8_e4m3fn), 16),
                  S((b, 1, 512), jnp.int32))
         kw = dict(config or {})
+        if "two_pass" in kw:  # {"two_pass": {...}}: the two-pass kernels with those tiles, at any row count
+            from pallas_kernels.sparse_attention import pallas_triton_two_pass as tp
+
+            tiles = kw.pop("two_pass")
+            return (lambda q, kv, wi, sink, ck, ci: tp.sparse_attention(q, kv, wi, sink, scale=d ** -0.5, comp_kv=ck,
+                                                                         comp_idx=ci, config=tiles), *specs)
         return (lambda q, kv, wi, sink, ck, ci: sa.sparse_attention(q, kv, wi, sink, scale=d ** -0.5, comp_kv=ck,
                                                                      comp_idx=ci, **kw), *specs)
     if which == "indexer":  # decode: ``tokens`` sequences of one query row, 32 MXFP4 heads x 128 against a
@@ -350,7 +356,8 @@ def main(argv=None) -> int:
     ap.add_argument("--packing", default="nibbles", choices=["nibbles", "f16pairs"],
                     help="moe: how the experts' MXFP4 codes are stored (dsv41_jax.quant.codecs)")
     ap.add_argument("--config", default=None, help="the op's config tuple, e.g. \"(128, 128, 64, 128, 64, 8)\"; "
-                    "sparse-attn, indexer, route: keyword arguments, e.g. \"{'block_h': 32, 'num_warps': 4}\"")
+                    "sparse-attn, indexer, route: keyword arguments, e.g. \"{'block_h': 32, 'num_warps': 4}\"; "
+                    "sparse-attn also \"{'two_pass': {'dv': 64}}\" (the two-pass kernels with those tiles)")
     ap.add_argument("--target", default="cuda", choices=["cuda", "rocm"],
                     help="cuda: sm_90 SASS (H100/H200); rocm: gfx950 AMDGCN (MI350X), both compiled offline")
     ap.add_argument("--python", default=None, help="an interpreter with triton installed, for the SASS step")

@@ -68,8 +68,10 @@ _NEG_INF = float("-inf")
 #   against 11.3-11.8 / 18.5 / 25.4 / 78.3 / 145.3 with the old tiles. Wider value columns cut
 #   pass 2's column blocks from 8 to 2, and with them its programs and the re-reads and exps of the
 #   weights; with 10 blocks in a program (batch >= 32, one split) a group of 3 [64, 256] tiles loaded
-#   ahead spilled (group 1: 108.2 -> 91.1 us at batch 64), while at batch 8 (2 blocks a program) the
-#   group made no clear difference (21.1-22.5).
+#   ahead was slower (group 1: 108.2 -> 91.1 us at batch 64; not spills: the sm_90 SASS has none
+#   either way and the same instruction counts, but group 3 holds 102,400 bytes of shared memory a
+#   program against 36,864), while at batch 8 (2 blocks a program) the group made no clear
+#   difference (21.1-22.5).
 # * pv_warps: pass 2's warps (None: num_warps). With bh = 16 query rows the MMA's A operand (the
 #   weights) is replicated in each warp, so 4 warps compute every exp 4 times (401 MUFU.EX2 a thread
 #   for 80 weights, sm_90 SASS, session 47).
