@@ -27,7 +27,6 @@ def test_captures_each_kernels_triton_ir():
     assert lowering.lower_jaxpr_to_triton_module is before  # the capture is undone
 
 
-
 def test_sparse_attn_case_takes_two_pass_tiles():
     """``sparse-attn --config "{'two_pass': {...}}"``: the two-pass kernels with those tiles at any row
     count (64 rows, where 'auto' would not pick them); other configs stay the flash kernel's keywords."""
@@ -36,6 +35,7 @@ def test_sparse_attn_case_takes_two_pass_tiles():
     assert [k["name"] for k in ks] == ["sparse_attention_logits", "sparse_attention_pv"]
     fn, *specs = inspect_sass._cases("sparse-attn", tokens=64, config={"block_h": 32})
     assert [k["name"] for k in inspect_sass.triton_kernels(fn, *specs)] == ["sparse_attention_sink"]
+
 
 SASS = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;

@@ -825,8 +825,8 @@ def test_two_pass_key_split_choice():
 
 
 def test_two_pass_default_tiles_window_only_and_padded_heads():
-    """The default config (bk1 32, bk2 64; dc 512 and dv 256 cut to D: 128) at D = 128 with 8 heads (padded to the
-    16-row P.V tile) and 6 query rows; a layer without a compressed list (window only)."""
+    """The default config (bk1 32, bk2 64; dc 512 and dv 256 cut to D: 128) at D = 128 with 8 heads
+    (padded to the 16-row P.V tile) and 6 query rows; a layer without a compressed list (window only)."""
     q, kv, widx, sink, ck, cidx = make_case(None, b=1, s=6, h=8, d=128, nw=70, nc=300, kw=70, kc=130)
     scale = 128 ** -0.5
     check_close(_two_pass(q, kv, widx, sink, ck, cidx, scale, config=None), _ref(q, kv, widx, sink, ck, cidx, scale))
@@ -924,8 +924,8 @@ def test_two_pass_cross_lowering(target, shape):
 
 def test_tile_variants_take_every_decode_case():
     """``--tiles`` (session 55's sweep): every variant accepts every case at V4.1's real shapes (64
-    heads x 512, 128 window + 512 compressed picks; traced abstractly, nothing runs), and the two-pass
-    variants differ from the defaults only where their names say."""
+    heads x 512, 128 window + 512 compressed picks; traced abstractly, nothing runs), and the
+    "session 54 tiles" variant names the three tiles the defaults changed."""
     from pallas_kernels.sparse_attention import benchmark
     from pallas_kernels.sparse_attention import pallas_triton_two_pass as tp
 
