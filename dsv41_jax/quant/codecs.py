@@ -22,7 +22,8 @@ import numpy as np
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
 # Decision points between magnitude codes k and k+1.
 _E2M1_BOUNDS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
-_E2M1_LUT16 = np.concatenate([E2M1_VALUES, -E2M1_VALUES]).astype(np.float32)
+# value by 4-bit code (sign in bit 3; -0.0 at code 8)
+E2M1_LUT16 = np.concatenate([E2M1_VALUES, -E2M1_VALUES]).astype(np.float32)
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
@@ -190,7 +191,7 @@ def e4m3_round_quotient(a: jax.Array, d: float) -> jax.Array:
 
 def e2m1_decode(codes: jax.Array) -> jax.Array:
     """e2m1 codes (uint8 0..15) -> float32 values."""
-    return jnp.asarray(_E2M1_LUT16)[codes.astype(jnp.int32) & 0xF]
+    return jnp.asarray(E2M1_LUT16)[codes.astype(jnp.int32) & 0xF]
 
 
 def pack_nibbles(codes: jax.Array) -> jax.Array:

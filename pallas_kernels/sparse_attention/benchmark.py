@@ -244,6 +244,24 @@ TILE_VARIANTS = TABLE_VARIANTS + (
 TILE_CASES = ((65536, 1, 1), (65536, 1, 6), (65536, 8, 1), (65536, 32, 1), (65536, 64, 1))
 
 
+def table_op(cfg, scale):
+    """The op of one table variant, ``f(q, win, widx, sink, cidx, ck)``: ``cfg`` None is the XLA
+    reference, ``{"two_pass": tiles}`` the two-pass kernels with those tiles, anything else the
+    keyword arguments of ``pallas_triton.sparse_attention`` (the flash kernel and its dispatch)."""
+    from pallas_kernels.sparse_attention import pallas_triton as pt
+    from pallas_kernels.sparse_attention import pallas_triton_two_pass as tp
+    from pallas_kernels.sparse_attention import reference as ref
+
+    def f(q, win, widx, sink, cidx, ck):
+        kw = dict(scale=scale, comp_kv=ck, comp_idx=cidx)
+        if cfg is None:
+            return ref.sparse_attention(q, win, widx, sink, **kw)
+        if "two_pass" in cfg:
+            return tp.sparse_attention(q, win, widx, sink, **kw, config=cfg["two_pass"])
+        return pt.sparse_attention(q, win, widx, sink, **kw, **cfg)
+    return f
+
+
 @functools.cache
 def _table_rep_jit():
     """Rep r's own query rows, window and sorted compressed picks (distinct per rep; the compressed
@@ -275,22 +293,8 @@ def op_table(log, cases=TABLE_CASES, variants=TABLE_VARIANTS, reps=3, kw=128, kc
     import numpy as np
 
     from pallas_kernels.benchmarking import device_time_op
-    from pallas_kernels.sparse_attention import pallas_triton as pt
-    from pallas_kernels.sparse_attention import pallas_triton_two_pass as tp
-    from pallas_kernels.sparse_attention import reference as ref
 
-    scale = d ** -0.5
-
-    def op(cfg):
-        def f(q, win, widx, sink, cidx, ck):
-            kw_ = dict(scale=scale, comp_kv=ck, comp_idx=cidx)
-            if cfg is None:
-                return ref.sparse_attention(q, win, widx, sink, **kw_)
-            if "two_pass" in cfg:
-                return tp.sparse_attention(q, win, widx, sink, **kw_, config=cfg["two_pass"])
-            return pt.sparse_attention(q, win, widx, sink, **kw_, **cfg)
-        return f
-
+    op = functools.partial(table_op, scale=d ** -0.5)
     rows = []
     for nc, b, s in cases:
         if nc < kc:

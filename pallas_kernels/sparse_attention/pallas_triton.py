@@ -100,8 +100,9 @@ def default_config(batch_rows: int, heads: int, kw: int, kc: int, vendor: str | 
     ``d_split`` given by the caller is kept, with 4 warps when it splits (better in 5 of the 6
     measured split and batch cases) and 8 when it does not. From :data:`KERNEL_BLOCKS_MIN_ROWS` rows
     (prefill chunks, one split) the blocks are 64 keys, DeepSeek's: the site ran 1.46-1.49x XLA's
-    with them against 1.29-1.32x with 32 (H200, session 37), and in the model's 4,096-token prefill the kernel took 153.1 ms in 64-key
-    blocks (with DeepSeek's shifted window blocks) against 162.3 ms in 32-key ones (H100, session 41);
+    with them against 1.29-1.32x with 32 (H200, session 37), and in the model's 4,096-token prefill
+    the kernel took 153.1 ms in 64-key blocks (with DeepSeek's shifted window blocks) against 162.3 ms
+    in 32-key ones (H100, session 41);
     predicted -9 ms per such prompt, not yet timed as this default."""
     vendor = vendor or _gpu_vendor()
     block_h = min(heads, 64) if heads >= 16 else 16
@@ -547,12 +548,9 @@ DECODE_METHODS = ("auto", "flash", "two_pass")
 DECODE_METHOD = os.environ.get("DSV41_SPARSE_DECODE", "auto").lower()
 if DECODE_METHOD not in DECODE_METHODS:
     raise ValueError(f"DSV41_SPARSE_DECODE={DECODE_METHOD!r}: expected one of {', '.join(DECODE_METHODS)}")
-# The most query rows DECODE_METHOD "auto" gives the two-pass kernels, from the model on an H100
-# (64 routed experts, BENCHMARKS.md issue 5): session 47, batch 1 134.64 tok/s against 133.14 with
-# XLA's reference (+1.1 %), batch 8 360.05 against 364.33 (-1.2 %) though the kernels won each site
-# (then 1 row); session 55, with the wider pass-2 tiles (dv 256, group 1), batch 8 365.13 against
-# 363.06 (+0.6 %) and the site 58.5 against 70.6 us. Batches 32 and 64 win the site too (94.3 / 133.0
-# against 113.1 / 180.8 us) but have not run in the model, so they keep XLA's reference.
+# The most query rows DECODE_METHOD "auto" gives the two-pass kernels: the row counts measured faster
+# in the model (auto_reason has the numbers; 1 row until session 55). Batches 32 and 64 win the site
+# too (94.3 / 133.0 against 113.1 / 180.8 us, H100) but have not run in the model, so they keep XLA's.
 TWO_PASS_AUTO_ROWS = 8
 
 

@@ -294,14 +294,14 @@ def test_fp4_byte_decode_every_byte():
     """Route "e4m3": the fma kernels' two-nibbles-per-byte MXFP4 decode equals the per-nibble decode
     of the tensor-core kernels and the e2m1 table (times 2**-6), for all 256 byte values (both signs
     of zero included)."""
-    from dsv41_jax.quant.codecs import _E2M1_LUT16
+    from dsv41_jax.quant.codecs import E2M1_LUT16
     from pallas_kernels.quantized_matmul.pallas_triton_fma import fp4_byte_decode_f32
 
     b = jnp.arange(256, dtype=jnp.int32)
     lo, hi, shift = fp4_byte_decode_f32(b)
     lo, hi = np.asarray(lo), np.asarray(hi)
     assert shift == 6
-    table = _E2M1_LUT16 * np.float32(2.0**-shift)
+    table = E2M1_LUT16 * np.float32(2.0**-shift)
     np.testing.assert_array_equal(lo, table[np.arange(256) & 15])
     np.testing.assert_array_equal(hi, table[np.arange(256) >> 4])
     np.testing.assert_array_equal(np.signbit(lo), (np.arange(256) & 8) > 0)
@@ -314,7 +314,7 @@ def test_word_decodes_every_code():
     """Route "f16w": every e2m1 nibble value at every nibble position of a uint32 word, and every
     non-NaN e4m3 byte at every byte position, decode to the table value times the route's power of
     two, in the element order of act_view's phases (nibble j = element 8q + j, byte j = 4q + j)."""
-    from dsv41_jax.quant.codecs import _E2M1_LUT16
+    from dsv41_jax.quant.codecs import E2M1_LUT16
     from pallas_kernels.quantized_matmul.pallas_triton_fma import fp4_word_pairs_f32, fp8_word_pairs_f32
 
     rng = np.random.default_rng()
@@ -324,7 +324,7 @@ def test_word_decodes_every_code():
     for j in range(8):
         words |= nib[:, j].astype(np.uint32) << (4 * j)
     pairs = fp4_word_pairs_f32(jnp.asarray(words))
-    table = _E2M1_LUT16 * np.float32(2.0**-14)
+    table = E2M1_LUT16 * np.float32(2.0**-14)
     for j, (lo, hi) in enumerate(pairs):
         np.testing.assert_array_equal(np.asarray(lo), table[nib[:, j]])
         np.testing.assert_array_equal(np.asarray(hi), table[nib[:, j + 4]])

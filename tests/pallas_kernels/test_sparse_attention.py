@@ -936,13 +936,9 @@ def test_tile_variants_take_every_decode_case():
     assert {k: tp.DEFAULTS[k] for k in old} == dict(dv=256, group=1, pv_programs=256)
     for nc, b, s in benchmark.TILE_CASES:
         specs = _real_specs(b, s, 128, nc, 128, 512)
+        q, win, widx, sink, ck, cidx = specs
         for name, cfg in benchmark.TILE_VARIANTS[1:]:
-            def f(q, win, widx, sink, ck, cidx, cfg=cfg):
-                kw = dict(scale=512 ** -0.5, comp_kv=ck, comp_idx=cidx)
-                if "two_pass" in cfg:
-                    return tp.sparse_attention(q, win, widx, sink, **kw, config=cfg["two_pass"])
-                return pallas_triton.sparse_attention(q, win, widx, sink, **kw, **cfg)
-            out = jax.eval_shape(f, *specs)
+            out = jax.eval_shape(benchmark.table_op(cfg, 512 ** -0.5), q, win, widx, sink, cidx, ck)
             assert (out.shape, out.dtype) == ((b, s, 64, 512), jnp.bfloat16), (name, b, s)
 
 
