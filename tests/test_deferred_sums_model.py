@@ -2,7 +2,7 @@
 parts, to the fused mHC expansion kernel unsummed (``pallas_kernels.deferred_sum``,
 ``transformer.DEFER_SUMS``), and its logits equal those of the step that sums them with XLA first.
 
-The tiny V4.1 model (its first 6 layers, ``tiny_short``) with 64-wide experts (so that the fused MoE and the shared expert's w2 GEMV take
+The tiny V4.1 model (its first 3 layers, ``tiny_short(n_layers=3)``: every mHC site kind) with 64-wide experts (so that the fused MoE and the shared expert's w2 GEMV take
 it; the preset's 32 are below their K tile); the weight GEMVs, the MoE and the mHC ops on their
 Pallas kernels in interpret mode, every other op on its reference."""
 
@@ -42,7 +42,8 @@ def test_deferred_sums_give_the_logits_of_the_summed_step(inter, row_splits, mon
         return real(f, *a, **k)
 
     monkeypatch.setattr(mhc_kernel, "hc_expand_collapse_mixes", spy)
-    cfg = tiny_short(moe_inter_dim=inter)
+    cfg = tiny_short(n_layers=3, moe_inter_dim=inter)
+    assert cfg.engram_layer_ids == (1,)
     params = init_params(cfg, np.random.randint(1 << 30))
     opts = RunOptions(dtype="bfloat16")
     rng = np.random.default_rng()
@@ -58,10 +59,10 @@ def test_deferred_sums_give_the_logits_of_the_summed_step(inter, row_splits, mon
         return list(pieces), np.asarray(logits, np.float32)
 
     deferred_pieces, deferred = run(True)
-    # every layer's attention expansion gets wo_b's parts; the FFN expansions that fuse the next
-    # layer's mixes (layers 1, 2, 4: not before an Engram layer, not the last) the MoE's pieces
+    # every layer's attention expansion gets wo_b's parts; the FFN expansion that fuses the next
+    # layer's mixes (layer 1: not before an Engram layer, not the last) the MoE's pieces
     n = cfg.n_layers
-    assert deferred_pieces.count((True, False)) == n and deferred_pieces.count((True, True)) == n - 3
+    assert deferred_pieces.count((True, False)) == n and deferred_pieces.count((True, True)) == n - 2
     assert sorted(set(splits)) == sorted({0, row_splits}), splits  # wo_b's parts: 0; the MoE's rows
     summed_pieces, summed = run(False)
     assert summed_pieces == [None] * len(deferred_pieces)
