@@ -129,7 +129,7 @@ def test_f16pairs_lowering_real_shapes(target):
 
 
 def test_model_step_on_f16pairs_experts_gives_the_same_logits(monkeypatch):
-    """One decode step of the tiny model (its first 6 layers; 64-wide experts, so the fused MoE takes
+    """One decode step of the tiny model (its first 3 layers, each with the fused MoE; 64-wide experts, so the fused MoE takes
     them) with its routed experts repacked: the MoE kernels (interpret mode) receive f16pairs experts
     and the logits equal those of the nibble experts bit for bit."""
     import functools
@@ -148,7 +148,7 @@ def test_model_step_on_f16pairs_experts_gives_the_same_logits(monkeypatch):
     seen = []
     real = pallas_triton._moe_fma
     monkeypatch.setattr(pallas_triton, "_moe_fma", lambda *a, **k: seen.append(a[3].packing) or real(*a, **k))
-    cfg = tiny_short(moe_inter_dim=64)
+    cfg = tiny_short(n_layers=3, moe_inter_dim=64)
     params = init_params(cfg, np.random.randint(1 << 30))
     opts = RunOptions(dtype="bfloat16")
     toks = jnp.asarray(np.random.default_rng().integers(3, 5000, (1, 1)), jnp.int32)
@@ -178,7 +178,7 @@ def test_sass_case_takes_the_packing():
 
 
 def test_model_step_takes_the_phase_route(monkeypatch):
-    """A batch-8 decode step of the tiny model (its first 6 layers) with 128-wide experts (16 pairs
+    """A batch-8 decode step of the tiny model (its first 3 layers, each with the fused MoE) with 128-wide experts (16 pairs
     over 8 experts: 2 rows per expert, so the dispatch picks the tensor-core kernels, and their
     128-wide K tiles the phase route under DSV41_MMA_FP4=auto), experts packed as f16pairs (the GPU default): its logits agree
     with the same step on the reference MoE."""
@@ -200,7 +200,7 @@ def test_model_step_takes_the_phase_route(monkeypatch):
     reads = []
     real = pallas_triton.fp4_read_for
     monkeypatch.setattr(pallas_triton, "fp4_read_for", lambda *a: reads.append(real(*a)) or reads[-1])
-    cfg = tiny_short(dim=128, moe_inter_dim=128)
+    cfg = tiny_short(n_layers=3, dim=128, moe_inter_dim=128)
     params = with_fp4_packing(init_params(cfg, np.random.randint(1 << 30)), "f16pairs",
                               only=lambda name, node: ".experts." in f".{name}.")
     opts = RunOptions(dtype="bfloat16")
