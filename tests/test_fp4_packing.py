@@ -159,7 +159,7 @@ def test_engine_repacks_the_routed_experts_in_place():
     from dsv41_jax.params import init_params
     from tiny_short import tiny_short
 
-    cfg = tiny_short()  # the preset's first 6 layers: the routed experts in every layer
+    cfg = tiny_short(n_layers=3)  # the preset's first 3 layers: the routed experts in every layer
     model = Model(cfg, init_params(cfg, np.random.randint(1 << 16)))
     reqs = [Request(prompt_ids=[5, 6, 7, 8], max_new_tokens=3), Request(prompt_ids=[9, 10], max_new_tokens=3)]
     eng = Engine(model, batch_size=2, max_seq_len=32, prefill_chunk=8, expert_packing="nibbles")
@@ -215,7 +215,7 @@ def test_f16_dots_refuses_routed_experts_outside_the_exact_window(monkeypatch):
     from pallas_kernels.moe import pallas_triton as moe_pt
     from tiny_short import tiny_short
 
-    cfg = tiny_short()
+    cfg = tiny_short(n_layers=3)  # routed experts in every layer, layer 1's altered below
     params = init_params(cfg, np.random.randint(1 << 16))
     monkeypatch.setitem(moe_pt.MMA_FP4, "route", "f16dots")
     assert f16_dots_reason(params) is None
