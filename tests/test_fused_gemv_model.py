@@ -15,11 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.cache import init_cache
-from dsv41_jax.config import get_preset
 from dsv41_jax.options import RunOptions
 from dsv41_jax.params import init_params
 from dsv41_jax.transformer import forward_step
 from pallas_kernels import dispatch
+from tiny_short import tiny_v4_short
 
 
 def _only_qmm_kernels(monkeypatch):
@@ -55,8 +55,7 @@ def test_decode_step_fuses_same_input_projections(monkeypatch):
     monkeypatch.setattr(layers, "quantized_matmul_multi", checked_multi)
     # the preset's first 3 layers: sliding (hash-routed), CSA (ratio 4, its own indexer) and HCA (ratio 8),
     # each layer kind and fused site once (the preset's layers 3-4 repeat 1-2)
-    cfg = get_preset("tiny-v4")
-    cfg = cfg.replace(n_layers=3, compress_ratios=cfg.compress_ratios[:3] + cfg.compress_ratios[cfg.n_layers:])
+    cfg = tiny_v4_short(3)
     assert [cfg.compress_ratios[layer] for layer in range(cfg.n_layers)] == [0, 4, 8] and cfg.n_hash_layers == 1
     n_csa = sum(cfg.overlap(layer) for layer in range(cfg.n_layers))  # layers with their own indexer
     assert n_csa >= 1

@@ -4,7 +4,10 @@ its weight GEMMs on the Pallas kernels in interpret mode.
 Kernels under test: ``quantized_matmul`` (every FP8 linear: attention, indexer, shared expert) and
 ``moe_experts`` (routed MXFP4 experts, act_block 128), selected the way the model sees them
 (``use_implementation("interpret")``, i.e. ``DSV41_KERNELS=interpret``; on a GPU ``pallas`` runs the
-same kernels compiled). The other ops stay on their references here (see below).
+same kernels compiled). The other ops stay on their references here (see below). Both checks run on
+the preset's first 3 layers (``tiny_short.tiny_v4_short``: sliding + hash routing, CSA, HCA, every V4
+layer kind once; the preset's layers 3-4 repeat 1-2): 44.8 -> 31.1 CPU-s for the two tests. The
+observations below were made on all 5 layers.
 
 Two checks, float32 compute and KV throughout:
 
@@ -34,7 +37,6 @@ import numpy as np
 import pytest
 
 from dsv41_jax.cache import init_cache
-from dsv41_jax.config import get_preset
 from dsv41_jax.options import RunOptions
 from dsv41_jax.params import init_params
 from dsv41_jax.quant import Fp8Tensor
@@ -45,6 +47,7 @@ from pallas_kernels.moe import pallas_triton as moe_kernel
 from pallas_kernels.moe import reference as moe_reference
 from pallas_kernels.quantized_matmul import pallas_triton as qmm_kernel
 from pallas_kernels.quantized_matmul import reference as qmm_reference
+from tiny_short import tiny_v4_short
 
 KERNEL_OPS = ("quantized_matmul", "moe_experts")
 # "interpret" on the CPU (CI); on a GPU, DSV41_TEST_KERNEL_IMPL=pallas runs the same checks with the
@@ -132,7 +135,7 @@ def _forward(params, cfg, opts, ids, impl):
 
 def _check_calls(rec, cfg):
     # every FP8 linear ran the 128x128 kernel (only plain weights fell back); every MoE ran the kernel
-    assert len(rec["qmm"]) >= 30 and all(c == ((128, 128), 128, IMPL == "interpret") for c in rec["qmm"]), rec["qmm"]
+    assert len(rec["qmm"]) >= 6 * cfg.n_layers and all(c == ((128, 128), 128, IMPL == "interpret") for c in rec["qmm"]), rec["qmm"]
     assert not rec["fallback_fp8"], rec["fallback_fp8"]
     assert rec["moe"] == [("Fp4Tensor", 128, IMPL == "interpret")] * cfg.n_layers
     assert len(rec["errors"]) == len(rec["qmm"]) + len(rec["moe"])
@@ -142,13 +145,13 @@ def _check_calls(rec, cfg):
 
 def test_tiny_v4_logits_with_weight_kernels_match_reference(kernels_on_weight_gemms):
     rec = kernels_on_weight_gemms
-    cfg = get_preset("tiny-v4")
+    cfg = tiny_v4_short(3)  # every V4 layer kind once (sliding + hash routing, CSA, HCA)
     assert cfg.fp8_block_size == 128 and cfg.expert_dtype == "fp4"
     params = init_params(cfg, seed=0)
     opts = RunOptions(dtype="float32", kv_cache_dtype="float32")
     ids = jnp.asarray(np.random.default_rng(0).integers(3, 5000, (2, 12)), jnp.int32)
     ref = _forward(params, cfg, opts, ids, "reference")
-    assert not rec["qmm"] and not rec["moe"] and len(rec["fallback_fp8"]) >= 30
+    assert not rec["qmm"] and not rec["moe"] and len(rec["fallback_fp8"]) >= 6 * cfg.n_layers
     rec["fallback_fp8"].clear()
     out = _forward(params, cfg, opts, ids, IMPL)
     _check_calls(rec, cfg)
@@ -158,7 +161,7 @@ def test_tiny_v4_logits_with_weight_kernels_match_reference(kernels_on_weight_ge
 
 def test_tiny_v4_every_kernel_call_matches_reference_distinct_block_scales(kernels_on_weight_gemms):
     rec = kernels_on_weight_gemms
-    cfg = get_preset("tiny-v4")
+    cfg = tiny_v4_short(3)
     params = spread_fp8_scales(init_params(cfg, seed=0), jax.random.PRNGKey(np.random.randint(1 << 30)))
     opts = RunOptions(dtype="float32", kv_cache_dtype="float32")
     ids = jnp.asarray(np.random.default_rng().integers(3, 5000, (1, 12)), jnp.int32)

@@ -33,3 +33,14 @@ def tiny_short(n_layers: int = N_LAYERS, **overrides) -> ModelConfig:
         candidate_source_layer=cfg.candidate_source_layer if cfg.candidate_source_layer < n else -1,
         engram_layer_ids=tuple(layer for layer, _ in engram), engram_num_embeddings=tuple(e for _, e in engram),
         dspark_target_layer_ids=tuple(range(n - len(cfg.dspark_target_layer_ids), n)), **overrides)
+
+
+def tiny_v4_short(n_layers: int = 3, **overrides) -> ModelConfig:
+    """The ``tiny-v4`` preset (layers 0 sliding and hash-routed, 1 and 3 CSA = ratio 4 with their own
+    indexer, 2 and 4 HCA = ratio 8; one MTP block) cut to its first ``n_layers`` layers: at 3, every
+    V4 layer kind once (the preset's layers 3-4 repeat 1-2), for kernel tests whose checks are per
+    layer or per call. The KV / index sources are derived from the ratios (V4: every compressed layer
+    owns its caches)."""
+    cfg = get_preset("tiny-v4")
+    return cfg.replace(n_layers=n_layers,
+                       compress_ratios=cfg.compress_ratios[:n_layers] + cfg.compress_ratios[cfg.n_layers:], **overrides)
