@@ -21,11 +21,16 @@ F32 = RunOptions(dtype="float32", kv_cache_dtype="float32", hadamard=False)
 CAP = 64
 
 
-def v4_with_mtp():
-    """(cfg, params): the v4_tiny_a fixture's backbone plus one random MTP block (mtp.0.*)."""
+def v4_with_mtp(n_layers: int | None = None):
+    """(cfg, params): the v4_tiny_a fixture's backbone plus one random MTP block (mtp.0.*).
+    ``n_layers``: keep only the backbone's first layers (the fixture's ratios are 0, 4, 8, 4, 8: at 3
+    a sliding, a CSA layer with its own indexer and an HCA layer, every V4 layer kind once)."""
     cfg0, params = load_checkpoint(FIX)
-    cfg = cfg0.replace(n_mtp_layers=1, compress_ratios=cfg0.compress_ratios + (0,))
     params = dict(params)
+    if n_layers is not None:
+        cfg0 = cfg0.replace(n_layers=n_layers, compress_ratios=cfg0.compress_ratios[:n_layers])
+        params["layers"] = {str(layer): params["layers"][str(layer)] for layer in range(n_layers)}
+    cfg = cfg0.replace(n_mtp_layers=1, compress_ratios=cfg0.compress_ratios + (0,))
     params["mtp"] = init_params(cfg, seed=5)["mtp"]
     return cfg, params
 
