@@ -23,7 +23,18 @@ def tiny_short(n_layers: int = N_LAYERS, **overrides) -> ModelConfig:
     """The preset cut to its first ``n_layers`` layers: their compress ratios, KV / index sources and
     Engram layers as in the preset (the candidate source only if kept), the DSpark stages' ratios
     after them, and the stages' target layers moved to the last three kept layers."""
-    cfg = get_preset("tiny")
+    return cut_layers(get_preset("tiny"), n_layers, **overrides)
+
+
+def cut_params(params: dict, n_layers: int) -> dict:
+    """A V4.1 model's params (e.g. a checkpoint's) for :func:`cut_layers`: the first ``n_layers``
+    layers' weights; the DSpark stages (``params["mtp"]``), embedding and head unchanged."""
+    return {**params, "layers": {k: v for k, v in params["layers"].items() if int(k) < n_layers}}
+
+
+def cut_layers(cfg: ModelConfig, n_layers: int, **overrides) -> ModelConfig:
+    """A V4.1 config (the tiny preset, a tiny checkpoint's) cut to its first ``n_layers`` layers, as
+    :func:`tiny_short` describes."""
     n = n_layers
     engram = [(layer, e) for layer, e in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings) if layer < n]
     return dataclasses.replace(
