@@ -25,6 +25,7 @@ import numpy as np
 from dsv41_jax.quant import Fp4Tensor, Fp8Tensor
 
 HBM_BYTES_PER_S = 4.8e12  # H200 datasheet peak, performance.md §4
+BF16_DENSE_FLOPS = 989e12  # H200 / H100 SXM dense bf16 tensor-core peak, performance.md §4
 L2_BYTES = 60e6
 
 

@@ -28,7 +28,7 @@ import os
 import sys
 
 
-from pallas_kernels.benchmarking import HBM_BYTES_PER_S, chained_args, read_anchor, timed, write_rows, zero_of
+from pallas_kernels.benchmarking import BF16_DENSE_FLOPS, HBM_BYTES_PER_S, chained_args, read_anchor, timed, write_rows, zero_of
 
 def make_inputs(key, b, s, nc, *, kw=128, kc=512, h=64, d=512, dtype=None, pad_frac=0.0):
     import jax.numpy as jnp
@@ -126,6 +126,12 @@ def _make_prefill_inputs(key, s, ratio, window, kc, h, d):
 def floor_bytes(b, s, *, h=64, d=512, kw=128, kc=512, qbytes=2):
     per_row = h * d * qbytes * 2 + kw * (d + d // 32) + kc * (d // 2 + d // 16) + (kw + kc) * 4
     return b * s * per_row
+
+
+def floor_flops(b, s, *, h=64, d=512, kw=128, kc=512):
+    """The op's dot FLOPs: q·kᵀ and P·V over every head and listed key of each query row (2 · 2 · H ·
+    K · D per row; the MQA keys are distinct per row, so no row shares another's)."""
+    return 4 * b * s * h * (kw + kc) * d
 
 
 # Column-split variants (fewer register spills offline, session 12; timed in session 13, BENCHMARKS.md),
@@ -286,8 +292,10 @@ def op_table(log, cases=TABLE_CASES, variants=TABLE_VARIANTS, reps=3, kw=128, kc
     ``reps`` distinct query / window / pick sets sharing one compressed cache, L2 flushed): the op
     alone for each (context, batch, rows per batch element) case and variant (the XLA reference, the
     flash kernel, the two-pass kernels), each checked against the XLA output first (rel err < 2e-2),
-    beside the byte floor (:func:`floor_bytes` at 4.8 TB/s) and a read anchor (XLA's sum over that
-    many distinct bytes, by the same device time). Returns the rows."""
+    beside the byte floor (:func:`floor_bytes` at 4.8 TB/s), the FLOP floor (:func:`floor_flops` at
+    989 TFLOP/s bf16: at batch 64 it is above the byte floor, so 70 % of HBM would ask for more than
+    80 % of the tensor-core peak; BENCHMARKS.md, issue 5, session 13) and a read anchor (XLA's sum
+    over that many distinct bytes, by the same device time). Returns the rows."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -302,12 +310,13 @@ def op_table(log, cases=TABLE_CASES, variants=TABLE_VARIANTS, reps=3, kw=128, kc
         ck = make_inputs(jax.random.PRNGKey(nc + b), b, 1, nc, kw=kw, kc=kc, h=h, d=d)[4]
         args = [_table_rep_jit()(jax.random.PRNGKey(1000 * r + b + s), b, s, nc, kw, kc, h, d) for r in range(reps)]
         fb = floor_bytes(b, s, h=h, d=d, kw=kw, kc=kc)
+        flop_us = floor_flops(b, s, h=h, d=d, kw=kw, kc=kc) / BF16_DENSE_FLOPS * 1e6
         words = [(jax.random.bits(jax.random.PRNGKey(7 + r), (max(fb // 4, 1),), jnp.uint32),) for r in range(reps)]
         t_a = device_time_op(lambda w: jnp.sum(w, dtype=jnp.uint32), words, reps=reps)
         del words
         y0 = np.asarray(jax.jit(op(None))(*args[0], ck).astype(jnp.float32))
         row = dict(context=nc, batch=b, seq=s, bytes=fb, floor_us=fb / HBM_BYTES_PER_S * 1e6, anchor_us=t_a * 1e6,
-                   variants={})
+                   flop_floor_us=flop_us, variants={})
         for name, cfg in variants:
             try:
                 t, kernels, rel = checked_device_time(op(cfg), args, (ck,), y0, reps)
@@ -325,15 +334,17 @@ def op_table(log, cases=TABLE_CASES, variants=TABLE_VARIANTS, reps=3, kw=128, kc
     names = [n for n, _ in variants]
     log("")
     log("| context | batch × rows | " + " | ".join(f"{n} µs" for n in names)
-        + " | byte floor µs (4.8 TB/s) | read anchor µs | best Pallas / XLA | floor / best Pallas | anchor / best Pallas |")
-    log("|---:|---:|" + "---:|" * (len(names) + 5))
+        + " | byte floor µs (4.8 TB/s) | FLOP floor µs (989 TF/s) | read anchor µs | best Pallas / XLA | floor / best Pallas"
+          " | anchor / best Pallas |")
+    log("|---:|---:|" + "---:|" * (len(names) + 6))
     for r in rows:
         v = r["variants"]
         pal = [v[n]["us"] for n in names[1:] if v[n]["ok"]]
         best = min(pal) if pal else float("nan")
         x = v[names[0]]["us"]
         log(f"| {r['context']:,} | {r['batch']} × {r['seq']} | " + " | ".join(f"{v[n]['us']:.2f}" for n in names)
-            + f" | {r['floor_us']:.2f} | {r['anchor_us']:.2f} | {best / x:.3f} | {r['floor_us'] / best * 100:.1f} % | "
+            + f" | {r['floor_us']:.2f} | {r['flop_floor_us']:.2f} | {r['anchor_us']:.2f} | {best / x:.3f} | "
+              f"{r['floor_us'] / best * 100:.1f} % | "
               f"{r['anchor_us'] / best * 100:.1f} % |")
     return rows
 

@@ -946,7 +946,7 @@ def test_op_table_runs_and_checks_each_variant(monkeypatch):
     """benchmark.op_table (``--table``: the op alone by device time, the issue-5 table) on the CPU:
     the kernels in interpret mode, the profiler timing stubbed; each variant is checked against the
     XLA output (the flash and two-pass kernels within the bf16 tolerance, the reference exactly), and
-    the table's floor is the op's bytes at 4.8 TB/s."""
+    the table's floors are the op's bytes at 4.8 TB/s and its dot FLOPs at 989 TFLOP/s."""
     import functools
 
     import pallas_kernels.benchmarking as bm
@@ -964,6 +964,7 @@ def test_op_table_runs_and_checks_each_variant(monkeypatch):
         assert list(v) == ["xla", "pallas flash", "two-pass"], lines
         assert v["xla"]["rel_err"] == 0.0 and all(0.0 < v[n]["rel_err"] < 2e-2 for n in ("pallas flash", "two-pass")), lines
         assert all(x["ok"] for x in v.values()) and r["floor_us"] == benchmark.floor_bytes(r["batch"], r["seq"]) / 4.8e6
+        assert r["flop_floor_us"] == 4 * r["batch"] * r["seq"] * 64 * 640 * 512 / 989e6
     assert lines[-1].startswith("| 600 | 1 × 6 |"), lines[-3:]
     with pytest.raises(ValueError, match="fewer than the 512 compressed picks"):
         benchmark.op_table(lines.append, cases=((300, 1, 1),), reps=1)
