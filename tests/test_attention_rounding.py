@@ -40,8 +40,10 @@ def _logits(cfg, params, toks, opts, monkeypatch):
 
 @pytest.mark.slow
 def test_kernel_blocks_rounding_in_the_model(monkeypatch):
-    # window 96: every layer's list (window + compressed picks) is longer than one block of 64
-    cfg = tiny_short(window_size=96)
+    # window 96: every layer's list (window + compressed picks) is longer than one block of 64. The
+    # preset's first 3 layers (two window-only, one ratio-2 with its indexer's picks): the checks are
+    # per sparse-attention call and on the first layer's streams
+    cfg = tiny_short(3, window_size=96)
     params = init_params(cfg, np.random.randint(1 << 30))
     toks = jnp.asarray(np.random.default_rng().integers(3, 5000, (1, 100)), jnp.int32)
     row, row0, seen_row = _logits(cfg, params, toks, RunOptions(dtype="bfloat16"), monkeypatch)
@@ -63,8 +65,9 @@ def test_kernel_blocks_rounding_in_the_model(monkeypatch):
 
 def test_kernel_blocks_rounding_is_the_row_max_for_short_lists(monkeypatch):
     """The default tiny window (16) and few compressed picks: every list fits one block, so the two
-    roundings are the same computation and the logits are bit-identical."""
-    cfg = tiny_short()
+    roundings are the same computation and the logits are bit-identical. The preset's first 3 layers
+    (window-only lists and a ratio-2 layer's window + compressed picks)."""
+    cfg = tiny_short(3)
     params = init_params(cfg, np.random.randint(1 << 30))
     toks = jnp.asarray(np.random.default_rng().integers(3, 5000, (1, 12)), jnp.int32)
     row, _, _ = _logits(cfg, params, toks, RunOptions(dtype="bfloat16"), monkeypatch)
@@ -77,8 +80,9 @@ def test_kernel_blocks_rounding_is_the_row_max_for_short_lists(monkeypatch):
 def test_prefill_passes_deepseeks_window_width(monkeypatch):
     """Under kernel_blocks a prefill from position 0 gives the sparse attention DeepSeek's window-list
     width, min(prompt length, window) per row (rows with fewer tokens in the chunk get their own), a
-    later chunk the full window, decode none; under row_max none at all."""
-    cfg = tiny_short(window_size=96)
+    later chunk the full window, decode none; under row_max none at all. The preset's first 3 layers:
+    the rule is the same for every layer's call."""
+    cfg = tiny_short(3, window_size=96)
     params = init_params(cfg, np.random.randint(1 << 30))
     seen = []
     real = _REAL
