@@ -28,7 +28,8 @@ import os
 import sys
 
 
-from pallas_kernels.benchmarking import BF16_DENSE_FLOPS, HBM_BYTES_PER_S, chained_args, read_anchor, timed, write_rows, zero_of
+from pallas_kernels.benchmarking import (BF16_DENSE_FLOPS, HBM_BYTES_PER_S, chained_args, read_anchor, timed,
+                                         write_rows, zero_of)
 
 def make_inputs(key, b, s, nc, *, kw=128, kc=512, h=64, d=512, dtype=None, pad_frac=0.0):
     import jax.numpy as jnp
@@ -293,9 +294,9 @@ def op_table(log, cases=TABLE_CASES, variants=TABLE_VARIANTS, reps=3, kw=128, kc
     alone for each (context, batch, rows per batch element) case and variant (the XLA reference, the
     flash kernel, the two-pass kernels), each checked against the XLA output first (rel err < 2e-2),
     beside the byte floor (:func:`floor_bytes` at 4.8 TB/s), the FLOP floor (:func:`floor_flops` at
-    989 TFLOP/s bf16: at batch 64 it is above the byte floor, so 70 % of HBM would ask for more than
-    80 % of the tensor-core peak; BENCHMARKS.md, issue 5, session 13) and a read anchor (XLA's sum
-    over that many distinct bytes, by the same device time). Returns the rows."""
+    989 TFLOP/s bf16: above the byte floor at every decode batch, so 70 % of HBM would ask for more
+    than 80 % of the tensor-core peak; BENCHMARKS.md, issue 5, sessions 13 and 56) and a read anchor
+    (XLA's sum over that many distinct bytes, by the same device time). Returns the rows."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -334,8 +335,8 @@ def op_table(log, cases=TABLE_CASES, variants=TABLE_VARIANTS, reps=3, kw=128, kc
     names = [n for n, _ in variants]
     log("")
     log("| context | batch × rows | " + " | ".join(f"{n} µs" for n in names)
-        + " | byte floor µs (4.8 TB/s) | FLOP floor µs (989 TF/s) | read anchor µs | best Pallas / XLA | floor / best Pallas"
-          " | anchor / best Pallas |")
+        + " | byte floor µs (4.8 TB/s) | FLOP floor µs (989 TF/s) | read anchor µs | best Pallas / XLA"
+          " | floor / best Pallas | anchor / best Pallas |")
     log("|---:|---:|" + "---:|" * (len(names) + 6))
     for r in rows:
         v = r["variants"]
