@@ -15,6 +15,7 @@ from dsv41_jax.mtp import mtp_forward_jit, mtp_input
 from dsv41_jax.options import RunOptions
 from dsv41_jax.params import init_params, official_shapes
 from dsv41_jax.transformer import forward_step_jit, hc_head
+from tiny_short import cut_params, cut_v4_layers
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "v4_tiny_a")
 F32 = RunOptions(dtype="float32", kv_cache_dtype="float32", hadamard=False)
@@ -28,8 +29,7 @@ def v4_with_mtp(n_layers: int | None = None):
     cfg0, params = load_checkpoint(FIX)
     params = dict(params)
     if n_layers is not None:
-        cfg0 = cfg0.replace(n_layers=n_layers, compress_ratios=cfg0.compress_ratios[:n_layers])
-        params["layers"] = {str(layer): params["layers"][str(layer)] for layer in range(n_layers)}
+        cfg0, params = cut_v4_layers(cfg0, n_layers), cut_params(params, n_layers)
     cfg = cfg0.replace(n_mtp_layers=1, compress_ratios=cfg0.compress_ratios + (0,))
     params["mtp"] = init_params(cfg, seed=5)["mtp"]
     return cfg, params

@@ -52,6 +52,11 @@ def tiny_v4_short(n_layers: int = 3, **overrides) -> ModelConfig:
     V4 layer kind once (the preset's layers 3-4 repeat 1-2), for kernel tests whose checks are per
     layer or per call. The KV / index sources are derived from the ratios (V4: every compressed layer
     owns its caches)."""
-    cfg = get_preset("tiny-v4")
+    return cut_v4_layers(get_preset("tiny-v4"), n_layers, **overrides)
+
+
+def cut_v4_layers(cfg: ModelConfig, n_layers: int, **overrides) -> ModelConfig:
+    """A V4 config (a preset's, a checkpoint's) cut to its first ``n_layers`` layers: their compress
+    ratios, then the MTP blocks' as before (V4 derives the KV / index sources from the ratios)."""
     return cfg.replace(n_layers=n_layers,
                        compress_ratios=cfg.compress_ratios[:n_layers] + cfg.compress_ratios[cfg.n_layers:], **overrides)

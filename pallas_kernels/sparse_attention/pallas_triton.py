@@ -550,7 +550,8 @@ if DECODE_METHOD not in DECODE_METHODS:
     raise ValueError(f"DSV41_SPARSE_DECODE={DECODE_METHOD!r}: expected one of {', '.join(DECODE_METHODS)}")
 # The most query rows DECODE_METHOD "auto" gives the two-pass kernels: the row counts measured faster
 # in the model (auto_reason has the numbers; 1 row until session 55). Batches 32 and 64 win the site
-# too (94.3 / 133.0 against 113.1 / 180.8 us, H100) but have not run in the model, so they keep XLA's.
+# too (94.3 / 133.0 against 113.1 / 180.8 us, H100) but keep XLA's: batch 32's only model run
+# (session 56) was cut to 4-token warm-up runs, too short to show the gain either way.
 TWO_PASS_AUTO_ROWS = 8
 
 

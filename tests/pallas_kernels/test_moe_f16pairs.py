@@ -129,9 +129,10 @@ def test_f16pairs_lowering_real_shapes(target):
 
 
 def test_model_step_on_f16pairs_experts_gives_the_same_logits(monkeypatch):
-    """One decode step of the tiny model (its first 3 layers, each with the fused MoE; 64-wide experts, so the fused MoE takes
-    them) with its routed experts repacked: the MoE kernels (interpret mode) receive f16pairs experts
-    and the logits equal those of the nibble experts bit for bit."""
+    """One decode step of the tiny model (its first 3 layers, each with the fused MoE; 64-wide
+    experts, so the fused MoE takes them) with its routed experts repacked: the MoE kernels
+    (interpret mode) receive f16pairs experts and the logits equal those of the nibble experts bit
+    for bit."""
     import functools
 
     from dsv41_jax import Model, transformer
@@ -178,8 +179,8 @@ def test_sass_case_takes_the_packing():
 
 
 def test_model_step_takes_the_phase_route(monkeypatch):
-    """A batch-8 decode step of the tiny model (its first 3 layers, each with the fused MoE) with 128-wide experts (16 pairs
-    over 8 experts: 2 rows per expert, so the dispatch picks the tensor-core kernels, and their
+    """A batch-8 decode step of the tiny model (its first 3 layers, each with the fused MoE) with
+    128-wide experts (16 pairs over 8 experts: 2 rows per expert, so the dispatch picks the tensor-core kernels, and their
     128-wide K tiles the phase route under DSV41_MMA_FP4=auto), experts packed as f16pairs (the GPU default): its logits agree
     with the same step on the reference MoE."""
     import functools
