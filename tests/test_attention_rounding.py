@@ -52,15 +52,20 @@ def test_kernel_blocks_rounding_in_the_model(monkeypatch):
     assert {b for b, _ in seen_row} == {None} and {b for b, _ in seen_blk} == {64}
     assert min(k for _, k in seen_blk) > 64, seen_blk
     assert np.all(np.isfinite(blk)) and not np.array_equal(row0, blk0)  # the emulation changes bits
-    # ... by rounding, not semantics: after the first layer, whose FP8 activation fake-quants already
-    # turn the attention's single-ulp differences into FP8 steps (measured: 10-15 % of the elements
-    # differ, 1.1-1.7 % in norm; random weights: by the logits it is chaos, so they are no measure).
-    # Judged per token: a rounding step can also flip a token's MoE routing, which changes that
-    # token's streams wholesale (one CI draw of session 37: 5.1 % in norm over all tokens; per token,
-    # 12 local draws: 90th percentile 0.8-3.4 %, 95th 3-6 %, the largest 6-72 %)
-    per_token = (np.linalg.norm((blk0 - row0).reshape(blk0.shape[1], -1), axis=-1)
-                 / np.linalg.norm(row0.reshape(row0.shape[1], -1), axis=-1))
-    assert np.percentile(per_token, 90) <= 5e-2 and np.mean(per_token <= 0.1) >= 0.95, np.sort(per_token)[-10:]
+    # the first layer's lists are the window alone (valid entries first): a token before position 64
+    # has at most 64 keys, all in the first block, where the two roundings are one computation
+    np.testing.assert_array_equal(blk0[:, :64], row0[:, :64])
+    # later tokens differ by rounding, not semantics: the first layer's FP8 activation fake-quants
+    # turn the attention's single-ulp differences into FP8 steps, and a step can flip a token's MoE
+    # routing, which changes that token's streams wholesale (random weights: by the logits it is
+    # chaos, so they are no measure). Judged per token over positions 64-99, 36 tokens. Measured
+    # (session 57, 12 local draws): at most 1 token over 10 %, the median 0-2.2 %; a CI draw of
+    # session 56 had 1 over 10 % and its 90th percentile over all 100 tokens at 5.2 %, which failed
+    # the bound this replaced. An emulation that drops the running maximum's rescale factors
+    # (mutant, 3 draws) puts 11-15 of the 36 over 10 %.
+    d, r = (blk0 - row0)[0, 64:], row0[0, 64:]
+    late = np.linalg.norm(d.reshape(len(d), -1), axis=-1) / np.linalg.norm(r.reshape(len(r), -1), axis=-1)
+    assert np.mean(late <= 0.1) >= 0.85, np.sort(late)[-10:]
 
 
 def test_kernel_blocks_rounding_is_the_row_max_for_short_lists(monkeypatch):
