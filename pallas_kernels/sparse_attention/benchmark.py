@@ -238,13 +238,16 @@ TABLE_VARIANTS = (("xla", None), ("pallas flash", dict(method="flash")), ("two-p
 TABLE_CASES = tuple((nc, b, 1) for nc in (4096, 65536, 1 << 20) for b in (1, 8, 64)) + ((65536, 1, 6),)
 
 # The --tiles variants (session 55's sweep, H100: BENCHMARKS.md issue 5): the defaults beside the
-# tiles they replaced and the alternatives that lost, at every decode size of one context.
+# tiles they replaced, the alternatives that lost and session 57's looped pass 1 (untimed), at every
+# decode size of one context.
 TILE_VARIANTS = TABLE_VARIANTS + (
     ("two-pass, session 54 tiles", dict(two_pass=dict(dv=64, group=3, pv_programs=512))),
     ("two-pass dv 128", dict(two_pass=dict(dv=128))),
     ("two-pass group 3", dict(two_pass=dict(group=3))),
     ("two-pass 512 programs", dict(two_pass=dict(pv_programs=512))),
     ("two-pass unstaged", dict(two_pass=dict(stage_values=False))),
+    ("two-pass, pass 1 loops 2 blocks", dict(two_pass=dict(p1_loop=2))),
+    ("two-pass, pass 1 loops 4 blocks", dict(two_pass=dict(p1_loop=4))),
     ("flash, 1 column block, 8 warps", dict(method="flash", d_split=1, num_warps=8)),
     ("flash, 2 column blocks, 4 warps", dict(method="flash", d_split=2, num_warps=4)),
 )

@@ -10,7 +10,9 @@ with XLA in the model (BENCHMARKS.md, issue 5, sessions 15-25). Two passes need 
   ``bk1`` keys of the concatenated list (window, then compressed; each padded to ``bk2``), decodes
   them in column chunks of ``dc`` and writes their scaled, masked fp32 logits for every head
   ``[rows, H, K]`` and the block's per-head maximum into ``[rows, nb1p, H]`` (``nb1p`` the power of
-  two at or above the block count; pass 2 masks the rows no program wrote);
+  two at or above the block count; pass 2 masks the rows no program wrote); with ``p1_loop`` > 1 a
+  program walks that many blocks of one list with its q tile loaded once, the next block's loads
+  issued ahead (same sums, bit for bit);
 * **pass 2** (``sparse_attention_pv``), grid ``(rows, head blocks, column blocks, key splits)``:
   the row maximum ``m`` from pass 1's block maxima, then over the program's ``split`` blocks of
   ``bk2`` keys (unrolled, loads issued a group of blocks ahead) ``e = exp(l - m)``, ``den += Σ e``
@@ -75,10 +77,18 @@ _NEG_INF = float("-inf")
 # * pv_warps: pass 2's warps (None: num_warps). With bh = 16 query rows the MMA's A operand (the
 #   weights) is replicated in each warp, so 4 warps compute every exp 4 times (401 MUFU.EX2 a thread
 #   for 80 weights, sm_90 SASS, session 47).
+# * p1_loop: bk1 blocks per pass-1 program (a power of two; 1: one block, no loop, as timed in
+#   sessions 46-55). With more, the program loads its row's q tile once and walks its blocks in
+#   order, issuing the next block's index and store loads before it decodes and dots the current one
+#   (the next block's raw words held in registers across the step). Each program's blocks come from
+#   one list (window or compressed); where a list's block count is not a multiple of it, the most
+#   that divides both lists is used (:func:`pass1_loop`). Session 56's hypothesis for batch 64, where
+#   one block a program is 1,280 programs each re-loading a 64 KB q tile: 4 blocks a program (320)
+#   take pass 1 from 44 to about 20 us on an H100. Not yet timed, so not the default.
 # At batch 1 with 64 heads x 512 and 640 keys: 20 pass-1 and 8 x 10 pass-2 programs (4 head blocks x
 # 2 column blocks x 10 key splits of one block).
 DEFAULTS = dict(bk1=32, dc=512, bk2=64, bh=16, dv=256, group=1, num_warps=4, stage_values=True, split=None,
-                pv_programs=256, pv_warps=None)
+                pv_programs=256, pv_warps=None, p1_loop=1)
 
 # The most query rows (B*S) this path serves when the caller does not pick a method: decode and
 # speculative-verify sizes, what it was built for.
@@ -122,13 +132,28 @@ def two_pass_reason(q, kv, kv_idx, comp_kv=None, comp_idx=None, cfg=None) -> str
                 "values (stage_values=False reads each block's store by its static position: one split)")
     if c["pv_warps"] is not None and c["pv_warps"] not in (1, 2, 4, 8):
         return f"pv_warps={c['pv_warps']}: expected 1, 2, 4 or 8"
+    if not (isinstance(c["p1_loop"], int) and c["p1_loop"] >= 1 and _is_pow2(c["p1_loop"])):
+        return f"p1_loop={c['p1_loop']!r}: pass 1's blocks per program must be a power of two >= 1"
     return None
 
 
-def _logits_kernel(q_ref, widx_ref, *refs, nwb1, dc, d, scale, cdt, prec, w_fp8, c_fp4, has_comp, stage):
+def pass1_loop(want: int, list_blocks) -> int:
+    """Pass 1's bk1 blocks per program: the most power of two <= ``want`` that divides every list's
+    block count (``list_blocks``: the window's, then the compressed list's, each in bk1 blocks), so
+    that no program's blocks straddle the two lists (1 always does)."""
+    n = want
+    while any(b % n for b in list_blocks):
+        n //= 2
+    return n
+
+
+def _logits_kernel(q_ref, widx_ref, *refs, nwb1, dc, d, scale, cdt, prec, w_fp8, c_fp4, has_comp, stage, loop=1):
     """Pass 1 for one (row, key block): the block's entries from the window list (blocks < nwb1) or
     the compressed one, read from each list's own ref (no concatenated copy: an XLA kernel of 2.5 us
-    before pass 1 at batch 1 on an H100, session 47)."""
+    before pass 1 at batch 1 on an H100, session 47). ``loop`` > 1: :func:`_logits_loop_kernel`."""
+    if loop > 1:
+        return _logits_loop_kernel(q_ref, widx_ref, *refs, nwb1=nwb1, dc=dc, d=d, scale=scale, cdt=cdt, prec=prec,
+                                   w_fp8=w_fp8, c_fp4=c_fp4, has_comp=has_comp, stage=stage, loop=loop)
     it = iter(refs)
     cidx_ref = next(it) if has_comp else None
     window_rows = read_rows(store_reader(it, "fp8" if w_fp8 else "plain"))
@@ -156,6 +181,52 @@ def _logits_kernel(q_ref, widx_ref, *refs, nwb1, dc, d, scale, cdt, prec, w_fp8,
         s = block(widx_ref, j, window_rows)
     lg_ref[...] = s
     bmax_ref[...] = jnp.max(s, axis=1)
+
+
+def _logits_loop_kernel(q_ref, widx_ref, *refs, nwb1, dc, d, scale, cdt, prec, w_fp8, c_fp4, has_comp, stage, loop):
+    """Pass 1 for one (row, ``loop`` consecutive key blocks of one list): the q tile loaded once, and
+    each block's index and store loads issued before the previous block's decode and dots (unrolled:
+    the next block's raw words are live across the step). Writes the blocks' logits, block maxima and
+    (staged) decoded rows at their offsets in the program's output tiles."""
+    it = iter(refs)
+    cidx_ref = next(it) if has_comp else None
+    window = store_reader(it, "fp8" if w_fp8 else "plain")
+    comp = store_reader(it, "fp4" if c_fp4 else "plain") if has_comp else None
+    lg_ref, bmax_ref = next(it), next(it)
+    vals_ref = next(it) if stage else None
+    bk = lg_ref.shape[-1] // loop
+    j = pl.program_id(1) * loop  # the program's first block in the concatenated list
+    chunks = range(0, d, dc)
+    qs = [q_ref[:, pl.ds(c, dc)].astype(cdt) for c in chunks]
+
+    def blocks(idx_ref, jl, reader):
+        load, decode = reader
+
+        def fetch(i):
+            ids = idx_ref[pl.ds((jl + i) * bk, bk)]
+            valid = ids >= 0
+            ids = jnp.where(valid, ids, 0)
+            return valid, [load(ids, c, dc) for c in chunks]
+
+        ahead = fetch(0)
+        for i in range(loop):
+            valid, raws = ahead
+            if i + 1 < loop:
+                ahead = fetch(i + 1)
+            s = jnp.zeros((q_ref.shape[0], bk), jnp.float32)
+            for c, raw, qc in zip(chunks, raws, qs):
+                k = decode(raw, cdt)  # [bk, dc]
+                if stage:  # rows of -1 entries hold row 0: their weight is 0
+                    vals_ref[pl.ds(i * bk, bk), pl.ds(c, dc)] = k
+                s += jnp.dot(qc, k.T, preferred_element_type=jnp.float32, precision=prec)
+            s = jnp.where(valid[None, :], s * scale, _NEG_INF)
+            lg_ref[:, pl.ds(i * bk, bk)] = s
+            bmax_ref[i, :] = jnp.max(s, axis=1)
+
+    if has_comp:
+        jax.lax.cond(j < nwb1, lambda: blocks(widx_ref, j, window), lambda: blocks(cidx_ref, j - nwb1, comp))
+    else:
+        blocks(widx_ref, j, window)
 
 
 def _softmax_pv(lg_ref, bmax_ref, sink_ref, out_refs, load, decode, *, nb, nb1, bk2, dv, group, cdt, prec):
@@ -282,6 +353,7 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
     kp = sum(x.shape[-1] for x in lists)
     nb1, nwb2 = kp // bk1, widx.shape[-1] // bk2
     nb1p = 1 << (nb1 - 1).bit_length()  # pass 2 loads the block maxima as one power-of-two tile
+    loop = pass1_loop(c["p1_loop"], [x.shape[-1] // bk1 for x in lists])
     prec = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kinds = dict(cdt=q.dtype, prec=prec, w_fp8=w_fp8, c_fp4=c_fp4, has_comp=has_comp)
 
@@ -293,15 +365,17 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
         return [spec(a) for a in stores]
 
     params = pltriton.CompilerParams(num_warps=c["num_warps"], num_stages=1)
-    out_specs = [pl.BlockSpec((None, hp, bk1), lambda r, j: (r, 0, j)), pl.BlockSpec((None, None, hp), lambda r, j: (r, j, 0))]
+    bmax_spec = pl.BlockSpec((None, None, hp), lambda r, j: (r, j, 0)) if loop == 1 else \
+        pl.BlockSpec((None, loop, hp), lambda r, j: (r, j, 0))
+    out_specs = [pl.BlockSpec((None, hp, loop * bk1), lambda r, j: (r, 0, j)), bmax_spec]
     out_shape = [jax.ShapeDtypeStruct((rows, hp, kp), jnp.float32), jax.ShapeDtypeStruct((rows, nb1p, hp), jnp.float32)]
     if stage:  # pass 1's decoded rows, [rows, K, D] in q's dtype
-        out_specs.append(pl.BlockSpec((None, bk1, d), lambda r, j: (r, j, 0)))
+        out_specs.append(pl.BlockSpec((None, loop * bk1, d), lambda r, j: (r, j, 0)))
         out_shape.append(jax.ShapeDtypeStruct((rows, kp, d), q.dtype))
     lg, bmax, *vals = pl.pallas_call(
         functools.partial(_logits_kernel, nwb1=widx.shape[-1] // bk1, dc=c["dc"], d=d, scale=float(scale), stage=stage,
-                          **kinds),
-        grid=(rows, nb1),
+                          loop=loop, **kinds),
+        grid=(rows, nb1 // loop),
         in_specs=[pl.BlockSpec((None, hp, d), lambda r, j: (r, 0, 0)),
                   *[pl.BlockSpec((None, x.shape[-1]), lambda r, j: (r, 0)) for x in lists], *store_specs(2)],
         out_specs=tuple(out_specs),

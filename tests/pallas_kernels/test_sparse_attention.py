@@ -791,6 +791,28 @@ def test_two_pass_key_splits(split):
     assert np.all(np.asarray(o[0, 0], np.float32) == 0.0)
 
 
+def test_two_pass_looped_pass1_gives_the_same_bits():
+    """``p1_loop``: pass-1 programs that walk 4 key blocks of one list (q loaded once, the next
+    block's loads issued ahead) give the one-block programs' bits, and so do 2-block programs under
+    gathered values (which test_two_pass_load_groups_do_not_change_the_sums ties to the staged ones):
+    every block's dot is the same computation. bk1 16 and bk2 64 put the window list (20 -> 64) and
+    the compressed one (40 -> 64) in 4 blocks each. Which count a call takes where a list's blocks do
+    not divide by the one asked: :func:`pass1_loop`'s cases. Fresh inputs, within the reference's
+    tolerance."""
+    q, kv, widx, sink, ck, cidx = make_case(None, dtype=jnp.bfloat16)
+    cfg = {**SMALL, "bk2": 64, "split": 64}
+    one = np.asarray(_two_pass(q, kv, widx, sink, ck, cidx, 0.125, config=cfg), np.float32)
+    for extra in ({"p1_loop": 4}, {"p1_loop": 2, "stage_values": False}):
+        got = _two_pass(q, kv, widx, sink, ck, cidx, 0.125, config={**cfg, **extra})
+        np.testing.assert_array_equal(np.asarray(got, np.float32), one, err_msg=str(extra))
+    check_close(got, _ref(q, kv, widx, sink, ck, cidx, 0.125))
+    loop = pallas_triton_two_pass.pass1_loop
+    assert loop(8, [4, 4]) == 4 and loop(4, [2, 4]) == 2 and loop(4, [4, 20]) == 4 and loop(4, [4, 18]) == 2
+    for bad in (3, 0, 2.0):
+        with pytest.raises(ValueError, match="p1_loop"):
+            _two_pass(q, kv, widx, sink, ck, cidx, 0.125, config={**SMALL, "p1_loop": bad})
+
+
 def test_two_pass_key_split_choice():
     """``split=None``: the fewest blocks per program that reach ``pv_programs`` programs, spread
     evenly, or an even split of at least half as many splits where that count would pad the last
@@ -918,6 +940,11 @@ def test_two_pass_cross_lowering(target, shape):
     if shape[0] == 1 and shape[1] == 1:  # pass 2 gathering its own values lowers too
         text = lower_for(target, lambda *a: pallas_triton_two_pass.sparse_attention(
             *a[:4], scale=512 ** -0.5, comp_kv=a[4], comp_idx=a[5], config=dict(stage_values=False)),
+            *_real_specs(*shape)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 2
+    if shape[0] == 8:  # pass 1 walking 4 blocks a program (window 4 blocks of 32, compressed 16)
+        text = lower_for(target, lambda *a: pallas_triton_two_pass.sparse_attention(
+            *a[:4], scale=512 ** -0.5, comp_kv=a[4], comp_idx=a[5], config=dict(p1_loop=4)),
             *_real_specs(*shape)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 2
 
