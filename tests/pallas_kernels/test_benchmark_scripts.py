@@ -62,9 +62,39 @@ def test_moe_tune_sweep_runs_in_interpret_mode(monkeypatch):
         [(r["tokens"], r["config"], r["rel_err"], r["frac_gt_1pct"]) for r in tune]
 
 
+def _recording_moe_kernel(monkeypatch, bm, wrong=()):
+    """``pallas_triton.moe_experts`` replaced by the reference, recording per call the config and the
+    switches it was traced under (FMA decode route, float16-product mode, tensor-core MXFP4 route),
+    after tracing the real kernels abstractly (``jax.eval_shape``: a config they refuse raises as
+    before, nothing compiles); configs in ``wrong`` return the reference times 1.02, which the
+    sweep's check must flag. For the
+    sweep's own logic (which configs, under which switches, checked how); every kernel config it
+    builds is a kernel test's case (test_moe.py fma parity, test_moe_down_split.py,
+    test_moe_f16acc.py, test_moe_f16pairs.py)."""
+    import jax
+
+    from pallas_kernels.quantized_matmul import pallas_triton_fma
+
+    calls, real = [], bm.pallas_triton.moe_experts
+
+    def fake(x, w, idx, a, b, c, *, swiglu_limit, config=None, act_block=32):
+        jax.eval_shape(lambda *t: real(*t, swiglu_limit=swiglu_limit, config=config, act_block=act_block,
+                                       interpret=True), x, w, idx, a, b, c)
+        calls.append(dict(config=config, via=pallas_triton_fma.FMA_DECODE["fp4"], f16acc=pallas_triton_fma.F16ACC["mode"],
+                          mma=bm.pallas_triton.MMA_FP4["route"], act_block=act_block))
+        y = bm.reference.moe_experts(x, w, idx, a, b, c, swiglu_limit=swiglu_limit, act_block=act_block)
+        return y * 1.02 if config in wrong else y
+
+    monkeypatch.setattr(bm.pallas_triton, "moe_experts", fake)
+    return calls
+
+
 def test_moe_fma_sweep_runs_in_interpret_mode(monkeypatch):
-    """``moe.benchmark --fma`` end to end at a small shape (interpret mode, timing stubbed): the
-    tensor-core default and every fma config are checked against the reference and pass."""
+    """``moe.benchmark --fma`` end to end at a small shape (timing stubbed): once with the kernels in
+    interpret mode (``--f16acc on`` with two ``--fma-configs``, the tensor-core default and the fma
+    configs each checked against the reference and passing), then the sweep's choices of configs and
+    switches with the kernel replaced by :func:`_recording_moe_kernel` (the kernels' own tests check
+    each config; 148 interpret-mode programs here took 144 CPU-s before session 57)."""
     import functools
 
     import pallas_kernels.moe.benchmark as bm
@@ -74,13 +104,30 @@ def test_moe_fma_sweep_runs_in_interpret_mode(monkeypatch):
     monkeypatch.setattr(bm, "D", 256)
     monkeypatch.setattr(bm, "TOPK", 2)
     monkeypatch.setattr(bm, "device_time_op", lambda *a, **k: 1e-6)
-    monkeypatch.setattr(bm.pallas_triton, "moe_experts", functools.partial(bm.pallas_triton.moe_experts, interpret=True))
     monkeypatch.setattr(bm, "log", lambda *a: None)
-    rows = bm.fma_sweep((4,))  # every config at 4 tokens (one token: the default_only sweeps below)
-    assert {r["tokens"] for r in rows} == {4}
+    # --f16acc: the fma configs in the float16-product mode (fma.F16ACC, opt-in), recorded as such and
+    # within the sweep's tolerance of the reference; the tensor-core row has no mode
+    # (with --fma-configs: one more config, 2 warps for both kernels, timed and checked in the mode; one
+    # whose gate/up split does not divide its K steps refused, not timed)
+    extra = (1, 16, 8, 16, 2, 2, 3, 1, 2)
+    with monkeypatch.context() as m:
+        m.setattr(bm.pallas_triton, "moe_experts", functools.partial(bm.pallas_triton.moe_experts, interpret=True))
+        rows = bm.fma_sweep((1,), default_only=True, f16acc=("on",), fma_extra=[extra, (1, 16, 8, 16, 2, 4, 3, 3)])
+    fma16 = [r for r in rows if r["config"][0] == "fma"]
+    assert fma16 and {r["f16acc"] for r in fma16} == {"on"} and all(r["ok"] for r in rows), \
+        [(r["config"], r["f16acc"], r["rel_err"]) for r in rows]
+    assert ("fma",) + extra in [r["config"] for r in fma16] and all(len(r["config"]) != 9 or r["config"][8] != 3 for r in rows)
+    assert all(r["f16acc"] is None for r in rows if r["config"][0] != "fma")
+    # every config at 4 tokens (one token: the default_only sweeps below), each checked: one config made
+    # wrong is flagged and the rest pass
+    first = bm.fma_configs(bm.random_fp4(bm.jax.random.PRNGKey(0), (8, 64, 256)), 4, False)[1]
+    calls = _recording_moe_kernel(monkeypatch, bm, wrong=(first,))
+    rows = bm.fma_sweep((4,))
+    assert {r["tokens"] for r in rows} == {4} and [c["config"] for c in calls] == [r["config"] for r in rows]
     fma_rows = [r for r in rows if r["config"][0] == "fma"]
     assert any(r["config"][1] == 4 for r in fma_rows)  # 4-row blocks tried at 4 tokens
-    assert len(fma_rows) >= 8 and all(r["ok"] for r in rows), [(r["config"], r["rel_err"]) for r in rows if not r["ok"]]
+    assert len(fma_rows) >= 8 and [r["config"] for r in rows if not r["ok"]] == [first], \
+        [(r["config"], r["rel_err"]) for r in rows]
     # I = 192: 3 down K steps of 2 groups: the dispatch's config at one token splits the down kernel
     # in 3 (11th entry); the sweep times it beside the unsplit default, and every split of the 6
     # one-group steps (session 32), each checked
@@ -89,22 +136,11 @@ def test_moe_fma_sweep_runs_in_interpret_mode(monkeypatch):
     downs = sorted((r["config"][5], bm.pallas_triton.fma_down_splits(r["config"])) for r in rows if r["config"][0] == "fma")
     assert downs == [(1, 1), (1, 2), (1, 3), (1, 6), (2, 1), (2, 3)] and all(r["ok"] for r in rows), \
         [(r["config"], r["rel_err"]) for r in rows]
-    # --f16acc: the fma configs in the float16-product mode (fma.F16ACC, opt-in), recorded as such and
-    # within the sweep's tolerance of the reference; the tensor-core row has no mode
-    # (with --fma-configs: one more config, 2 warps for both kernels, timed and checked in the mode; one
-    # whose gate/up split does not divide its K steps refused, not timed)
-    monkeypatch.setattr(bm, "I", 64)
-    extra = (1, 16, 8, 16, 2, 2, 3, 1, 2)
-    rows = bm.fma_sweep((1,), default_only=True, f16acc=("on",), fma_extra=[extra, (1, 16, 8, 16, 2, 4, 3, 3)])
-    fma16 = [r for r in rows if r["config"][0] == "fma"]
-    assert fma16 and {r["f16acc"] for r in fma16} == {"on"} and all(r["ok"] for r in rows), \
-        [(r["config"], r["f16acc"], r["rel_err"]) for r in rows]
-    assert ("fma",) + extra in [r["config"] for r in fma16] and all(len(r["config"]) != 9 or r["config"][8] != 3 for r in rows)
-    assert all(r["f16acc"] is None for r in rows if r["config"][0] != "fma")
     # V4's activation blocks of 128 (--v4-flash): the reference and every kernel config take them
     monkeypatch.setattr(bm, "I", 128)
+    del calls[:]
     rows = bm.fma_sweep((1,), default_only=True, act_block=128)
-    assert len(rows) >= 3 and all(r["ok"] for r in rows), [(r["config"], r["rel_err"]) for r in rows]
+    assert len(rows) >= 3 and all(r["ok"] for r in rows) and {c["act_block"] for c in calls} == {128}
     seen = {}
     with monkeypatch.context() as m:  # main sets the module's shapes: restored on leaving
         for name in ("E", "I", "D"):
@@ -115,14 +151,16 @@ def test_moe_fma_sweep_runs_in_interpret_mode(monkeypatch):
     monkeypatch.setattr(bm, "I", 64)
     # --vias e4m3,f16 --default-only: the tensor-core default once, then per route the fma default and
     # the down kernel with half its K step (I = 64: one step of 2 groups -> 2 steps of 1, unsplit and
-    # split in 2), each checked
+    # split in 2), each checked and each traced under its route
     from pallas_kernels.quantized_matmul import pallas_triton_fma
 
     monkeypatch.setattr(pallas_triton_fma, "FMA_DECODE", {"fp4": "e4m3", "fp8": "f16w"})
+    del calls[:]
     rows = bm.fma_sweep((1,), vias=["f16w", "e4m3"], default_only=True)
     fma = [(r["via"], r["config"][5], bm.pallas_triton.fma_down_splits(r["config"])) for r in rows if r["config"][0] == "fma"]
     assert len(rows) == 7 and fma == [(v, kgb, ds) for v in ("f16w", "e4m3") for kgb, ds in ((2, 1), (1, 1), (1, 2))], \
         [(r["config"], r["via"]) for r in rows]
+    assert [c["via"] for c in calls if c["config"][0] == "fma"] == [v for v, _, _ in fma]
     assert all(r["ok"] for r in rows) and pallas_triton_fma.FMA_DECODE == {"fp4": "e4m3", "fp8": "f16w"}  # restored
     with pytest.raises(ValueError, match="--vias f16: unknown weight decode route"):
         bm.fma_sweep((1,), vias=["f16"], default_only=True)
@@ -132,10 +170,13 @@ def test_moe_fma_sweep_runs_in_interpret_mode(monkeypatch):
     # expert (also with the down kernel's K step halved, unsplit and split in 2), each checked; the
     # route switch restored
     route = bm.pallas_triton.MMA_FP4["route"]
+    del calls[:]
     rows = bm.fma_sweep((8,), vias=["f16w"], default_only=True, experts=2, mma_routes=["bytes", "f16w"], wide=True)
     tc = [(r["mma_fp4"], r["config"]) for r in rows if r["config"][0] != "fma"]
     fit = [c for c in bm.TC_DECODE_CONFIGS if c[1] <= 64]
     assert len(fit) == 3 and [m for m, _ in tc] == ["bytes"] * 4 + ["f16w"] * 4, tc
+    traced = {(c["mma"], c["config"]) for c in calls}
+    assert all((m, c) in traced for m, c in tc), (tc, traced)
     assert [r["config"][1] for r in rows if r["config"][0] == "fma"] == [1, 4, 4, 4] and {r["experts"] for r in rows} == {2}
     assert all(r["ok"] for r in rows) and bm.pallas_triton.MMA_FP4["route"] == route
 
@@ -236,9 +277,11 @@ def test_device_time_op_divides_by_runs_times_reps(monkeypatch, counted):
 
 
 def test_moe_prefill_sweep_runs_in_interpret_mode(monkeypatch):
-    """``moe.benchmark --prefill`` at a small shape (interpret mode, timing stubbed): the matmul
-    ceiling and every tiling (the default and the candidates) are timed, each tiling checked against
-    the reference and correct."""
+    """``moe.benchmark --prefill`` at a small shape (timing stubbed): the matmul ceiling and every
+    tiling (the default and the candidates) are timed, each tiling checked against the reference and
+    correct (kernels in interpret mode); then the route, plain and packing options, with the kernel
+    replaced by :func:`_recording_moe_kernel` (each traced under its route; the kernels' own tests
+    check every route and packing)."""
     import functools
 
     import pallas_kernels.moe.benchmark as bm
@@ -247,19 +290,23 @@ def test_moe_prefill_sweep_runs_in_interpret_mode(monkeypatch):
         monkeypatch.setattr(bm, name, v)
     timed = []
     monkeypatch.setattr(bm, "device_time_op", lambda f, args, *a, **k: timed.append(len(args)) or 1e-3)
-    monkeypatch.setattr(bm.pallas_triton, "moe_experts", functools.partial(bm.pallas_triton.moe_experts, interpret=True))
     lines = []
     monkeypatch.setattr(bm, "log", lambda *a: lines.append(" ".join(map(str, a))))
     cfgs = [(16, 32, 64, 64, 32, 4), (32, 64, 64, 128, 64, 4, 2)]
-    rows = bm.prefill_sweep(tokens=24, experts=4, configs=cfgs)
+    with monkeypatch.context() as m:
+        m.setattr(bm.pallas_triton, "moe_experts", functools.partial(bm.pallas_triton.moe_experts, interpret=True))
+        rows = bm.prefill_sweep(tokens=24, experts=4, configs=cfgs)
     assert [r["config"] for r in rows] == [None] + cfgs and all(r["ok"] for r in rows), \
         [(r["config"], r["rel_err"], r["frac_gt_1pct"]) for r in rows]
     assert len(timed) == 1 + len(rows) and all(r["tflops"] > 0 and r["ceiling_tflops"] > 0 for r in rows)
     assert lines[-1].startswith("# best:")
-    # --mma-fp4 bytes,f16w: every tiling once per decode route, each checked; the switch restored after
+    # --mma-fp4 bytes,f16w: every tiling once per decode route, each checked and traced under its
+    # route; the switch restored after
+    calls = _recording_moe_kernel(monkeypatch, bm)
     rows = bm.prefill_sweep(tokens=24, experts=4, configs=cfgs[:1], routes=["bytes", "f16w"])
     assert [(r["route"], r["config"]) for r in rows] == [("bytes", None), ("bytes", cfgs[0]), ("f16w", None),
                                                           ("f16w", cfgs[0])]
+    assert [(c["mma"], c["config"]) for c in calls] == [(r["route"], r["config"]) for r in rows]
     assert all(r["ok"] for r in rows) and bm.pallas_triton.MMA_FP4["route"] == "auto"
     # --plain: every tiling also on bf16 copies of the experts, checked against their own reference
     rows = bm.prefill_sweep(tokens=24, experts=4, configs=cfgs[:1], plain=True)
