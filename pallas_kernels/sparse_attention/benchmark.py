@@ -254,6 +254,19 @@ TILE_VARIANTS = TABLE_VARIANTS + (
 TILE_CASES = ((65536, 1, 1), (65536, 1, 6), (65536, 8, 1), (65536, 32, 1), (65536, 64, 1))
 
 
+def tile_variants(words: str | None = None):
+    """:data:`TILE_VARIANTS`, or (``words``: comma-separated) XLA's reference and the variants whose
+    names contain one of them; a word that names none is an error naming the variants."""
+    if not words:
+        return TILE_VARIANTS
+    ws = [w.strip() for w in words.split(",") if w.strip()]
+    unknown = [w for w in ws if not any(w in n for n, _ in TILE_VARIANTS)]
+    if unknown:
+        raise SystemExit(f"--variants {','.join(unknown)}: no --tiles variant's name contains it; the variants are "
+                         + "; ".join(n for n, _ in TILE_VARIANTS))
+    return tuple((n, c) for n, c in TILE_VARIANTS if c is None or any(w in n for w in ws))
+
+
 def table_op(cfg, scale):
     """The op of one table variant, ``f(q, win, widx, sink, cidx, ck)``: ``cfg`` None is the XLA
     reference, ``{"two_pass": tiles}`` the two-pass kernels with those tiles, anything else the
@@ -427,6 +440,9 @@ def main(argv=None):
                     help="the op alone at 64K context and every decode size (batch 1 / 6 verify rows / 8 / 32 / "
                          "64): XLA, the flash and two-pass defaults and the tiles session 55 compared them with "
                          "(TILE_VARIANTS), with each variant's kernels, then exit")
+    ap.add_argument("--variants", default=None,
+                    help="--tiles: only the variants whose names contain one of these comma-separated words "
+                         "(XLA's reference always runs first), e.g. 'two-pass,loops'")
     ap.add_argument("--decode", action="store_true",
                     help="the decode site at batch 1, 8 and 6 verify rows: XLA, the flash kernel and the two-pass "
                          "kernels (with tile variants) by device time, then exit")
@@ -454,7 +470,7 @@ def main(argv=None):
     if args.table or args.tiles:
         log(f"# sparse attention op, device time | {dev.device_kind} | jax {jax.__version__} | reps={args.reps}")
         if args.tiles:
-            rows = op_table(log, TILE_CASES, variants=TILE_VARIANTS, reps=args.reps)
+            rows = op_table(log, TILE_CASES, variants=tile_variants(args.variants), reps=args.reps)
         else:
             rows = op_table(log, [c for c in TABLE_CASES if not (args.quick and c[0] > 65536)], reps=args.reps)
         name = "sparse_attention_tiles" if args.tiles else "sparse_attention_table"

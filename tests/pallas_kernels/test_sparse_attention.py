@@ -949,6 +949,23 @@ def test_two_pass_cross_lowering(target, shape):
         assert text.count("__gpu$xla.gpu.triton") == 2
 
 
+def test_tiles_variants_flag_filters_by_name(monkeypatch, tmp_path):
+    """``--tiles --variants two-pass,loops``: XLA's reference first, then the variants whose names
+    contain a word, in TILE_VARIANTS' order; a word no name contains exits naming the variants."""
+    from pallas_kernels.sparse_attention import benchmark
+
+    picked = benchmark.tile_variants("pass 1 loops,8 warps")
+    assert [n for n, _ in picked] == ["xla", "two-pass, pass 1 loops 2 blocks", "two-pass, pass 1 loops 4 blocks",
+                                      "flash, 1 column block, 8 warps"]
+    assert benchmark.tile_variants(None) == benchmark.TILE_VARIANTS
+    seen = []
+    monkeypatch.setattr(benchmark, "op_table", lambda log, cases, variants, reps: seen.append(variants) or [])
+    benchmark.main(["--tiles", "--variants", "loops 4", "--out", str(tmp_path)])
+    assert [n for n, _ in seen[0]] == ["xla", "two-pass, pass 1 loops 4 blocks"]
+    with pytest.raises(SystemExit, match="--variants nope: no --tiles variant"):
+        benchmark.main(["--tiles", "--variants", "loops,nope", "--out", str(tmp_path)])
+
+
 def test_tile_variants_take_every_decode_case():
     """``--tiles`` (session 55's sweep): every variant accepts every case at V4.1's real shapes (64
     heads x 512, 128 window + 512 compressed picks; traced abstractly, nothing runs), and the
