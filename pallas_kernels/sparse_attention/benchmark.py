@@ -256,15 +256,20 @@ TILE_CASES = ((65536, 1, 1), (65536, 1, 6), (65536, 8, 1), (65536, 32, 1), (6553
 
 def tile_variants(words: str | None = None):
     """:data:`TILE_VARIANTS`, or (``words``: comma-separated) XLA's reference and the variants whose
-    names contain one of them; a word that names none is an error naming the variants."""
+    names contain one of them (``=name``: that name exactly); a word that names none is an error
+    naming the variants."""
     if not words:
         return TILE_VARIANTS
+
+    def hit(w, n):
+        return n == w[1:] if w.startswith("=") else w in n
+
     ws = [w.strip() for w in words.split(",") if w.strip()]
-    unknown = [w for w in ws if not any(w in n for n, _ in TILE_VARIANTS)]
+    unknown = [w for w in ws if not any(hit(w, n) for n, _ in TILE_VARIANTS)]
     if unknown:
         raise SystemExit(f"--variants {','.join(unknown)}: no --tiles variant's name contains it; the variants are "
                          + "; ".join(n for n, _ in TILE_VARIANTS))
-    return tuple((n, c) for n, c in TILE_VARIANTS if c is None or any(w in n for w in ws))
+    return tuple((n, c) for n, c in TILE_VARIANTS if c is None or any(hit(w, n) for w in ws))
 
 
 def table_op(cfg, scale):
@@ -442,7 +447,7 @@ def main(argv=None):
                          "(TILE_VARIANTS), with each variant's kernels, then exit")
     ap.add_argument("--variants", default=None,
                     help="--tiles: only the variants whose names contain one of these comma-separated words "
-                         "(XLA's reference always runs first), e.g. 'two-pass,loops'")
+                         "(XLA's reference always runs first; '=name': that name exactly), e.g. '=two-pass,loops'")
     ap.add_argument("--decode", action="store_true",
                     help="the decode site at batch 1, 8 and 6 verify rows: XLA, the flash kernel and the two-pass "
                          "kernels (with tile variants) by device time, then exit")

@@ -950,8 +950,9 @@ def test_two_pass_cross_lowering(target, shape):
 
 
 def test_tiles_variants_flag_filters_by_name(monkeypatch, tmp_path):
-    """``--tiles --variants two-pass,loops``: XLA's reference first, then the variants whose names
-    contain a word, in TILE_VARIANTS' order; a word no name contains exits naming the variants."""
+    """``--tiles --variants =two-pass,loops``: XLA's reference first, then the variants whose names
+    contain a word (``=``: equal it), in TILE_VARIANTS' order; a word no name contains exits naming
+    the variants."""
     from pallas_kernels.sparse_attention import benchmark
 
     picked = benchmark.tile_variants("pass 1 loops,8 warps")
@@ -960,8 +961,8 @@ def test_tiles_variants_flag_filters_by_name(monkeypatch, tmp_path):
     assert benchmark.tile_variants(None) == benchmark.TILE_VARIANTS
     seen = []
     monkeypatch.setattr(benchmark, "op_table", lambda log, cases, variants, reps: seen.append(variants) or [])
-    benchmark.main(["--tiles", "--variants", "loops 4", "--out", str(tmp_path)])
-    assert [n for n, _ in seen[0]] == ["xla", "two-pass, pass 1 loops 4 blocks"]
+    benchmark.main(["--tiles", "--variants", "loops 4,=two-pass", "--out", str(tmp_path)])
+    assert [n for n, _ in seen[0]] == ["xla", "two-pass", "two-pass, pass 1 loops 4 blocks"]
     with pytest.raises(SystemExit, match="--variants nope: no --tiles variant"):
         benchmark.main(["--tiles", "--variants", "loops,nope", "--out", str(tmp_path)])
 
