@@ -238,8 +238,8 @@ TABLE_VARIANTS = (("xla", None), ("pallas flash", dict(method="flash")), ("two-p
 TABLE_CASES = tuple((nc, b, 1) for nc in (4096, 65536, 1 << 20) for b in (1, 8, 64)) + ((65536, 1, 6),)
 
 # The --tiles variants (session 55's sweep, H100: BENCHMARKS.md issue 5): the defaults beside the
-# tiles they replaced, the alternatives that lost and session 57's looped pass 1 (untimed), at every
-# decode size of one context.
+# tiles they replaced, the alternatives that lost and session 57's looped pass 1 and 64-head
+# gathering pass 2 (untimed), at every decode size of one context.
 TILE_VARIANTS = TABLE_VARIANTS + (
     ("two-pass, session 54 tiles", dict(two_pass=dict(dv=64, group=3, pv_programs=512))),
     ("two-pass dv 128", dict(two_pass=dict(dv=128))),
@@ -248,6 +248,13 @@ TILE_VARIANTS = TABLE_VARIANTS + (
     ("two-pass unstaged", dict(two_pass=dict(stage_values=False))),
     ("two-pass, pass 1 loops 2 blocks", dict(two_pass=dict(p1_loop=2))),
     ("two-pass, pass 1 loops 4 blocks", dict(two_pass=dict(p1_loop=4))),
+    # pass 2 gathers and decodes its own values for all 64 heads (each value element decoded once:
+    # no staged rows written and read back, 42 MB each way at batch 64), 128 columns, 8 warps (wgmma;
+    # sm_90 offline: 255 registers, no spills, 1 program per SM; dv 256 spills 48 words)
+    ("two-pass unstaged, pass 2 64 heads x 128 columns", dict(two_pass=dict(stage_values=False, bh=64, dv=128,
+                                                                           pv_warps=8))),
+    ("two-pass unstaged, pass 2 64 heads x 128 columns, pass 1 loops 4 blocks",
+     dict(two_pass=dict(stage_values=False, bh=64, dv=128, pv_warps=8, p1_loop=4))),
     ("flash, 1 column block, 8 warps", dict(method="flash", d_split=1, num_warps=8)),
     ("flash, 2 column blocks, 4 warps", dict(method="flash", d_split=2, num_warps=4)),
 )
@@ -255,7 +262,7 @@ TILE_CASES = ((65536, 1, 1), (65536, 1, 6), (65536, 8, 1), (65536, 32, 1), (6553
 
 
 def tile_variants(words: str | None = None):
-    """:data:`TILE_VARIANTS`, or (``words``: comma-separated) XLA's reference and the variants whose
+    """:data:`TILE_VARIANTS`, or (``words``: separated by semicolons, as the names hold commas) XLA's reference and the variants whose
     names contain one of them (``=name``: that name exactly); a word that names none is an error
     naming the variants."""
     if not words:
@@ -264,10 +271,10 @@ def tile_variants(words: str | None = None):
     def hit(w, n):
         return n == w[1:] if w.startswith("=") else w in n
 
-    ws = [w.strip() for w in words.split(",") if w.strip()]
+    ws = [w.strip() for w in words.split(";") if w.strip()]
     unknown = [w for w in ws if not any(hit(w, n) for n, _ in TILE_VARIANTS)]
     if unknown:
-        raise SystemExit(f"--variants {','.join(unknown)}: no --tiles variant's name contains it; the variants are "
+        raise SystemExit(f"--variants {';'.join(unknown)}: no --tiles variant's name contains it; the variants are "
                          + "; ".join(n for n, _ in TILE_VARIANTS))
     return tuple((n, c) for n, c in TILE_VARIANTS if c is None or any(hit(w, n) for w in ws))
 
@@ -446,8 +453,8 @@ def main(argv=None):
                          "64): XLA, the flash and two-pass defaults and the tiles session 55 compared them with "
                          "(TILE_VARIANTS), with each variant's kernels, then exit")
     ap.add_argument("--variants", default=None,
-                    help="--tiles: only the variants whose names contain one of these comma-separated words "
-                         "(XLA's reference always runs first; '=name': that name exactly), e.g. '=two-pass,loops'")
+                    help="--tiles: only the variants whose names contain one of these words, separated by semicolons "
+                         "(XLA's reference always runs first; '=name': that name exactly), e.g. '=two-pass;loops'")
     ap.add_argument("--decode", action="store_true",
                     help="the decode site at batch 1, 8 and 6 verify rows: XLA, the flash kernel and the two-pass "
                          "kernels (with tile variants) by device time, then exit")

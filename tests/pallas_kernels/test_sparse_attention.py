@@ -813,6 +813,17 @@ def test_two_pass_looped_pass1_gives_the_same_bits():
             _two_pass(q, kv, widx, sink, ck, cidx, 0.125, config={**SMALL, "p1_loop": bad})
 
 
+def test_two_pass_gathering_pass2_over_all_64_heads():
+    """Pass 2 gathering and decoding its own values for all 64 heads of a row at once (``bh`` 64, the
+    ``--tiles`` candidate that decodes each value element once), after a looped pass 1: within the
+    reference's tolerance on fresh inputs, the no-valid-key row 0."""
+    q, kv, widx, sink, ck, cidx = make_case(None, b=1, s=2, h=64, d=64, dtype=jnp.bfloat16)
+    cfg = {**SMALL, "bk2": 64, "stage_values": False, "bh": 64, "pv_warps": 8, "p1_loop": 2}
+    o = _two_pass(q, kv, widx, sink, ck, cidx, 0.125, config=cfg)
+    check_close(o, _ref(q, kv, widx, sink, ck, cidx, 0.125))
+    assert np.all(np.asarray(o[0, 0], np.float32) == 0.0)
+
+
 def test_two_pass_key_split_choice():
     """``split=None``: the fewest blocks per program that reach ``pv_programs`` programs, spread
     evenly, or an even split of at least half as many splits where that count would pad the last
@@ -950,21 +961,21 @@ def test_two_pass_cross_lowering(target, shape):
 
 
 def test_tiles_variants_flag_filters_by_name(monkeypatch, tmp_path):
-    """``--tiles --variants =two-pass,loops``: XLA's reference first, then the variants whose names
-    contain a word (``=``: equal it), in TILE_VARIANTS' order; a word no name contains exits naming
-    the variants."""
+    """``--tiles --variants "=two-pass;loops"``: XLA's reference first, then the variants whose names
+    contain a word (``=``: equal it; semicolons between words, as names hold commas), in
+    TILE_VARIANTS' order; a word no name contains exits naming the variants."""
     from pallas_kernels.sparse_attention import benchmark
 
-    picked = benchmark.tile_variants("pass 1 loops,8 warps")
+    picked = benchmark.tile_variants("=two-pass, pass 1 loops 2 blocks; =two-pass, pass 1 loops 4 blocks;column block, 8")
     assert [n for n, _ in picked] == ["xla", "two-pass, pass 1 loops 2 blocks", "two-pass, pass 1 loops 4 blocks",
                                       "flash, 1 column block, 8 warps"]
     assert benchmark.tile_variants(None) == benchmark.TILE_VARIANTS
     seen = []
     monkeypatch.setattr(benchmark, "op_table", lambda log, cases, variants, reps: seen.append(variants) or [])
-    benchmark.main(["--tiles", "--variants", "loops 4,=two-pass", "--out", str(tmp_path)])
+    benchmark.main(["--tiles", "--variants", "=two-pass, pass 1 loops 4 blocks;=two-pass", "--out", str(tmp_path)])
     assert [n for n, _ in seen[0]] == ["xla", "two-pass", "two-pass, pass 1 loops 4 blocks"]
     with pytest.raises(SystemExit, match="--variants nope: no --tiles variant"):
-        benchmark.main(["--tiles", "--variants", "loops,nope", "--out", str(tmp_path)])
+        benchmark.main(["--tiles", "--variants", "loops;nope", "--out", str(tmp_path)])
 
 
 def test_tile_variants_take_every_decode_case():
