@@ -76,10 +76,9 @@ def _recording_moe_kernel(monkeypatch, bm, wrong=()):
     switches it was traced under (FMA decode route, float16-product mode, tensor-core MXFP4 route),
     after tracing the real kernels abstractly (``jax.eval_shape``: a config they refuse raises as
     before, nothing compiles); configs in ``wrong`` return the reference times 1.5, which the
-    sweep's check must flag. For the
-    sweep's own logic (which configs, under which switches, checked how); every kernel config it
-    builds is a kernel test's case (test_moe.py fma parity, test_moe_down_split.py,
-    test_moe_f16acc.py, test_moe_f16pairs.py)."""
+    sweep's check must flag. For the sweeps' own logic (which configs, under which switches, checked
+    how); every kernel config they build is a kernel test's case (test_moe.py fma parity and tune
+    configs, test_moe_down_split.py, test_moe_f16acc.py, test_moe_f16pairs.py)."""
     import jax
 
     from pallas_kernels.quantized_matmul import pallas_triton_fma
@@ -129,13 +128,13 @@ def test_moe_fma_sweep_runs_in_interpret_mode(monkeypatch):
     assert all(r["f16acc"] is None for r in rows if r["config"][0] != "fma")
     # every config at 4 tokens (one token: the default_only sweeps below), each checked: one config made
     # wrong is flagged and the rest pass
-    first = bm.fma_configs(bm.random_fp4(bm.jax.random.PRNGKey(0), (8, 64, 256)), 4, False)[1]
-    calls = _recording_moe_kernel(monkeypatch, bm, wrong=(first,))
+    made_wrong = bm.fma_configs(bm.random_fp4(bm.jax.random.PRNGKey(0), (8, 64, 256)), 4, False)[1]
+    calls = _recording_moe_kernel(monkeypatch, bm, wrong=(made_wrong,))
     rows = bm.fma_sweep((4,))
     assert {r["tokens"] for r in rows} == {4} and [c["config"] for c in calls] == [r["config"] for r in rows]
     fma_rows = [r for r in rows if r["config"][0] == "fma"]
     assert any(r["config"][1] == 4 for r in fma_rows)  # 4-row blocks tried at 4 tokens
-    assert len(fma_rows) >= 8 and [r["config"] for r in rows if not r["ok"]] == [first], \
+    assert len(fma_rows) >= 8 and [r["config"] for r in rows if not r["ok"]] == [made_wrong], \
         [(r["config"], r["rel_err"]) for r in rows]
     # I = 192: 3 down K steps of 2 groups: the dispatch's config at one token splits the down kernel
     # in 3 (11th entry); the sweep times it beside the unsplit default, and every split of the 6
