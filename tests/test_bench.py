@@ -157,6 +157,14 @@ def test_prefill_flops_per_token_matches_active_parameters():
     assert step - weights - attn < 0.25 * step
 
 
+def _tiny_preset_as_three_layers(monkeypatch):
+    """``--preset tiny`` in this process gives the preset's first 3 layers (``tiny_short(3)``)."""
+    from dsv41_jax import bench
+    from tiny_short import tiny_short
+
+    monkeypatch.setattr(bench, "get_preset", lambda name: tiny_short(3) if name == "tiny" else get_preset(name))
+
+
 def test_prefill_row_profile_on_cpu(tmp_path, monkeypatch):
     """``--batch-sizes 0 --profile-prefill``: the prefill row alone, with the FLOP count and a
     profile of one more prefill whose step program ran once per prompt chunk (40 tokens in chunks
@@ -164,10 +172,7 @@ def test_prefill_row_profile_on_cpu(tmp_path, monkeypatch):
     the program count do not depend on the layers): 18.7 -> 10.3 CPU-s."""
     import json
 
-    from dsv41_jax import bench
-    from tiny_short import tiny_short
-
-    monkeypatch.setattr(bench, "get_preset", lambda name: tiny_short(3) if name == "tiny" else get_preset(name))
+    _tiny_preset_as_three_layers(monkeypatch)
 
     out = tmp_path / "b.json"
     assert main(["--preset", "tiny", "--batch-sizes", "0", "--prefill-lens", "40", "--prefill-chunk", "16",
@@ -231,9 +236,8 @@ def test_runs_split_over_two_calls_merge(tmp_path, capsys, monkeypatch):
     import statistics
 
     from dsv41_jax import bench
-    from tiny_short import tiny_short
 
-    monkeypatch.setattr(bench, "get_preset", lambda name: tiny_short(3) if name == "tiny" else get_preset(name))
+    _tiny_preset_as_three_layers(monkeypatch)
 
     saved = []
     real_save = bench.save_json
