@@ -238,8 +238,8 @@ TABLE_VARIANTS = (("xla", None), ("pallas flash", dict(method="flash")), ("two-p
 TABLE_CASES = tuple((nc, b, 1) for nc in (4096, 65536, 1 << 20) for b in (1, 8, 64)) + ((65536, 1, 6),)
 
 # The --tiles variants (session 55's sweep, H100: BENCHMARKS.md issue 5): the defaults beside the
-# tiles they replaced, the alternatives that lost and session 57's looped pass 1 and 64-head
-# gathering pass 2 (untimed), at every decode size of one context.
+# tiles they replaced, the alternatives that lost and session 57's looped pass 1 (loops of 2: 2.5 % faster
+# than one block a program at batch 32-64, far slower at batch 1-8; session 58), at every decode size of one context.
 TILE_VARIANTS = TABLE_VARIANTS + (
     ("two-pass, session 54 tiles", dict(two_pass=dict(dv=64, group=3, pv_programs=512))),
     ("two-pass dv 128", dict(two_pass=dict(dv=128))),
@@ -247,14 +247,10 @@ TILE_VARIANTS = TABLE_VARIANTS + (
     ("two-pass 512 programs", dict(two_pass=dict(pv_programs=512))),
     ("two-pass unstaged", dict(two_pass=dict(stage_values=False))),
     ("two-pass, pass 1 loops 2 blocks", dict(two_pass=dict(p1_loop=2))),
-    ("two-pass, pass 1 loops 4 blocks", dict(two_pass=dict(p1_loop=4))),
-    # pass 2 gathers and decodes its own values for all 64 heads (each value element decoded once:
-    # no staged rows written and read back, 42 MB each way at batch 64), 128 columns, 8 warps (wgmma;
-    # sm_90 offline: 255 registers, no spills, 1 program per SM; dv 256 spills 48 words)
-    ("two-pass unstaged, pass 2 64 heads x 128 columns", dict(two_pass=dict(stage_values=False, bh=64, dv=128,
-                                                                           pv_warps=8))),
-    ("two-pass unstaged, pass 2 64 heads x 128 columns, pass 1 loops 4 blocks",
-     dict(two_pass=dict(stage_values=False, bh=64, dv=128, pv_warps=8, p1_loop=4))),
+    # session 58 (H100, 64K context): loops of 4 spill the q tile's wgmma descriptors and are slower at
+    # every batch (batch 64 124.8 against 92.6 us); pass 2 gathering its own values for all 64 heads
+    # (bh 64, dv 128, 8 warps, unstaged) takes pass 2 from 48 to 80 us at batch 64 -- both dropped
+    # here (BENCHMARKS.md, issue 5, session 58); bh 64 keeps its interpret parity test
     ("flash, 1 column block, 8 warps", dict(method="flash", d_split=1, num_warps=8)),
     ("flash, 2 column blocks, 4 warps", dict(method="flash", d_split=2, num_warps=4)),
 )
