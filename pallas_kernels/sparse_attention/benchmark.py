@@ -303,6 +303,9 @@ def _table_rep_jit():
     def rep(key, b, s, nc, kw, kc, h, d):
         ks = jax.random.split(key, 4)
         q, win, widx, sink = _query_side(ks[0], ks[1], ks[3], b, s, kw, h, d, jnp.bfloat16)
+        if nc < kc:  # a short context: every entry, ascending, then -1 padding (the indexer's list there)
+            j = jnp.arange(kc, dtype=jnp.int32)
+            return q, win, widx, sink, jnp.broadcast_to(jnp.where(j < nc, j, -1), (b, s, kc))
         # kc distinct positions per query row: a random offset into each of kc equal strides, sorted
         stride = nc // kc
         off = jax.random.randint(ks[2], (b, s, kc), 0, stride)
@@ -330,12 +333,12 @@ def op_table(log, cases=TABLE_CASES, variants=TABLE_VARIANTS, reps=3, kw=128, kc
     op = functools.partial(table_op, scale=d ** -0.5)
     rows = []
     for nc, b, s in cases:
-        if nc < kc:
-            raise ValueError(f"op_table: context {nc} holds fewer than the {kc} compressed picks a row takes")
-        ck = make_inputs(jax.random.PRNGKey(nc + b), b, 1, nc, kw=kw, kc=kc, h=h, d=d)[4]
+        # a context of fewer than kc compressed entries (the model's short prompts) lists them all, then
+        # -1 padding to kc; its floors count the nc listed entries only
+        ck = make_inputs(jax.random.PRNGKey(nc + b), b, 1, nc, kw=kw, kc=min(kc, nc), h=h, d=d)[4]
         args = [_table_rep_jit()(jax.random.PRNGKey(1000 * r + b + s), b, s, nc, kw, kc, h, d) for r in range(reps)]
-        fb = floor_bytes(b, s, h=h, d=d, kw=kw, kc=kc)
-        flop_us = floor_flops(b, s, h=h, d=d, kw=kw, kc=kc) / BF16_DENSE_FLOPS * 1e6
+        fb = floor_bytes(b, s, h=h, d=d, kw=kw, kc=min(kc, nc))
+        flop_us = floor_flops(b, s, h=h, d=d, kw=kw, kc=min(kc, nc)) / BF16_DENSE_FLOPS * 1e6
         words = [(jax.random.bits(jax.random.PRNGKey(7 + r), (max(fb // 4, 1),), jnp.uint32),) for r in range(reps)]
         t_a = device_time_op(lambda w: jnp.sum(w, dtype=jnp.uint32), words, reps=reps)
         del words
@@ -431,6 +434,17 @@ def site(log, contexts=(2560, 5121), batches=(1,), variants=SITE_VARIANTS, reps=
     return rows
 
 
+def _contexts(text):
+    """``--contexts`` "96,65536" -> (96, 65536); an argparse error naming a size that is not a positive integer."""
+    try:
+        out = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        out = ()
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers separated by commas, e.g. 96,65536")
+    return out
+
+
 def main(argv=None):
     ap = chained_args(argparse.ArgumentParser(), n=20, reps=7, skip_xla_help="time the Pallas kernel only")
     ap.add_argument("--site", action="store_true",
@@ -445,12 +459,16 @@ def main(argv=None):
                          "and 6 verify rows, XLA against the flash and two-pass kernels, with the byte floor and a read "
                          "anchor, then exit (--quick: contexts 4K and 64K)")
     ap.add_argument("--tiles", action="store_true",
-                    help="the op alone at 64K context and every decode size (batch 1 / 6 verify rows / 8 / 32 / "
+                    help="the op alone at 64K context (--contexts: others) and every decode size (batch 1 / 6 verify rows / 8 / 32 / "
                          "64): XLA, the flash and two-pass defaults and the tiles session 55 compared them with "
                          "(TILE_VARIANTS), with each variant's kernels, then exit")
     ap.add_argument("--variants", default=None,
                     help="--tiles: only the variants whose names contain one of these words, separated by semicolons "
                          "(XLA's reference always runs first; '=name': that name exactly), e.g. '=two-pass;loops'")
+    ap.add_argument("--contexts", type=_contexts, default=None,
+                    help="--tiles: these compressed-cache sizes (comma-separated) in place of 65536, e.g. 96,65536; "
+                         "below 512 entries a row lists them all, then -1 padding (the model's short prompts: "
+                         "context / 4 entries at V4.1's ratio 4)")
     ap.add_argument("--decode", action="store_true",
                     help="the decode site at batch 1, 8 and 6 verify rows: XLA, the flash kernel and the two-pass "
                          "kernels (with tile variants) by device time, then exit")
@@ -478,7 +496,9 @@ def main(argv=None):
     if args.table or args.tiles:
         log(f"# sparse attention op, device time | {dev.device_kind} | jax {jax.__version__} | reps={args.reps}")
         if args.tiles:
-            rows = op_table(log, TILE_CASES, variants=tile_variants(args.variants), reps=args.reps)
+            cases = TILE_CASES if not args.contexts else tuple(
+                (nc, b, s) for nc in args.contexts for _, b, s in TILE_CASES)
+            rows = op_table(log, cases, variants=tile_variants(args.variants), reps=args.reps)
         else:
             rows = op_table(log, [c for c in TABLE_CASES if not (args.quick and c[0] > 65536)], reps=args.reps)
         name = "sparse_attention_tiles" if args.tiles else "sparse_attention_table"

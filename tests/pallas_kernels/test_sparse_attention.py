@@ -978,6 +978,39 @@ def test_tiles_variants_flag_filters_by_name(monkeypatch, tmp_path):
         benchmark.main(["--tiles", "--variants", "loops;nope", "--out", str(tmp_path)])
 
 
+def test_tiles_contexts_flag_and_short_context_lists(monkeypatch, tmp_path):
+    """``--tiles --contexts 96,65536``: every decode size at each context, in that order; a context
+    below the 512 picks (the model's short prompts) lists all its entries ascending, then -1 padding;
+    a size that is not a positive integer is an argparse error naming it."""
+    from pallas_kernels.sparse_attention import benchmark
+
+    seen, op_table = [], benchmark.op_table
+    monkeypatch.setattr(benchmark, "op_table", lambda log, cases, variants, reps: seen.append(cases) or [])
+    benchmark.main(["--tiles", "--contexts", "96,65536", "--variants", "=two-pass", "--out", str(tmp_path)])
+    sizes = [(b, s) for _, b, s in benchmark.TILE_CASES]
+    assert list(seen[0]) == [(96, b, s) for b, s in sizes] + [(65536, b, s) for b, s in sizes]
+    for bad in ("0", "96,x", ""):
+        with pytest.raises(SystemExit):
+            benchmark.main(["--tiles", "--contexts", bad, "--out", str(tmp_path)])
+    b, s, nc, kc = 2, 3, 96, 512
+    cidx = np.asarray(benchmark._table_rep_jit()(jax.random.PRNGKey(5), b, s, nc, 128, kc, 4, 64)[4])
+    assert cidx.shape == (b, s, kc)
+    assert (cidx[..., :nc] == np.arange(nc)).all() and (cidx[..., nc:] == -1).all()
+    full = np.asarray(benchmark._table_rep_jit()(jax.random.PRNGKey(5), b, s, 8192, 128, kc, 4, 64)[4])
+    assert (np.diff(full, axis=-1) > 0).all() and full.min() >= 0 and full.max() < 8192
+    # the table builds a short context's inputs and floors (the listed entries only) and runs XLA's
+    # reference on them (tiny shapes; the device timings themselves stubbed: profiling is slow on a CPU)
+    from pallas_kernels import benchmarking
+    monkeypatch.setattr(benchmarking, "device_time_op", lambda *a, **k: 1e-6)
+    monkeypatch.setattr(benchmark, "checked_device_time", lambda fn, args, shared, y0, reps: (
+        2e-6, [], float(np.linalg.norm(np.asarray(jax.jit(fn)(*args[0], *shared), np.float32) - y0)
+                        / np.linalg.norm(y0))))
+    rows = op_table(lambda m: None, ((24, 2, 1),), variants=(("xla", None),), reps=1, kw=16, kc=32, h=4, d=64)
+    assert rows[0]["variants"]["xla"] == dict(us=2.0, kernels=0, rel_err=0.0, ok=True)
+    assert rows[0]["bytes"] == benchmark.floor_bytes(2, 1, h=4, d=64, kw=16, kc=24) < benchmark.floor_bytes(
+        2, 1, h=4, d=64, kw=16, kc=32)
+
+
 def test_tile_variants_take_every_decode_case():
     """``--tiles`` (session 55's sweep): every variant accepts every case at V4.1's real shapes (64
     heads x 512, 128 window + 512 compressed picks; traced abstractly, nothing runs), and the
