@@ -85,10 +85,18 @@ _NEG_INF = float("-inf")
 #   that divides both lists is used (:func:`pass1_loop`). Session 56's hypothesis for batch 64, where
 #   one block a program is 1,280 programs each re-loading a 64 KB q tile: 4 blocks a program (320)
 #   take pass 1 from 44 to about 20 us on an H100. Not yet timed, so not the default.
+# * skip_empty: key blocks whose index entries are all -1 are not computed. Pass 1 writes their -inf
+#   logits (and, staged, zero rows, so that a pass-2 block half of which is empty weighs zeros, never
+#   unwritten memory) without gathering, decoding or dotting; pass 2 skips a bk2 block whose pass-1
+#   block maxima are all -inf (no value load, no exp, no dot). The model's lists are padded to top-512
+#   at the end, so below 2,048 tokens of context (512 compressed entries at ratio 4) most compressed
+#   blocks are empty: at a 384-token context 13 of pass 1's 16 compressed blocks and 6 of pass 2's 8.
+#   Same sums, bit for bit (an empty block adds exactly 0). Not timed, so off; one block a pass-1
+#   program only (p1_loop 1).
 # At batch 1 with 64 heads x 512 and 640 keys: 20 pass-1 and 8 x 10 pass-2 programs (4 head blocks x
 # 2 column blocks x 10 key splits of one block).
 DEFAULTS = dict(bk1=32, dc=512, bk2=64, bh=16, dv=256, group=1, num_warps=4, stage_values=True, split=None,
-                pv_programs=256, pv_warps=None, p1_loop=1)
+                pv_programs=256, pv_warps=None, p1_loop=1, skip_empty=False)
 
 # The most query rows (B*S) this path serves when the caller does not pick a method: decode and
 # speculative-verify sizes, what it was built for.
@@ -134,6 +142,8 @@ def two_pass_reason(q, kv, kv_idx, comp_kv=None, comp_idx=None, cfg=None) -> str
         return f"pv_warps={c['pv_warps']}: expected 1, 2, 4 or 8"
     if not (isinstance(c["p1_loop"], int) and c["p1_loop"] >= 1 and _is_pow2(c["p1_loop"])):
         return f"p1_loop={c['p1_loop']!r}: pass 1's blocks per program must be a power of two >= 1"
+    if c["skip_empty"] and c["p1_loop"] != 1:
+        return f"skip_empty with p1_loop={c['p1_loop']}: skipping empty blocks is built for one block a pass-1 program"
     return None
 
 
@@ -147,7 +157,8 @@ def pass1_loop(want: int, list_blocks) -> int:
     return n
 
 
-def _logits_kernel(q_ref, widx_ref, *refs, nwb1, dc, d, scale, cdt, prec, w_fp8, c_fp4, has_comp, stage, loop=1):
+def _logits_kernel(q_ref, widx_ref, *refs, nwb1, dc, d, scale, cdt, prec, w_fp8, c_fp4, has_comp, stage, loop=1,
+                   skip_empty=False):
     """Pass 1 for one (row, key block): the block's entries from the window list (blocks < nwb1) or
     the compressed one, read from each list's own ref (no concatenated copy: an XLA kernel of 2.5 us
     before pass 1 at batch 1 on an H100, session 47). ``loop`` > 1: :func:`_logits_loop_kernel`."""
@@ -166,14 +177,28 @@ def _logits_kernel(q_ref, widx_ref, *refs, nwb1, dc, d, scale, cdt, prec, w_fp8,
     def block(idx_ref, jl, rows_of):
         ids = idx_ref[pl.ds(jl * bk, bk)]
         valid = ids >= 0
-        ids = jnp.where(valid, ids, 0)
-        s = jnp.zeros((q_ref.shape[0], bk), jnp.float32)
-        for c in range(0, d, dc):
-            k = rows_of(ids, c, dc, cdt)  # [bk, dc]
-            if stage:  # the decoded rows for pass 2 (rows of -1 entries hold row 0: their weight is 0)
-                vals_ref[:, pl.ds(c, dc)] = k
-            s += jnp.dot(q_ref[:, pl.ds(c, dc)].astype(cdt), k.T, preferred_element_type=jnp.float32, precision=prec)
-        return jnp.where(valid[None, :], s * scale, _NEG_INF)
+
+        def compute():
+            s = jnp.zeros((q_ref.shape[0], bk), jnp.float32)
+            safe = jnp.where(valid, ids, 0)
+            for c in range(0, d, dc):
+                k = rows_of(safe, c, dc, cdt)  # [bk, dc]
+                if stage:  # the decoded rows for pass 2 (rows of -1 entries hold row 0: their weight is 0)
+                    vals_ref[:, pl.ds(c, dc)] = k
+                s += jnp.dot(q_ref[:, pl.ds(c, dc)].astype(cdt), k.T, preferred_element_type=jnp.float32,
+                             precision=prec)
+            return jnp.where(valid[None, :], s * scale, _NEG_INF)
+
+        if not skip_empty:
+            return compute()
+
+        def empty():  # every entry -1: -inf logits, zero staged rows (pass 2 may weigh them beside a valid half)
+            if stage:
+                for c in range(0, d, dc):
+                    vals_ref[:, pl.ds(c, dc)] = jnp.zeros((bk, dc), vals_ref.dtype)
+            return jnp.full((q_ref.shape[0], bk), _NEG_INF, jnp.float32)
+
+        return jax.lax.cond(jnp.max(ids) >= 0, compute, empty)
 
     if has_comp:
         s = jax.lax.cond(j < nwb1, lambda: block(widx_ref, j, window_rows), lambda: block(cidx_ref, j - nwb1, comp_rows))
@@ -229,11 +254,14 @@ def _logits_loop_kernel(q_ref, widx_ref, *refs, nwb1, dc, d, scale, cdt, prec, w
         blocks(widx_ref, j, window)
 
 
-def _softmax_pv(lg_ref, bmax_ref, sink_ref, out_refs, load, decode, *, nb, nb1, bk2, dv, group, cdt, prec):
+def _softmax_pv(lg_ref, bmax_ref, sink_ref, out_refs, load, decode, *, nb, nb1, bk2, dv, group, cdt, prec,
+                skip_empty=0):
     """Pass 2's arithmetic for one (row, head block, column block, key split): the row maximum, then
     per key block ``jb`` of the split's ``nb`` the weights from the logits and
     ``decode(jb, load(jb))`` [bk2, dv] values. ``out_refs``: ``(o_ref,)`` (one split: the normalised
-    output) or ``(acc_ref, den_ref)`` (the split's fp32 sums; split 0's denominator has the sink)."""
+    output) or ``(acc_ref, den_ref)`` (the split's fp32 sums; split 0's denominator has the sink).
+    ``skip_empty``: 0, or bk2 / bk1 -- then a block whose pass-1 maxima are all -inf is skipped (one
+    block at a time: ``group`` does not apply)."""
     # the row maximum from pass 1's block maxima, one [nb1p, bh] load (rows >= nb1 were never written:
     # masked). One load per block, as first built, put a barrier after each: 20 round trips in a row
     # (sm_90 SASS), most of the kernel's 34 us on an H100 (session 46)
@@ -242,7 +270,23 @@ def _softmax_pv(lg_ref, bmax_ref, sink_ref, out_refs, load, decode, *, nb, nb1, 
     m_safe = jnp.where(m == _NEG_INF, 0.0, m)
     den = jnp.zeros(m.shape, jnp.float32)
     acc = jnp.zeros((m.shape[0], dv), jnp.float32)
-    for g0 in range(0, nb, group):
+    if skip_empty:  # one block at a time, each behind a branch on its pass-1 maxima (all -inf: no valid key)
+        f = skip_empty  # pass-1 blocks per bk2 block
+        r1 = jnp.arange(bm.shape[0], dtype=jnp.int32)[:, None]
+        for jb in range(nb):
+            # the split's block jb covers pass-1 blocks [(t * nb + jb) * f, + f)
+            lo = (pl.program_id(3) * nb + jb) * f
+            # (one axis a reduction: Pallas-Triton lowers no whole-tile one)
+            live = jnp.max(jnp.max(jnp.where((r1 >= lo) & (r1 < lo + f), bm, _NEG_INF), axis=1)) > _NEG_INF
+
+            def step(carry, jb=jb):
+                den, acc = carry
+                e = jnp.exp(lg_ref[:, pl.ds(jb * bk2, bk2)] - m_safe[:, None])
+                return den + jnp.sum(e, axis=1), acc + jnp.dot(e.astype(cdt), decode(jb, load(jb)),
+                                                                preferred_element_type=jnp.float32, precision=prec)
+
+            den, acc = jax.lax.cond(live, step, lambda carry: carry, (den, acc))
+    for g0 in range(0, nb if not skip_empty else 0, group):
         # every load of ``group`` blocks first, then their arithmetic: the dot operands' layout
         # conversions put barriers in each block, and loads traced after a barrier are issued after it
         blocks = range(g0, min(g0 + group, nb))
@@ -374,7 +418,7 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
         out_shape.append(jax.ShapeDtypeStruct((rows, kp, d), q.dtype))
     lg, bmax, *vals = pl.pallas_call(
         functools.partial(_logits_kernel, nwb1=widx.shape[-1] // bk1, dc=c["dc"], d=d, scale=float(scale), stage=stage,
-                          loop=loop, **kinds),
+                          loop=loop, skip_empty=bool(c["skip_empty"]), **kinds),
         grid=(rows, nb1 // loop),
         in_specs=[pl.BlockSpec((None, hp, d), lambda r, j: (r, 0, 0)),
                   *[pl.BlockSpec((None, x.shape[-1]), lambda r, j: (r, 0)) for x in lists], *store_specs(2)],
@@ -384,7 +428,8 @@ def sparse_attention(q, kv, kv_idx, sink, *, scale, comp_kv=None, comp_idx=None,
         interpret=interpret,
         name="sparse_attention_logits",
     )(qf, *lists, *stores)
-    common = dict(nb=ks, nb1=nb1, bk2=bk2, dv=dv, group=max(1, c["group"]), cdt=q.dtype, prec=prec)
+    common = dict(nb=ks, nb1=nb1, bk2=bk2, dv=dv, group=max(1, c["group"]), cdt=q.dtype, prec=prec,
+                  skip_empty=bk2 // bk1 if c["skip_empty"] else 0)
     head_specs = [pl.BlockSpec((None, bh, ks * bk2), lambda r, i, j, t: (r, i, t)),
                   pl.BlockSpec((None, nb1p, bh), lambda r, i, j, t: (r, 0, i))]
     sink_spec = pl.BlockSpec((bh,), lambda r, i, j, t: (i,))

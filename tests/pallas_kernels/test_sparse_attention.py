@@ -813,6 +813,52 @@ def test_two_pass_looped_pass1_gives_the_same_bits():
             _two_pass(q, kv, widx, sink, ck, cidx, 0.125, config={**SMALL, "p1_loop": bad})
 
 
+def test_two_pass_skipping_empty_blocks_gives_the_same_bits():
+    """``skip_empty``: key blocks whose entries are all -1 are not computed (pass 1 writes -inf logits
+    and zero staged rows; pass 2 skips a block whose pass-1 maxima are all -inf). Lists as the model's
+    short contexts have them (the compressed list's valid entries first, ascending, then -1 padding;
+    the window's tail -1 in some rows), a row with no valid key, a row whose first blocks are empty,
+    and a pass-2 block half of which is empty (bk1 16, bk2 32): the default's bits, staged over 1 and
+    several key splits and gathered, and within the reference's tolerance. With p1_loop it is refused."""
+    q, kv, widx, sink, ck, cidx = make_case(None, dtype=jnp.bfloat16, kc=96)
+    rng = np.random.default_rng()
+    w, c = np.array(widx), np.array(cidx)
+    for r in range(c.shape[0]):
+        for t in range(c.shape[1]):
+            n = int(rng.integers(1, 40))  # valid compressed entries: 1-39 of 96 (3 pass-2 blocks of 32 at most 2 live)
+            c[r, t] = np.concatenate([np.sort(rng.choice(100, n, replace=False)), -np.ones(96 - n, np.int64)])
+    w[0, 1, 5:] = -1  # window: its second block of 16 empty
+    c[0, 0] = -1  # row (0, 0): no valid key at all (its window is -1 too, make_case)
+    w[1, 0] = -1  # row (1, 0): compressed picks only
+    widx, cidx = jnp.asarray(w), jnp.asarray(c)
+    for extra in ({"split": 64}, {"split": 1}, {"stage_values": False}):
+        cfg = {**SMALL, **extra}
+        base = np.asarray(_two_pass(q, kv, widx, sink, ck, cidx, 0.125, config=cfg), np.float32)
+        got = _two_pass(q, kv, widx, sink, ck, cidx, 0.125, config={**cfg, "skip_empty": True})
+        np.testing.assert_array_equal(np.asarray(got, np.float32), base, err_msg=str(extra))
+    assert not np.asarray(got[0, 0], np.float32).any()  # no valid key: 0
+    check_close(got, _ref(q, kv, widx, sink, ck, cidx, 0.125))
+    with pytest.raises(ValueError, match="skip_empty with p1_loop"):
+        _two_pass(q, kv, widx, sink, ck, cidx, 0.125, config={**SMALL, "skip_empty": True, "p1_loop": 2})
+    # the empty blocks are really skipped: compressed row 0 (what a -1 entry reads) made NaN, the valid
+    # entries whole blocks that never list row 0 -- staged, 16 or 32 of 96 (whole pass-1 blocks: a
+    # pass-2 block may be half empty, its empty half staged as zeros); gathered, 32 (pass 2 gathers a
+    # live block's -1 entries as row 0, as without skipping). Computed, an empty block stages or
+    # gathers NaN rows that pass 2 weighs by 0 (NaN); skipped, the output is the store's without the NaN.
+    nan_ck = Fp4Tensor(data=ck.data, scale=ck.scale.at[:, 0].set(jnp.nan), block=ck.block)
+    for extra, sizes in (({"split": 64}, (16, 32)), ({"stage_values": False}, (32,))):
+        for r in range(c.shape[0]):
+            for t in range(c.shape[1]):
+                n = int(rng.choice(sizes))
+                c[r, t] = np.concatenate([np.sort(rng.choice(np.arange(1, 100), n, replace=False)), -np.ones(96 - n)])
+        cidx = jnp.asarray(c)
+        cfg = {**SMALL, **extra}
+        assert np.isnan(np.asarray(_two_pass(q, kv, widx, sink, nan_ck, cidx, 0.125, config=cfg), np.float32)).any()
+        got = _two_pass(q, kv, widx, sink, nan_ck, cidx, 0.125, config={**cfg, "skip_empty": True})
+        base = _two_pass(q, kv, widx, sink, ck, cidx, 0.125, config=cfg)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(base, np.float32), err_msg=str(extra))
+
+
 def test_two_pass_gathering_pass2_over_all_64_heads():
     """Pass 2 gathering and decoding its own values for all 64 heads of a row at once (``bh`` 64, the
     ``--tiles`` candidate that decodes each value element once), after a looped pass 1: within the
@@ -953,11 +999,11 @@ def test_two_pass_cross_lowering(target, shape):
             *a[:4], scale=512 ** -0.5, comp_kv=a[4], comp_idx=a[5], config=dict(stage_values=False)),
             *_real_specs(*shape)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 2
-    if shape[0] == 8:  # pass 1 walking 4 blocks a program (window 4 blocks of 32, compressed 16)
-        text = lower_for(target, lambda *a: pallas_triton_two_pass.sparse_attention(
-            *a[:4], scale=512 ** -0.5, comp_kv=a[4], comp_idx=a[5], config=dict(p1_loop=4)),
-            *_real_specs(*shape)).as_text()
-        assert text.count("__gpu$xla.gpu.triton") == 2
+    if shape[0] == 8:  # pass 1 walking 4 blocks a program (window 4 blocks of 32, compressed 16); empty blocks skipped
+        for cfg in (dict(p1_loop=4), dict(skip_empty=True), dict(skip_empty=True, stage_values=False)):
+            text = lower_for(target, lambda *a: pallas_triton_two_pass.sparse_attention(
+                *a[:4], scale=512 ** -0.5, comp_kv=a[4], comp_idx=a[5], config=cfg), *_real_specs(*shape)).as_text()
+            assert text.count("__gpu$xla.gpu.triton") == 2, cfg
 
 
 def test_tiles_variants_flag_filters_by_name(monkeypatch, tmp_path):
