@@ -84,7 +84,9 @@ _NEG_INF = float("-inf")
 #   one list (window or compressed); where a list's block count is not a multiple of it, the most
 #   that divides both lists is used (:func:`pass1_loop`). Session 56's hypothesis for batch 64, where
 #   one block a program is 1,280 programs each re-loading a 64 KB q tile: 4 blocks a program (320)
-#   take pass 1 from 44 to about 20 us on an H100. Not yet timed, so not the default.
+#   take pass 1 from 44 to about 20 us on an H100. Timed in session 58 (H100, 64K context): loops of 2
+#   2.5 % faster at batch 32-64 (pass 1 44.2 -> 41.1 us), 1.4-2x slower at batch 1-8; loops of 4 slower at
+#   every batch (the q tile's wgmma descriptors spill) -- so not the default.
 # * skip_empty: key blocks whose index entries are all -1 are not computed. Pass 1 writes their -inf
 #   logits (and, staged, zero rows, so that a pass-2 block half of which is empty weighs zeros, never
 #   unwritten memory) without gathering, decoding or dotting; pass 2 skips a bk2 block whose pass-1
@@ -268,34 +270,33 @@ def _softmax_pv(lg_ref, bmax_ref, sink_ref, out_refs, load, decode, *, nb, nb1, 
     bm = bmax_ref[...]
     m = jnp.max(jnp.where(jnp.arange(bm.shape[0], dtype=jnp.int32)[:, None] < nb1, bm, _NEG_INF), axis=0)
     m_safe = jnp.where(m == _NEG_INF, 0.0, m)
-    den = jnp.zeros(m.shape, jnp.float32)
-    acc = jnp.zeros((m.shape[0], dv), jnp.float32)
+
+    def add(carry, jb, raw, lg):  # block jb's weights and their P.V into (den, acc)
+        den, acc = carry
+        e = jnp.exp(lg - m_safe[:, None])  # exp(-inf) = 0: no key
+        return den + jnp.sum(e, axis=1), acc + jnp.dot(e.astype(cdt), decode(jb, raw),
+                                                        preferred_element_type=jnp.float32, precision=prec)
+
+    carry = (jnp.zeros(m.shape, jnp.float32), jnp.zeros((m.shape[0], dv), jnp.float32))
     if skip_empty:  # one block at a time, each behind a branch on its pass-1 maxima (all -inf: no valid key)
-        f = skip_empty  # pass-1 blocks per bk2 block
         r1 = jnp.arange(bm.shape[0], dtype=jnp.int32)[:, None]
         for jb in range(nb):
-            # the split's block jb covers pass-1 blocks [(t * nb + jb) * f, + f)
-            lo = (pl.program_id(3) * nb + jb) * f
+            # the split's block jb covers pass-1 blocks [(t * nb + jb) * f, + f), f = skip_empty
+            lo = (pl.program_id(3) * nb + jb) * skip_empty
             # (one axis a reduction: Pallas-Triton lowers no whole-tile one)
-            live = jnp.max(jnp.max(jnp.where((r1 >= lo) & (r1 < lo + f), bm, _NEG_INF), axis=1)) > _NEG_INF
-
-            def step(carry, jb=jb):
-                den, acc = carry
-                e = jnp.exp(lg_ref[:, pl.ds(jb * bk2, bk2)] - m_safe[:, None])
-                return den + jnp.sum(e, axis=1), acc + jnp.dot(e.astype(cdt), decode(jb, load(jb)),
-                                                                preferred_element_type=jnp.float32, precision=prec)
-
-            den, acc = jax.lax.cond(live, step, lambda carry: carry, (den, acc))
-    for g0 in range(0, nb if not skip_empty else 0, group):
-        # every load of ``group`` blocks first, then their arithmetic: the dot operands' layout
-        # conversions put barriers in each block, and loads traced after a barrier are issued after it
-        blocks = range(g0, min(g0 + group, nb))
-        raw = [load(jb) for jb in blocks]
-        lgs = [lg_ref[:, pl.ds(jb * bk2, bk2)] for jb in blocks]
-        for jb, r, lg in zip(blocks, raw, lgs):
-            e = jnp.exp(lg - m_safe[:, None])  # exp(-inf) = 0: no key
-            den += jnp.sum(e, axis=1)
-            acc += jnp.dot(e.astype(cdt), decode(jb, r), preferred_element_type=jnp.float32, precision=prec)
+            live = jnp.max(jnp.max(jnp.where((r1 >= lo) & (r1 < lo + skip_empty), bm, _NEG_INF), axis=1)) > _NEG_INF
+            carry = jax.lax.cond(live, lambda c, jb=jb: add(c, jb, load(jb), lg_ref[:, pl.ds(jb * bk2, bk2)]),
+                                 lambda c: c, carry)
+    else:
+        for g0 in range(0, nb, group):
+            # every load of ``group`` blocks first, then their arithmetic: the dot operands' layout
+            # conversions put barriers in each block, and loads traced after a barrier are issued after it
+            blocks = range(g0, min(g0 + group, nb))
+            raw = [load(jb) for jb in blocks]
+            lgs = [lg_ref[:, pl.ds(jb * bk2, bk2)] for jb in blocks]
+            for jb, r, lg in zip(blocks, raw, lgs):
+                carry = add(carry, jb, r, lg)
+    den, acc = carry
     sink_term = jnp.exp(sink_ref[...] - m_safe)
     if len(out_refs) == 2:  # one of several key splits: its sums, XLA adds them (_finish_splits)
         acc_ref, den_ref = out_refs
