@@ -47,32 +47,48 @@ def test_decode_step_runs_the_two_pass_kernels(monkeypatch, method, B):
     opts = RunOptions(dtype="float32", kv_cache_dtype="reference")
     P = 9
     one = jnp.ones((B,), jnp.int32)
-    params = init_params(cfg, seed=np.random.randint(1 << 30))
-    rng = np.random.default_rng()
-    prompt = jnp.asarray(rng.integers(3, cfg.vocab_size, (B, P)), jnp.int32)
-    ref_step = jax.jit(functools.partial(forward_step, cfg=cfg, opts=opts))
-    cache = init_cache(cfg, B, 32, opts)
-    with dispatch.use_implementation("reference"):  # the prompt one token per step: no prefill program
-        for t in range(P):
-            _, cache = ref_step(params, cache, prompt[:, t:t + 1], one)
-        tok = jnp.asarray(rng.integers(3, cfg.vocab_size, (B, 1)), jnp.int32)
-        ref = np.asarray(ref_step(params, cache, tok, one)[0])
-    jax.effects_barrier()
-    call_errors.clear()
+    ref_step = jax.jit(functools.partial(forward_step, cfg=cfg, opts=opts))  # traced under "reference" only
+    kernel_step = jax.jit(functools.partial(forward_step, cfg=cfg, opts=opts))  # under "interpret" only
+
+    def draw():
+        """Fresh weights and tokens: (params, cache, token, reference logits, kernel-path logits),
+        with every layer's two-pass call checked against the reference on its own inputs."""
+        params = init_params(cfg, seed=np.random.randint(1 << 30))
+        rng = np.random.default_rng()
+        prompt = jnp.asarray(rng.integers(3, cfg.vocab_size, (B, P)), jnp.int32)
+        cache = init_cache(cfg, B, 32, opts)
+        with dispatch.use_implementation("reference"):  # the prompt one token per step: no prefill program
+            for t in range(P):
+                _, cache = ref_step(params, cache, prompt[:, t:t + 1], one)
+            tok = jnp.asarray(rng.integers(3, cfg.vocab_size, (B, 1)), jnp.int32)
+            ref = np.asarray(ref_step(params, cache, tok, one)[0])
+        jax.effects_barrier()
+        call_errors.clear()
+        with dispatch.use_implementation("interpret"):
+            out = np.asarray(kernel_step(params, cache, tok, one)[0])
+        jax.effects_barrier()
+        # every layer's call within float32 summation-order noise of the reference
+        assert len(call_errors) == cfg.n_layers and max(call_errors) <= 1e-5, call_errors
+        return params, cache, tok, ref, out
+
+    # The logits: the calls differ by <= 3.5e-7 and the logits came out identical in session 46's runs
+    # and in 12 of 12 draws in session 59. But every linear fake-quantizes its input to e4m3, so now
+    # and then a one-ulp difference crosses a rounding boundary (or flips a top-k pick) and the logits
+    # move by 1e-2 to 1e-1 of their scale (test_fused_gemv_model: about one draw in 30): session 58's
+    # CI run drew one, 3.4e-2 at one batch row with the other row identical. As in that test, a draw
+    # whose logits moved is drawn again (4 draws); the per-call checks hold on every draw.
+    for _ in range(4):
+        params, cache, tok, ref, out = draw()
+        assert np.all(np.isfinite(out))
+        if np.max(np.abs(out - ref)) <= 2e-3 * float(np.max(np.abs(ref))):
+            break
+    else:
+        raise AssertionError("the logits differed on 4 draws in a row: more than a rounding flip")
+    # one two-pass call per layer (the logits and PV kernels), no single-pass sink kernel, over the
+    # model's FP8 window and, where the layer has one, its FP4 compressed cache
     stores.clear()
     with dispatch.use_implementation("interpret"):
-        step = functools.partial(forward_step, cfg=cfg, opts=opts)
-        jaxpr = str(jax.make_jaxpr(step)(params, cache, tok, one))
-        out = np.asarray(jax.jit(step)(params, cache, tok, one)[0])
-    jax.effects_barrier()
-    # one two-pass call per layer, over the model's FP8 window and, where the layer has one, its FP4
-    # compressed cache
+        jaxpr = str(jax.make_jaxpr(functools.partial(forward_step, cfg=cfg, opts=opts))(params, cache, tok, one))
     assert jaxpr.count("name=sparse_attention_logits") == cfg.n_layers == jaxpr.count("name=sparse_attention_pv")
     assert "sparse_attention_sink" not in jaxpr
     assert all(w is Fp8Tensor for w, _ in stores) and any(c is Fp4Tensor for _, c in stores), stores
-    assert len(call_errors) == cfg.n_layers and max(call_errors) <= 1e-5, call_errors
-    # the logits: the calls differ by <= 3.5e-7 and the logits came out identical in session 46's runs
-    # (wo_a's FP8 activation fake-quant absorbs the difference); a one-ulp change that crosses an FP8
-    # rounding boundary would move them by ~1e-2 of their scale (test_fused_gemv_model), hence 2e-2
-    assert np.all(np.isfinite(out))
-    assert np.max(np.abs(out - ref)) <= 2e-2 * float(np.max(np.abs(ref)))
