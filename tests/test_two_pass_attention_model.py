@@ -11,7 +11,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from dsv41_jax import attention
 from dsv41_jax.cache import init_cache
@@ -25,11 +24,13 @@ from pallas_kernels.testing import only_kernels
 from pallas_kernels.sparse_attention import pallas_triton
 
 
-@pytest.mark.parametrize("method,B", [("two_pass", 2), ("auto", 1)], ids=["two_pass_b2", "auto_default_b1"])
-def test_decode_step_runs_the_two_pass_kernels(monkeypatch, method, B):
-    """``two_pass`` at batch 2, and the default ``auto`` at batch 1 (where it takes them)."""
+def test_decode_step_runs_the_two_pass_kernels(monkeypatch):
+    """``two_pass`` at batch 2, run and checked; then the default ``auto``'s routing, traced: the
+    two-pass kernels at batch 1 and ``TWO_PASS_AUTO_ROWS``, not above (the same kernels, so no second
+    compiled model: that run took 35 CPU-s until session 59)."""
     only_kernels(monkeypatch, lambda op: op == "sparse_attention")
-    monkeypatch.setattr(pallas_triton, "DECODE_METHOD", method)
+    monkeypatch.setattr(pallas_triton, "DECODE_METHOD", "two_pass")
+    B = 2
     call_errors, stores = [], []
     real = attention.sparse_attention
 
@@ -92,3 +93,15 @@ def test_decode_step_runs_the_two_pass_kernels(monkeypatch, method, B):
     assert jaxpr.count("name=sparse_attention_logits") == cfg.n_layers == jaxpr.count("name=sparse_attention_pv")
     assert "sparse_attention_sink" not in jaxpr
     assert all(w is Fp8Tensor for w, _ in stores) and any(c is Fp4Tensor for _, c in stores), stores
+
+    # "auto" (the default): the two-pass kernels for calls of at most TWO_PASS_AUTO_ROWS rows over
+    # these stores, the flash kernel above (traced only)
+    monkeypatch.setattr(pallas_triton, "DECODE_METHOD", "auto")
+    for rows in (1, pallas_triton.TWO_PASS_AUTO_ROWS, pallas_triton.TWO_PASS_AUTO_ROWS + 1):
+        c = init_cache(cfg, rows, 32, opts)
+        t, n = jnp.broadcast_to(tok[:1], (rows, 1)), jnp.ones((rows,), jnp.int32)
+        with dispatch.use_implementation("interpret"):
+            jaxpr = str(jax.make_jaxpr(functools.partial(forward_step, cfg=cfg, opts=opts))(params, c, t, n))
+        two_pass = rows <= pallas_triton.TWO_PASS_AUTO_ROWS
+        assert jaxpr.count("name=sparse_attention_pv") == (cfg.n_layers if two_pass else 0), rows
+        assert ("name=sparse_attention_sink" in jaxpr) != two_pass, rows
