@@ -522,8 +522,8 @@ def _packings(text: str) -> list[str]:
 
 
 def _ints_or_off(s: str) -> list[int]:
-    """``0`` (or ``none``): no prefill rows; otherwise :func:`_ints`."""
-    return [] if s.strip().lower() in ("0", "none", "") else _ints(s)
+    """``0`` (or ``none``): no prefill rows; otherwise :func:`positive_ints`."""
+    return [] if s.strip().lower() in ("0", "none", "") else positive_ints(s)
 
 
 def _int_at_least(s: str, least: int) -> int:
@@ -544,11 +544,15 @@ def _nonnegative_int(s: str) -> int:
     return _int_at_least(s, 0)
 
 
-def _ints(s: str) -> list[int]:
+def positive_ints(s: str) -> list[int]:
+    """An argparse type: "96,65536" -> [96, 65536]; an empty list, a non-integer or a value below 1 is
+    a usage error naming the text (also ``pallas_kernels.sparse_attention.benchmark --contexts``)."""
     try:
         v = [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not v:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}")
     if any(x < 1 for x in v):
         raise argparse.ArgumentTypeError(f"values must be >= 1, got {s!r}")
     return v

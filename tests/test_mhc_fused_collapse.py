@@ -22,7 +22,7 @@ from dsv41_jax.cache import init_cache
 from dsv41_jax.options import RunOptions
 from dsv41_jax.params import init_params
 from pallas_kernels import dispatch
-from pallas_kernels.testing import only_kernels
+from pallas_kernels.testing import draw_until_logits_agree, only_kernels
 from pallas_kernels.mhc import pallas_triton as mhc_kernel
 from pallas_kernels.mhc import reference as mhc_reference
 from tiny_short import tiny_short
@@ -122,16 +122,17 @@ def test_fused_mhc_sites_calls_and_logits(monkeypatch):
         return np.array_equal(a, b) or float(np.max(np.abs(a - b))) <= 2e-2 * float(np.max(np.abs(b)))
 
     def agree(composed, plain, **kw):
-        """``same_logits``, or on up to 2 fresh draws: a flip can move the logits by up to 1e-1 of
-        their scale (test_fused_gemv_model; test_two_pass_attention_model failed CI on one of
-        3.4e-2 in session 58), so a draw whose logits moved more is drawn again, the composed and
-        the plain forward both run on it (no cost unless a draw moved)."""
-        for _ in range(2):
-            if same_logits(composed, plain):
-                return True
-            new_draw()
-            composed, plain = run(True, decline=("hc_expand_collapse_mixes",), **kw)[1], run(False)[1]
-        return same_logits(composed, plain)
+        """``same_logits``, or on up to 2 fresh draws (:func:`draw_until_logits_agree` at 2e-2): a flip
+        can move the logits by up to 1e-1 of their scale (test_two_pass_attention_model failed CI on
+        one of 3.4e-2 in session 58); the composed and the plain forward both run on each new draw,
+        so nothing runs again unless a draw moved."""
+        if not same_logits(composed, plain):
+            def draw():
+                new_draw()
+                return run(False)[1], run(True, decline=("hc_expand_collapse_mixes",), **kw)[1]
+
+            draw_until_logits_agree(draw, tries=2, rtol=2e-2)
+        return True
 
     n = cfg.n_layers
     # fused: every layer's attention expansion (with the FFN site's mixes), and its FFN expansion

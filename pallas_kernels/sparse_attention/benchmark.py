@@ -336,11 +336,12 @@ def op_table(log, cases=TABLE_CASES, variants=TABLE_VARIANTS, reps=3, kw=128, kc
     rows = []
     for nc, b, s in cases:
         # a context of fewer than kc compressed entries (the model's short prompts) lists them all, then
-        # -1 padding to kc; its floors count the nc listed entries only
-        ck = make_inputs(jax.random.PRNGKey(nc + b), b, 1, nc, kw=kw, kc=min(kc, nc), h=h, d=d)[4]
+        # -1 padding to kc; its floors count the listed entries only
+        listed = min(kc, nc)
+        ck = make_inputs(jax.random.PRNGKey(nc + b), b, 1, nc, kw=kw, kc=listed, h=h, d=d)[4]
         args = [_table_rep_jit()(jax.random.PRNGKey(1000 * r + b + s), b, s, nc, kw, kc, h, d) for r in range(reps)]
-        fb = floor_bytes(b, s, h=h, d=d, kw=kw, kc=min(kc, nc))
-        flop_us = floor_flops(b, s, h=h, d=d, kw=kw, kc=min(kc, nc)) / BF16_DENSE_FLOPS * 1e6
+        fb = floor_bytes(b, s, h=h, d=d, kw=kw, kc=listed)
+        flop_us = floor_flops(b, s, h=h, d=d, kw=kw, kc=listed) / BF16_DENSE_FLOPS * 1e6
         words = [(jax.random.bits(jax.random.PRNGKey(7 + r), (max(fb // 4, 1),), jnp.uint32),) for r in range(reps)]
         t_a = device_time_op(lambda w: jnp.sum(w, dtype=jnp.uint32), words, reps=reps)
         del words
@@ -436,18 +437,9 @@ def site(log, contexts=(2560, 5121), batches=(1,), variants=SITE_VARIANTS, reps=
     return rows
 
 
-def _contexts(text):
-    """``--contexts`` "96,65536" -> (96, 65536); an argparse error naming a size that is not a positive integer."""
-    try:
-        out = tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        out = ()
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers separated by commas, e.g. 96,65536")
-    return out
-
-
 def main(argv=None):
+    from dsv41_jax.bench import positive_ints
+
     ap = chained_args(argparse.ArgumentParser(), n=20, reps=7, skip_xla_help="time the Pallas kernel only")
     ap.add_argument("--site", action="store_true",
                     help="the model's decode site (attention -> inverse RoPE -> wo_a) by device time, then exit")
@@ -467,7 +459,7 @@ def main(argv=None):
     ap.add_argument("--variants", default=None,
                     help="--tiles: only the variants whose names contain one of these words, separated by semicolons "
                          "(XLA's reference always runs first; '=name': that name exactly), e.g. '=two-pass;loops'")
-    ap.add_argument("--contexts", type=_contexts, default=None,
+    ap.add_argument("--contexts", type=positive_ints, default=None,
                     help="--tiles: these compressed-cache sizes (comma-separated) in place of 65536, e.g. 96,65536; "
                          "below 512 entries a row lists them all, then -1 padding (the model's short prompts: "
                          "context / 4 entries at V4.1's ratio 4)")
