@@ -57,7 +57,7 @@ def test_fused_mhc_sites_calls_and_logits(monkeypatch):
         # streams and collapse: the largest difference relative to each element, and the share that differ
         pairs = [(v.astype(jnp.float32), v2.astype(jnp.float32)) for v, v2 in ((h, h2), (y, y2))]
         d = [jnp.max(jnp.abs(a - b) / jnp.maximum(jnp.abs(b), 2.0**-20)) for a, b in pairs]
-        d += [jnp.sum(a != b) / a.size for a, b in pairs]
+        d += [jnp.sum(a != b) for a, b in pairs] + [h.size, y.size]
         d += [jnp.max(jnp.abs(a - b)) for a, b in zip(mixes, mixes2)]
         jax.debug.callback(lambda *e: errors.append(tuple(float(v) for v in e)), *d)
         return h, y, mixes
@@ -101,8 +101,10 @@ def test_fused_mhc_sites_calls_and_logits(monkeypatch):
 
     def ok(e, y_share=1e-3):
         """Streams and collapse as the unfused kernel's but for rare elements one bf16 ulp off (<= 2**-7
-        of the element, <= 0.1 % of them; with the fused norm the collapse within one ulp anywhere),
-        mixes within 2e-5. Both kernels write the same fp32 arithmetic, yet in interpret mode one
+        of the element; <= 0.1 % of the streams; of the collapse, those fed by a differing stream
+        element -- each stream element feeds one collapse element, and 1 of 384 did in session 59's CI,
+        which a plain 0.1 % share (0 of 384) failed -- plus 0.1 %; with the fused norm the collapse
+        within one ulp anywhere), mixes within 2e-5. Both kernels write the same fp32 arithmetic, yet in interpret mode one
         stream element came out one ulp apart in about 1 run in 3 on session 47's host (0.0039, 0.0078
         and 0.0156: one bf16 ulp of elements between 0.5 and 4; one element of one call; once with f
         a plain array). Cause (session 48, one such element captured with its inputs): XLA:CPU's LLVM
@@ -112,8 +114,9 @@ def test_fused_mhc_sites_calls_and_logits(monkeypatch):
         rounded post * f instead. With the terms cancelling (0.35 - 0.13 - 0.11 - 0.10 - 0.008 ->
         -0.0041) that moved the fp32 sum across a bf16 rounding midpoint. Triton contracts too, so the
         GPU kernels may differ the same way. Exact equality was the bound before."""
-        dh, dy, nh, ny, *mixes = e
-        return dh <= 2.0**-7 and dy <= 2.0**-7 and nh <= 1e-3 and ny <= y_share and max(mixes) <= 2e-5
+        dh, dy, nh, ny, h_size, y_size, *mixes = e
+        return (dh <= 2.0**-7 and dy <= 2.0**-7 and nh <= 1e-3 * h_size and ny <= nh + y_share * y_size
+                and max(mixes) <= 2e-5)
 
     def same_logits(a, b):
         """The composed and the plain forwards' logits: equal, or, where one of those ulps crossed an
