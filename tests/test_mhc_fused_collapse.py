@@ -54,10 +54,13 @@ def test_fused_mhc_sites_calls_and_logits(monkeypatch):
             y2 = mhc_reference.rms_norm(y2, w, y_norm_eps)
             y, y2 = (v.astype(jnp.float32) / jnp.maximum(jnp.abs(y2.astype(jnp.float32)), 2.0**-20) for v in (y, y2))
         mixes2 = real["hc_mixes"](h, fn, scale, base, **kw)
-        # streams and collapse: the largest difference relative to each element, and the share that differ
+        # streams [..., hc, D] and collapse [..., D]: the largest difference relative to each element; how
+        # many stream elements differ, and how many collapse elements differ where none of the hc stream
+        # elements feeding them does; the sizes
         pairs = [(v.astype(jnp.float32), v2.astype(jnp.float32)) for v, v2 in ((h, h2), (y, y2))]
         d = [jnp.max(jnp.abs(a - b) / jnp.maximum(jnp.abs(b), 2.0**-20)) for a, b in pairs]
-        d += [jnp.sum(a != b) for a, b in pairs] + [h.size, y.size]
+        fed = jnp.any(h != h2, axis=-2)
+        d += [jnp.sum(h != h2), jnp.sum((pairs[1][0] != pairs[1][1]) & ~fed), h.size, y.size]
         d += [jnp.max(jnp.abs(a - b)) for a, b in zip(mixes, mixes2)]
         jax.debug.callback(lambda *e: errors.append(tuple(float(v) for v in e)), *d)
         return h, y, mixes
@@ -100,22 +103,22 @@ def test_fused_mhc_sites_calls_and_logits(monkeypatch):
         return dict(calls), np.asarray(logits)
 
     def ok(e, y_share=1e-3):
-        """Streams and collapse as the unfused kernel's but for rare elements one bf16 ulp off (<= 2**-7
-        of the element; <= 0.1 % of the streams; of the collapse, those fed by a differing stream
-        element -- each stream element feeds one collapse element, and 1 of 384 did in session 59's CI,
-        which a plain 0.1 % share (0 of 384) failed -- plus 0.1 %; with the fused norm the collapse
-        within one ulp anywhere), mixes within 2e-5. Both kernels write the same fp32 arithmetic, yet in interpret mode one
-        stream element came out one ulp apart in about 1 run in 3 on session 47's host (0.0039, 0.0078
-        and 0.0156: one bf16 ulp of elements between 0.5 and 4; one element of one call; once with f
-        a plain array). Cause (session 48, one such element captured with its inputs): XLA:CPU's LLVM
-        backend contracts a multiply into the add it feeds (``vfmadd213ss`` in the compiled interpret
-        program, even at -O0), and the expansion's first add has two products, ``post * f + comb[0] *
-        residual[0]``: one program computed fma(post, f, round(comb[0] * residual[0])), the other
-        rounded post * f instead. With the terms cancelling (0.35 - 0.13 - 0.11 - 0.10 - 0.008 ->
-        -0.0041) that moved the fp32 sum across a bf16 rounding midpoint. Triton contracts too, so the
-        GPU kernels may differ the same way. Exact equality was the bound before."""
-        dh, dy, nh, ny, h_size, y_size, *mixes = e
-        return (dh <= 2.0**-7 and dy <= 2.0**-7 and nh <= 1e-3 * h_size and ny <= nh + y_share * y_size
+        """Streams and collapse as the unfused kernel's but for rare elements one bf16 ulp off (<= 2**-7 of the
+        element). Of the streams, up to 0.1 % or 4 elements (the most seen in one call is 1 of 1,536). Of the
+        collapse, any element fed by a differing stream element (1 of 384 was, in session 59's CI, which a 0.1 %
+        share of the collapse -- 0 elements -- failed), and 0.1 % others; with the fused norm the collapse
+        within one ulp anywhere. Mixes within 2e-5. Both kernels write the same fp32 arithmetic, yet in
+        interpret mode one stream element came out one ulp apart in about 1 run in 3 on session 47's host
+        (0.0039, 0.0078 and 0.0156: one bf16 ulp of elements between 0.5 and 4; one element of one call; once
+        with f a plain array). Cause (session 48, one such element captured with its inputs): XLA:CPU's LLVM
+        backend contracts a multiply into the add it feeds (``vfmadd213ss`` in the compiled interpret program,
+        even at -O0), and the expansion's first add has two products, ``post * f + comb[0] * residual[0]``: one
+        program computed fma(post, f, round(comb[0] * residual[0])), the other rounded post * f instead. With
+        the terms cancelling (0.35 - 0.13 - 0.11 - 0.10 - 0.008 -> -0.0041) that moved the fp32 sum across a
+        bf16 rounding midpoint. Triton contracts too, so the GPU kernels may differ the same way. Exact equality
+        was the bound before."""
+        dh, dy, nh, ny_unfed, h_size, y_size, *mixes = e
+        return (dh <= 2.0**-7 and dy <= 2.0**-7 and nh <= max(4, 1e-3 * h_size) and ny_unfed <= y_share * y_size
                 and max(mixes) <= 2e-5)
 
     def same_logits(a, b):
