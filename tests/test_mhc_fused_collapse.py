@@ -38,7 +38,7 @@ def test_fused_mhc_sites_calls_and_logits(monkeypatch):
        sums in another order than hc_mixes' 32-way one, so the logits may differ: an ulp of a mix
        can flip an FP8 activation rounding downstream -- seen in CI);
     2. fused with that kernel declined (the op then composes hc_expand_collapse + hc_mixes, as at
-       prefill sizes): the call counts, and logits identical (see ``same_logits``) to
+       prefill sizes): the call counts, and logits equal up to an FP8 rounding flip (see ``agree``) to
     3. the unfused forward (DSV41_MHC_FUSED_COLLAPSE=off)."""
     declined = set()
     only_kernels(monkeypatch, lambda op: op.startswith("hc_") and op not in declined)
@@ -59,8 +59,8 @@ def test_fused_mhc_sites_calls_and_logits(monkeypatch):
         # elements feeding them does; the sizes
         pairs = [(v.astype(jnp.float32), v2.astype(jnp.float32)) for v, v2 in ((h, h2), (y, y2))]
         d = [jnp.max(jnp.abs(a - b) / jnp.maximum(jnp.abs(b), 2.0**-20)) for a, b in pairs]
-        fed = jnp.any(h != h2, axis=-2)
-        d += [jnp.sum(h != h2), jnp.sum((pairs[1][0] != pairs[1][1]) & ~fed), h.size, y.size]
+        h_diff, y_diff = (a != b for a, b in pairs)
+        d += [jnp.sum(h_diff), jnp.sum(y_diff & ~jnp.any(h_diff, axis=-2)), h.size, y.size]
         d += [jnp.max(jnp.abs(a - b)) for a, b in zip(mixes, mixes2)]
         jax.debug.callback(lambda *e: errors.append(tuple(float(v) for v in e)), *d)
         return h, y, mixes
@@ -121,24 +121,22 @@ def test_fused_mhc_sites_calls_and_logits(monkeypatch):
         return (dh <= 2.0**-7 and dy <= 2.0**-7 and nh <= max(4, 1e-3 * h_size) and ny_unfed <= y_share * y_size
                 and max(mixes) <= 2e-5)
 
-    def same_logits(a, b):
-        """The composed and the plain forwards' logits: equal, or, where one of those ulps crossed an
-        FP8 activation's rounding boundary downstream, within 2e-2 of their scale (a flip moves them by
-        ~1e-2, test_fused_gemv_model). Seen unequal in session 47's runs; exact before."""
-        return np.array_equal(a, b) or float(np.max(np.abs(a - b))) <= 2e-2 * float(np.max(np.abs(b)))
-
     def agree(composed, plain, **kw):
-        """``same_logits``, or on up to 2 fresh draws (:func:`draw_until_logits_agree` at 2e-2): a flip
-        can move the logits by up to 1e-1 of their scale (test_two_pass_attention_model failed CI on
-        one of 3.4e-2 in session 58); the composed and the plain forward both run on each new draw,
-        so nothing runs again unless a draw moved."""
-        if not same_logits(composed, plain):
-            def draw():
-                new_draw()
-                return run(False)[1], run(True, decline=("hc_expand_collapse_mixes",), **kw)[1]
+        """The composed and the plain forwards' logits within 2e-2 of their scale
+        (:func:`draw_until_logits_agree`; equal in most runs, exact before session 47): one of those ulps
+        can cross an FP8 activation's rounding boundary downstream and move them by ~1e-2, up to 1e-1
+        (test_fused_gemv_model; test_two_pass_attention_model failed CI on 3.4e-2 in session 58), so a
+        draw that moved more is followed by up to 2 fresh ones, each running both forwards (nothing runs
+        again unless a draw moved)."""
+        given = [(plain, composed)]
 
-            draw_until_logits_agree(draw, tries=2, rtol=2e-2)
-        return True
+        def pair():
+            if given:
+                return given.pop()
+            new_draw()
+            return run(False)[1], run(True, decline=("hc_expand_collapse_mixes",), **kw)[1]
+
+        draw_until_logits_agree(pair, tries=3, rtol=2e-2)
 
     n = cfg.n_layers
     # fused: every layer's attention expansion (with the FFN site's mixes), and its FFN expansion
@@ -157,7 +155,7 @@ def test_fused_mhc_sites_calls_and_logits(monkeypatch):
     plain_calls, plain = run(False)
     assert plain_calls == {"hc_expand_collapse_mixes": 0, "hc_expand_collapse": 0, "hc_collapse": 2 * n + 1,
                            "hc_expand": 2 * n, "hc_mixes": 2 * n}
-    assert agree(composed, plain)
+    agree(composed, plain)
 
     # 4. DSV41_MHC_FUSED_NORM=on: the next site's RMSNorm inside the fused op. The kernel's y within one
     # bf16 ulp (<= 2**-7 relative) of rms_norm(the unfused collapse) -- the row's sum of squares is
@@ -170,4 +168,4 @@ def test_fused_mhc_sites_calls_and_logits(monkeypatch):
     assert norm_calls == fused_calls and len(errors) == sites and np.all(np.isfinite(normed))
     assert all(ok(e, y_share=1.0) for e in errors), [e for e in errors if not ok(e, y_share=1.0)]
     _, composed_norm = run(True, decline=("hc_expand_collapse_mixes",), fused_norm=True)
-    assert agree(composed_norm, plain, fused_norm=True)
+    agree(composed_norm, plain, fused_norm=True)
